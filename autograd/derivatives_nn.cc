@@ -1,0 +1,106 @@
+// Derivatives of matmul, the fused layers, and indexing ops, written with ops (fused
+// backward ops where speed or memory needs them: gelu, layer_norm, cross_entropy, conv2d).
+#include "autograd/derivatives.h"
+#include "tensor/ops.h"
+
+namespace tessera::autograd {
+namespace {
+
+using Grads = std::vector<Tensor>;
+
+TS_REGISTER_DERIVATIVE(matmul, kIn0 | kIn1, 0, [](const GradCtx& c) {
+  const Tensor &a = c.input(0), &b = c.input(1);
+  return Grads{c.needs(0) ? sum_to(matmul(c.grad(), transpose(b, -1, -2)), c.in_shape(0)) : Tensor(),
+               c.needs(1) ? sum_to(matmul(transpose(a, -1, -2), c.grad()), c.in_shape(1)) : Tensor()};
+});
+
+TS_REGISTER_DERIVATIVE(softmax, 0, kOut0, [](const GradCtx& c) {
+  const Tensor& y = c.output(0);
+  const Tensor gy = c.grad() * y;
+  return Grads{gy - y * sum(gy, {c.attrs.dim}, /*keepdim=*/true)};
+});
+
+TS_REGISTER_DERIVATIVE(log_softmax, 0, kOut0, [](const GradCtx& c) {
+  return Grads{c.grad() - exp(c.output(0)) * sum(c.grad(), {c.attrs.dim}, /*keepdim=*/true)};
+});
+
+TS_REGISTER_DERIVATIVE(layer_norm, kAllInputs, kOut1 | kOut2, [](const GradCtx& c) {
+  return layer_norm_backward(c.grad(0), c.input(0), c.output(1), c.output(2), c.input(1),
+                             c.input(2), c.attrs.normalized_ndim);
+});
+
+TS_REGISTER_DERIVATIVE(cross_entropy, kIn0 | kIn1, kOut1, [](const GradCtx& c) {
+  return Grads{cross_entropy_backward(c.grad(0), c.input(0), c.input(1), c.output(1),
+                                      c.attrs.reduction, c.attrs.ignore_index),
+               Tensor()};
+});
+
+// The mask is a pure function of (seed, offset, index), so the backward redraws it.
+TS_REGISTER_DERIVATIVE(dropout, 0, 0, [](const GradCtx& c) {
+  return Grads{call1(OpId::dropout, {c.grad()}, c.attrs)};
+});
+
+TS_REGISTER_DERIVATIVE(conv2d, kIn0 | kIn1, 0, [](const GradCtx& c) {
+  const Tensor &x = c.input(0), &w = c.input(1);
+  const Attrs& a = c.attrs;
+  return Grads{
+      c.needs(0) ? conv2d_backward_input(c.grad(), w, x.shape(), a.stride, a.padding) : Tensor(),
+      c.needs(1) ? conv2d_backward_weight(c.grad(), x, w.shape(), a.stride, a.padding) : Tensor(),
+      c.needs(2) ? sum(c.grad(), {0, 2, 3}) : Tensor()};
+});
+
+// The gradient goes to each window's argmax: a scatter_add over the flattened planes.
+TS_REGISTER_DERIVATIVE(max_pool2d, 0, kOut1, [](const GradCtx& c) {
+  const Shape& in = c.in_shape(0);
+  const Tensor& idx = c.output(1);
+  const Tensor& g = c.grad(0);
+  const Shape planes = {in[0], in[1], in[2] * in[3]};
+  const Tensor flat = scatter_add(zeros(planes, g.dtype(), g.device()), 2,
+                                  reshape(idx, {in[0], in[1], -1}), reshape(g, {in[0], in[1], -1}));
+  return Grads{reshape(flat, in)};
+});
+
+TS_REGISTER_DERIVATIVE(embedding, kIn1, 0, [](const GradCtx& c) {
+  const Shape& w = c.in_shape(0);
+  const Tensor& g = c.grad();
+  return Grads{index_add(zeros(w, g.dtype(), g.device()), 0, reshape(c.input(1), {-1}),
+                         reshape(g, {-1, w[1]})),
+               Tensor()};
+});
+
+TS_REGISTER_DERIVATIVE(index_select, kIn1, 0, [](const GradCtx& c) {
+  const Tensor& g = c.grad();
+  return Grads{index_add(zeros(c.in_shape(0), g.dtype(), g.device()), c.attrs.dim, c.input(1), g),
+               Tensor()};
+});
+
+TS_REGISTER_DERIVATIVE(index_add, kIn1, 0, [](const GradCtx& c) {
+  return Grads{c.grad(), Tensor(),
+               c.needs(2) ? index_select(c.grad(), c.attrs.dim, c.input(1)) : Tensor()};
+});
+
+TS_REGISTER_DERIVATIVE(gather, kIn1, 0, [](const GradCtx& c) {
+  const Tensor& g = c.grad();
+  return Grads{scatter_add(zeros(c.in_shape(0), g.dtype(), g.device()), c.attrs.dim, c.input(1), g),
+               Tensor()};
+});
+
+TS_REGISTER_DERIVATIVE(scatter_add, kIn1, 0, [](const GradCtx& c) {
+  Tensor gs;
+  if (c.needs(2)) {
+    // src entries beyond the index's extent received nothing: their gradient is zero.
+    gs = gather(c.grad(), c.attrs.dim, c.input(1));
+    const Shape& src = c.in_shape(2);
+    for (size_t d = 0; d < src.size(); ++d) {
+      const int64_t missing = src[d] - gs.shape()[d];
+      if (missing == 0) continue;
+      Shape pad = gs.shape();
+      pad[d] = missing;
+      gs = cat({gs, zeros(pad, gs.dtype(), gs.device())}, static_cast<int64_t>(d));
+    }
+  }
+  return Grads{c.grad(), Tensor(), gs};
+});
+
+}  // namespace
+}  // namespace tessera::autograd

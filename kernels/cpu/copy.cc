@@ -1,0 +1,121 @@
+// CPU copies and fills: copy_ (any dtype pair, broadcasting, any strides), cast, clone,
+// to_device (cpu -> cpu), cat, full, arange.
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/loops.h"
+#include "kernels/cpu/util.h"
+#include "tensor/op.h"
+
+namespace tessera::cpu {
+
+namespace {
+
+template <typename To, typename From>
+To convert(From v) {
+  if constexpr (std::is_same_v<To, bool>) {
+    return static_cast<float>(v) != 0.0f;
+  } else if constexpr (is_low_precision_v<To>) {
+    return To(static_cast<float>(v));
+  } else if constexpr (is_low_precision_v<From>) {
+    return static_cast<To>(static_cast<float>(v));
+  } else {
+    return static_cast<To>(v);
+  }
+}
+
+}  // namespace
+
+void copy_cpu(const Tensor& dst, const Tensor& src) {
+  visit_dtype(dst.dtype(), [&]<typename D>() {
+    visit_dtype(src.dtype(), [&]<typename S>() {
+      for_each_run(operands_for<2>(dst, {src}), [&](const Run<2>& r) {
+        D* o = reinterpret_cast<D*>(r.ptr[0]);
+        const S* a = reinterpret_cast<const S*>(r.ptr[1]);
+        if constexpr (std::is_same_v<D, S>) {
+          if (r.stride[0] == sizeof(D) && r.stride[1] == sizeof(S)) {
+            std::memcpy(o, a, r.n * sizeof(D));
+            return;
+          }
+        }
+        const int64_t so = r.stride[0] / int64_t(sizeof(D)), sa = r.stride[1] / int64_t(sizeof(S));
+        if (so == 1 && sa == 1) {
+          for (int64_t i = 0; i < r.n; ++i) o[i] = convert<D>(a[i]);
+        } else {
+          for (int64_t i = 0; i < r.n; ++i) o[i * so] = convert<D>(a[i * sa]);
+        }
+      });
+    });
+  });
+}
+
+Tensor contiguous_cpu(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device());
+  copy_cpu(out, t);
+  return out;
+}
+
+Tensor to_compute_cpu(const Tensor& t) {
+  if (t.dtype() == DType::f16 || t.dtype() == DType::bf16) {
+    Tensor out = Tensor::empty(t.shape(), DType::f32, t.device());
+    copy_cpu(out, t);
+    return out;
+  }
+  return contiguous_cpu(t);
+}
+
+namespace {
+
+void copy_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  copy_cpu(out[0], in[1]);
+}
+
+// cast, clone and cpu->cpu to_device all copy input 0 into the fresh output.
+void copy_into_output(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  copy_cpu(out[0], in[0]);
+}
+
+void cat_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  const Tensor& o = out[0];
+  const int64_t d = normalize_dim("cat", a.dim, o.dim());
+  int64_t start = 0;
+  for (const Tensor& t : in) {
+    const int64_t len = t.shape()[d];
+    if (len == 0) continue;
+    Strides strides = o.strides();
+    Tensor dst = Tensor::from_storage(o.storage(), t.shape(), strides,
+                                      o.offset() + start * o.strides()[d], o.dtype());
+    copy_cpu(dst, t);
+    start += len;
+  }
+}
+
+void full_kernel(std::span<const Tensor>, std::span<Tensor> out, const Attrs& a) {
+  visit_dtype(out[0].dtype(), [&]<typename T>() {
+    const T v = convert<T>(a.value);
+    T* p = static_cast<T*>(out[0].raw_data());
+    parallel_for(0, out[0].numel(), kElementwiseGrain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) p[i] = v;
+    });
+  });
+}
+
+void arange_kernel(std::span<const Tensor>, std::span<Tensor> out, const Attrs& a) {
+  visit_dtype(out[0].dtype(), [&]<typename T>() {
+    T* p = static_cast<T*>(out[0].raw_data());
+    const int64_t n = out[0].numel();
+    for (int64_t i = 0; i < n; ++i) p[i] = convert<T>(a.range_start + a.range_step * static_cast<double>(i));
+  });
+}
+
+TS_REGISTER_KERNEL(cpu, copy_, copy_kernel);
+TS_REGISTER_KERNEL(cpu, cast, copy_into_output);
+TS_REGISTER_KERNEL(cpu, clone, copy_into_output);
+TS_REGISTER_KERNEL(cpu, to_device, copy_into_output);
+TS_REGISTER_KERNEL(cpu, cat, cat_kernel);
+TS_REGISTER_KERNEL(cpu, full, full_kernel);
+TS_REGISTER_KERNEL(cpu, arange, arange_kernel);
+
+}  // namespace
+}  // namespace tessera::cpu

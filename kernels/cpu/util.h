@@ -1,0 +1,18 @@
+// Small helpers for CPU kernels (no dispatcher, no autograd: kernels call each other's
+// loops directly).
+#pragma once
+
+#include "tensor/tensor.h"
+
+namespace tessera::cpu {
+
+// `t` itself when contiguous, else a contiguous copy made by the copy loop.
+Tensor contiguous_cpu(const Tensor& t);
+
+// Copies src (broadcast to dst's shape, any dtype) into dst (any strides, any dtype).
+void copy_cpu(const Tensor& dst, const Tensor& src);
+
+// A contiguous f32 copy of a 16-bit float tensor (f32/f64 tensors are returned contiguous).
+Tensor to_compute_cpu(const Tensor& t);
+
+}  // namespace tessera::cpu

@@ -1,0 +1,160 @@
+// The op tables and call(): the one path from an op name to a kernel and the graph.
+#include "tensor/grad_mode.h"
+#include "tensor/op.h"
+
+namespace tessera {
+namespace {
+
+constexpr OpInfo kOpInfos[] = {
+#define TS_OP_INFO(name, kind, grad) \
+  OpInfo{OpId::name, #name, OpKind::kind, std::string_view(#grad) == "Diff"},
+    TS_OP_LIST(TS_OP_INFO)
+#undef TS_OP_INFO
+};
+static_assert(std::size(kOpInfos) == kNumOps);
+
+struct Tables {
+  MetaFn meta[kNumOps] = {};
+  ViewFn view[kNumOps] = {};
+  KernelFn kernel[kNumDeviceTypes][kNumOps] = {};
+  GraphRecorder recorder = nullptr;
+};
+
+// Filled during static initialisation (registrars in kernels/, tensor/, autograd/), read-only
+// afterwards, so lookups take no lock.
+Tables& tables() {
+  static Tables* t = new Tables;
+  return *t;
+}
+
+int index_of(OpId op) { return static_cast<int>(op); }
+
+bool any_requires_grad(std::span<const Tensor> inputs) {
+  for (const Tensor& t : inputs) {
+    if (t.defined() && t.requires_grad()) return true;
+  }
+  return false;
+}
+
+void maybe_record(OpId op, std::span<const Tensor> inputs, std::span<Tensor> outputs,
+                  const Attrs& attrs) {
+  GraphRecorder recorder = tables().recorder;
+  if (recorder == nullptr || !GradMode::enabled() || !op_info(op).differentiable) return;
+  if (!any_requires_grad(inputs)) return;
+  recorder(op, inputs, outputs, attrs);
+}
+
+// The device whose kernel table serves this call. Copies between devices are served by the
+// non-CPU side, which knows how to move bytes to and from the host.
+Device dispatch_device(OpId op, std::span<const Tensor> inputs, const Attrs& attrs) {
+  const std::string_view name = op_name(op);
+  if (op_info(op).kind == OpKind::Factory) return attrs.device;
+  if (op == OpId::to_device) return inputs[0].device().is_cpu() ? attrs.device : inputs[0].device();
+  if (op == OpId::copy_) return inputs[0].device().is_cpu() ? inputs[1].device() : inputs[0].device();
+  // 0-d CPU tensors are scalars and may join tensors on any device, as in PyTorch.
+  auto is_scalar = [](const Tensor& t) { return t.dim() == 0 && t.device().is_cpu(); };
+  Device device = inputs[0].device();
+  for (const Tensor& t : inputs) {
+    if (t.defined() && !is_scalar(t)) {
+      device = t.device();
+      break;
+    }
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& t = inputs[i];
+    if (t.defined() && t.device() != device && !is_scalar(t)) {
+      fail("{}: inputs are on different devices ({} and {} for input {}); move them with "
+           ".to() first", name, device, t.device(), i);
+    }
+  }
+  return device;
+}
+
+KernelFn find_kernel(OpId op, Device device) {
+  KernelFn fn = tables().kernel[static_cast<int>(device.type)][index_of(op)];
+  if (fn == nullptr) {
+    fail("{}: no kernel for device {} (is its backend linked in? CUDA needs --config=cuda)",
+         op_name(op), device);
+  }
+  return fn;
+}
+
+}  // namespace
+
+const OpInfo& op_info(OpId op) { return kOpInfos[index_of(op)]; }
+std::span<const OpInfo> all_ops() { return kOpInfos; }
+std::string_view op_name(OpId op) { return kOpInfos[index_of(op)].name; }
+
+void register_meta(OpId op, MetaFn fn) { tables().meta[index_of(op)] = fn; }
+void register_kernel(DeviceType device, OpId op, KernelFn fn) {
+  tables().kernel[static_cast<int>(device)][index_of(op)] = fn;
+}
+void register_view(OpId op, ViewFn fn) { tables().view[index_of(op)] = fn; }
+void set_graph_recorder(GraphRecorder recorder) { tables().recorder = recorder; }
+
+MetaFn meta_fn(OpId op) { return tables().meta[index_of(op)]; }
+KernelFn kernel_fn(DeviceType device, OpId op) {
+  return tables().kernel[static_cast<int>(device)][index_of(op)];
+}
+ViewFn view_fn(OpId op) { return tables().view[index_of(op)]; }
+
+std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs) {
+  const OpInfo& info = op_info(op);
+  if (info.kind != OpKind::Compute && info.kind != OpKind::Factory) {
+    fail("{}: is a {} op and cannot be called through call()", info.name,
+         info.kind == OpKind::View ? "view" : "composite");
+  }
+  if (info.kind == OpKind::Compute && (inputs.empty() || !inputs[0].defined())) {
+    fail("{}: input 0 is an undefined tensor", info.name);
+  }
+  const Device device = dispatch_device(op, inputs, attrs);
+  MetaFn meta = meta_fn(op);
+  if (meta == nullptr) fail("{}: no shape inference registered", info.name);
+  std::vector<TensorSpec> in_specs;
+  in_specs.reserve(inputs.size());
+  for (const Tensor& t : inputs) in_specs.push_back(TensorSpec::of(t));
+  const std::vector<TensorSpec> out_specs = meta(in_specs, attrs);
+  KernelFn kernel = find_kernel(op, device);
+
+  std::vector<Tensor> outputs;
+  outputs.reserve(out_specs.size());
+  for (const TensorSpec& s : out_specs) {
+    outputs.push_back(s.defined ? Tensor::empty(s.shape, s.dtype, s.device) : Tensor());
+  }
+  kernel(inputs, outputs, attrs);
+  maybe_record(op, inputs, outputs, attrs);
+  return outputs;
+}
+
+Tensor call1(OpId op, std::vector<Tensor> inputs, const Attrs& attrs) {
+  return call(op, std::move(inputs), attrs)[0];
+}
+
+Tensor call_view(OpId op, const Tensor& input, const Attrs& attrs) {
+  TS_CHECK(input.defined(), "{}: input is an undefined tensor", op_name(op));
+  ViewFn fn = view_fn(op);
+  if (fn == nullptr) fail("{}: no view function registered", op_name(op));
+  Tensor out = fn(input, attrs);
+  maybe_record(op, std::span<const Tensor>(&input, 1), std::span<Tensor>(&out, 1), attrs);
+  return out;
+}
+
+void call_copy_(const Tensor& dst, const Tensor& src) {
+  TS_CHECK(dst.defined() && src.defined(), "copy_: undefined tensor (dst {}, src {})",
+           dst.defined() ? "defined" : "undefined", src.defined() ? "defined" : "undefined");
+  if (GradMode::enabled() && (src.requires_grad() || dst.requires_grad())) {
+    fail("copy_: not differentiable; called with a tensor that requires grad (dst {}, src {}). "
+         "Use it under NoGradGuard, or clone()/cast() to keep the graph",
+         shape_str(dst.shape()), shape_str(src.shape()));
+  }
+  std::vector<Tensor> inputs = {dst, src};
+  const Device device = dispatch_device(OpId::copy_, inputs, Attrs{});
+  MetaFn meta = meta_fn(OpId::copy_);
+  const std::vector<TensorSpec> specs = {TensorSpec::of(dst), TensorSpec::of(src)};
+  meta(specs, Attrs{});
+  std::vector<Tensor> out = {dst};
+  find_kernel(OpId::copy_, device)(inputs, out, Attrs{});
+  dst.storage()->bump_version();
+}
+
+}  // namespace tessera

@@ -1,0 +1,149 @@
+// Shape inference for elementwise ops and reductions.
+#include "tensor/internal/meta_util.h"
+
+namespace tessera {
+namespace {
+
+using namespace internal;
+
+template <OpId op>
+std::vector<TensorSpec> unary_float(std::span<const TensorSpec> in, const Attrs&) {
+  require_count(op, in, 1);
+  require_float(op, in[0], "input");
+  return {in[0]};
+}
+
+template <OpId op>
+std::vector<TensorSpec> unary_numeric(std::span<const TensorSpec> in, const Attrs&) {
+  require_count(op, in, 1);
+  require_numeric(op, in[0], "input");
+  return {in[0]};
+}
+
+std::vector<TensorSpec> gelu_backward_meta(std::span<const TensorSpec> in, const Attrs&) {
+  constexpr OpId op = OpId::gelu_backward;
+  require_count(op, in, 2);
+  require_float(op, in[1], "input");
+  require_same_dtype(op, in[0], in[1]);
+  TS_CHECK(in[0].shape == in[1].shape, "gelu_backward: grad {} and input {} differ in shape",
+           shape_str(in[0].shape), shape_str(in[1].shape));
+  return {in[1]};
+}
+
+// 0-d CPU tensors (scalars) may join tensors on any device, as in PyTorch.
+Device result_device(std::span<const TensorSpec> in) {
+  for (const TensorSpec& t : in) {
+    if (!t.device.is_cpu()) return t.device;
+  }
+  return in[0].device;
+}
+
+template <OpId op>
+std::vector<TensorSpec> binary(std::span<const TensorSpec> in, const Attrs&) {
+  require_count(op, in, 2);
+  required(op, in, 1, "second operand");
+  require_same_dtype(op, in[0], in[1]);
+  require_numeric(op, in[0], "operands");
+  if constexpr (op == OpId::div) {
+    TS_CHECK(is_floating(in[0].dtype),
+             "div: integer operands ({} {}); cast to a floating dtype first", in[0].dtype,
+             shape_str(in[0].shape));
+  }
+  return {spec(broadcast_shapes(name_of(op), in[0].shape, in[1].shape), in[0].dtype,
+               result_device(in))};
+}
+
+template <OpId op>
+std::vector<TensorSpec> compare(std::span<const TensorSpec> in, const Attrs&) {
+  require_count(op, in, 2);
+  required(op, in, 1, "second operand");
+  require_same_dtype(op, in[0], in[1]);
+  return {spec(broadcast_shapes(name_of(op), in[0].shape, in[1].shape), DType::b8,
+               result_device(in))};
+}
+
+std::vector<TensorSpec> where_meta(std::span<const TensorSpec> in, const Attrs&) {
+  constexpr OpId op = OpId::where;
+  require_count(op, in, 3);
+  required(op, in, 1, "a");
+  required(op, in, 2, "b");
+  TS_CHECK(in[0].dtype == DType::b8, "where: condition must be bool, got {} {}", in[0].dtype,
+           shape_str(in[0].shape));
+  require_same_dtype(op, in[1], in[2]);
+  Shape s = broadcast_shapes("where", in[0].shape, in[1].shape);
+  s = broadcast_shapes("where", s, in[2].shape);
+  return {spec(s, in[1].dtype, result_device(in))};
+}
+
+template <OpId op>
+std::vector<TensorSpec> reduce(std::span<const TensorSpec> in, const Attrs& attrs) {
+  require_count(op, in, 1);
+  const TensorSpec& x = in[0];
+  const auto dims = normalize_dims(name_of(op), attrs.dims, static_cast<int64_t>(x.shape.size()));
+  DType out = x.dtype;
+  if constexpr (op == OpId::sum) {
+    if (x.dtype == DType::b8) out = DType::i64;
+  } else if constexpr (op == OpId::mean || op == OpId::var) {
+    require_float(op, x, "input");
+  } else {
+    require_numeric(op, x, "input");
+  }
+  if constexpr (op == OpId::max) {
+    for (int64_t d : dims) {
+      TS_CHECK(x.shape[d] > 0, "max: cannot reduce over dim {} of size 0 (shape {})", d,
+               shape_str(x.shape));
+    }
+  }
+  return {spec(reduced_shape(x.shape, dims, attrs.keepdim), out, x.device)};
+}
+
+std::vector<TensorSpec> argmax_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
+  constexpr OpId op = OpId::argmax;
+  require_count(op, in, 1);
+  const TensorSpec& x = in[0];
+  require_numeric(op, x, "input");
+  TS_CHECK(numel_of(x.shape) > 0, "argmax: empty input {}", shape_str(x.shape));
+  const int64_t ndim = static_cast<int64_t>(x.shape.size());
+  if (attrs.all_dims) {
+    Shape s = attrs.keepdim ? Shape(ndim, 1) : Shape{};
+    return {spec(s, DType::i64, x.device)};
+  }
+  const int64_t d = normalize_dim("argmax", attrs.dim, ndim);
+  return {spec(reduced_shape(x.shape, ndim == 0 ? std::vector<int64_t>{} : std::vector<int64_t>{d},
+                             attrs.keepdim),
+               DType::i64, x.device)};
+}
+
+TS_REGISTER_META(neg, unary_numeric<OpId::neg>);
+TS_REGISTER_META(exp, unary_float<OpId::exp>);
+TS_REGISTER_META(log, unary_float<OpId::log>);
+TS_REGISTER_META(sqrt, unary_float<OpId::sqrt>);
+TS_REGISTER_META(rsqrt, unary_float<OpId::rsqrt>);
+TS_REGISTER_META(abs, unary_numeric<OpId::abs>);
+TS_REGISTER_META(tanh, unary_float<OpId::tanh>);
+TS_REGISTER_META(sigmoid, unary_float<OpId::sigmoid>);
+TS_REGISTER_META(relu, unary_numeric<OpId::relu>);
+TS_REGISTER_META(gelu, unary_float<OpId::gelu>);
+TS_REGISTER_META(gelu_backward, gelu_backward_meta);
+TS_REGISTER_META(add, binary<OpId::add>);
+TS_REGISTER_META(sub, binary<OpId::sub>);
+TS_REGISTER_META(mul, binary<OpId::mul>);
+TS_REGISTER_META(div, binary<OpId::div>);
+TS_REGISTER_META(pow, binary<OpId::pow>);
+TS_REGISTER_META(maximum, binary<OpId::maximum>);
+TS_REGISTER_META(minimum, binary<OpId::minimum>);
+TS_REGISTER_META(where, where_meta);
+TS_REGISTER_META(eq, compare<OpId::eq>);
+TS_REGISTER_META(ne, compare<OpId::ne>);
+TS_REGISTER_META(lt, compare<OpId::lt>);
+TS_REGISTER_META(le, compare<OpId::le>);
+TS_REGISTER_META(gt, compare<OpId::gt>);
+TS_REGISTER_META(ge, compare<OpId::ge>);
+TS_REGISTER_META(sum, reduce<OpId::sum>);
+TS_REGISTER_META(mean, reduce<OpId::mean>);
+TS_REGISTER_META(max, reduce<OpId::max>);
+TS_REGISTER_META(var, reduce<OpId::var>);
+TS_REGISTER_META(argmax, argmax_meta);
+
+}  // namespace
+}  // namespace tessera

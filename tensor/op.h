@@ -1,0 +1,136 @@
+// Op identities, attributes and the per-layer tables keyed by OpId.
+//
+//   std::vector<Tensor> out = call(OpId::layer_norm, {x, w, b}, attrs);  // y, mean, rstd
+//   register_kernel(DeviceType::cpu, OpId::add, &add_kernel);            // in kernels/cpu
+//
+// call() is the single path every op takes: shape inference (which validates and throws
+// tessera::Error naming the op), output allocation, the device's kernel, and, when grad
+// mode is on and an input requires grad, the autograd hook that records the graph.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "tensor/op_list.h"
+#include "tensor/tensor.h"
+
+namespace tessera {
+
+enum class OpId : uint16_t {
+#define TS_OP_ENUM(name, kind, grad) name,
+  TS_OP_LIST(TS_OP_ENUM)
+#undef TS_OP_ENUM
+};
+
+#define TS_OP_COUNT(name, kind, grad) +1
+inline constexpr int kNumOps = 0 TS_OP_LIST(TS_OP_COUNT);
+#undef TS_OP_COUNT
+
+enum class OpKind : uint8_t { Compute, View, Factory, Composite };
+
+struct OpInfo {
+  OpId id;
+  std::string_view name;
+  OpKind kind;
+  bool differentiable;
+};
+
+const OpInfo& op_info(OpId op);
+std::span<const OpInfo> all_ops();
+std::string_view op_name(OpId op);
+
+enum class Reduction : uint8_t { mean, sum, none };
+
+// Where a locally drawn random tensor sits inside the logical tensor whose element indices
+// key the RNG: element i of the local block uses the counter of its global index. Empty
+// global_shape: the local tensor is the whole logical tensor.
+struct RngView {
+  Shape global_shape;
+  std::vector<int64_t> starts;
+};
+
+// Op attributes. One struct for every op keeps kernels, derivatives and (later) sharding
+// rules to one signature; each op documents the fields it reads in tensor/ops.h.
+struct Attrs {
+  Shape shape;                // view/expand target, factory output shape
+  std::vector<int64_t> dims;  // reduction dims (empty = all), permute order, squeeze dims
+  bool keepdim = false;
+  int64_t dim = 0;            // softmax, log_softmax, cat, argmax, index ops, slice, unsqueeze
+  bool all_dims = false;      // argmax over the flattened tensor
+  int64_t start = 0, end = 0, step = 1;  // slice
+  double value = 0.0;                    // full
+  double range_start = 0.0, range_end = 0.0, range_step = 1.0;  // arange
+  double p = 0.0;                        // dropout probability of zeroing
+  double eps = 1e-5;                     // layer_norm
+  int64_t normalized_ndim = 1;           // layer_norm: trailing dims normalised
+  int64_t correction = 1;                // var (1 = unbiased)
+  bool approximate_tanh = false;         // gelu
+  Reduction reduction = Reduction::mean; // cross_entropy
+  int64_t ignore_index = -100;           // cross_entropy
+  std::array<int64_t, 2> kernel_size{1, 1}, stride{1, 1}, padding{0, 0};  // conv2d, pool
+  uint64_t seed = 0, offset = 0;         // rand, randn, dropout
+  RngView rng_view;                      // rand, randn, dropout
+  DType dtype = DType::f32;              // cast target, factory dtype
+  Device device = kCPU;                  // to_device target, factory device
+};
+
+// Shape inference input/output: what a tensor is, without data.
+struct TensorSpec {
+  Shape shape;
+  DType dtype = DType::f32;
+  Device device = kCPU;
+  bool defined = true;  // false for an absent optional input
+
+  static TensorSpec of(const Tensor& t) {
+    if (!t.defined()) return TensorSpec{{}, DType::f32, kCPU, false};
+    return TensorSpec{t.shape(), t.dtype(), t.device(), true};
+  }
+};
+
+// Validates inputs (throwing Error naming the op) and returns the output specs.
+using MetaFn = std::vector<TensorSpec> (*)(std::span<const TensorSpec> in, const Attrs& attrs);
+// Computes outputs (allocated contiguous by call(), or the destination for copy_).
+using KernelFn = void (*)(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& attrs);
+// Returns a view of `in` (shape/stride/offset arithmetic only; no autograd).
+using ViewFn = Tensor (*)(const Tensor& in, const Attrs& attrs);
+// Installed by autograd/: links outputs into the graph.
+using GraphRecorder = void (*)(OpId op, std::span<const Tensor> in, std::span<Tensor> out,
+                               const Attrs& attrs);
+
+void register_meta(OpId op, MetaFn fn);
+void register_kernel(DeviceType device, OpId op, KernelFn fn);
+void register_view(OpId op, ViewFn fn);
+void set_graph_recorder(GraphRecorder recorder);
+
+MetaFn meta_fn(OpId op);
+KernelFn kernel_fn(DeviceType device, OpId op);
+ViewFn view_fn(OpId op);
+
+// Runs a Compute or Factory op; returns all its outputs.
+std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs = {});
+// The first output only.
+Tensor call1(OpId op, std::vector<Tensor> inputs, const Attrs& attrs = {});
+// Runs a View op: the view plus graph recording.
+Tensor call_view(OpId op, const Tensor& input, const Attrs& attrs);
+// copy_: writes src into dst in place (no graph; Error if that would lose a gradient).
+void call_copy_(const Tensor& dst, const Tensor& src);
+
+}  // namespace tessera
+
+#define TS_CONCAT_INNER(a, b) a##b
+#define TS_CONCAT(a, b) TS_CONCAT_INNER(a, b)
+
+// Static registration from .cc files in libraries built with alwayslink = True.
+#define TS_REGISTER_META(op, fn)                                                        \
+  static const bool TS_CONCAT(ts_meta_registered_, __LINE__) =                          \
+      (::tessera::register_meta(::tessera::OpId::op, fn), true)
+#define TS_REGISTER_KERNEL(device, op, fn)                                              \
+  static const bool TS_CONCAT(ts_kernel_registered_, __LINE__) =                        \
+      (::tessera::register_kernel(::tessera::DeviceType::device, ::tessera::OpId::op, fn), \
+       true)
+#define TS_REGISTER_VIEW(op, fn)                                                        \
+  static const bool TS_CONCAT(ts_view_registered_, __LINE__) =                          \
+      (::tessera::register_view(::tessera::OpId::op, fn), true)

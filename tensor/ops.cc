@@ -1,0 +1,551 @@
+// The op API: thin wrappers that pack attributes and go through call()/call_view().
+#include "tensor/ops.h"
+
+#include <cmath>
+#include <numeric>
+
+#include "tensor/grad_mode.h"
+#include "tensor/internal/views.h"
+
+namespace tessera {
+
+namespace {
+Tensor unary(OpId op, const Tensor& x) { return call1(op, {x}); }
+Tensor binary(OpId op, const Tensor& a, const Tensor& b) { return call1(op, {a, b}); }
+}  // namespace
+
+// ---- elementwise --------------------------------------------------------------------------
+Tensor neg(const Tensor& x) { return unary(OpId::neg, x); }
+Tensor exp(const Tensor& x) { return unary(OpId::exp, x); }
+Tensor log(const Tensor& x) { return unary(OpId::log, x); }
+Tensor sqrt(const Tensor& x) { return unary(OpId::sqrt, x); }
+Tensor rsqrt(const Tensor& x) { return unary(OpId::rsqrt, x); }
+Tensor abs(const Tensor& x) { return unary(OpId::abs, x); }
+Tensor tanh(const Tensor& x) { return unary(OpId::tanh, x); }
+Tensor sigmoid(const Tensor& x) { return unary(OpId::sigmoid, x); }
+Tensor relu(const Tensor& x) { return unary(OpId::relu, x); }
+
+Tensor gelu(const Tensor& x, bool approximate_tanh) {
+  Attrs a;
+  a.approximate_tanh = approximate_tanh;
+  return call1(OpId::gelu, {x}, a);
+}
+
+Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool approximate_tanh) {
+  Attrs a;
+  a.approximate_tanh = approximate_tanh;
+  return call1(OpId::gelu_backward, {grad, x}, a);
+}
+
+Tensor add(const Tensor& a, const Tensor& b) { return binary(OpId::add, a, b); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary(OpId::sub, a, b); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary(OpId::mul, a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary(OpId::div, a, b); }
+Tensor pow(const Tensor& a, const Tensor& b) { return binary(OpId::pow, a, b); }
+Tensor pow(const Tensor& a, double exponent) {
+  return binary(OpId::pow, a, scalar_like(exponent, a, "pow"));
+}
+Tensor maximum(const Tensor& a, const Tensor& b) { return binary(OpId::maximum, a, b); }
+Tensor minimum(const Tensor& a, const Tensor& b) { return binary(OpId::minimum, a, b); }
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  return call1(OpId::where, {cond, a, b});
+}
+Tensor eq(const Tensor& a, const Tensor& b) { return binary(OpId::eq, a, b); }
+Tensor ne(const Tensor& a, const Tensor& b) { return binary(OpId::ne, a, b); }
+Tensor lt(const Tensor& a, const Tensor& b) { return binary(OpId::lt, a, b); }
+Tensor le(const Tensor& a, const Tensor& b) { return binary(OpId::le, a, b); }
+Tensor gt(const Tensor& a, const Tensor& b) { return binary(OpId::gt, a, b); }
+Tensor ge(const Tensor& a, const Tensor& b) { return binary(OpId::ge, a, b); }
+
+Tensor scalar_like(double value, const Tensor& like, const char* op) {
+  TS_CHECK(like.defined(), "{}: tensor operand is undefined", op);
+  const DType dt = like.dtype();
+  if (!is_floating(dt)) {
+    TS_CHECK(std::isfinite(value) && std::trunc(value) == value && dt != DType::b8,
+             "{}: scalar {} does not fit a {} tensor {}; cast the tensor to a floating dtype",
+             op, value, dt, shape_str(like.shape()));
+  }
+  // Scalars live on the CPU as 0-d tensors; kernels on every device accept them (as PyTorch
+  // does), so no device copy is made for a Python-style `x * 2`.
+  Attrs a;
+  a.value = value;
+  a.dtype = dt;
+  a.device = kCPU;
+  return call1(OpId::full, {}, a);
+}
+
+Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+Tensor operator-(const Tensor& a) { return neg(a); }
+Tensor operator+(const Tensor& a, double b) { return add(a, scalar_like(b, a, "add")); }
+Tensor operator-(const Tensor& a, double b) { return sub(a, scalar_like(b, a, "sub")); }
+Tensor operator*(const Tensor& a, double b) { return mul(a, scalar_like(b, a, "mul")); }
+Tensor operator/(const Tensor& a, double b) { return div(a, scalar_like(b, a, "div")); }
+Tensor operator+(double a, const Tensor& b) { return add(scalar_like(a, b, "add"), b); }
+Tensor operator-(double a, const Tensor& b) { return sub(scalar_like(a, b, "sub"), b); }
+Tensor operator*(double a, const Tensor& b) { return mul(scalar_like(a, b, "mul"), b); }
+Tensor operator/(double a, const Tensor& b) { return div(scalar_like(a, b, "div"), b); }
+
+// ---- reductions -------------------------------------------------------------------------
+namespace {
+Tensor reduce(OpId op, const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  Attrs a;
+  a.dims = dims;
+  a.keepdim = keepdim;
+  return call1(op, {x}, a);
+}
+}  // namespace
+
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  return reduce(OpId::sum, x, dims, keepdim);
+}
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  return reduce(OpId::mean, x, dims, keepdim);
+}
+Tensor max(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  return reduce(OpId::max, x, dims, keepdim);
+}
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
+  Attrs a;
+  a.dim = dim;
+  a.keepdim = keepdim;
+  return call1(OpId::argmax, {x}, a);
+}
+Tensor argmax(const Tensor& x) {
+  Attrs a;
+  a.all_dims = true;
+  return call1(OpId::argmax, {x}, a);
+}
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, bool keepdim) {
+  Attrs a;
+  a.dims = dims;
+  a.keepdim = keepdim;
+  a.correction = correction;
+  return call1(OpId::var, {x}, a);
+}
+
+Tensor sum_to(const Tensor& x, const Shape& shape) {
+  if (x.shape() == shape) return x;
+  const int64_t lead = x.dim() - static_cast<int64_t>(shape.size());
+  TS_CHECK(lead >= 0, "sum_to: cannot reduce {} to the larger rank {}", shape_str(x.shape()),
+           shape_str(shape));
+  std::vector<int64_t> dims;
+  for (int64_t i = 0; i < x.dim(); ++i) {
+    if (i < lead || (shape[i - lead] == 1 && x.shape()[i] != 1)) dims.push_back(i);
+    else TS_CHECK(shape[i - lead] == x.shape()[i], "sum_to: {} does not broadcast to {}",
+                  shape_str(shape), shape_str(x.shape()));
+  }
+  if (dims.empty()) return reshape(x, shape);
+  return reshape(sum(x, dims, /*keepdim=*/true), shape);
+}
+
+// ---- linear algebra and fused layers -------------------------------------------------------
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  TS_CHECK(a.defined() && b.defined(), "matmul: undefined operand");
+  TS_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul: operands must have rank >= 1, got {} and {}",
+           shape_str(a.shape()), shape_str(b.shape()));
+  // NumPy rules: a 1-D left operand is a row vector, a 1-D right operand a column vector;
+  // the added dim is removed from the result.
+  const bool vec_a = a.dim() == 1, vec_b = b.dim() == 1;
+  Tensor out = call1(OpId::matmul, {vec_a ? unsqueeze(a, 0) : a, vec_b ? unsqueeze(b, 1) : b});
+  if (vec_b) out = squeeze(out, {-1});
+  if (vec_a) out = squeeze(out, {-2 + (vec_b ? 1 : 0)});
+  return out;
+}
+
+namespace {
+Tensor softmax_like(OpId op, const Tensor& x, int64_t dim) {
+  Attrs a;
+  a.dim = dim;
+  return call1(op, {x}, a);
+}
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t dim) { return softmax_like(OpId::softmax, x, dim); }
+Tensor log_softmax(const Tensor& x, int64_t dim) {
+  return softmax_like(OpId::log_softmax, x, dim);
+}
+
+Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
+                  const Tensor& bias, double eps) {
+  TS_CHECK(x.defined(), "layer_norm: input is undefined");
+  const int64_t nd = static_cast<int64_t>(normalized_shape.size());
+  TS_CHECK(nd >= 1 && nd <= x.dim() &&
+               Shape(x.shape().end() - nd, x.shape().end()) == normalized_shape,
+           "layer_norm: normalized shape {} must be a non-empty suffix of input shape {}",
+           shape_str(normalized_shape), shape_str(x.shape()));
+  Attrs a;
+  a.normalized_ndim = nd;
+  a.eps = eps;
+  return call(OpId::layer_norm, {x, weight, bias}, a)[0];
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction,
+                     int64_t ignore_index) {
+  Attrs a;
+  a.reduction = reduction;
+  a.ignore_index = ignore_index;
+  return call(OpId::cross_entropy, {logits, target}, a)[0];
+}
+
+Tensor dropout(const Tensor& x, double p, bool training, Generator* generator) {
+  TS_CHECK(x.defined(), "dropout: input is undefined");
+  TS_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got {}", p);
+  if (!training || p == 0.0) return x;
+  Generator& gen = generator != nullptr ? *generator : default_generator();
+  Attrs a;
+  a.p = p;
+  a.seed = gen.seed();
+  a.offset = gen.advance(static_cast<uint64_t>(x.numel()));
+  return call1(OpId::dropout, {x}, a);
+}
+
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+              std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
+  Attrs a;
+  a.stride = stride;
+  a.padding = padding;
+  return call1(OpId::conv2d, {x, weight, bias}, a);
+}
+
+Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel_size,
+                  std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
+  Attrs a;
+  a.kernel_size = kernel_size;
+  a.stride = (stride[0] == 0 && stride[1] == 0) ? kernel_size : stride;
+  a.padding = padding;
+  return call(OpId::max_pool2d, {x}, a)[0];
+}
+
+// ---- indexing -------------------------------------------------------------------------------
+Tensor embedding(const Tensor& weight, const Tensor& indices) {
+  return call1(OpId::embedding, {weight, indices});
+}
+
+namespace {
+Tensor indexed(OpId op, std::vector<Tensor> inputs, int64_t dim) {
+  Attrs a;
+  a.dim = dim;
+  return call1(op, std::move(inputs), a);
+}
+}  // namespace
+
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
+  return indexed(OpId::index_select, {x, index}, dim);
+}
+Tensor index_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& source) {
+  return indexed(OpId::index_add, {x, index, source}, dim);
+}
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
+  return indexed(OpId::gather, {x, index}, dim);
+}
+Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src) {
+  return indexed(OpId::scatter_add, {x, index, src}, dim);
+}
+
+// ---- joining and splitting -------------------------------------------------------------
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
+  TS_CHECK(!tensors.empty(), "cat: needs at least one tensor");
+  Attrs a;
+  a.dim = dim;
+  return call1(OpId::cat, tensors, a);
+}
+
+Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
+  TS_CHECK(!tensors.empty(), "stack: needs at least one tensor");
+  TS_CHECK(tensors[0].defined(), "stack: tensor 0 is undefined");
+  const int64_t d = normalize_dim("stack", dim, tensors[0].dim() + 1);
+  std::vector<Tensor> parts;
+  parts.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TS_CHECK(tensors[i].defined() && tensors[i].shape() == tensors[0].shape(),
+             "stack: tensor {} has shape {}, expected {} like tensor 0", i,
+             tensors[i].defined() ? shape_str(tensors[i].shape()) : "undefined",
+             shape_str(tensors[0].shape()));
+    parts.push_back(unsqueeze(tensors[i], d));
+  }
+  return cat(parts, d);
+}
+
+std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim) {
+  TS_CHECK(x.defined() && x.dim() > 0, "split: input must have at least one dim");
+  TS_CHECK(split_size > 0, "split: split_size must be positive, got {}", split_size);
+  const int64_t d = normalize_dim("split", dim, x.dim());
+  std::vector<int64_t> sizes;
+  for (int64_t start = 0; start < x.shape()[d]; start += split_size) {
+    sizes.push_back(std::min(split_size, x.shape()[d] - start));
+  }
+  if (sizes.empty()) sizes.push_back(0);
+  return split(x, sizes, d);
+}
+
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim) {
+  TS_CHECK(x.defined() && x.dim() > 0, "split: input must have at least one dim");
+  const int64_t d = normalize_dim("split", dim, x.dim());
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  TS_CHECK(total == x.shape()[d], "split: sizes [{}] sum to {} but dim {} of {} has {}",
+           fmt::join(sizes, ", "), total, d, shape_str(x.shape()), x.shape()[d]);
+  std::vector<Tensor> out;
+  int64_t start = 0;
+  for (int64_t s : sizes) {
+    TS_CHECK(s >= 0, "split: negative size {} in [{}]", s, fmt::join(sizes, ", "));
+    out.push_back(narrow(x, d, start, s));
+    start += s;
+  }
+  return out;
+}
+
+// ---- copies and conversions -----------------------------------------------------------
+Tensor cast(const Tensor& x, DType dtype) {
+  TS_CHECK(x.defined(), "cast: input is undefined");
+  if (x.dtype() == dtype) return x;
+  Attrs a;
+  a.dtype = dtype;
+  return call1(OpId::cast, {x}, a);
+}
+
+Tensor to(const Tensor& x, Device device) {
+  TS_CHECK(x.defined(), "to: input is undefined");
+  if (x.device() == device) return x;
+  Attrs a;
+  a.device = device;
+  return call1(OpId::to_device, {x}, a);
+}
+
+Tensor clone(const Tensor& x) { return call1(OpId::clone, {x}); }
+void copy_(const Tensor& dst, const Tensor& src) { call_copy_(dst, src); }
+
+// ---- views --------------------------------------------------------------------------------
+Tensor view(const Tensor& x, const Shape& shape) {
+  TS_CHECK(x.defined(), "view: input is undefined");
+  Attrs a;
+  a.shape = internal::infer_view_shape("view", x.shape(), shape);
+  return call_view(OpId::view, x, a);
+}
+
+Tensor reshape(const Tensor& x, const Shape& shape) {
+  TS_CHECK(x.defined(), "reshape: input is undefined");
+  const Shape target = internal::infer_view_shape("reshape", x.shape(), shape);
+  if (internal::view_strides(x.shape(), x.strides(), target)) return view(x, target);
+  return view(clone(x), target);
+}
+
+Tensor permute(const Tensor& x, const std::vector<int64_t>& order) {
+  Attrs a;
+  a.dims = order;
+  return call_view(OpId::permute, x, a);
+}
+
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
+  TS_CHECK(x.defined(), "transpose: input is undefined");
+  std::vector<int64_t> order(x.dim());
+  std::iota(order.begin(), order.end(), 0);
+  std::swap(order[normalize_dim("transpose", d0, x.dim())],
+            order[normalize_dim("transpose", d1, x.dim())]);
+  return permute(x, order);
+}
+
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
+  Attrs a;
+  a.dim = dim;
+  a.start = start;
+  a.end = end;
+  a.step = step;
+  return call_view(OpId::slice, x, a);
+}
+
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
+  TS_CHECK(x.defined() && x.dim() > 0, "narrow: input must have at least one dim");
+  const int64_t d = normalize_dim("narrow", dim, x.dim());
+  const int64_t size = x.shape()[d];
+  if (start < 0) start += size;
+  TS_CHECK(start >= 0 && length >= 0 && start + length <= size,
+           "narrow: [{}, {}) is outside dim {} of size {} (shape {})", start, start + length, d,
+           size, shape_str(x.shape()));
+  return slice(x, d, start, start + length, 1);
+}
+
+Tensor expand(const Tensor& x, const Shape& shape) {
+  Attrs a;
+  a.shape = shape;
+  return call_view(OpId::expand, x, a);
+}
+
+Tensor squeeze(const Tensor& x, const std::vector<int64_t>& dims) {
+  Attrs a;
+  a.dims = dims;
+  return call_view(OpId::squeeze, x, a);
+}
+
+Tensor unsqueeze(const Tensor& x, int64_t dim) {
+  Attrs a;
+  a.dim = dim;
+  return call_view(OpId::unsqueeze, x, a);
+}
+
+Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
+  TS_CHECK(x.defined(), "flatten: input is undefined");
+  if (x.dim() == 0) return reshape(x, {1});
+  const int64_t s = normalize_dim("flatten", start_dim, x.dim());
+  const int64_t e = normalize_dim("flatten", end_dim, x.dim());
+  TS_CHECK(s <= e, "flatten: start_dim {} is after end_dim {}", start_dim, end_dim);
+  Shape shape(x.shape().begin(), x.shape().begin() + s);
+  int64_t n = 1;
+  for (int64_t i = s; i <= e; ++i) n *= x.shape()[i];
+  shape.push_back(n);
+  shape.insert(shape.end(), x.shape().begin() + e + 1, x.shape().end());
+  return reshape(x, shape);
+}
+
+Tensor contiguous(const Tensor& x) {
+  TS_CHECK(x.defined(), "contiguous: input is undefined");
+  return x.is_contiguous() ? x : clone(x);
+}
+
+// ---- factories ----------------------------------------------------------------------------
+Tensor full(const Shape& shape, double value, DType dtype, Device device) {
+  Attrs a;
+  a.shape = shape;
+  a.value = value;
+  a.dtype = dtype;
+  a.device = device;
+  return call1(OpId::full, {}, a);
+}
+Tensor zeros(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 0.0, dtype, device);
+}
+Tensor ones(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 1.0, dtype, device);
+}
+Tensor zeros_like(const Tensor& x) { return zeros(x.shape(), x.dtype(), x.device()); }
+Tensor ones_like(const Tensor& x) { return ones(x.shape(), x.dtype(), x.device()); }
+
+Tensor arange(double start, double end, double step, DType dtype, Device device) {
+  Attrs a;
+  a.range_start = start;
+  a.range_end = end;
+  a.range_step = step;
+  a.dtype = dtype;
+  a.device = device;
+  return call1(OpId::arange, {}, a);
+}
+
+namespace {
+Tensor random(OpId op, const Shape& shape, const RngView& view, uint64_t seed, uint64_t offset,
+              DType dtype, Device device) {
+  Attrs a;
+  a.shape = shape;
+  a.rng_view = view;
+  a.seed = seed;
+  a.offset = offset;
+  a.dtype = dtype;
+  a.device = device;
+  return call1(op, {}, a);
+}
+}  // namespace
+
+Tensor rand(const Shape& shape, DType dtype, Device device, Generator* generator) {
+  Generator& gen = generator != nullptr ? *generator : default_generator();
+  const uint64_t offset = gen.advance(static_cast<uint64_t>(numel_of(shape)));
+  return random(OpId::rand, shape, {}, gen.seed(), offset, dtype, device);
+}
+Tensor randn(const Shape& shape, DType dtype, Device device, Generator* generator) {
+  Generator& gen = generator != nullptr ? *generator : default_generator();
+  const uint64_t offset = gen.advance(static_cast<uint64_t>(numel_of(shape)));
+  return random(OpId::randn, shape, {}, gen.seed(), offset, dtype, device);
+}
+Tensor rand_block(const Shape& shape, const RngView& view, uint64_t seed, uint64_t offset,
+                  DType dtype, Device device) {
+  return random(OpId::rand, shape, view, seed, offset, dtype, device);
+}
+Tensor randn_block(const Shape& shape, const RngView& view, uint64_t seed, uint64_t offset,
+                   DType dtype, Device device) {
+  return random(OpId::randn, shape, view, seed, offset, dtype, device);
+}
+
+// ---- backward helpers ---------------------------------------------------------------------
+std::vector<Tensor> layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& mean,
+                                        const Tensor& rstd, const Tensor& weight,
+                                        const Tensor& bias, int64_t normalized_ndim) {
+  Attrs a;
+  a.normalized_ndim = normalized_ndim;
+  return call(OpId::layer_norm_backward, {grad, x, mean, rstd, weight, bias}, a);
+}
+
+Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,
+                              const Tensor& logsumexp, Reduction reduction,
+                              int64_t ignore_index) {
+  Attrs a;
+  a.reduction = reduction;
+  a.ignore_index = ignore_index;
+  return call1(OpId::cross_entropy_backward, {grad, logits, target, logsumexp}, a);
+}
+
+Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Shape& input_shape,
+                             std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
+  Attrs a;
+  a.shape = input_shape;
+  a.stride = stride;
+  a.padding = padding;
+  return call1(OpId::conv2d_backward_input, {grad, weight}, a);
+}
+
+Tensor conv2d_backward_weight(const Tensor& grad, const Tensor& x, const Shape& weight_shape,
+                              std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
+  Attrs a;
+  a.shape = weight_shape;
+  a.stride = stride;
+  a.padding = padding;
+  return call1(OpId::conv2d_backward_weight, {grad, x}, a);
+}
+
+// ---- Tensor methods -----------------------------------------------------------------------
+Tensor Tensor::reshape(const Shape& shape) const { return tessera::reshape(*this, shape); }
+Tensor Tensor::view(const Shape& shape) const { return tessera::view(*this, shape); }
+Tensor Tensor::permute(const std::vector<int64_t>& order) const {
+  return tessera::permute(*this, order);
+}
+Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  return tessera::transpose(*this, d0, d1);
+}
+Tensor Tensor::t() const {
+  TS_CHECK(dim() == 2, "t: expected a 2-D tensor, got shape {}", shape_str(shape()));
+  return tessera::transpose(*this, 0, 1);
+}
+Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  return tessera::slice(*this, d, start, end, step);
+}
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  return tessera::narrow(*this, d, start, length);
+}
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  const int64_t k = normalize_dim("select", d, dim());
+  if (index < 0) index += shape()[k];
+  TS_CHECK(index >= 0 && index < shape()[k], "select: index {} out of range for dim {} of {}",
+           index, k, shape_str(shape()));
+  return tessera::squeeze(tessera::narrow(*this, k, index, 1), {k});
+}
+Tensor Tensor::expand(const Shape& shape) const { return tessera::expand(*this, shape); }
+Tensor Tensor::squeeze(const std::vector<int64_t>& dims) const {
+  return tessera::squeeze(*this, dims);
+}
+Tensor Tensor::unsqueeze(int64_t d) const { return tessera::unsqueeze(*this, d); }
+Tensor Tensor::flatten(int64_t s, int64_t e) const { return tessera::flatten(*this, s, e); }
+Tensor Tensor::contiguous() const { return tessera::contiguous(*this); }
+Tensor Tensor::clone() const { return tessera::clone(*this); }
+Tensor Tensor::cast(DType dtype) const { return tessera::cast(*this, dtype); }
+Tensor Tensor::to(Device device) const { return tessera::to(*this, device); }
+Tensor& Tensor::copy_(const Tensor& src) {
+  tessera::copy_(*this, src);
+  return *this;
+}
+Tensor Tensor::sum(const std::vector<int64_t>& dims, bool keepdim) const {
+  return tessera::sum(*this, dims, keepdim);
+}
+Tensor Tensor::mean(const std::vector<int64_t>& dims, bool keepdim) const {
+  return tessera::mean(*this, dims, keepdim);
+}
+
+}  // namespace tessera

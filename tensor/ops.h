@@ -1,0 +1,181 @@
+// The op API. Every function here goes through call()/call_view() (tensor/op.h), so it
+// validates its inputs (tessera::Error naming the op and the shapes), runs the device's
+// kernel, and records the autograd graph when an input requires grad.
+//
+//   Tensor x = randn({8, 16}), w = randn({16, 4}).requires_grad_();
+//   Tensor loss = cross_entropy(matmul(x, w), arange(0, 8, 1, DType::i64) % 4);
+//   loss.backward();
+//
+// Binary ops broadcast like NumPy and require equal dtypes (cast explicitly); a double
+// operand takes the tensor's dtype (an integer tensor rejects a fractional scalar).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tensor/op.h"
+#include "tensor/random.h"
+#include "tensor/tensor.h"
+
+namespace tessera {
+
+// ---- elementwise --------------------------------------------------------------------------
+Tensor neg(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+// GELU, exact (erf) or with the tanh approximation.
+Tensor gelu(const Tensor& x, bool approximate_tanh = false);
+// d gelu(x) / dx * grad, fused (the derivative of gelu uses it).
+Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool approximate_tanh = false);
+
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, double exponent);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+// cond ? a : b elementwise; cond is bool; all three broadcast.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+// Comparisons return bool tensors.
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+
+// A 0-d tensor holding `value` in `like`'s dtype, for scalar operands (Error if `like` is
+// integral or bool and value does not convert exactly).
+Tensor scalar_like(double value, const Tensor& like, const char* op);
+
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a);
+Tensor operator+(const Tensor& a, double b);
+Tensor operator-(const Tensor& a, double b);
+Tensor operator*(const Tensor& a, double b);
+Tensor operator/(const Tensor& a, double b);
+Tensor operator+(double a, const Tensor& b);
+Tensor operator-(double a, const Tensor& b);
+Tensor operator*(double a, const Tensor& b);
+Tensor operator/(double a, const Tensor& b);
+
+// ---- reductions (dims empty = all dims) ---------------------------------------------------
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+// Largest value; its gradient is shared evenly between tied maxima.
+Tensor max(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+// Index of the (first) largest value along dim, as i64.
+Tensor argmax(const Tensor& x, int64_t dim, bool keepdim = false);
+// Index into the flattened tensor.
+Tensor argmax(const Tensor& x);
+// Variance with Bessel's correction by default (correction = 1).
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims = {}, int64_t correction = 1,
+           bool keepdim = false);
+// Sums `x` down to `shape` (the inverse of broadcasting `shape` to x's shape).
+Tensor sum_to(const Tensor& x, const Shape& shape);
+
+// ---- linear algebra and fused layers -----------------------------------------------------
+// NumPy matmul: 1-D operands are promoted, batch dims broadcast.
+Tensor matmul(const Tensor& a, const Tensor& b);
+Tensor softmax(const Tensor& x, int64_t dim = -1);
+Tensor log_softmax(const Tensor& x, int64_t dim = -1);
+// Normalises over the trailing dims given by normalized_shape; weight/bias optional.
+Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = Tensor(),
+                  const Tensor& bias = Tensor(), double eps = 1e-5);
+// logits [N, C], target [N] (i64); mean over targets that are not ignore_index.
+Tensor cross_entropy(const Tensor& logits, const Tensor& target,
+                     Reduction reduction = Reduction::mean, int64_t ignore_index = -100);
+// Zeroes each element with probability p and scales the rest by 1/(1-p); identity when
+// !training or p == 0. The mask comes from this thread's generator (see random.h).
+Tensor dropout(const Tensor& x, double p, bool training = true,
+               Generator* generator = nullptr);
+// x [N, C, H, W], weight [O, C, kh, kw], bias [O] optional.
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+              std::array<int64_t, 2> stride = {1, 1}, std::array<int64_t, 2> padding = {0, 0});
+// x [N, C, H, W]; stride defaults to the kernel size; padding counts as -inf.
+Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel_size,
+                  std::array<int64_t, 2> stride = {0, 0}, std::array<int64_t, 2> padding = {0, 0});
+
+// ---- indexing ----------------------------------------------------------------------------
+// Rows of weight [V, D] picked by integer indices of any shape: out [..., D].
+Tensor embedding(const Tensor& weight, const Tensor& indices);
+// Entries of x along dim picked by a 1-D integer index.
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+// x with source's slices added at index along dim (functional; x is not modified).
+Tensor index_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& source);
+// out[i][j] = x[index[i][j]][j] for dim 0 (torch.gather semantics), index shape = out shape.
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+// x with src[i][j] added at x[index[i][j]][j] for dim 0 (functional).
+Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src);
+
+// ---- joining and splitting ---------------------------------------------------------------
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
+Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);
+// Views of consecutive chunks of split_size along dim (the last may be smaller).
+std::vector<Tensor> split(const Tensor& x, int64_t split_size, int64_t dim = 0);
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim = 0);
+
+// ---- copies and conversions --------------------------------------------------------------
+Tensor cast(const Tensor& x, DType dtype);
+Tensor to(const Tensor& x, Device device);
+Tensor clone(const Tensor& x);
+void copy_(const Tensor& dst, const Tensor& src);
+
+// ---- views -------------------------------------------------------------------------------
+Tensor view(const Tensor& x, const Shape& shape);      // one dim may be -1
+Tensor reshape(const Tensor& x, const Shape& shape);   // view when possible, else a copy
+Tensor permute(const Tensor& x, const std::vector<int64_t>& order);
+Tensor transpose(const Tensor& x, int64_t d0, int64_t d1);
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor expand(const Tensor& x, const Shape& shape);    // -1 keeps a dim
+Tensor squeeze(const Tensor& x, const std::vector<int64_t>& dims = {});  // {} = all size-1 dims
+Tensor unsqueeze(const Tensor& x, int64_t dim);
+Tensor flatten(const Tensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
+Tensor contiguous(const Tensor& x);
+
+// ---- factories ---------------------------------------------------------------------------
+Tensor full(const Shape& shape, double value, DType dtype = DType::f32, Device device = kCPU);
+Tensor zeros(const Shape& shape, DType dtype = DType::f32, Device device = kCPU);
+Tensor ones(const Shape& shape, DType dtype = DType::f32, Device device = kCPU);
+Tensor zeros_like(const Tensor& x);
+Tensor ones_like(const Tensor& x);
+// Values start, start + step, ... below end (above, for a negative step).
+Tensor arange(double start, double end, double step = 1.0, DType dtype = DType::f32,
+              Device device = kCPU);
+// Uniform [0, 1) / standard normal, drawn at the generator's (seed, offset).
+Tensor rand(const Shape& shape, DType dtype = DType::f32, Device device = kCPU,
+            Generator* generator = nullptr);
+Tensor randn(const Shape& shape, DType dtype = DType::f32, Device device = kCPU,
+             Generator* generator = nullptr);
+// The block of a logical tensor `view.global_shape` drawn at (seed, offset) that starts at
+// `view.starts` and has `shape`: equal to slicing the full draw (sharded init).
+Tensor rand_block(const Shape& shape, const RngView& view, uint64_t seed, uint64_t offset,
+                  DType dtype = DType::f32, Device device = kCPU);
+Tensor randn_block(const Shape& shape, const RngView& view, uint64_t seed, uint64_t offset,
+                   DType dtype = DType::f32, Device device = kCPU);
+
+// ---- backward helpers (fused; used by derivatives, not differentiable) ---------------------
+// Returns {grad_x, grad_weight, grad_bias}; the latter two undefined when weight/bias were.
+std::vector<Tensor> layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& mean,
+                                        const Tensor& rstd, const Tensor& weight,
+                                        const Tensor& bias, int64_t normalized_ndim);
+Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,
+                              const Tensor& logsumexp, Reduction reduction, int64_t ignore_index);
+Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Shape& input_shape,
+                             std::array<int64_t, 2> stride, std::array<int64_t, 2> padding);
+Tensor conv2d_backward_weight(const Tensor& grad, const Tensor& x, const Shape& weight_shape,
+                              std::array<int64_t, 2> stride, std::array<int64_t, 2> padding);
+
+}  // namespace tessera

@@ -1,0 +1,80 @@
+#include "tensor/shape.h"
+
+#include <algorithm>
+
+#include "tensor/error.h"
+
+namespace tessera {
+
+int64_t numel_of(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+Strides contiguous_strides(const Shape& shape) {
+  Strides strides(shape.size());
+  int64_t s = 1;
+  for (int64_t i = static_cast<int64_t>(shape.size()) - 1; i >= 0; --i) {
+    strides[i] = s;
+    s *= std::max<int64_t>(shape[i], 1);
+  }
+  return strides;
+}
+
+std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+Shape broadcast_shapes(std::string_view op, const Shape& a, const Shape& b) {
+  const size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    if (da == db || db == 1) {
+      out[i] = da;
+    } else if (da == 1) {
+      out[i] = db;
+    } else {
+      fail("{}: shapes {} and {} are not broadcastable (dim {}: {} vs {})", op, shape_str(a),
+           shape_str(b), i, da, db);
+    }
+  }
+  return out;
+}
+
+int64_t normalize_dim(std::string_view op, int64_t dim, int64_t ndim) {
+  const int64_t lo = ndim == 0 ? -1 : -ndim;
+  const int64_t hi = ndim == 0 ? 0 : ndim - 1;
+  if (dim < lo || dim > hi) {
+    fail("{}: dim {} out of range for a {}-d tensor (expected {} to {})", op, dim, ndim, lo, hi);
+  }
+  if (dim < 0) dim += std::max<int64_t>(ndim, 1);
+  return dim;
+}
+
+std::vector<int64_t> normalize_dims(std::string_view op, const std::vector<int64_t>& dims,
+                                    int64_t ndim) {
+  std::vector<int64_t> out;
+  if (dims.empty()) {
+    for (int64_t i = 0; i < ndim; ++i) out.push_back(i);
+    return out;
+  }
+  for (int64_t d : dims) out.push_back(normalize_dim(op, d, ndim));
+  std::sort(out.begin(), out.end());
+  if (std::adjacent_find(out.begin(), out.end()) != out.end()) {
+    fail("{}: dim list [{}] repeats a dim", op, fmt::join(dims, ", "));
+  }
+  return out;
+}
+
+Strides broadcast_strides(const Shape& from_shape, const Strides& from_strides,
+                          const Shape& shape) {
+  Strides out(shape.size(), 0);
+  const size_t lead = shape.size() - from_shape.size();
+  for (size_t i = 0; i < from_shape.size(); ++i) {
+    out[lead + i] = (from_shape[i] == 1 && shape[lead + i] != 1) ? 0 : from_strides[i];
+  }
+  return out;
+}
+
+}  // namespace tessera

@@ -1,0 +1,39 @@
+// Shapes and strides (in elements), broadcasting and dim helpers shared by every layer.
+//
+//   Shape s = broadcast_shapes("add", {2, 1, 4}, {3, 1});   // {2, 3, 4}
+//   Strides st = contiguous_strides(s);                      // {12, 4, 1}
+//   int64_t d = normalize_dim("softmax", -1, 3);              // 2
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fmt/ranges.h>
+
+namespace tessera {
+
+using Shape = std::vector<int64_t>;
+using Strides = std::vector<int64_t>;
+
+int64_t numel_of(const Shape& shape);
+Strides contiguous_strides(const Shape& shape);
+std::string shape_str(const Shape& shape);  // "[2, 3]"
+
+// NumPy broadcasting; throws Error naming `op` and both shapes when incompatible.
+Shape broadcast_shapes(std::string_view op, const Shape& a, const Shape& b);
+
+// Wraps a possibly negative dim into [0, ndim); throws Error naming `op` when out of range.
+int64_t normalize_dim(std::string_view op, int64_t dim, int64_t ndim);
+
+// Normalizes, sorts and de-duplicates a dim list; an empty list means every dim.
+std::vector<int64_t> normalize_dims(std::string_view op, const std::vector<int64_t>& dims,
+                                    int64_t ndim);
+
+// Strides of `shape` viewing an operand of `from_shape`/`from_strides` broadcast to `shape`
+// (0 stride on broadcast dims). Requires from_shape to be broadcastable to shape.
+Strides broadcast_strides(const Shape& from_shape, const Strides& from_strides,
+                          const Shape& shape);
+
+}  // namespace tessera

@@ -1,0 +1,75 @@
+"""One place for Tessera's compiler flags and rule wrappers.
+
+Every BUILD file uses ts_cc_library / ts_cc_test / ts_cc_binary instead of the native rules,
+so warnings, OpenMP and the CUDA switch are decided here once.
+"""
+
+TS_COPTS = [
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+    "-Wno-sign-compare",
+    # GCC 12 reports false positives inside its own AVX-512 intrinsics headers (via Eigen).
+    "-Wno-maybe-uninitialized",
+    "-fopenmp",
+]
+
+TS_LINKOPTS = ["-fopenmp"]
+
+def ts_cc_library(name, copts = [], linkopts = [], **kwargs):
+    native.cc_library(
+        name = name,
+        copts = TS_COPTS + copts,
+        linkopts = TS_LINKOPTS + linkopts,
+        **kwargs
+    )
+
+def ts_cc_binary(name, copts = [], linkopts = [], **kwargs):
+    native.cc_binary(
+        name = name,
+        copts = TS_COPTS + copts,
+        linkopts = TS_LINKOPTS + linkopts,
+        **kwargs
+    )
+
+def ts_cc_test(name, copts = [], linkopts = [], deps = [], **kwargs):
+    """A doctest suite; tests/main.cc provides main()."""
+    native.cc_test(
+        name = name,
+        copts = TS_COPTS + copts,
+        linkopts = TS_LINKOPTS + linkopts,
+        deps = deps + ["//tests:doctest_main"],
+        **kwargs
+    )
+
+def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
+    """Compiles .cu files with nvcc (from @cuda) into objects wrapped in a cc_library.
+
+    Bazel 4 has no CUDA rules, so each .cu becomes a genrule producing a position-independent
+    object, which cc_library accepts as a source. Include paths: the workspace root and the
+    CUDA headers; headers of `hdrs` and `deps` must be reachable from the workspace root.
+    """
+    objs = []
+    for src in srcs:
+        base = src.replace(".cu", "")
+        out = "_cuda_objs/%s/%s.pic.o" % (name, base)
+        native.genrule(
+            name = "%s_%s_nvcc" % (name, base.replace("/", "_")),
+            srcs = [src] + hdrs + native.glob(["**/*.h"]),
+            outs = [out],
+            tools = ["@cuda//:nvcc"],
+            cmd = ("$(location @cuda//:nvcc) -c -std=c++20 -O3 --expt-relaxed-constexpr " +
+                   "-Xcompiler -fPIC -I. -I$(GENDIR) " +
+                   "-gencode arch=compute_90,code=sm_90 " +
+                   "-gencode arch=compute_90,code=compute_90 " +
+                   " ".join(nvcc_flags) +
+                   " $(location %s) -o $@" % src),
+        )
+        objs.append(out)
+    native.cc_library(
+        name = name,
+        srcs = objs,
+        hdrs = hdrs,
+        deps = deps + ["@cuda//:cudart"],
+        **kwargs
+    )
