@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tensor/grad_mode.h"
 #include "tensor/op.h"
 #include "tensor/random.h"
 #include "tensor/tensor.h"

@@ -42,7 +42,7 @@ def ts_cc_test(name, copts = [], linkopts = [], deps = [], **kwargs):
         **kwargs
     )
 
-def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
+def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], tags = [], **kwargs):
     """Compiles .cu files with nvcc (from @cuda) into objects wrapped in a cc_library.
 
     Bazel 4 has no CUDA rules, so each .cu becomes a genrule producing a position-independent
@@ -55,9 +55,10 @@ def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs)
         out = "_cuda_objs/%s/%s.pic.o" % (name, base)
         native.genrule(
             name = "%s_%s_nvcc" % (name, base.replace("/", "_")),
-            srcs = [src] + hdrs + native.glob(["**/*.h"]),
+            srcs = [src] + hdrs,
             outs = [out],
             tools = ["@cuda//:nvcc"],
+            tags = tags,
             cmd = ("$(location @cuda//:nvcc) -c -std=c++20 -O3 --expt-relaxed-constexpr " +
                    "-Xcompiler -fPIC -I. -I$(GENDIR) " +
                    "-gencode arch=compute_90,code=sm_90 " +
@@ -71,5 +72,6 @@ def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs)
         srcs = objs,
         hdrs = hdrs,
         deps = deps + ["@cuda//:cudart"],
+        tags = tags,
         **kwargs
     )

@@ -1,0 +1,195 @@
+// Tensor core: dtypes and their conversions, storage sharing, views without copies,
+// reshape/contiguous copying only when needed, broadcasting, host transfers.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "tensor/ops.h"
+
+using namespace tessera;
+
+TEST_CASE("f16 conversion rounds to nearest even, keeps subnormals, saturates to inf") {
+  // Exactly representable values round-trip.
+  for (float v : {0.0f, 1.0f, -2.5f, 65504.0f, 6.103515625e-05f /* min normal */,
+                  5.960464477539063e-08f /* min subnormal */}) {
+    CHECK(static_cast<float>(Half(v)) == v);
+  }
+  // 1 + 2^-11 lies halfway between 1 and 1 + 2^-10: ties go to the even mantissa (1.0).
+  CHECK(Half(1.0f + std::ldexp(1.0f, -11)).bits == Half(1.0f).bits);
+  // 1 + 3 * 2^-11 is halfway between 1 + 2^-10 (odd) and 1 + 2^-9 (even): rounds up.
+  CHECK(static_cast<float>(Half(1.0f + 3 * std::ldexp(1.0f, -11))) == 1.0f + std::ldexp(1.0f, -9));
+  // Just above the tie rounds up.
+  CHECK(static_cast<float>(Half(1.0f + std::ldexp(1.0f, -11) + std::ldexp(1.0f, -20))) ==
+        1.0f + std::ldexp(1.0f, -10));
+  CHECK(std::isinf(static_cast<float>(Half(65520.0f))));   // rounds past the max
+  CHECK(static_cast<float>(Half(65519.0f)) == 65504.0f);   // rounds down to the max
+  CHECK(std::isnan(static_cast<float>(Half(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(static_cast<float>(Half(1e-8f)) == 0.0f);          // below half the min subnormal
+  CHECK(static_cast<float>(Half(3e-8f)) == 5.960464477539063e-08f);  // rounds up to it
+  CHECK(std::signbit(static_cast<float>(Half(-0.0f))));
+}
+
+TEST_CASE("bf16 conversion rounds to nearest even") {
+  CHECK(static_cast<float>(BFloat16(1.0f)) == 1.0f);
+  // bf16 keeps 7 mantissa bits: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 -> 1 (even).
+  CHECK(static_cast<float>(BFloat16(1.0f + std::ldexp(1.0f, -8))) == 1.0f);
+  // 1 + 3 * 2^-8 is a tie between 1 + 2^-7 (odd) and 1 + 2^-6 (even) -> up.
+  CHECK(static_cast<float>(BFloat16(1.0f + 3 * std::ldexp(1.0f, -8))) == 1.0f + std::ldexp(1.0f, -6));
+  CHECK(std::isnan(static_cast<float>(BFloat16(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isinf(static_cast<float>(BFloat16(std::numeric_limits<float>::infinity()))));
+  // Near the top of the range the spacing is 2^120: 3e38 / 2^120 = 225.7 rounds to 226.
+  CHECK(static_cast<float>(BFloat16(3.0e38f)) == std::ldexp(226.0f, 120));
+}
+
+TEST_CASE("every dtype round-trips through a tensor and casts") {
+  const std::vector<double> values = {0, 1, -2, 3, 100, -7};
+  for (DType dt : kAllDTypes) {
+    if (dt == DType::b8) continue;
+    Tensor t = cast(Tensor::from_vector<double>(values, {2, 3}), dt);
+    CHECK(t.dtype() == dt);
+    CHECK(t.nbytes() == 6 * dtype_size(dt));
+    CHECK(t.to_vector<double>() == values);
+  }
+  Tensor b = cast(Tensor::from_vector<double>({0, 2, -1, 0}, {4}), DType::b8);
+  CHECK(b.to_vector<bool>() == std::vector<bool>{false, true, true, false});
+  CHECK(cast(b, DType::f32).to_vector<float>() == std::vector<float>{0, 1, 1, 0});
+  // Float to int truncates toward zero, as in C and PyTorch.
+  CHECK(cast(Tensor::from_vector<float>({2.7f, -2.7f}, {2}), DType::i32).to_vector<int32_t>() ==
+        std::vector<int32_t>{2, -2});
+}
+
+TEST_CASE("dtype names parse and print") {
+  CHECK(dtype_from_name("bf16") == DType::bf16);
+  CHECK(dtype_from_name("float32") == DType::f32);
+  CHECK(fmt::format("{}", DType::b8) == "bool");
+  CHECK_THROWS_AS(dtype_from_name("f8"), Error);
+  CHECK(Device::parse("cuda:3") == cuda(3));
+  CHECK(Device::parse("cpu") == kCPU);
+  CHECK_THROWS_AS(Device::parse("tpu"), Error);
+  CHECK_THROWS_AS(Device::parse("cuda:x"), Error);
+}
+
+TEST_CASE("views share storage and never copy") {
+  Tensor x = arange(0, 24).reshape({2, 3, 4});
+  CHECK(x.is_contiguous());
+  Tensor t = x.transpose(0, 2);  // [4, 3, 2]
+  CHECK(t.shape() == Shape{4, 3, 2});
+  CHECK(t.strides() == Strides{1, 4, 12});
+  CHECK(t.storage() == x.storage());
+  CHECK(!t.is_contiguous());
+  CHECK(t.to_vector<float>()[1] == 12.0f);  // t[0][0][1] = x[1][0][0]
+
+  Tensor s = x.slice(2, 1, 4, 2);  // columns 1 and 3
+  CHECK(s.shape() == Shape{2, 3, 2});
+  CHECK(s.offset() == 1);
+  CHECK(s.storage() == x.storage());
+  CHECK(s.to_vector<float>() == std::vector<float>{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23});
+  CHECK(x.slice(1, -2, 100).shape() == Shape{2, 2, 4});  // Python-style clamping
+
+  Tensor n = x.narrow(1, 1, 2);
+  CHECK(n.shape() == Shape{2, 2, 4});
+  CHECK(n.offset() == 4);
+
+  Tensor e = Tensor::from_vector<float>({1, 2, 3}, {3, 1}).expand({2, 3, 4});
+  CHECK(e.strides() == Strides{0, 1, 0});
+  CHECK(e.to_vector<float>()[4] == 2.0f);
+
+  Tensor u = x.unsqueeze(1);
+  CHECK(u.shape() == Shape{2, 1, 3, 4});
+  CHECK(u.squeeze().shape() == Shape{2, 3, 4});
+  CHECK(x.unsqueeze(-1).shape() == Shape{2, 3, 4, 1});
+  CHECK(x.select(1, 2).shape() == Shape{2, 4});
+  CHECK(x.select(1, 2).to_vector<float>()[0] == 8.0f);
+  CHECK(x.permute({2, 0, 1}).shape() == Shape{4, 2, 3});
+}
+
+TEST_CASE("reshape views when strides allow and copies otherwise") {
+  Tensor x = arange(0, 12).reshape({3, 4});
+  Tensor v = x.reshape({2, 6});
+  CHECK(v.storage() == x.storage());
+  CHECK(x.reshape({-1}).shape() == Shape{12});
+  Tensor t = x.t();                // [4, 3], not viewable as [12] in order
+  Tensor r = t.reshape({12});
+  CHECK(r.storage() != x.storage());
+  CHECK(r.to_vector<float>() == std::vector<float>{0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11});
+  CHECK_THROWS_AS(t.view({12}), Error);
+  // Splitting a transposed dim is still a view.
+  Tensor split = t.view({2, 2, 3});
+  CHECK(split.storage() == x.storage());
+  CHECK(t.contiguous().is_contiguous());
+  CHECK(x.contiguous().is_same(x));
+  CHECK(x.flatten().shape() == Shape{12});
+  CHECK(arange(0, 24).reshape({2, 3, 4}).flatten(1).shape() == Shape{2, 12});
+}
+
+TEST_CASE("NumPy broadcasting") {
+  CHECK(broadcast_shapes("t", {2, 1, 4}, {3, 1}) == Shape{2, 3, 4});
+  CHECK(broadcast_shapes("t", {}, {5}) == Shape{5});
+  CHECK(broadcast_shapes("t", {0, 1}, {1, 3}) == Shape{0, 3});
+  Tensor a = Tensor::from_vector<float>({1, 2}, {2, 1});
+  Tensor b = Tensor::from_vector<float>({10, 20, 30}, {3});
+  CHECK((a + b).to_vector<float>() == std::vector<float>{11, 21, 31, 12, 22, 32});
+  CHECK((2.0 * b - 1.0).to_vector<float>() == std::vector<float>{19, 39, 59});
+  CHECK((b / 10.0).to_vector<float>() == std::vector<float>{1, 2, 3});
+}
+
+TEST_CASE("copy_ writes in place with broadcasting and casting") {
+  Tensor dst = zeros({2, 3}, DType::f64);
+  Tensor view = dst.slice(1, 1, 3);  // writes through to dst
+  view.copy_(Tensor::from_vector<int32_t>({7, 8}, {2}));
+  CHECK(dst.to_vector<double>() == std::vector<double>{0, 7, 8, 0, 7, 8});
+  const uint64_t v0 = dst.storage()->version();
+  dst.copy_(ones({3}, DType::f32));
+  CHECK(dst.storage()->version() == v0 + 1);
+  CHECK(dst.to_vector<double>() == std::vector<double>(6, 1.0));
+}
+
+TEST_CASE("clone and cast copy; item reads one element") {
+  Tensor x = arange(0, 4);
+  Tensor c = x.clone();
+  CHECK(c.storage() != x.storage());
+  CHECK(cast(x, DType::f32).is_same(x));  // no-op cast returns the tensor itself
+  CHECK(x.sum().item<float>() == 6.0f);
+  CHECK_THROWS_AS(x.item<float>(), Error);
+  CHECK(full({2, 2}, 3.5, DType::bf16).to_vector<float>() == std::vector<float>(4, 3.5f));
+  CHECK(arange(5, 0, -2, DType::i64).to_vector<int64_t>() == std::vector<int64_t>{5, 3, 1});
+  CHECK(arange(0, 1, 0.25).numel() == 4);
+  CHECK(zeros_like(x).to_vector<float>() == std::vector<float>(4, 0.0f));
+}
+
+TEST_CASE("zero-size and zero-dim tensors") {
+  Tensor e = zeros({0, 3});
+  CHECK(e.numel() == 0);
+  CHECK(sum(e, {0}).to_vector<float>() == std::vector<float>{0, 0, 0});
+  CHECK((e + 1.0).shape() == Shape{0, 3});
+  Tensor s = full({}, 2.0);
+  CHECK(s.dim() == 0);
+  CHECK((s * s).item<float>() == 4.0f);
+  CHECK(s.reshape({1, 1}).shape() == Shape{1, 1});
+}
+
+TEST_CASE("allocator and memory scopes count live bytes") {
+  Allocator& a = allocator_for(kCPU);
+  const int64_t before = a.stats().allocated_bytes;
+  MemoryTracker tracker;
+  {
+    Tensor t;
+    {
+      MemoryScope scope(&tracker);
+      t = Tensor::empty({1000}, DType::f64);
+    }
+    Tensor outside = Tensor::empty({10}, DType::f32);  // not charged to the tracker
+    CHECK(tracker.current() == 8000);
+    CHECK(a.stats().allocated_bytes - before == 8040);
+  }
+  CHECK(tracker.current() == 0);
+  CHECK(tracker.peak() == 8000);
+  CHECK(a.stats().allocated_bytes == before);
+}
+
+TEST_CASE("a device without a linked backend (or without hardware) is a clear error") {
+  // Without --config=cuda no CUDA allocator is registered; with it but no GPU, the backend
+  // reports that no device is visible. Either way: tessera::Error, never a crash.
+  CHECK_THROWS_AS(Tensor::empty({2}, DType::f32, cuda(7)), Error);
+}
