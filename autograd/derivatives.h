@@ -38,6 +38,9 @@ struct Derivative {
   DerivativeFn fn = nullptr;
   uint32_t save_inputs = 0;   // bit i: ctx.input(i) is read
   uint32_t save_outputs = 0;  // bit i: ctx.output(i) is read
+  // bit i: output i carries gradients. Auxiliary outputs that only feed the backward
+  // (layer_norm's mean/rstd, cross_entropy's logsumexp) are left out of the graph.
+  uint32_t differentiable_outputs = ~0u;
 };
 
 inline constexpr uint32_t kIn0 = 1u << 0, kIn1 = 1u << 1, kIn2 = 1u << 2, kIn3 = 1u << 3,
@@ -51,8 +54,11 @@ const Derivative* derivative_for(OpId op);  // null if none is registered
 
 // The function comes last (variadic) so commas inside a lambda body need no parentheses.
 #define TS_REGISTER_DERIVATIVE(op, save_inputs, save_outputs, ...)                           \
+  TS_REGISTER_DERIVATIVE_OUTPUTS(op, save_inputs, save_outputs, ~0u, __VA_ARGS__)
+// As above, for ops with auxiliary outputs: only outputs in `diff_outputs` get a grad_fn.
+#define TS_REGISTER_DERIVATIVE_OUTPUTS(op, save_inputs, save_outputs, diff_outputs, ...)     \
   static const bool TS_CONCAT(ts_derivative_registered_, __LINE__) =                         \
       (::tessera::autograd::register_derivative(                                             \
-           ::tessera::OpId::op,                                                              \
-           ::tessera::autograd::Derivative{__VA_ARGS__, save_inputs, save_outputs}),         \
+           ::tessera::OpId::op, ::tessera::autograd::Derivative{                             \
+                                    __VA_ARGS__, save_inputs, save_outputs, diff_outputs}),  \
        true)

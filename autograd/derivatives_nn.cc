@@ -24,12 +24,12 @@ TS_REGISTER_DERIVATIVE(log_softmax, 0, kOut0, [](const GradCtx& c) {
   return Grads{c.grad() - exp(c.output(0)) * sum(c.grad(), {c.attrs.dim}, /*keepdim=*/true)};
 });
 
-TS_REGISTER_DERIVATIVE(layer_norm, kAllInputs, kOut1 | kOut2, [](const GradCtx& c) {
+TS_REGISTER_DERIVATIVE_OUTPUTS(layer_norm, kAllInputs, kOut1 | kOut2, kOut0, [](const GradCtx& c) {
   return layer_norm_backward(c.grad(0), c.input(0), c.output(1), c.output(2), c.input(1),
                              c.input(2), c.attrs.normalized_ndim);
 });
 
-TS_REGISTER_DERIVATIVE(cross_entropy, kIn0 | kIn1, kOut1, [](const GradCtx& c) {
+TS_REGISTER_DERIVATIVE_OUTPUTS(cross_entropy, kIn0 | kIn1, kOut1, kOut0, [](const GradCtx& c) {
   return Grads{cross_entropy_backward(c.grad(0), c.input(0), c.input(1), c.output(1),
                                       c.attrs.reduction, c.attrs.ignore_index),
                Tensor()};

@@ -98,13 +98,7 @@ std::vector<Tensor> run_backward(const std::vector<Tensor>& roots,
     std::vector<Tensor> in = std::move(buffers[node]);
     buffers.erase(node);
     in.resize(node->num_outputs());
-    for (uint32_t nr = 0; nr < node->num_outputs(); ++nr) {
-      for (const GradHook& hook : node->output_hooks(nr)) {
-        if (!in[nr].defined()) continue;
-        Tensor r = hook(in[nr]);
-        if (r.defined()) in[nr] = std::move(r);
-      }
-    }
+    node->run_pre_hooks(in);
     const bool is_leaf = dynamic_cast<AccumulateGrad*>(node) != nullptr;
     bool skip = is_leaf && !accumulate;
     if (auto it = capture_at.find(node); it != capture_at.end()) {

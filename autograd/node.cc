@@ -29,18 +29,35 @@ Tensor SavedTensor::unpack(std::string_view op) const {
   return data_;
 }
 
+void Node::run_pre_hooks(std::vector<Tensor>& grads) const {
+  for (uint32_t nr = 0; nr < grads.size() && nr < output_hooks_.size(); ++nr) {
+    for (const GradHook& hook : output_hooks_[nr]) {
+      if (!grads[nr].defined()) continue;
+      Tensor r = hook(grads[nr]);
+      if (r.defined()) grads[nr] = std::move(r);
+    }
+  }
+}
+
 AccumulateGrad::AccumulateGrad(Tensor variable) : variable_(std::move(variable)) {
   set_num_outputs(1);
+}
+
+void AccumulateGrad::run_pre_hooks(std::vector<Tensor>& grads) const {
+  Node::run_pre_hooks(grads);
+  const AutogradMeta* meta = variable_.autograd_meta();
+  if (meta == nullptr || grads.empty()) return;
+  for (const GradHook& hook : meta->hooks) {
+    if (!grads[0].defined()) break;
+    Tensor r = hook(grads[0]);
+    if (r.defined()) grads[0] = std::move(r);
+  }
 }
 
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
   Tensor g = std::move(grads[0]);
   if (!g.defined()) return {};
   AutogradMeta& meta = variable_.ensure_autograd_meta();
-  for (const GradHook& hook : meta.hooks) {
-    Tensor r = hook(g);
-    if (r.defined()) g = std::move(r);
-  }
   NoGradGuard no_grad;
   if (meta.grad.defined()) {
     meta.grad = meta.grad + g;

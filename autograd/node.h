@@ -47,6 +47,9 @@ class Node : public std::enable_shared_from_this<Node> {
   // Hooks on the gradient of output `nr` (Tensor::register_hook on a non-leaf).
   void add_output_hook(uint32_t nr, GradHook hook) { output_hooks_.at(nr).push_back(std::move(hook)); }
   const std::vector<GradHook>& output_hooks(uint32_t nr) const { return output_hooks_.at(nr); }
+  // Runs the hooks on the gradients arriving for each output (the engine calls this before
+  // apply(), and before handing a captured gradient back from autograd::grad).
+  virtual void run_pre_hooks(std::vector<Tensor>& grads) const;
 
  private:
   std::vector<Edge> next_edges_;
@@ -77,6 +80,8 @@ class AccumulateGrad final : public Node {
   explicit AccumulateGrad(Tensor variable);
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
   std::string name() const override { return "AccumulateGrad"; }
+  // Also runs the hooks registered on the leaf itself (Tensor::register_hook).
+  void run_pre_hooks(std::vector<Tensor>& grads) const override;
   const Tensor& variable() const { return variable_; }
 
  private:

@@ -10,7 +10,7 @@ class OpNode final : public Node {
  public:
   OpNode(OpId op, const Attrs& attrs, const Derivative& d, std::span<const Tensor> in,
          std::span<const Tensor> out)
-      : op_(op), attrs_(attrs), derivative_(d.fn) {
+      : op_(op), attrs_(attrs), derivative_(d.fn), differentiable_outputs_(d.differentiable_outputs) {
     auto& edges = mutable_next_edges();
     edges.reserve(in.size());
     for (size_t i = 0; i < in.size(); ++i) {
@@ -41,10 +41,11 @@ class OpNode final : public Node {
     bool any = false;
     for (const Tensor& g : grads) any = any || g.defined();
     if (!any) return std::vector<Tensor>(next_edges().size());
-    // Multi-output ops: a missing gradient for a floating output is zero.
+    // Multi-output ops: a missing gradient for a differentiable output is zero.
     for (size_t i = 0; i < grads.size(); ++i) {
       const TensorSpec& s = out_specs_[i];
-      if (!grads[i].defined() && s.defined && is_floating(s.dtype)) {
+      const bool differentiable = i >= 32 || (differentiable_outputs_ >> i & 1u);
+      if (!grads[i].defined() && s.defined && is_floating(s.dtype) && differentiable) {
         grads[i] = zeros(s.shape, s.dtype, s.device);
       }
     }
@@ -84,6 +85,7 @@ class OpNode final : public Node {
   OpId op_;
   Attrs attrs_;
   DerivativeFn derivative_;
+  uint32_t differentiable_outputs_;
   std::vector<TensorSpec> in_specs_, out_specs_;
   std::vector<SavedTensor> saved_inputs_, saved_outputs_;
   bool saves_any_ = false;
@@ -96,6 +98,7 @@ void record_op(OpId op, std::span<const Tensor> in, std::span<Tensor> out, const
   auto node = std::make_shared<OpNode>(op, attrs, *d, in, out);
   for (size_t k = 0; k < out.size(); ++k) {
     if (!out[k].defined() || !is_floating(out[k].dtype())) continue;
+    if (k < 32 && !(d->differentiable_outputs >> k & 1u)) continue;
     AutogradMeta& meta = out[k].ensure_autograd_meta();
     meta.grad_fn = node;
     meta.output_nr = static_cast<uint32_t>(k);

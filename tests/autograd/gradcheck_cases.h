@@ -1,0 +1,168 @@
+// The gradcheck case table shared by gradcheck_test.cc: inputs with a chosen memory layout
+// (Maker) and, per differentiable op, the cases to check (Table, keyed by OpId).
+//
+//   Table t;
+//   add_elementwise_cases(t);                       // gradcheck_cases_elementwise.cc
+//   for (const Case& c : t.at(OpId::exp).make(mk)) autograd::gradcheck(c.fn, c.inputs);
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+
+namespace tessera::gradcheck_cases {
+
+using autograd::GradcheckFn;
+using autograd::GradcheckOptions;
+using Tensors = std::vector<Tensor>;
+
+enum class Layout { contiguous, broadcast, noncontiguous };
+
+inline const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::contiguous: return "contiguous";
+    case Layout::broadcast: return "broadcast";
+    case Layout::noncontiguous: return "non-contiguous";
+  }
+  return "?";
+}
+
+struct Case {
+  Layout layout;
+  std::string label;
+  Tensors inputs;
+  GradcheckFn fn;
+  GradcheckOptions options{};
+};
+using CaseList = std::vector<Case>;
+
+// How a leaf's elements sit in memory.
+enum class Memory {
+  contiguous,
+  transposed,  // last two dims swapped in storage
+  permuted,    // all dims reversed in storage
+  strided,     // every other element of a longer last dim; the gaps hold NaN
+};
+
+// Deterministic inputs. Values are given in logical (row-major) order and then written
+// through the requested memory layout into a fresh f64 leaf.
+class Maker {
+ public:
+  explicit Maker(uint64_t seed) : gen_(seed) {}
+
+  Tensor normal(const Shape& s, Memory m = Memory::contiguous) {
+    return leaf(s, draw_normal(numel_of(s)), m);
+  }
+  // In [0.5, 1.5): the domain of log, sqrt, rsqrt and pow's base.
+  Tensor positive(const Shape& s, Memory m = Memory::contiguous) {
+    std::vector<double> v = rand({numel_of(s)}, DType::f64, kCPU, &gen_).to_vector<double>();
+    for (double& x : v) x += 0.5;
+    return leaf(s, v, m);
+  }
+  // |x| >= 0.25: away from the kinks of abs and relu, and safe as a divisor.
+  Tensor nonzero(const Shape& s, Memory m = Memory::contiguous) {
+    std::vector<double> v = draw_normal(numel_of(s));
+    for (double& x : v) x = std::copysign(0.25 + std::abs(x), x);
+    return leaf(s, v, m);
+  }
+  // Distinct values on a shuffled grid of step 1/32 (parity 0: even points, 1: odd points),
+  // so no two values of one tensor, nor of a parity-0 and a parity-1 tensor, are within
+  // 1/32 of each other: no ties for max, maximum, minimum, max_pool2d; never 0 either.
+  Tensor distinct(const Shape& s, int parity, Memory m = Memory::contiguous) {
+    const int64_t n = numel_of(s);
+    std::vector<int64_t> perm(n);
+    for (int64_t i = 0; i < n; ++i) perm[i] = i;
+    const std::vector<double> u = rand({n}, DType::f64, kCPU, &gen_).to_vector<double>();
+    for (int64_t i = n - 1; i > 0; --i) {
+      std::swap(perm[i], perm[static_cast<int64_t>(u[i] * static_cast<double>(i + 1))]);
+    }
+    std::vector<double> v(n);
+    for (int64_t i = 0; i < n; ++i) {
+      v[i] = (static_cast<double>(2 * perm[i] + parity - n) + 0.25) / 32.0;
+    }
+    return leaf(s, v, m);
+  }
+  // Multiples of 1/64 in [-2, 2]: exact in f32, and so is x +- 2^-12 (see the cast case).
+  Tensor dyadic(const Shape& s, Memory m = Memory::contiguous) {
+    std::vector<double> v = rand({numel_of(s)}, DType::f64, kCPU, &gen_).to_vector<double>();
+    for (double& x : v) x = std::round(x * 256.0 - 128.0) / 64.0;
+    return leaf(s, v, m);
+  }
+
+  static Tensor leaf(const Shape& shape, const std::vector<double>& values, Memory m,
+                     bool requires_grad = true) {
+    NoGradGuard no_grad;
+    Tensor view;
+    const int64_t nd = static_cast<int64_t>(shape.size());
+    switch (m) {
+      case Memory::contiguous: view = Tensor::empty(shape, DType::f64); break;
+      case Memory::transposed: {
+        REQUIRE(nd >= 2);
+        Shape st = shape;
+        std::swap(st[nd - 1], st[nd - 2]);
+        view = transpose(Tensor::empty(st, DType::f64), -1, -2);
+        break;
+      }
+      case Memory::permuted: {
+        REQUIRE(nd >= 3);
+        Shape st(shape.rbegin(), shape.rend());
+        std::vector<int64_t> order(nd);
+        for (int64_t i = 0; i < nd; ++i) order[i] = nd - 1 - i;
+        view = permute(Tensor::empty(st, DType::f64), order);
+        break;
+      }
+      case Memory::strided: {
+        REQUIRE(nd >= 1);
+        Shape st = shape;
+        st.back() = 2 * shape.back() + 1;
+        view = slice(full(st, std::nan(""), DType::f64), -1, 1, st.back(), 2);
+        break;
+      }
+    }
+    REQUIRE(view.shape() == shape);
+    view.copy_(Tensor::from_vector<double>(values, shape));
+    if (requires_grad) view.requires_grad_();
+    return view;
+  }
+
+ private:
+  std::vector<double> draw_normal(int64_t n) {
+    return randn({n}, DType::f64, kCPU, &gen_).to_vector<double>();
+  }
+  Generator gen_;
+};
+
+inline Tensor index(const std::vector<int64_t>& values, const Shape& shape) {
+  return Tensor::from_vector<int64_t>(values, shape);
+}
+
+struct OpCases {
+  std::function<CaseList(Maker&)> make;
+  std::string node;  // the graph node the cases must contain (empty: the op's own name)
+};
+using Table = std::map<OpId, OpCases>;
+
+using Unary = std::function<Tensor(const Tensor&)>;
+using Binary = std::function<Tensor(const Tensor&, const Tensor&)>;
+
+inline GradcheckFn on1(Unary f) {
+  return [f](const Tensors& in) { return f(in[0]); };
+}
+inline GradcheckFn on2(Binary f) {
+  return [f](const Tensors& in) { return f(in[0], in[1]); };
+}
+
+// Fill the table: elementwise ops, reductions, copies and views / matmul, fused layers,
+// indexing, joining and splitting.
+void add_elementwise_cases(Table& t);
+void add_nn_cases(Table& t);
+
+}  // namespace tessera::gradcheck_cases
