@@ -147,6 +147,13 @@ void call_copy_(const Tensor& dst, const Tensor& src) {
          "Use it under NoGradGuard, or clone()/cast() to keep the graph",
          shape_str(dst.shape()), shape_str(src.shape()));
   }
+  for (int64_t d = 0; d < dst.dim(); ++d) {
+    if (dst.strides()[d] == 0 && dst.shape()[d] > 1) {
+      fail("copy_: destination {} with strides {} is an expanded view: several of its elements "
+           "share one memory location; clone() it first", shape_str(dst.shape()),
+           shape_str(dst.strides()));
+    }
+  }
   std::vector<Tensor> inputs = {dst, src};
   const Device device = dispatch_device(OpId::copy_, inputs, Attrs{});
   MetaFn meta = meta_fn(OpId::copy_);

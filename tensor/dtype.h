@@ -40,6 +40,21 @@ constexpr uint16_t float_to_half_bits(float f) {
   return static_cast<uint16_t>(sign | (a >> 13));
 }
 
+// d rounded to f32 "to odd": truncated toward zero, with the last mantissa bit set when
+// anything was dropped. Rounding that to f16/bf16 (at least 2 bits fewer) equals rounding d
+// directly, whereas rounding d to nearest f32 first can land on a 16-bit tie and round the
+// wrong way (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved
+// algorithms using rounding to odd", 2008).
+constexpr float double_to_float_round_odd(double d) {
+  float f = static_cast<float>(d);
+  const uint32_t bits = std::bit_cast<uint32_t>(f);
+  if ((bits & 0x7f800000u) == 0x7f800000u || static_cast<double>(f) == d) return f;
+  uint32_t mag = bits;
+  // Rounded away from zero: step the magnitude back by one ulp (same sign, so bits - 1).
+  if ((f < 0 ? -static_cast<double>(f) : static_cast<double>(f)) > (d < 0 ? -d : d)) mag -= 1;
+  return std::bit_cast<float>(mag | 1u);
+}
+
 constexpr float half_bits_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
@@ -69,7 +84,8 @@ struct Half {
   uint16_t bits = 0;
   Half() = default;
   constexpr explicit Half(float f) : bits(detail::float_to_half_bits(f)) {}
-  constexpr explicit Half(double d) : Half(static_cast<float>(d)) {}
+  // Rounds once, correctly (not twice through f32).
+  constexpr explicit Half(double d) : Half(detail::double_to_float_round_odd(d)) {}
   template <typename I>
     requires std::is_integral_v<I>
   constexpr explicit Half(I v) : Half(static_cast<float>(v)) {}
@@ -81,7 +97,8 @@ struct BFloat16 {
   uint16_t bits = 0;
   BFloat16() = default;
   constexpr explicit BFloat16(float f) : bits(detail::float_to_bf16_bits(f)) {}
-  constexpr explicit BFloat16(double d) : BFloat16(static_cast<float>(d)) {}
+  // Rounds once, correctly (not twice through f32).
+  constexpr explicit BFloat16(double d) : BFloat16(detail::double_to_float_round_odd(d)) {}
   template <typename I>
     requires std::is_integral_v<I>
   constexpr explicit BFloat16(I v) : BFloat16(static_cast<float>(v)) {}

@@ -165,6 +165,7 @@ std::vector<TensorSpec> conv2d_backward_input_meta(std::span<const TensorSpec> i
   constexpr OpId op = OpId::conv2d_backward_input;
   require_count(op, in, 2);
   const TensorSpec& w = required(op, in, 1, "weight");
+  require_float(op, w, "weight");
   require_ndim(op, w, 4, "weight");
   TS_CHECK(attrs.shape.size() == 4, "conv2d_backward_input: input shape {} must be 4-D",
            shape_str(attrs.shape));
@@ -181,6 +182,7 @@ std::vector<TensorSpec> conv2d_backward_weight_meta(std::span<const TensorSpec> 
   constexpr OpId op = OpId::conv2d_backward_weight;
   require_count(op, in, 2);
   const TensorSpec& x = required(op, in, 1, "input");
+  require_float(op, x, "input");
   require_ndim(op, x, 4, "input");
   TS_CHECK(attrs.shape.size() == 4, "conv2d_backward_weight: weight shape {} must be 4-D",
            shape_str(attrs.shape));
@@ -348,8 +350,17 @@ void check_factory_shape(OpId op, const Shape& shape) {
   }
 }
 
+// Integer tensors take only values they hold exactly (as scalar operands do); bool takes
+// any value (nonzero is true).
+void check_integral_value(OpId op, DType dt, double v, const char* what) {
+  if (!is_integral(dt)) return;
+  TS_CHECK(std::isfinite(v) && std::trunc(v) == v, "{}: {} {} is not representable in dtype {}",
+           name_of(op), what, v, dt);
+}
+
 std::vector<TensorSpec> full_meta(std::span<const TensorSpec>, const Attrs& attrs) {
   check_factory_shape(OpId::full, attrs.shape);
+  check_integral_value(OpId::full, attrs.dtype, attrs.value, "value");
   return {spec(attrs.shape, attrs.dtype, attrs.device)};
 }
 
@@ -358,6 +369,8 @@ std::vector<TensorSpec> arange_meta(std::span<const TensorSpec>, const Attrs& a)
   TS_CHECK(std::isfinite(a.range_start) && std::isfinite(a.range_end),
            "arange: start {} and end {} must be finite", a.range_start, a.range_end);
   TS_CHECK(a.dtype != DType::b8, "arange: bool dtype is not supported");
+  check_integral_value(OpId::arange, a.dtype, a.range_start, "start");
+  check_integral_value(OpId::arange, a.dtype, a.range_step, "step");
   const double n = std::ceil((a.range_end - a.range_start) / a.range_step);
   return {spec({n > 0 ? static_cast<int64_t>(n) : 0}, a.dtype, a.device)};
 }

@@ -192,7 +192,8 @@ void max_pool2d_kernel(std::span<const Tensor> in, std::span<Tensor> out, const 
                   const int64_t ix = xo * a.stride[1] - a.padding[1] + j;
                   if (ix < 0 || ix >= w) continue;
                   const C v = C(plane[iy * w + ix]);
-                  if (arg < 0 || v > best || v != v) {
+                  // The first NaN wins (as in argmax): once best is NaN nothing replaces it.
+                  if (arg < 0 || (best == best && (v > best || v != v))) {
                     best = v;
                     arg = iy * w + ix;
                     if (v != v) break;

@@ -14,9 +14,16 @@ namespace {
 template <typename To, typename From>
 To convert(From v) {
   if constexpr (std::is_same_v<To, bool>) {
-    return static_cast<float>(v) != 0.0f;
+    // Compared in the source type: a tiny f64 is nonzero even where f32 would flush it.
+    if constexpr (is_low_precision_v<From>) return static_cast<float>(v) != 0.0f;
+    else return v != From(0);
   } else if constexpr (is_low_precision_v<To>) {
-    return To(static_cast<float>(v));
+    // f64 and integers (exact in f64 below 2^53) round once, correctly, to f16/bf16.
+    if constexpr (std::is_same_v<From, double> || std::is_integral_v<From>) {
+      return To(static_cast<double>(v));  // rounds once (dtype.h)
+    } else {
+      return To(static_cast<float>(v));
+    }
   } else if constexpr (is_low_precision_v<From>) {
     return static_cast<To>(static_cast<float>(v));
   } else {

@@ -21,27 +21,44 @@ struct Neg {
   template <typename C> C operator()(C x) const { return -x; }
 };
 struct Abs {
-  template <typename C> C operator()(C x) const { return x < C(0) ? C(-x) : x; }
+  template <typename C> C operator()(C x) const {
+    if constexpr (std::is_floating_point_v<C>) return std::fabs(x);  // abs(-0.0) = +0.0
+    else return x < C(0) ? C(-x) : x;
+  }
 };
 struct Relu {
-  template <typename C> C operator()(C x) const { return x > C(0) ? x : C(0); }
-  template <typename A> auto eigen(const A& a) const { return a.max(typename A::Scalar(0)); }
+  template <typename C> C operator()(C x) const {
+    if constexpr (std::is_floating_point_v<C>) {
+      if (x != x) return x;  // NaN propagates, as on the Eigen path and in PyTorch
+    }
+    return x > C(0) ? x : C(0);
+  }
+  // No Eigen form: the plain loop vectorises, and propagates NaN by construction.
 };
 struct Exp {
   template <typename C> C operator()(C x) const { return std::exp(x); }
-  template <typename A> auto eigen(const A& a) const { return a.exp(); }
+  // f32 only: Eigen 3.4's double exp clamps its argument at -709.4, so exp(-inf) and
+  // exp(x < -709.4) gave 5.6e-309 instead of 0 / the true subnormal.
+  template <typename A>
+    requires std::is_same_v<typename A::Scalar, float>
+  auto eigen(const A& a) const { return a.exp(); }
 };
+// No Eigen form: Eigen 3.4's log clamps subnormal inputs to the smallest normal, so
+// log(1e-40f) gave -87.3 instead of -92.1 (and likewise for f64 below 2.2e-308).
 struct Log {
   template <typename C> C operator()(C x) const { return std::log(x); }
-  template <typename A> auto eigen(const A& a) const { return a.log(); }
 };
+// No Eigen form: with EIGEN_FAST_MATH its AVX-512 sqrt is x * rsqrt(x) refined by Newton
+// steps, which gives NaN for +inf and flushes subnormal results to 0.
 struct Sqrt {
   template <typename C> C operator()(C x) const { return std::sqrt(x); }
-  template <typename A> auto eigen(const A& a) const { return a.sqrt(); }
 };
 struct Rsqrt {
   template <typename C> C operator()(C x) const { return C(1) / std::sqrt(x); }
-  template <typename A> auto eigen(const A& a) const { return a.rsqrt(); }
+  // f32 only: Eigen's f64 rsqrt returns inf for subnormal inputs.
+  template <typename A>
+    requires std::is_same_v<typename A::Scalar, float>
+  auto eigen(const A& a) const { return a.rsqrt(); }
 };
 struct Tanh {
   template <typename C> C operator()(C x) const { return std::tanh(x); }
@@ -49,7 +66,15 @@ struct Tanh {
 };
 struct Sigmoid {
   template <typename C> C operator()(C x) const { return C(1) / (C(1) + std::exp(-x)); }
-  template <typename A> auto eigen(const A& a) const { return a.logistic(); }
+  // Not Eigen's logistic(): its float version is accurate only in absolute terms, so small
+  // outputs (x < -7) lost most of their relative precision. exp() keeps it relative; f32
+  // only, as Exp (Eigen's f64 exp saturates instead of overflowing: sigmoid(-800) != 0).
+  template <typename A>
+    requires std::is_same_v<typename A::Scalar, float>
+  auto eigen(const A& a) const {
+    using S = typename A::Scalar;
+    return (S(1) + (-a).exp()).inverse();
+  }
 };
 struct GeluExact {
   template <typename C> C operator()(C x) const {
@@ -121,7 +146,7 @@ struct Div { template <typename C> C operator()(C a, C b) const { return a / b; 
 struct Pow {
   template <typename C> C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
-      if (b < 0) return a == 1 ? 1 : (a == -1 ? (b % 2 == 0 ? 1 : -1) : 0);
+      if (b < 0) fail("pow: integers to negative integer powers are not allowed ({} ** {})", a, b);
       C r = 1;
       for (C e = b, base = a; e > 0; e >>= 1, base *= base) {
         if (e & 1) r *= base;

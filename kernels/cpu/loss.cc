@@ -106,8 +106,12 @@ void ce_backward(std::span<const Tensor> in, const Tensor& dx, const Attrs& a) {
       const C s = static_cast<C>(a.reduction == Reduction::none ? static_cast<double>(C(gp[r])) : scale);
       const C l = static_cast<C>(lse[r]);
       const T* xr = xp + r * c;
-      for (int64_t i = 0; i < c; ++i) dr[i] = T(std::exp(C(xr[i]) - l) * s);
-      dr[t] = T(C(dr[t]) - s);
+      // The target entry subtracts s before the one rounding to T: rounding p * s first
+      // would lose the cancelling digits in 16-bit dtypes.
+      for (int64_t i = 0; i < c; ++i) {
+        const C v = std::exp(C(xr[i]) - l) * s;
+        dr[i] = T(i == t ? v - s : v);
+      }
     }
   });
 }

@@ -54,6 +54,8 @@ TEST_CASE("shape mismatches name the op and both shapes") {
                {"index_add", "[3, 3]", "[2, 3]"});
   expect_error([] { gather(f32({4, 3}), 0, zeros({5}, DType::i64)); }, {"gather", "rank"});
   expect_error([] { copy_(f32({2, 3}), f32({3, 2})); }, {"copy_", "[3, 2]", "[2, 3]"});
+  expect_error([] { copy_(f32({1, 3}).expand({2, 3}), f32({2, 3})); },
+               {"copy_", "expanded", "[2, 3]", "[0, 1]"});
 }
 
 TEST_CASE("mixing dtypes without a cast is an error") {

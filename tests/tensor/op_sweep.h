@@ -1,0 +1,169 @@
+// The op sweep harness (after ggml's test-backend-ops): every op in tensor/op_list.h gets an
+// OpSweep, a table of cases that the harness runs over every dtype the op supports and
+// every input layout, comparing all outputs with the f64 reference (tests/reference).
+//
+//   OpSweep s{OpId::exp, kFloats, {DType::i32, DType::i64, DType::b8}};
+//   s.cases.push_back(unary("[5, 7]", {5, 7}, uniform(-3, 3),
+//                           [](double x) { return std::exp(x); }));
+//
+// Layouts: contiguous; permuted (a transpose for 2-D inputs, all dims reversed above);
+// strided (every other element of the last dim, offset into a bigger buffer whose gaps
+// hold NaN/sentinels); expanded (one dim broadcast from size 1 with stride 0). Values are
+// drawn with tessera::randn/rand from a seed fixed per (op, case, input), mapped into the
+// op's domain, and rounded to the input's dtype before the reference sees them.
+//
+// Tolerances (|got - want| <= bound per element), `mag` being the sum of the magnitudes of
+// the terms the op adds or cancels (default |want|; e.g. sum(|x|) for sum, |a| @ |b| for
+// matmul), because a floating evaluation's error is bounded by u * (terms) * mag:
+//   f64:  rel64 * mag, rel64 = 1e-12: ~10^4 ulps, room for libm/Eigen transcendentals
+//         (a few ulps) and sums of up to ~10^3 terms (n * 2^-53).
+//   f32:  rel32 * mag, rel32 = 1e-5: ~170 ulps of 2^-24; covers recursive f32 sums of up
+//         to ~160 terms per accumulator (n * u32) and a few-ulp transcendental; cases with
+//         longer f32 accumulations set rel32 = n * 2^-24 from the kernel's accumulator length.
+//   f16/bf16: the same op on the same values in f32 (the "twin"), because Tessera computes
+//         16-bit floats in f32 and rounds the result: each rounding adds at most
+//         u * |value| (u = 2^-11, 2^-8), so
+//         |out16 - out32| <= rounds * u * (rounds > 1 ? mag : |out32|) + 2 * rel32 * mag
+//         with rounds = 1 unless the kernel rounds partial results (index_add /
+//         scatter_add accumulate in the 16-bit type).
+//   Every bound also allows half the smallest subnormal of the output dtype per rounding
+//   (2^-1075, 2^-25, 2^-134 for f64, f16, bf16): a result in the subnormal range (softmax
+//   of far-apart logits) rounds to a multiple of it, whatever its relative error. f32
+//   allows its smallest normal, 2^-126: its vectorised exp flushes subnormal results to 0.
+//   exact ops (copies, views, indexing, comparisons, casts, max): bitwise equality.
+//   Integer and bool outputs are always compared exactly.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tensor/op.h"
+#include "tensor/ops.h"
+#include "tests/reference/reference.h"
+
+namespace tessera::sweep {
+
+using ref::NdArray;
+using Arrays = std::vector<NdArray>;
+using Tensors = std::vector<Tensor>;
+
+enum class Layout : uint8_t { contiguous, permuted, strided, expanded };
+inline constexpr Layout kLayouts[] = {Layout::contiguous, Layout::permuted, Layout::strided,
+                                      Layout::expanded};
+const char* layout_name(Layout layout);
+
+inline const std::vector<DType> kFloats = {DType::f32, DType::f64, DType::f16, DType::bf16};
+inline const std::vector<DType> kNumeric = {DType::f32,  DType::f64, DType::f16,
+                                            DType::bf16, DType::i32, DType::i64};
+inline const std::vector<DType> kAll = {DType::f32, DType::f64, DType::f16, DType::bf16,
+                                        DType::i32, DType::i64, DType::b8};
+inline const std::vector<DType> kNonFloat = {DType::i32, DType::i64, DType::b8};
+
+// How an input's values are drawn.
+struct Domain {
+  enum class Kind { normal, uniform, away_from_zero, integers, nonzero_integers, boolean, fixed };
+  Kind kind = Kind::normal;
+  double a = 0.0, b = 1.0;     // normal: shift, scale; uniform/away: [a, b); integers: [a, b]
+  std::vector<double> values;  // fixed
+};
+Domain normal(double scale = 1.0, double shift = 0.0);
+Domain uniform(double lo, double hi);
+Domain away(double lo, double hi);  // a random sign times uniform [lo, hi)
+Domain ints(int64_t lo, int64_t hi);
+Domain nonzero_ints(int64_t lo, int64_t hi);
+Domain bools();
+Domain fixed(std::vector<double> values);
+
+struct Arg {
+  Shape shape;
+  Domain domain;
+  std::optional<Domain> int_domain;  // used when the input's dtype is i32/i64/bool
+  std::optional<DType> dtype;        // a fixed dtype (indices, conditions); else the case's
+  bool stats = false;      // dtype is the stats dtype of the case's (f64 -> f64, else f32)
+  bool absent = false;     // an undefined optional input
+  bool expandable = true;  // false for outputs written in place (copy_'s dst)
+};
+Arg arg(Shape shape, Domain domain = normal(), std::optional<Domain> int_domain = std::nullopt);
+Arg index_arg(Shape shape, int64_t lo, int64_t hi, DType dt = DType::i64);
+Arg fixed_arg(Shape shape, std::vector<double> values, DType dt);
+Arg absent_arg();
+
+struct Case {
+  std::string label;
+  std::vector<Arg> args;
+  Attrs attrs;
+  // All outputs from the inputs' values (as the tensors hold them) and the case's dtype.
+  std::function<Arrays(const Arrays&, DType)> ref;
+  // Per output: the magnitude the error is relative to (see the header); missing: |want|.
+  std::function<Arrays(const Arrays&, DType)> mag;
+  // Runs the op in dtype dt (default: call(op, inputs, attrs), with attrs.dtype = dt for
+  // factories); all outputs.
+  std::function<Tensors(const Tensors&, DType)> run;
+  // Derives inputs from others (e.g. mean/rstd for layer_norm_backward), on rounded values.
+  std::function<void(Arrays&, DType)> prepare;
+  // Output dtype from the case dtype (default: the case dtype).
+  std::function<DType(DType, size_t)> out_dtype;
+  double rel32 = 1e-5, rel64 = 1e-12;
+  double rounds = 1;          // 16-bit roundings that reach one output element
+  bool exact = false;         // bitwise equality for every dtype
+  bool views_input0 = false;  // outputs must share input 0's storage (view ops)
+  std::vector<DType> dtypes;  // restricts the op's dtypes for this case
+  std::vector<Layout> layouts = {kLayouts, kLayouts + 4};
+};
+
+struct OpSweep {
+  OpId op;
+  std::vector<DType> dtypes;    // each supported dtype runs every case
+  std::vector<DType> rejected;  // dtypes that must throw tessera::Error (first case's inputs)
+  std::vector<Case> cases;
+  std::function<void()> extra;  // checks outside the table (errors, randomness, aliasing)
+};
+
+std::vector<OpSweep> elementwise_sweeps();  // op_sweep_elementwise.cc
+std::vector<OpSweep> nn_sweeps();           // op_sweep_nn.cc
+std::vector<OpSweep> data_sweeps();         // op_sweep_data.cc
+
+// ---- harness (op_sweep_harness.cc) ------------------------------------------------------
+// A contiguous tensor holding `a` (values must be representable in dt), written directly
+// into memory: no Tessera kernel takes part.
+Tensor make_tensor(const NdArray& a, DType dt);
+// The logical values of any (strided) CPU tensor, read directly from memory.
+NdArray read_tensor(const Tensor& t);
+// The value stored at flat storage position `i` of t's storage (for gap checks).
+double read_storage(const Tensor& t, int64_t i);
+// Values for `arg` drawn from a generator seeded with `seed`, rounded to dt.
+NdArray draw(const Arg& arg, DType dt, uint64_t seed);
+
+struct Built {
+  Tensor tensor;
+  NdArray seen;           // the values the tensor holds (expanded layouts repeat a slice)
+  bool laid_out = false;  // the layout changed something
+};
+// `values` laid out as `layout` (see the header) in dtype dt.
+Built build(const NdArray& values, DType dt, Layout layout, size_t arg_index,
+            bool expandable = true);
+
+struct Coverage {
+  std::set<std::tuple<int, int, int>> combos;  // (op, dtype, layout) that ran
+  int64_t runs = 0, outputs_checked = 0, rejections_checked = 0;
+};
+
+void run_sweep(const OpSweep& sweep, Coverage& coverage);
+
+// For extra checks: compare with a message naming `what`; bound = rel * mag + abs (mag
+// defaults to |want|). Returns whether it passed (failures are reported).
+bool expect_close(const std::string& what, const Tensor& got, const NdArray& want, double rel,
+                  double abs = 0.0, const NdArray* mag = nullptr);
+// Runs f and checks that it throws tessera::Error.
+void expect_error(const std::string& what, const std::function<void()>& f);
+
+// Case builders shared by the family files.
+Case unary(std::string label, Shape shape, Domain domain, std::function<double(double)> f,
+           std::optional<Domain> int_domain = std::nullopt);
+
+}  // namespace tessera::sweep

@@ -1,0 +1,550 @@
+// The op sweep harness: input drawing and layouts, the run over dtypes x layouts x cases,
+// and comparisons that name the op, dtype, layout, shapes and the worst element.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "tests/tensor/op_sweep.h"
+
+namespace tessera::sweep {
+
+const char* layout_name(Layout layout) {
+  switch (layout) {
+    case Layout::contiguous:
+      return "contiguous";
+    case Layout::permuted:
+      return "permuted";
+    case Layout::strided:
+      return "strided";
+    case Layout::expanded:
+      return "expanded";
+  }
+  return "?";
+}
+
+Domain normal(double scale, double shift) { return {Domain::Kind::normal, shift, scale, {}}; }
+Domain uniform(double lo, double hi) { return {Domain::Kind::uniform, lo, hi, {}}; }
+Domain away(double lo, double hi) { return {Domain::Kind::away_from_zero, lo, hi, {}}; }
+Domain ints(int64_t lo, int64_t hi) {
+  return {Domain::Kind::integers, static_cast<double>(lo), static_cast<double>(hi), {}};
+}
+Domain nonzero_ints(int64_t lo, int64_t hi) {
+  return {Domain::Kind::nonzero_integers, static_cast<double>(lo), static_cast<double>(hi), {}};
+}
+Domain bools() { return {Domain::Kind::boolean, 0, 1, {}}; }
+Domain fixed(std::vector<double> values) { return {Domain::Kind::fixed, 0, 0, std::move(values)}; }
+
+Arg arg(Shape shape, Domain domain, std::optional<Domain> int_domain) {
+  Arg a;
+  a.shape = std::move(shape);
+  a.domain = std::move(domain);
+  a.int_domain = std::move(int_domain);
+  return a;
+}
+
+Arg index_arg(Shape shape, int64_t lo, int64_t hi, DType dt) {
+  Arg a = arg(std::move(shape), ints(lo, hi));
+  a.dtype = dt;
+  return a;
+}
+
+Arg fixed_arg(Shape shape, std::vector<double> values, DType dt) {
+  Arg a = arg(std::move(shape), fixed(std::move(values)));
+  a.dtype = dt;
+  return a;
+}
+
+Arg absent_arg() {
+  Arg a;
+  a.absent = true;
+  return a;
+}
+
+// ---- memory access without kernels ----------------------------------------------------------
+
+namespace {
+
+template <typename T>
+T to_storage(double v) {
+  if constexpr (std::is_same_v<T, bool>)
+    return v != 0.0;
+  else if constexpr (is_low_precision_v<T>)
+    return T(static_cast<float>(v));
+  else
+    return static_cast<T>(v);
+}
+
+template <typename T>
+double from_storage(T v) {
+  if constexpr (std::is_same_v<T, bool>)
+    return v ? 1.0 : 0.0;
+  else if constexpr (is_low_precision_v<T>)
+    return static_cast<double>(static_cast<float>(v));
+  else
+    return static_cast<double>(v);
+}
+
+double sentinel(DType dt) {
+  if (is_floating(dt)) return std::numeric_limits<double>::quiet_NaN();
+  if (dt == DType::b8) return 1.0;
+  return 1234567.0;  // an out-of-range index if a kernel ever reads a gap
+}
+
+DType stats_of(DType dt) { return dt == DType::f64 ? DType::f64 : DType::f32; }
+
+std::string describe(const Tensor& t) {
+  if (!t.defined()) return "undefined";
+  return fmt::format("{}{} strides {} offset {}", dtype_name(t.dtype()), shape_str(t.shape()),
+                     shape_str(t.strides()), t.offset());
+}
+
+}  // namespace
+
+Tensor make_tensor(const NdArray& a, DType dt) {
+  Tensor t = Tensor::empty(a.shape, dt);
+  visit_dtype(dt, [&]<typename T>() {
+    T* p = static_cast<T*>(t.raw_data());
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      const double v = a.data[i];
+      if (!std::isnan(v) && ref::round_to(v, dt) != v) {
+        throw std::logic_error(fmt::format("make_tensor: {} is not a {} value", v, dt));
+      }
+      p[i] = to_storage<T>(v);
+    }
+  });
+  return t;
+}
+
+NdArray read_tensor(const Tensor& t) {
+  NdArray out = NdArray::zeros(t.shape());
+  visit_dtype(t.dtype(), [&]<typename T>() {
+    const T* base = static_cast<const T*>(t.raw_data());
+    const Shape& shape = t.shape();
+    const Strides& strides = t.strides();
+    std::vector<int64_t> idx(shape.size(), 0);
+    int64_t off = 0;  // sum of idx[d] * strides[d], kept up to date as idx advances
+    for (int64_t i = 0; i < out.numel(); ++i) {
+      out.data[i] = from_storage(base[off]);
+      for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
+        off += strides[d];
+        if (++idx[d] < shape[d]) break;
+        off -= idx[d] * strides[d];
+        idx[d] = 0;
+      }
+    }
+  });
+  return out;
+}
+
+double read_storage(const Tensor& t, int64_t i) {
+  return visit_dtype(t.dtype(), [&]<typename T>() {
+    return from_storage(static_cast<const T*>(t.storage()->data())[i]);
+  });
+}
+
+NdArray draw(const Arg& a, DType dt, uint64_t seed) {
+  const Domain& d = (is_floating(dt) || !a.int_domain) ? a.domain : *a.int_domain;
+  const int64_t n = ref::count(a.shape);
+  Generator gen(seed);
+  const std::vector<double> z = read_tensor(randn({n}, DType::f64, kCPU, &gen)).data;
+  const std::vector<double> u = read_tensor(rand({n}, DType::f64, kCPU, &gen)).data;
+  NdArray out = NdArray::zeros(a.shape);
+  Domain::Kind kind = d.kind;
+  if (dt == DType::b8 && kind != Domain::Kind::fixed) kind = Domain::Kind::boolean;
+  for (int64_t i = 0; i < n; ++i) {
+    double& v = out.data[i];
+    switch (kind) {
+      case Domain::Kind::normal:
+        v = d.a + d.b * z[i];
+        break;
+      case Domain::Kind::uniform:
+        v = d.a + (d.b - d.a) * u[i];
+        break;
+      case Domain::Kind::away_from_zero:
+        v = std::copysign(d.a + (d.b - d.a) * u[i], z[i]);
+        break;
+      case Domain::Kind::integers:
+        v = std::min(d.b, std::floor(d.a + (d.b - d.a + 1) * u[i]));
+        break;
+      case Domain::Kind::nonzero_integers: {
+        std::vector<double> choices;
+        for (double k = d.a; k <= d.b; ++k) {
+          if (k != 0) choices.push_back(k);
+        }
+        v = choices[std::min<size_t>(choices.size() - 1,
+                                     static_cast<size_t>(u[i] * choices.size()))];
+        break;
+      }
+      case Domain::Kind::boolean:
+        v = u[i] < 0.5 ? 1.0 : 0.0;
+        break;
+      case Domain::Kind::fixed:
+        if (static_cast<int64_t>(d.values.size()) != n) {
+          throw std::logic_error("draw: fixed values do not fill the shape");
+        }
+        v = d.values[i];
+        break;
+    }
+  }
+  return ref::round_to(out, dt);
+}
+
+Built build(const NdArray& values, DType dt, Layout layout, size_t arg_index, bool expandable) {
+  const int64_t nd = values.ndim();
+  switch (layout) {
+    case Layout::contiguous:
+      break;
+    case Layout::permuted: {
+      if (nd < 2) break;
+      std::vector<int64_t> order(nd);  // storage dim i holds logical dim order[i]
+      for (int64_t i = 0; i < nd; ++i) order[i] = nd - 1 - i;
+      const Tensor base = make_tensor(ref::permute(values, order), dt);
+      Strides strides(nd);
+      for (int64_t i = 0; i < nd; ++i) strides[order[i]] = base.strides()[i];
+      return {Tensor::from_storage(base.storage(), values.shape, strides, 0, dt), values, true};
+    }
+    case Layout::strided: {
+      if (nd == 0) break;
+      Shape big = values.shape;
+      big.back() = 2 * big.back() + 1;
+      if (nd >= 2) big[0] += 1;
+      NdArray buf = NdArray::zeros(big, sentinel(dt));
+      const int64_t rows = values.numel() == 0 ? 0 : values.numel() / values.shape.back();
+      const int64_t inner = values.shape.back(), row_len = big.back();
+      const int64_t skip = nd >= 2 ? ref::count(big) / big[0] : 0;  // the extra first slab
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < inner; ++j)
+          buf.data[skip + r * row_len + 2 * j + 1] = values.data[r * inner + j];
+      }
+      const Tensor base = make_tensor(buf, dt);
+      Strides strides = base.strides();
+      strides.back() *= 2;
+      const int64_t offset = (nd >= 2 ? base.strides()[0] : 0) + 1;
+      return {Tensor::from_storage(base.storage(), values.shape, strides, offset, dt), values,
+              true};
+    }
+    case Layout::expanded: {
+      if (!expandable) break;
+      for (int64_t k = 0; k < nd; ++k) {
+        const int64_t d = (static_cast<int64_t>(arg_index) + k) % nd;
+        if (values.shape[d] <= 1) continue;
+        const NdArray one = ref::slice(values, d, 0, 1, 1);
+        const Tensor base = make_tensor(one, dt);
+        Strides strides = base.strides();
+        strides[d] = 0;
+        return {Tensor::from_storage(base.storage(), values.shape, strides, 0, dt),
+                ref::broadcast_to(one, values.shape), true};
+      }
+      break;
+    }
+  }
+  return {make_tensor(values, dt), values, false};
+}
+
+// ---- comparisons ----------------------------------------------------------------------------
+
+namespace {
+
+// Checks |got - want| <= bound(i) elementwise (NaN must meet NaN, inf must equal); reports
+// the element that exceeds its bound by the largest factor.
+bool compare(const std::string& what, const NdArray& got, const NdArray& want,
+             const std::function<double(int64_t)>& bound, const char* against) {
+  if (got.shape != want.shape) {
+    FAIL_CHECK(fmt::format("{}: shape {}, expected {}", what, shape_str(got.shape),
+                           shape_str(want.shape)));
+    return false;
+  }
+  int64_t bad = 0, worst = -1;
+  double worst_excess = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = got.data[i], w = want.data[i];
+    double excess = 0;  // how far past the bound, relative to it
+    if (std::isnan(w) || std::isnan(g)) {
+      excess = std::isnan(w) && std::isnan(g) ? 0 : std::numeric_limits<double>::infinity();
+    } else if (std::isinf(w) || std::isinf(g)) {
+      excess = g == w ? 0 : std::numeric_limits<double>::infinity();
+    } else {
+      const double diff = std::fabs(g - w);
+      const double b = std::isnan(bound(i)) ? 0.0 : bound(i);  // a NaN bound must not pass all
+      if (diff > b) excess = b > 0 ? diff / b : std::numeric_limits<double>::infinity();
+    }
+    if (excess > 0) {
+      ++bad;
+      if (worst < 0 || excess > worst_excess) {
+        worst = i;
+        worst_excess = excess;
+      }
+    }
+  }
+  if (bad == 0) return true;
+  const double g = got.data[worst], w = want.data[worst];
+  FAIL_CHECK(fmt::format(
+      "{}: {} of {} elements off; worst at {}: got {:.10g}, want {:.10g} ({}), |diff| {:.3g} "
+      "> bound {:.3g}",
+      what, bad, got.numel(), shape_str(ref::unravel(worst, got.shape)), g, w, against,
+      std::fabs(g - w), bound(worst)));
+  return false;
+}
+
+// Rounding into dt's subnormal range adds up to half its smallest subnormal in absolute
+// terms (the standard model fl(x) = x (1 + d) + e, |d| <= u, |e| <= that). f32 allows the
+// smallest normal, 2^-126, instead: its vectorised exp flushes subnormal results to zero
+// (flush-to-zero, as on GPUs), which no relative bound can describe.
+double underflow(DType dt) {
+  switch (dt) {
+    case DType::f64:
+      return std::ldexp(1.0, -1075);
+    case DType::f32:
+      return std::ldexp(1.0, -126);
+    case DType::f16:
+      return std::ldexp(1.0, -25);
+    case DType::bf16:
+      return std::ldexp(1.0, -134);
+    default:
+      return 0.0;
+  }
+}
+
+NdArray saturate(const NdArray& a, DType dt) {
+  return ref::map(a, [dt](double v) {
+    const double r = ref::round_to(v, dt);
+    return std::isinf(r) ? r : v;
+  });
+}
+
+NdArray abs_of(const NdArray& a) {
+  return ref::map(a, [](double v) { return std::fabs(v); });
+}
+
+uint64_t seed_of(OpId op, size_t case_index, size_t arg_index) {
+  return 1000003ull * (static_cast<uint64_t>(op) + 1) + 7919ull * case_index + 101ull * arg_index;
+}
+
+DType arg_dtype(const Arg& a, DType dt) {
+  if (a.dtype) return *a.dtype;
+  return a.stats ? stats_of(dt) : dt;
+}
+
+struct Prepared {
+  Tensors tensors;
+  Arrays seen;
+  bool laid_out = false;
+  std::string text;  // "in0 f16[3, 4] strides [...] offset 0, ..."
+};
+
+Arrays draw_inputs(const OpSweep& s, const Case& c, size_t ci, DType dt) {
+  Arrays vals;
+  for (size_t i = 0; i < c.args.size(); ++i) {
+    const Arg& a = c.args[i];
+    vals.push_back(a.absent ? NdArray::absent() : draw(a, arg_dtype(a, dt), seed_of(s.op, ci, i)));
+  }
+  if (c.prepare) {
+    c.prepare(vals, dt);
+    for (size_t i = 0; i < c.args.size(); ++i) {
+      if (vals[i].defined) vals[i] = ref::round_to(vals[i], arg_dtype(c.args[i], dt));
+    }
+  }
+  return vals;
+}
+
+// Lays out `vals`; `compute_dt` replaces the case dtype (the f32 twin of a 16-bit run).
+Prepared lay_out(const Case& c, const Arrays& vals, DType dt, DType compute_dt, Layout layout) {
+  Prepared p;
+  for (size_t i = 0; i < c.args.size(); ++i) {
+    const Arg& a = c.args[i];
+    if (a.absent) {
+      p.tensors.emplace_back();
+      p.seen.push_back(NdArray::absent());
+      p.text += fmt::format("{}in{} undefined", i ? ", " : "", i);
+      continue;
+    }
+    const DType adt = (!a.dtype && !a.stats) ? compute_dt : arg_dtype(a, dt);
+    Built b = build(vals[i], adt, layout, i, a.expandable);
+    p.laid_out |= b.laid_out;
+    p.text += fmt::format("{}in{} {}", i ? ", " : "", i, describe(b.tensor));
+    p.tensors.push_back(b.tensor);
+    p.seen.push_back(std::move(b.seen));
+  }
+  return p;
+}
+
+Tensors run_case(const OpSweep& s, const Case& c, const Tensors& in, DType dt) {
+  if (c.run) return c.run(in, dt);
+  Attrs a = c.attrs;
+  if (op_info(s.op).kind == OpKind::Factory) a.dtype = dt;
+  return call(s.op, in, a);
+}
+
+void run_one(const OpSweep& s, const Case& c, size_t ci, DType dt, Layout layout, Coverage& cov) {
+  const Arrays vals = draw_inputs(s, c, ci, dt);
+  const Prepared p = lay_out(c, vals, dt, dt, layout);
+  if (layout != Layout::contiguous && !p.laid_out) return;  // nothing to lay out
+  cov.combos.insert({static_cast<int>(s.op), static_cast<int>(dt), static_cast<int>(layout)});
+  ++cov.runs;
+  const std::string ctx = fmt::format("{} [{}, {}] case '{}' ({})", op_name(s.op), dtype_name(dt),
+                                      layout_name(layout), c.label, p.text);
+  Arrays want, mags;
+  try {
+    want = c.ref(p.seen, dt);
+    if (c.mag) mags = c.mag(p.seen, dt);
+  } catch (const std::exception& e) {
+    FAIL_CHECK(fmt::format("{}: the reference threw: {}", ctx, e.what()));
+    return;
+  }
+  Tensors got;
+  try {
+    got = run_case(s, c, p.tensors, dt);
+  } catch (const Error& e) {
+    FAIL_CHECK(fmt::format("{}: threw tessera::Error: {}", ctx, e.what()));
+    return;
+  } catch (const std::exception& e) {
+    FAIL_CHECK(fmt::format("{}: threw: {}", ctx, e.what()));
+    return;
+  }
+  if (got.size() != want.size()) {
+    FAIL_CHECK(fmt::format("{}: {} outputs, expected {}", ctx, got.size(), want.size()));
+    return;
+  }
+  std::optional<Tensors> twin;
+  for (size_t k = 0; k < got.size(); ++k) {
+    const std::string what = fmt::format("{}: output {}", ctx, k);
+    if (!want[k].defined) {
+      if (got[k].defined()) FAIL_CHECK(fmt::format("{} should be undefined", what));
+      continue;
+    }
+    if (!got[k].defined()) {
+      FAIL_CHECK(fmt::format("{} is undefined", what));
+      continue;
+    }
+    ++cov.outputs_checked;
+    const DType od = got[k].dtype();
+    const DType want_dt = c.out_dtype ? c.out_dtype(dt, k) : dt;
+    if (od != want_dt) {
+      FAIL_CHECK(
+          fmt::format("{} has dtype {}, expected {}", what, dtype_name(od), dtype_name(want_dt)));
+      continue;
+    }
+    if (c.views_input0 && got[k].storage() != p.tensors[0].storage()) {
+      FAIL_CHECK(fmt::format("{} is not a view of input 0 (it has its own storage)", what));
+    }
+    const NdArray g = read_tensor(got[k]);
+    const NdArray mag = k < mags.size() && mags[k].defined ? mags[k] : abs_of(want[k]);
+    const std::string shaped =
+        fmt::format("{} {}{}", what, dtype_name(od), shape_str(got[k].shape()));
+    // A finite value beyond the output dtype's range is stored as infinity.
+    const NdArray want_k = is_floating(od) ? saturate(want[k], od) : want[k];
+    if (c.exact || !is_floating(od)) {
+      compare(
+          shaped, g, want_k, [](int64_t) { return 0.0; }, "reference, exact");
+    } else if (od == DType::f32 || od == DType::f64) {
+      const double rel = od == DType::f32 ? c.rel32 : c.rel64;
+      compare(
+          shaped, g, want_k, [&](int64_t i) { return rel * mag.data[i] + underflow(od); },
+          "reference");
+    } else {
+      if (!twin) {
+        const Prepared p32 = lay_out(c, vals, dt, DType::f32, layout);
+        try {
+          twin = run_case(s, c, p32.tensors, DType::f32);
+        } catch (const std::exception& e) {
+          FAIL_CHECK(fmt::format("{}: the f32 twin threw: {}", ctx, e.what()));
+          return;
+        }
+      }
+      const NdArray y32 = read_tensor((*twin)[k]);
+      compare(
+          shaped + " (its f32 twin)", y32, saturate(want[k], DType::f32),
+          [&](int64_t i) { return c.rel32 * mag.data[i] + underflow(DType::f32); }, "reference");
+      const double u = ref::unit_roundoff(od);
+      const double sub = c.rounds * underflow(od) + underflow(DType::f32);
+      compare(
+          shaped, g, saturate(y32, od),
+          [&](int64_t i) {
+            const double scale = c.rounds > 1 ? mag.data[i] : std::fabs(y32.data[i]);
+            return c.rounds * u * scale + 2 * c.rel32 * mag.data[i] + sub;
+          },
+          "the f32 twin");
+    }
+  }
+}
+
+void check_rejected(const OpSweep& s, DType dt, Coverage& cov) {
+  const Case& c = s.cases.front();
+  const Arrays vals = draw_inputs(s, c, 0, dt);
+  const Prepared p = lay_out(c, vals, dt, dt, Layout::contiguous);
+  try {
+    run_case(s, c, p.tensors, dt);
+    FAIL_CHECK(
+        fmt::format("{} [{}] case '{}' ({}): accepted an unsupported dtype; expected "
+                    "tessera::Error",
+                    op_name(s.op), dtype_name(dt), c.label, p.text));
+  } catch (const Error&) {
+    ++cov.rejections_checked;
+  } catch (const std::exception& e) {
+    FAIL_CHECK(fmt::format("{} [{}]: threw a non-tessera exception for an unsupported dtype: {}",
+                           op_name(s.op), dtype_name(dt), e.what()));
+  }
+}
+
+}  // namespace
+
+void run_sweep(const OpSweep& s, Coverage& cov) {
+  for (size_t ci = 0; ci < s.cases.size(); ++ci) {
+    const Case& c = s.cases[ci];
+    for (DType dt : s.dtypes) {
+      if (!c.dtypes.empty() && std::find(c.dtypes.begin(), c.dtypes.end(), dt) == c.dtypes.end()) {
+        continue;
+      }
+      for (Layout layout : c.layouts) {
+        try {
+          run_one(s, c, ci, dt, layout, cov);
+        } catch (const std::exception& e) {
+          FAIL_CHECK(fmt::format("{} [{}, {}] case '{}': harness error: {}", op_name(s.op),
+                                 dtype_name(dt), layout_name(layout), c.label, e.what()));
+        }
+      }
+    }
+  }
+  if (!s.cases.empty()) {
+    for (DType dt : s.rejected) check_rejected(s, dt, cov);
+  }
+  if (s.extra) s.extra();
+}
+
+bool expect_close(const std::string& what, const Tensor& got, const NdArray& want, double rel,
+                  double abs, const NdArray* mag) {
+  if (!got.defined()) {
+    FAIL_CHECK(fmt::format("{}: undefined result", what));
+    return false;
+  }
+  const NdArray m = mag ? *mag : abs_of(want);
+  return compare(
+      fmt::format("{} {}{}", what, dtype_name(got.dtype()), shape_str(got.shape())),
+      read_tensor(got), want, [&](int64_t i) { return rel * m.data[i] + abs; }, "reference");
+}
+
+void expect_error(const std::string& what, const std::function<void()>& f) {
+  try {
+    f();
+    FAIL_CHECK(fmt::format("{}: expected tessera::Error, nothing was thrown", what));
+  } catch (const Error&) {
+  } catch (const std::exception& e) {
+    FAIL_CHECK(
+        fmt::format("{}: expected tessera::Error, got another exception: {}", what, e.what()));
+  }
+}
+
+Case unary(std::string label, Shape shape, Domain domain, std::function<double(double)> f,
+           std::optional<Domain> int_domain) {
+  Case c;
+  c.label = std::move(label);
+  c.args = {arg(std::move(shape), std::move(domain), std::move(int_domain))};
+  c.ref = [f](const Arrays& in, DType) { return Arrays{ref::map(in[0], f)}; };
+  return c;
+}
+
+}  // namespace tessera::sweep

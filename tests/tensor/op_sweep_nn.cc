@@ -1,0 +1,547 @@
+// Sweep cases: matmul, softmax, layer_norm, cross_entropy, dropout, conv2d, max_pool2d and
+// their fused backward helpers.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "tests/tensor/op_sweep.h"
+
+namespace tessera::sweep {
+namespace {
+
+using ref::map;
+using ref::zip;
+
+NdArray absv(const NdArray& a) {
+  return map(a, [](double v) { return std::fabs(v); });
+}
+NdArray absent_or_abs(const NdArray& a) { return a.defined ? absv(a) : a; }
+
+// ---- matmul -----------------------------------------------------------------------------
+
+OpSweep matmul_sweep() {
+  OpSweep s{OpId::matmul, kFloats, kNonFloat, {}, {}};
+  struct M {
+    const char* label;
+    Shape a, b;
+    bool api;  // through tessera::matmul (1-D promotion) rather than the op itself
+  };
+  // Inner dims <= 65: Eigen's f32 GEMM accumulates each output over k terms, so its error
+  // is <= k * 2^-24 * (|a| @ |b|) = 3.9e-6 relative to mag, inside rel32 = 1e-5.
+  for (const M& m :
+       {M{"[3, 4] @ [4, 5]", {3, 4}, {4, 5}, false},
+        M{"[2, 3, 4] @ [2, 4, 5]", {2, 3, 4}, {2, 4, 5}, false},
+        M{"[2, 1, 3, 4] @ [3, 4, 5] (batch broadcast)", {2, 1, 3, 4}, {3, 4, 5}, false},
+        M{"[3, 0] @ [0, 4] (k = 0)", {3, 0}, {0, 4}, false},
+        M{"[0, 4] @ [4, 3] (m = 0)", {0, 4}, {4, 3}, false},
+        M{"[33, 65] @ [65, 17]", {33, 65}, {65, 17}, false},
+        M{"[4] @ [4, 5] (api, 1-d left)", {4}, {4, 5}, true},
+        M{"[3, 4] @ [4] (api, 1-d right)", {3, 4}, {4}, true},
+        M{"[4] @ [4] (api, dot)", {4}, {4}, true},
+        M{"[2, 3, 4] @ [4] (api)", {2, 3, 4}, {4}, true}}) {
+    Case c;
+    c.label = m.label;
+    c.args = {arg(m.a), arg(m.b)};
+    c.ref = [](const Arrays& in, DType) { return Arrays{ref::matmul(in[0], in[1])}; };
+    c.mag = [](const Arrays& in, DType) { return Arrays{ref::matmul(absv(in[0]), absv(in[1]))}; };
+    if (m.api) c.run = [](const Tensors& in, DType) { return Tensors{matmul(in[0], in[1])}; };
+    s.cases.push_back(std::move(c));
+  }
+  // A transposed batch of matrices (the column-major GEMM path for every batch entry).
+  Case t;
+  t.label = "[2, 4, 3]^T @ [2, 4, 5] (api, transposed batch)";
+  t.args = {arg({2, 4, 3}), arg({2, 4, 5})};
+  t.ref = [](const Arrays& in, DType) {
+    return Arrays{ref::matmul(ref::permute(in[0], {0, 2, 1}), in[1])};
+  };
+  t.mag = [](const Arrays& in, DType) {
+    return Arrays{ref::matmul(absv(ref::permute(in[0], {0, 2, 1})), absv(in[1]))};
+  };
+  t.run = [](const Tensors& in, DType) { return Tensors{matmul(in[0].transpose(1, 2), in[1])}; };
+  s.cases.push_back(std::move(t));
+  s.extra = [] {
+    expect_error("matmul [3, 4] @ [5, 2]", [] { matmul(zeros({3, 4}), zeros({5, 2})); });
+    expect_error("matmul f32 @ f64", [] { matmul(zeros({3, 4}), zeros({4, 2}, DType::f64)); });
+    expect_error("matmul batch [2] vs [3]", [] { matmul(zeros({2, 3, 4}), zeros({3, 4, 2})); });
+  };
+  return s;
+}
+
+// ---- softmax ------------------------------------------------------------------------------
+
+// Per element: |x - max| + |log sum exp(x - max)| + |x| + |max|, the terms log_softmax
+// subtracts; softmax's exp(x - max) carries that argument error as a relative error.
+NdArray softmax_terms(const NdArray& x, int64_t dim) {
+  const NdArray ls = ref::log_softmax(x, dim);
+  const int64_t d = x.ndim() == 0 ? 0 : dim;
+  const NdArray mx = x.ndim() == 0 ? x : ref::broadcast_to(ref::max(x, {d}, true), x.shape);
+  NdArray out = x;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double shifted = x.data[i] - mx.data[i];
+    out.data[i] = std::fabs(shifted) + std::fabs(shifted - ls.data[i]) + std::fabs(x.data[i]) +
+                  std::fabs(mx.data[i]);
+  }
+  return out;
+}
+
+OpSweep softmax_sweep(OpId op) {
+  const bool log = op == OpId::log_softmax;
+  OpSweep s{op, kFloats, kNonFloat, {}, {}};
+  struct S {
+    const char* label;
+    Shape shape;
+    int64_t dim;
+    Domain domain;
+  };
+  for (const S& x : {S{"[4, 7] dim -1", {4, 7}, -1, normal(2)},
+                     S{"[4, 7] dim 0 (strided rows)", {4, 7}, 0, normal(2)},
+                     S{"[2, 3, 5] dim 1", {2, 3, 5}, 1, normal(2)},
+                     S{"[3, 9] dim 1, scale 30 (needs the max shift)", {3, 9}, 1, normal(30)},
+                     S{"0-d", {}, 0, normal(1)},
+                     S{"[3, 4] dim 1, -inf masks (all-masked row: NaN)",
+                       {3, 4},
+                       1,
+                       fixed({0, -INFINITY, 1, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                              -INFINITY, 2, 3, -INFINITY, 0.5})},
+                     S{"[0, 5] dim 1 (empty)", {0, 5}, 1, normal(1)}}) {
+    Case c;
+    c.label = x.label;
+    c.args = {arg(x.shape, x.domain)};
+    c.attrs.dim = x.dim;
+    const int64_t dim = x.dim;
+    c.ref = [=](const Arrays& in, DType) {
+      return Arrays{log ? ref::log_softmax(in[0], dim) : ref::softmax(in[0], dim)};
+    };
+    c.mag = [=](const Arrays& in, DType) {
+      const NdArray terms = softmax_terms(in[0], dim);
+      if (log) return Arrays{terms};
+      const NdArray y = ref::softmax(in[0], dim);
+      return Arrays{zip(y, terms, [](double p, double t) { return p * (1 + t); })};
+    };
+    s.cases.push_back(std::move(c));
+  }
+  return s;
+}
+
+// ---- layer_norm ----------------------------------------------------------------------------
+
+// y = (x - mean) * rstd * w + b with x - mean evaluated in f32 from a rounded mean: error
+// terms (|x| + |mean|) * rstd * |w| + |b|.
+Arrays layer_norm_mag(const Arrays& in, int64_t nd, double eps) {
+  const Arrays fw = ref::layer_norm(in[0], in[1], in[2], nd, eps);
+  const int64_t cols = ref::count(Shape(in[0].shape.end() - nd, in[0].shape.end()));
+  NdArray y = in[0];
+  for (int64_t i = 0; i < y.numel(); ++i) {
+    const int64_t r = i / cols, c = i % cols;
+    double m = (std::fabs(in[0].data[i]) + std::fabs(fw[1].data[r])) * fw[2].data[r];
+    if (in[1].defined) m *= std::fabs(in[1].data[c]);
+    if (in[2].defined) m += std::fabs(in[2].data[c]);
+    y.data[i] = m;
+  }
+  return {y};
+}
+
+OpSweep layer_norm_sweep() {
+  OpSweep s{OpId::layer_norm, kFloats, kNonFloat, {}, {}};
+  struct L {
+    const char* label;
+    Shape x;
+    int64_t nd;
+    bool w, b;
+    double eps;
+    Domain domain;
+  };
+  for (const L& l :
+       {L{"[4, 6] nd 1, weight, bias", {4, 6}, 1, true, true, 1e-5, normal(1)},
+        L{"[2, 3, 4] nd 2, weight, bias", {2, 3, 4}, 2, true, true, 1e-5, normal(1)},
+        L{"[5, 8] no weight, no bias", {5, 8}, 1, false, false, 1e-5, normal(1)},
+        L{"[5, 8] weight only, eps 0.01", {5, 8}, 1, true, false, 1e-2, normal(1)},
+        L{"[3, 16] mean 5, sd 0.5", {3, 16}, 1, true, true, 1e-5, normal(0.5, 5)},
+        L{"[3, 130] wide rows", {3, 130}, 1, true, true, 1e-5, normal(1)},
+        L{"[4, 6] nd 2 (one row, 0-d statistics)", {4, 6}, 2, true, true, 1e-5, normal(1)}}) {
+    Case c;
+    c.label = l.label;
+    const Shape norm(l.x.end() - l.nd, l.x.end());
+    c.args = {arg(l.x, l.domain), l.w ? arg(norm, normal(1, 1)) : absent_arg(),
+              l.b ? arg(norm, normal(1)) : absent_arg()};
+    c.attrs.normalized_ndim = l.nd;
+    c.attrs.eps = l.eps;
+    const int64_t nd = l.nd;
+    const double eps = l.eps;
+    c.ref = [=](const Arrays& in, DType) { return ref::layer_norm(in[0], in[1], in[2], nd, eps); };
+    c.mag = [=](const Arrays& in, DType) { return layer_norm_mag(in, nd, eps); };
+    c.out_dtype = [](DType dt, size_t k) { return k == 0 || dt == DType::f64 ? dt : DType::f32; };
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    expect_error("layer_norm weight [5] for normalized [4]", [] {
+      layer_norm(zeros({3, 4}), {4}, zeros({5}));
+    });
+    expect_error("layer_norm normalized [3] of [3, 4]", [] { layer_norm(zeros({3, 4}), {3}); });
+  };
+  return s;
+}
+
+OpSweep layer_norm_backward_sweep() {
+  OpSweep s{OpId::layer_norm_backward, kFloats, kNonFloat, {}, {}};
+  struct L {
+    const char* label;
+    Shape x;
+    int64_t nd;
+    bool w, b;
+  };
+  for (const L& l : {L{"[4, 6] nd 1, weight, bias", {4, 6}, 1, true, true},
+                     L{"[2, 3, 4] nd 2, weight, bias", {2, 3, 4}, 2, true, true},
+                     L{"[5, 8] no weight, no bias", {5, 8}, 1, false, false},
+                     L{"[40, 8] weight only (several row blocks)", {40, 8}, 1, true, false}}) {
+    Case c;
+    c.label = l.label;
+    const Shape norm(l.x.end() - l.nd, l.x.end()), rows(l.x.begin(), l.x.end() - l.nd);
+    Arg mean = arg(rows), rstd = arg(rows);
+    mean.stats = rstd.stats = true;
+    c.args = {arg(l.x),
+              arg(l.x),
+              mean,
+              rstd,
+              l.w ? arg(norm, normal(1, 1)) : absent_arg(),
+              l.b ? arg(norm) : absent_arg()};
+    const int64_t nd = l.nd;
+    c.attrs.normalized_ndim = nd;
+    // mean and rstd are the forward's statistics of x.
+    c.prepare = [nd](Arrays& in, DType) {
+      const Arrays fw = ref::layer_norm(in[1], NdArray::absent(), NdArray::absent(), nd, 1e-5);
+      in[2] = fw[1];
+      in[3] = fw[2];
+    };
+    c.ref = [nd](const Arrays& in, DType) {
+      return ref::layer_norm_backward(in[0], in[1], in[2], in[3], in[4], in[5], nd);
+    };
+    // dx = rstd (g w - mean(g w) - xhat mean(g w xhat)) with xhat = (x - mean) rstd carrying
+    // (|x| + |mean|) rstd; dw = sum g xhat; db = sum g: the sums of the terms' magnitudes.
+    c.mag = [nd](const Arrays& in, DType) {
+      const int64_t cols = ref::count(Shape(in[1].shape.end() - nd, in[1].shape.end()));
+      const int64_t rows = cols == 0 ? 0 : in[1].numel() / cols;
+      NdArray dx = in[1];
+      NdArray dw = in[4].defined ? NdArray::zeros(in[4].shape) : NdArray::absent();
+      NdArray db = in[5].defined ? NdArray::zeros(in[5].shape) : NdArray::absent();
+      for (int64_t r = 0; r < rows; ++r) {
+        const double rs = std::fabs(in[3].data[r]), m = std::fabs(in[2].data[r]);
+        double mean_gw = 0, mean_gwx = 0;
+        for (int64_t k = 0; k < cols; ++k) {
+          const double g = std::fabs(in[0].data[r * cols + k]);
+          const double gw = in[4].defined ? g * std::fabs(in[4].data[k]) : g;
+          const double xh = (std::fabs(in[1].data[r * cols + k]) + m) * rs;
+          mean_gw += gw / cols;
+          mean_gwx += gw * xh / cols;
+          if (dw.defined) dw.data[k] += g * xh;
+          if (db.defined) db.data[k] += g;
+        }
+        for (int64_t k = 0; k < cols; ++k) {
+          const double g = std::fabs(in[0].data[r * cols + k]);
+          const double gw = in[4].defined ? g * std::fabs(in[4].data[k]) : g;
+          const double xh = (std::fabs(in[1].data[r * cols + k]) + m) * rs;
+          dx.data[r * cols + k] = rs * (gw + mean_gw + xh * mean_gwx);
+        }
+      }
+      return Arrays{dx, dw, db};
+    };
+    s.cases.push_back(std::move(c));
+  }
+  return s;
+}
+
+// ---- cross_entropy ----------------------------------------------------------------------
+
+ref::Reduction to_ref(Reduction r) {
+  return r == Reduction::mean  ? ref::Reduction::mean
+         : r == Reduction::sum ? ref::Reduction::sum
+                               : ref::Reduction::none;
+}
+
+struct CE {
+  const char* label;
+  int64_t n, c;
+  Reduction reduction;
+  int64_t ignore_index;
+  std::vector<double> targets;  // empty: random classes
+  DType target_dt = DType::i64;
+};
+const CE kCrossEntropy[] = {
+    {"[6, 5] mean", 6, 5, Reduction::mean, -100, {}},
+    {"[6, 5] sum", 6, 5, Reduction::sum, -100, {}},
+    {"[6, 5] none", 6, 5, Reduction::none, -100, {}},
+    {"[6, 5] mean, two rows ignored (-100)", 6, 5, Reduction::mean, -100, {0, -100, 3, 2, -100, 4}},
+    {"[6, 5] none, class 1 ignored", 6, 5, Reduction::none, 1, {1, 0, 3, 1, 2, 4}},
+    {"[6, 5] sum, i32 targets", 6, 5, Reduction::sum, -100, {}, DType::i32},
+    {"[3, 4] mean, every row ignored (NaN)", 3, 4, Reduction::mean, -100, {-100, -100, -100}},
+    {"[4, 300] mean, wide rows", 4, 300, Reduction::mean, -100, {}},
+};
+
+Arg target_arg(const CE& ce) {
+  return ce.targets.empty() ? index_arg({ce.n}, 0, ce.c - 1, ce.target_dt)
+                            : fixed_arg({ce.n}, ce.targets, ce.target_dt);
+}
+
+OpSweep cross_entropy_sweep() {
+  OpSweep s{OpId::cross_entropy, kFloats, kNonFloat, {}, {}};
+  for (const CE& ce : kCrossEntropy) {
+    Case c;
+    c.label = ce.label;
+    c.args = {arg({ce.n, ce.c}, normal(3)), target_arg(ce)};
+    c.attrs.reduction = ce.reduction;
+    c.attrs.ignore_index = ce.ignore_index;
+    c.ref = [ce](const Arrays& in, DType) {
+      return ref::cross_entropy(in[0], in[1], to_ref(ce.reduction), ce.ignore_index);
+    };
+    c.out_dtype = [](DType dt, size_t k) { return k == 0 || dt == DType::f64 ? dt : DType::f32; };
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    const Tensor logits = zeros({2, 3});
+    expect_error("cross_entropy target 3 of 3 classes", [&] {
+      cross_entropy(logits, make_tensor(NdArray::of({2}, {0, 3}), DType::i64));
+    });
+    expect_error("cross_entropy f32 targets", [&] { cross_entropy(logits, zeros({2})); });
+    expect_error("cross_entropy target [3] for [2, 3]", [&] {
+      cross_entropy(logits, make_tensor(NdArray::of({3}, {0, 1, 2}), DType::i64));
+    });
+  };
+  return s;
+}
+
+OpSweep cross_entropy_backward_sweep() {
+  OpSweep s{OpId::cross_entropy_backward, kFloats, kNonFloat, {}, {}};
+  for (const CE& ce : kCrossEntropy) {
+    if (ce.reduction == Reduction::mean && ce.targets.size() == static_cast<size_t>(ce.n) &&
+        std::all_of(ce.targets.begin(), ce.targets.end(), [](double t) { return t == -100; })) {
+      continue;  // all ignored: the forward's loss is NaN and there is nothing to propagate
+    }
+    Case c;
+    c.label = ce.label;
+    const Shape grad = ce.reduction == Reduction::none ? Shape{ce.n} : Shape{};
+    Arg lse = arg({ce.n});
+    lse.stats = true;
+    c.args = {arg(grad, normal(1)), arg({ce.n, ce.c}, normal(3)), target_arg(ce), lse};
+    c.attrs.reduction = ce.reduction;
+    c.attrs.ignore_index = ce.ignore_index;
+    c.prepare = [](Arrays& in, DType) {
+      in[3] =
+          ref::cross_entropy(in[1], NdArray::zeros({in[1].shape[0]}), ref::Reduction::none, -1)[1];
+    };
+    c.ref = [ce](const Arrays& in, DType) {
+      return Arrays{ref::cross_entropy_backward(in[0], in[1], in[2], in[3], to_ref(ce.reduction),
+                                                ce.ignore_index)};
+    };
+    // scale * (exp(x - lse) - onehot): exp's argument carries u (|x| + |lse|) (relative),
+    // and the target entry subtracts |scale|.
+    c.mag = [ce](const Arrays& in, DType) {
+      const int64_t n = in[1].shape[0], k = in[1].shape[1];
+      int64_t counted = 0;
+      for (int64_t r = 0; r < n; ++r) counted += in[2].data[r] != ce.ignore_index;
+      NdArray m = NdArray::zeros(in[1].shape);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = static_cast<int64_t>(in[2].data[r]);
+        if (t == ce.ignore_index) continue;
+        double scale = std::fabs(ce.reduction == Reduction::none ? in[0].data[r] : in[0].data[0]);
+        if (ce.reduction == Reduction::mean) scale /= static_cast<double>(counted);
+        for (int64_t i = 0; i < k; ++i) {
+          const double x = in[1].data[r * k + i], p = std::exp(x - in[3].data[r]);
+          m.data[r * k + i] =
+              scale * (p * (1 + std::fabs(x) + std::fabs(in[3].data[r])) + (i == t ? 1 : 0));
+        }
+      }
+      return Arrays{m};
+    };
+    s.cases.push_back(std::move(c));
+  }
+  return s;
+}
+
+// ---- dropout --------------------------------------------------------------------------------
+
+OpSweep dropout_sweep() {
+  OpSweep s{OpId::dropout, kFloats, kNonFloat, {}, {}};
+  // p exactly representable, so the f32 keep test u >= p has no rounding ambiguity.
+  for (double p : {0.25, 0.5}) {
+    for (const Shape& shape : {Shape{7, 9}, Shape{2, 3, 40}}) {
+      Case c;
+      c.label = fmt::format("{} p {}", shape_str(shape), p);
+      c.args = {arg(shape)};
+      c.attrs.p = p;
+      c.attrs.seed = 1234;
+      c.attrs.offset = 77;
+      c.ref = [p](const Arrays& in, DType) { return Arrays{ref::dropout(in[0], p, 1234, 77)}; };
+      s.cases.push_back(std::move(c));
+    }
+  }
+  Case block;  // a shard: the mask of its slice of the logical tensor
+  block.label = "[3, 4] block at [2, 3] of [6, 8], p 0.5";
+  block.args = {arg({3, 4})};
+  block.attrs.p = 0.5;
+  block.attrs.seed = 99;
+  block.attrs.offset = 11;
+  block.attrs.rng_view = {{6, 8}, {2, 3}};
+  block.ref = [](const Arrays& in, DType) {
+    return Arrays{ref::dropout(in[0], 0.5, 99, 11, {6, 8}, {2, 3})};
+  };
+  s.cases.push_back(std::move(block));
+  s.extra = [] {
+    const Tensor x = ones({1000});
+    CHECK(dropout(x, 0.3, /*training=*/false).is_same(x));
+    CHECK(dropout(x, 0.0).is_same(x));
+    expect_error("dropout p = 1", [&] { dropout(x, 1.0); });
+    // The kept fraction of 10^4 Bernoulli(0.7) draws: sd = sqrt(0.21 / 1e4) = 0.0046.
+    Generator g(5);
+    const NdArray y = read_tensor(dropout(ones({10000}), 0.3, true, &g));
+    double kept = 0;
+    for (double v : y.data) kept += v != 0;
+    CHECK(std::fabs(kept / 1e4 - 0.7) < 5 * 0.0046);
+  };
+  return s;
+}
+
+// ---- conv2d and max_pool2d ---------------------------------------------------------------
+
+struct Conv {
+  const char* label;
+  Shape x, w;
+  std::array<int64_t, 2> stride, padding;
+  bool bias;
+};
+const Conv kConvs[] = {
+    {"x [2, 3, 7, 6] w [4, 3, 3, 2]", {2, 3, 7, 6}, {4, 3, 3, 2}, {1, 1}, {0, 0}, true},
+    {"stride 2, padding 1", {2, 3, 7, 6}, {4, 3, 3, 3}, {2, 2}, {1, 1}, true},
+    {"no bias, stride [2, 1], padding [0, 2]", {1, 2, 6, 5}, {3, 2, 2, 3}, {2, 1}, {0, 2}, false},
+    {"1x1 kernel", {2, 5, 4, 4}, {3, 5, 1, 1}, {1, 1}, {0, 0}, true},
+};
+
+int64_t conv_out(int64_t in, int64_t k, int64_t s, int64_t p) { return (in + 2 * p - k) / s + 1; }
+Shape conv_out_shape(const Conv& c) {
+  return {c.x[0], c.w[0], conv_out(c.x[2], c.w[2], c.stride[0], c.padding[0]),
+          conv_out(c.x[3], c.w[3], c.stride[1], c.padding[1])};
+}
+
+std::vector<OpSweep> conv_sweeps() {
+  OpSweep fwd{OpId::conv2d, kFloats, kNonFloat, {}, {}};
+  OpSweep bwd_in{OpId::conv2d_backward_input, kFloats, kNonFloat, {}, {}};
+  OpSweep bwd_w{OpId::conv2d_backward_weight, kFloats, kNonFloat, {}, {}};
+  for (const Conv& cv : kConvs) {
+    // Each output sums C * kh * kw <= 27 products (GEMM in f32): well inside rel32.
+    Case c;
+    c.label = cv.label;
+    c.args = {arg(cv.x), arg(cv.w), cv.bias ? arg({cv.w[0]}) : absent_arg()};
+    c.attrs.stride = cv.stride;
+    c.attrs.padding = cv.padding;
+    c.ref = [cv](const Arrays& in, DType) {
+      return Arrays{ref::conv2d(in[0], in[1], in[2], cv.stride, cv.padding)};
+    };
+    c.mag = [cv](const Arrays& in, DType) {
+      return Arrays{
+          ref::conv2d(absv(in[0]), absv(in[1]), absent_or_abs(in[2]), cv.stride, cv.padding)};
+    };
+    fwd.cases.push_back(std::move(c));
+
+    Case bi;
+    bi.label = cv.label;
+    bi.args = {arg(conv_out_shape(cv)), arg(cv.w)};
+    bi.attrs = fwd.cases.back().attrs;
+    bi.attrs.shape = cv.x;
+    bi.ref = [cv](const Arrays& in, DType) {
+      return Arrays{ref::conv2d_backward_input(in[0], in[1], cv.x, cv.stride, cv.padding)};
+    };
+    bi.mag = [cv](const Arrays& in, DType) {
+      return Arrays{
+          ref::conv2d_backward_input(absv(in[0]), absv(in[1]), cv.x, cv.stride, cv.padding)};
+    };
+    bwd_in.cases.push_back(std::move(bi));
+
+    Case bw;
+    bw.label = cv.label;
+    bw.args = {arg(conv_out_shape(cv)), arg(cv.x)};
+    bw.attrs = fwd.cases.back().attrs;
+    bw.attrs.shape = cv.w;
+    bw.ref = [cv](const Arrays& in, DType) {
+      return Arrays{ref::conv2d_backward_weight(in[0], in[1], cv.w, cv.stride, cv.padding)};
+    };
+    bw.mag = [cv](const Arrays& in, DType) {
+      return Arrays{
+          ref::conv2d_backward_weight(absv(in[0]), absv(in[1]), cv.w, cv.stride, cv.padding)};
+    };
+    bwd_w.cases.push_back(std::move(bw));
+  }
+  fwd.extra = [] {
+    expect_error("conv2d 3 channels vs weight 2", [] {
+      conv2d(zeros({1, 3, 5, 5}), zeros({2, 2, 3, 3}));
+    });
+    expect_error("conv2d kernel 6 > input 5", [] {
+      conv2d(zeros({1, 1, 5, 5}), zeros({1, 1, 6, 6}));
+    });
+    expect_error("conv2d bias [3] for 2 outputs", [] {
+      conv2d(zeros({1, 1, 5, 5}), zeros({2, 1, 3, 3}), zeros({3}));
+    });
+  };
+  return {fwd, bwd_in, bwd_w};
+}
+
+OpSweep max_pool_sweep() {
+  OpSweep s{OpId::max_pool2d, kNumeric, {DType::b8}, {}, {}};
+  struct P {
+    const char* label;
+    Shape x;
+    std::array<int64_t, 2> k, stride, pad;
+    Domain domain;
+  };
+  for (const P& p :
+       {P{"[2, 3, 7, 6] k 2 s 2", {2, 3, 7, 6}, {2, 2}, {2, 2}, {0, 0}, normal(1)},
+        P{"k 3 s 2 pad 1", {2, 3, 7, 6}, {3, 3}, {2, 2}, {1, 1}, normal(1)},
+        P{"k [3, 2] s [1, 2] pad [1, 0]", {1, 2, 5, 6}, {3, 2}, {1, 2}, {1, 0}, normal(1)},
+        P{"k 2 s 1 ties", {2, 2, 5, 5}, {2, 2}, {1, 1}, {0, 0}, ints(-1, 1)},
+        P{"k 2 s 1 IEEE specials",
+          {1, 1, 3, 4},
+          {2, 2},
+          {1, 1},
+          {0, 0},
+          fixed({1, NAN, 3, -INFINITY, -INFINITY, -INFINITY, 2, INFINITY, -INFINITY, -INFINITY, NAN,
+                 0})}}) {
+    Case c;
+    c.label = p.label;
+    c.args = {arg(p.x, p.domain, ints(-5, 5))};
+    c.attrs.kernel_size = p.k;
+    c.attrs.stride = p.stride;
+    c.attrs.padding = p.pad;
+    c.ref = [p](const Arrays& in, DType) { return ref::max_pool2d(in[0], p.k, p.stride, p.pad); };
+    c.out_dtype = [](DType dt, size_t k) { return k == 0 ? dt : DType::i64; };
+    c.exact = true;
+    if (p.domain.kind == Domain::Kind::fixed) c.dtypes = kFloats;
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    expect_error("max_pool2d padding 2 > kernel 3 / 2", [] {
+      max_pool2d(zeros({1, 1, 6, 6}), {3, 3}, {1, 1}, {2, 2});
+    });
+    // The API defaults the stride to the kernel size.
+    const Tensor x = make_tensor(NdArray::of({1, 1, 2, 4}, {1, 5, 2, 0, 3, 4, 8, 9}), DType::f32);
+    expect_close("max_pool2d default stride", max_pool2d(x, {2, 2}),
+                 NdArray::of({1, 1, 1, 2}, {5, 9}), 0);
+  };
+  return s;
+}
+
+}  // namespace
+
+std::vector<OpSweep> nn_sweeps() {
+  std::vector<OpSweep> out = {matmul_sweep(),
+                              softmax_sweep(OpId::softmax),
+                              softmax_sweep(OpId::log_softmax),
+                              layer_norm_sweep(),
+                              layer_norm_backward_sweep(),
+                              cross_entropy_sweep(),
+                              cross_entropy_backward_sweep(),
+                              dropout_sweep()};
+  for (OpSweep& s : conv_sweeps()) out.push_back(std::move(s));
+  out.push_back(max_pool_sweep());
+  return out;
+}
+
+}  // namespace tessera::sweep
