@@ -1,8 +1,11 @@
-// CPU matmul through Eigen's GEMM (multi-threaded with OpenMP). Operands may be row- or
-// column-major views (a transpose is free); other layouts are copied first. f16/bf16 are
-// widened to f32, multiplied with f32 accumulation and rounded once at the end.
+// CPU matmul: f32 through Tessera's own sgemm (kernels/cpu/gemm.h), which reads operands at
+// any strides, so transposed and sliced views are never copied. f16/bf16 are widened to f32,
+// multiplied with f32 accumulation and rounded once at the end. f64 goes through Eigen's GEMM
+// (multi-threaded with OpenMP); its operands must be row- or column-major views, other
+// layouts are copied first.
 #include <Eigen/Core>
 
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/util.h"
 #include "tensor/op.h"
@@ -88,8 +91,24 @@ std::vector<int64_t> batch_offsets(const Tensor& t, const Shape& batch) {
   return off;
 }
 
-template <typename T>
-void matmul_typed(Tensor a, Tensor b, const Tensor& out) {
+// Runs one(i) for every batch index i < nb. Many small products: one per thread (the GEMM
+// then runs single-threaded inside the parallel region). Few large ones: one at a time, each
+// using every thread.
+template <typename F>
+void for_each_product(int64_t nb, int64_t m, int64_t n, int64_t k, F&& one) {
+  const int64_t flops = m * n * k;
+  if (nb > 1 && flops < (1 << 21)) {
+    parallel_for(0, nb, std::max<int64_t>(1, (1 << 21) / std::max<int64_t>(flops, 1)),
+                 [&](int64_t b0, int64_t e0) {
+                   for (int64_t i = b0; i < e0; ++i) one(i);
+                 });
+  } else {
+    for (int64_t i = 0; i < nb; ++i) one(i);
+  }
+}
+
+void matmul_f64(Tensor a, Tensor b, const Tensor& out) {
+  using T = double;
   bool a_row = true, b_row = true;
   int64_t lda = 0, ldb = 0;
   if (!gemm_layout(a, a_row, lda)) {
@@ -103,35 +122,39 @@ void matmul_typed(Tensor a, Tensor b, const Tensor& out) {
   const Shape batch(out.shape().begin(), out.shape().end() - 2);
   const int64_t m = out.shape()[out.dim() - 2], n = out.shape()[out.dim() - 1];
   const int64_t k = a.shape()[a.dim() - 1];
-  const int64_t nb = numel_of(batch);
   const auto aoff = batch_offsets(a, batch), boff = batch_offsets(b, batch);
   const T* ap = static_cast<const T*>(a.raw_data());
   const T* bp = static_cast<const T*>(b.raw_data());
   T* op = static_cast<T*>(out.raw_data());
-  auto one = [&](int64_t i) {
+  for_each_product(numel_of(batch), m, n, k, [&](int64_t i) {
     gemm<T>(MatView<T>{ap + aoff[i], m, k, lda, a_row}, MatView<T>{bp + boff[i], k, n, ldb, b_row},
             op + i * m * n);
-  };
-  // Many small products: one per thread (Eigen then runs single-threaded inside the
-  // parallel region). Few large ones: one at a time, each using every thread.
-  const int64_t flops = m * n * k;
-  if (nb > 1 && flops < (1 << 21)) {
-    parallel_for(0, nb, std::max<int64_t>(1, (1 << 21) / std::max<int64_t>(flops, 1)),
-                 [&](int64_t b0, int64_t e0) {
-                   for (int64_t i = b0; i < e0; ++i) one(i);
-                 });
-  } else {
-    for (int64_t i = 0; i < nb; ++i) one(i);
-  }
+  });
+}
+
+void matmul_f32(const Tensor& a, const Tensor& b, const Tensor& out) {
+  const Shape batch(out.shape().begin(), out.shape().end() - 2);
+  const int64_t m = out.shape()[out.dim() - 2], n = out.shape()[out.dim() - 1];
+  const int64_t k = a.shape()[a.dim() - 1];
+  const auto aoff = batch_offsets(a, batch), boff = batch_offsets(b, batch);
+  const float* ap = static_cast<const float*>(a.raw_data());
+  const float* bp = static_cast<const float*>(b.raw_data());
+  float* op = static_cast<float*>(out.raw_data());
+  const int64_t ars = a.strides()[a.dim() - 2], acs = a.strides()[a.dim() - 1];
+  const int64_t brs = b.strides()[b.dim() - 2], bcs = b.strides()[b.dim() - 1];
+  for_each_product(numel_of(batch), m, n, k, [&](int64_t i) {
+    sgemm(m, n, k, StridedMatrix{ap + aoff[i], ars, acs}, StridedMatrix{bp + boff[i], brs, bcs},
+          op + i * m * n, n);
+  });
 }
 
 void matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
   const DType dt = in[0].dtype();
-  if (dt == DType::f32) return matmul_typed<float>(in[0], in[1], out[0]);
-  if (dt == DType::f64) return matmul_typed<double>(in[0], in[1], out[0]);
+  if (dt == DType::f32) return matmul_f32(in[0], in[1], out[0]);
+  if (dt == DType::f64) return matmul_f64(in[0], in[1], out[0]);
   // f16/bf16: widen, multiply in f32, round once.
   Tensor wide = Tensor::empty(out[0].shape(), DType::f32, out[0].device());
-  matmul_typed<float>(to_compute_cpu(in[0]), to_compute_cpu(in[1]), wide);
+  matmul_f32(to_compute_cpu(in[0]), to_compute_cpu(in[1]), wide);
   copy_cpu(out[0], wide);
 }
 

@@ -1,0 +1,479 @@
+// sgemm: the GotoBLAS/BLIS loop nest with row-major C and vectors along N.
+//
+// Loop nest (per thread, over its own rectangle of C):
+//   for ib in rows, step kMB:            A panel  (mb x kc, packed, lives in L3)
+//     for pb in K, step kc:              the K blocking: a function of K alone
+//       pack A[ib.., pb..]
+//       for jb in cols, step kNB:        B block  (kc x nb, packed, lives in L2)
+//         pack B[pb.., jb..]
+//         for ir in mb, step kMR:        A sliver (kMR x kc), reused for the whole block
+//           for jr in nb, step kNR:      B sliver (kc x kNR) streams from L2
+//             micro-kernel: C[ir.., jr..] (+)= A sliver * B sliver
+//
+// The micro-kernel holds a kMR x kNR tile of C in registers: per k it loads kNR/16 vectors of
+// the packed B row and broadcasts kMR values of the packed A column (an outer product).
+// Packing makes both streams contiguous and aligned whatever the operands' strides, which is
+// why transposed views need no copy. Edge tiles are computed in full from zero-padded
+// panels into a scratch tile, and only the valid part is written to C.
+//
+// Determinism: every element of C is accumulated as  c = 0; for k in block: c = fma(a, b, c)
+// per K block (a separate multiply and add in the scalar fallback), and the blocks are added
+// to C in increasing order. That holds in full tiles, edge tiles and on any thread, so the
+// thread count (which only chooses who computes which rectangle of C) never changes a bit
+// of the result.
+#include "kernels/cpu/gemm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <new>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "kernels/cpu/parallel.h"
+#include "tensor/error.h"
+
+namespace tessera::cpu {
+namespace {
+
+// Register tile and cache blocks per instruction set. kMR x kNR accumulators must fit the
+// register file with room for the B row and a broadcast: 24 of 32 zmm, 12 of 16 ymm.
+#if defined(__AVX512F__)
+constexpr int kMR = 12, kNR = 32;
+constexpr const char* kKernelName = "avx512 12x32";
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kMR = 6, kNR = 16;
+constexpr const char* kKernelName = "avx2+fma 6x16";
+#else
+constexpr int kMR = 4, kNR = 8;
+constexpr const char* kKernelName = "scalar 4x8";
+#endif
+
+// Sized for Zen 4 (32 KiB L1d, 1 MiB L2 per core, 32 MiB L3). kKC: long enough that loading
+// and storing the C tile once per K block is noise (A sliver 18 KiB). kNB: the B block
+// (kKC x kNB, at most 1.1 MiB) sits in L2, with L3 catching the overflow. kMB: the A panel
+// (kMB x kKC) fits in L3, so B is repacked at most once per kMB rows. Blocks are balanced
+// (see balanced_block). On Zen 4, KC 256..480, NB 512..1024 and tiles 12x32, 8x48, 6x64,
+// 14x32 all measured within noise of each other (~100 GFLOP/s on one core).
+constexpr int64_t kKC = 384;
+constexpr int64_t kNB = 768;
+constexpr int64_t kMB = 3072;
+static_assert(kNB % kNR == 0 && kMB % kMR == 0);
+
+// Below this many multiply-adds per thread, waking another thread costs more than it saves.
+constexpr int64_t kMinWorkPerThread = int64_t{1} << 18;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- micro-kernels -------------------------------------------------------------------------
+// c[kMR x kNR] (row stride ldc) = or += sum_p a[p * kMR + r] * b[p * kNR + j] over p < kc.
+// `a` and `b` are packed slivers; `b` is 64-byte aligned.
+
+#if defined(__AVX512F__)
+inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c,
+                         int64_t ldc, bool accumulate) {
+  constexpr int kNV = kNR / 16;  // vectors per row of the tile
+  __m512 acc[kMR][kNV];
+  // The tile is written at the end; start fetching it now so the stores do not stall.
+#pragma GCC unroll 16
+  for (int r = 0; r < kMR; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) {
+      acc[r][v] = _mm512_setzero_ps();
+      _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + 16 * v), _MM_HINT_T0);
+    }
+  }
+  for (int64_t p = 0; p < kc; ++p) {
+    __m512 bv[kNV];
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) bv[v] = _mm512_load_ps(b + 16 * v);
+#pragma GCC unroll 16
+    for (int r = 0; r < kMR; ++r) {
+      const __m512 ar = _mm512_set1_ps(a[r]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kNV; ++v) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
+    }
+    a += kMR;
+    b += kNR;
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kMR; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kNV; ++v) {
+      float* cv = c + r * ldc + 16 * v;
+      if (accumulate) acc[r][v] = _mm512_add_ps(_mm512_loadu_ps(cv), acc[r][v]);
+      _mm512_storeu_ps(cv, acc[r][v]);
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c,
+                         int64_t ldc, bool accumulate) {
+  __m256 c0[kMR], c1[kMR];
+#pragma GCC unroll 6
+  for (int r = 0; r < kMR; ++r) {
+    c0[r] = _mm256_setzero_ps();
+    c1[r] = _mm256_setzero_ps();
+  }
+#pragma GCC unroll 4
+  for (int64_t p = 0; p < kc; ++p) {
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < kMR; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r);
+      c0[r] = _mm256_fmadd_ps(ar, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(ar, b1, c1[r]);
+    }
+    a += kMR;
+    b += kNR;
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < kMR; ++r) {
+    float* cr = c + r * ldc;
+    if (accumulate) {
+      c0[r] = _mm256_add_ps(_mm256_loadu_ps(cr), c0[r]);
+      c1[r] = _mm256_add_ps(_mm256_loadu_ps(cr + 8), c1[r]);
+    }
+    _mm256_storeu_ps(cr, c0[r]);
+    _mm256_storeu_ps(cr + 8, c1[r]);
+  }
+}
+#else
+inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c,
+                         int64_t ldc, bool accumulate) {
+  float acc[kMR][kNR] = {};
+  for (int64_t p = 0; p < kc; ++p) {
+    for (int r = 0; r < kMR; ++r) {
+      for (int j = 0; j < kNR; ++j) acc[r][j] += a[r] * b[j];
+    }
+    a += kMR;
+    b += kNR;
+  }
+  for (int r = 0; r < kMR; ++r) {
+    for (int j = 0; j < kNR; ++j) {
+      c[r * ldc + j] = accumulate ? c[r * ldc + j] + acc[r][j] : acc[r][j];
+    }
+  }
+}
+#endif
+
+// One tile of C: the micro-kernel straight into C when the tile is full, else into a
+// scratch tile of which the valid rows x cols are copied (the same additions, so edge
+// elements round exactly like interior ones).
+inline void compute_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+                         int64_t rows, int64_t cols, bool accumulate) {
+  if (rows == kMR && cols == kNR) {
+    micro_kernel(kc, a, b, c, ldc, accumulate);
+    return;
+  }
+  alignas(64) float tile[kMR * kNR];
+  micro_kernel(kc, a, b, tile, kNR, false);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* cr = c + r * ldc;
+    const float* tr = tile + r * kNR;
+    if (accumulate) {
+      for (int64_t j = 0; j < cols; ++j) cr[j] += tr[j];
+    } else {
+      for (int64_t j = 0; j < cols; ++j) cr[j] = tr[j];
+    }
+  }
+}
+
+// ---- packing ------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+// Transposes 16 rows of 16 floats (r[i] = row i) in place: afterwards r[j] holds column j.
+// Three rounds of shuffles: 32-bit pairs, 64-bit pairs, then 128-bit lanes.
+inline void transpose16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // u[4q + e] holds, in 128-bit lane L, rows 4q..4q+3 of column 4L + e.
+  __m512 u[16];
+  for (int q = 0; q < 4; ++q) {
+    const __m512d t0 = _mm512_castps_pd(t[4 * q]), t1 = _mm512_castps_pd(t[4 * q + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * q + 2]), t3 = _mm512_castps_pd(t[4 * q + 3]);
+    u[4 * q + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  // Gather lane L of u[e], u[4 + e], u[8 + e], u[12 + e] into column 4L + e.
+  for (int e = 0; e < 4; ++e) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);  // lanes 0, 2
+    const __m512 v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);  // lanes 1, 3
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    r[8 + e] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    r[4 + e] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    r[12 + e] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+}
+
+// A sliver from a row-major A (unit column stride): kMR rows, each contiguous in k, become
+// kc columns of kMR. 16 k at a time through a 16x16 transpose (rows kMR.. are don't-care).
+// Returns how many k were packed; the caller finishes the rest.
+inline int64_t pack_a_sliver_rows(const float* src, int64_t rs, int64_t kc, float* dst) {
+  static_assert(kMR <= 16);
+  constexpr __mmask16 kRowMask = (1u << kMR) - 1;
+  int64_t p = 0;
+  for (; p + 16 <= kc; p += 16) {
+    __m512 r[16];
+    for (int i = 0; i < kMR; ++i) r[i] = _mm512_loadu_ps(src + i * rs + p);
+    for (int i = kMR; i < 16; ++i) r[i] = _mm512_setzero_ps();
+    transpose16x16(r);
+    for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(dst + (p + j) * kMR, kRowMask, r[j]);
+  }
+  return p;
+}
+
+// A B sliver from a column-major B (unit row stride, e.g. W^T): kNR columns, each contiguous
+// in k, become kc rows of kNR, 16 x 16 at a time. Returns how many k were packed.
+inline int64_t pack_b_sliver_cols(const float* src, int64_t cs, int64_t kc, float* dst) {
+  static_assert(kNR % 16 == 0);
+  int64_t p = 0;
+  for (; p + 16 <= kc; p += 16) {
+    for (int j0 = 0; j0 < kNR; j0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (j0 + i) * cs + p);
+      transpose16x16(r);
+      for (int k = 0; k < 16; ++k) _mm512_store_ps(dst + (p + k) * kNR + j0, r[k]);
+    }
+  }
+  return p;
+}
+#else
+inline int64_t pack_a_sliver_rows(const float*, int64_t, int64_t, float*) { return 0; }
+inline int64_t pack_b_sliver_cols(const float*, int64_t, int64_t, float*) { return 0; }
+#endif
+
+// Packs A[i0 : i0 + mb, p0 : p0 + kc] into slivers of kMR rows: sliver s is kc columns of
+// kMR values, dst[s * kc * kMR + p * kMR + r] = A(i0 + s * kMR + r, p0 + p); rows past mb
+// are zero.
+void pack_a(const StridedMatrix& a, int64_t i0, int64_t mb, int64_t p0, int64_t kc, float* dst) {
+  const int64_t rs = a.row_stride, cs = a.col_stride;
+  for (int64_t s = 0; s * kMR < mb; ++s) {
+    const int64_t rows = std::min<int64_t>(kMR, mb - s * kMR);
+    const float* src = a.data + (i0 + s * kMR) * rs + p0 * cs;
+    float* d = dst + s * kc * kMR;
+    int64_t p = 0;
+    if (rows == kMR && cs == 1) p = pack_a_sliver_rows(src, rs, kc, d);
+    if (rows == kMR && rs == 1) {
+      // Column-major A (a transposed view): each column is kMR contiguous values.
+      for (; p < kc; ++p) std::memcpy(d + p * kMR, src + p * cs, sizeof(float) * kMR);
+    }
+    for (; p < kc; ++p) {
+      for (int64_t r = 0; r < rows; ++r) d[p * kMR + r] = src[r * rs + p * cs];
+      for (int64_t r = rows; r < kMR; ++r) d[p * kMR + r] = 0.0f;
+    }
+  }
+}
+
+// Packs B[p0 : p0 + kc, j0 : j0 + nb] into slivers of kNR columns: sliver s is kc rows of
+// kNR values, dst[s * kc * kNR + p * kNR + j] = B(p0 + p, j0 + s * kNR + j); columns past nb
+// are zero.
+void pack_b(const StridedMatrix& b, int64_t p0, int64_t kc, int64_t j0, int64_t nb, float* dst) {
+  const int64_t rs = b.row_stride, cs = b.col_stride;
+  const int64_t full = nb / kNR;  // slivers without padding
+  if (cs == 1) {
+    // Row-major B: walk each source row once, front to back, so the hardware prefetcher
+    // streams it (sliver by sliver would jump a whole row stride per kNR floats).
+    for (int64_t p = 0; p < kc; ++p) {
+      const float* src = b.data + (p0 + p) * rs + j0;
+      for (int64_t s = 0; s < full; ++s) {
+        std::memcpy(dst + s * kc * kNR + p * kNR, src + s * kNR, sizeof(float) * kNR);
+      }
+    }
+  }
+  for (int64_t s = cs == 1 ? full : 0; s * kNR < nb; ++s) {
+    const int64_t cols = std::min<int64_t>(kNR, nb - s * kNR);
+    const float* src = b.data + p0 * rs + (j0 + s * kNR) * cs;
+    float* d = dst + s * kc * kNR;
+    int64_t p = 0;
+    if (cols == kNR && rs == 1) p = pack_b_sliver_cols(src, cs, kc, d);
+    for (; p < kc; ++p) {
+      for (int64_t j = 0; j < cols; ++j) d[p * kNR + j] = src[p * rs + j * cs];
+      for (int64_t j = cols; j < kNR; ++j) d[p * kNR + j] = 0.0f;
+    }
+  }
+}
+
+// ---- buffers and the serial loop nest -----------------------------------------------------
+// A 64-byte aligned scratch buffer that only grows. Thread-local, so OpenMP's persistent
+// workers keep theirs across calls and no call pays for fresh pages.
+class PackBuffer {
+ public:
+  ~PackBuffer() { std::free(data_); }
+  float* get(int64_t count) {
+    if (count > capacity_) {
+      std::free(data_);
+      const size_t bytes = (static_cast<size_t>(count) * sizeof(float) + 63) / 64 * 64;
+      data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+      capacity_ = data_ ? count : 0;
+      if (!data_) throw std::bad_alloc();
+    }
+    return data_;
+  }
+
+ private:
+  float* data_ = nullptr;
+  int64_t capacity_ = 0;
+};
+
+PackBuffer& a_buffer() {
+  thread_local PackBuffer buffer;
+  return buffer;
+}
+PackBuffer& b_buffer() {
+  thread_local PackBuffer buffer;
+  return buffer;
+}
+
+struct Problem {
+  int64_t m, n, k;
+  StridedMatrix a, b;
+  float* c;
+  int64_t ldc;
+  bool accumulate;
+  int64_t kc;  // K block: depends on k only (see balanced_block)
+};
+
+// The block size that splits `extent` into equal blocks of at most `max_block`, rounded up
+// to a multiple of `unit`: no thin remainder block. For K it is a function of k alone, so
+// the summation order never depends on m, n or the threads.
+int64_t balanced_block(int64_t extent, int64_t max_block, int64_t unit) {
+  const int64_t blocks = ceil_div(extent, max_block);
+  return std::min(max_block, ceil_div(ceil_div(extent, blocks), unit) * unit);
+}
+
+// C[i0 : i1, j0 : j1] on the calling thread.
+void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+  if (i0 >= i1 || j0 >= j1) return;
+  const int64_t mb_max = balanced_block(i1 - i0, kMB, kMR);
+  const int64_t nb_max = balanced_block(j1 - j0, kNB, kNR);
+  float* apack = a_buffer().get(mb_max * pr.kc);
+  float* bpack = b_buffer().get(nb_max * pr.kc);
+  for (int64_t ib = i0; ib < i1; ib += mb_max) {
+    const int64_t mb = std::min(mb_max, i1 - ib);
+    for (int64_t pb = 0; pb < pr.k; pb += pr.kc) {
+      const int64_t kc = std::min(pr.kc, pr.k - pb);
+      const bool accumulate = pr.accumulate || pb > 0;
+      pack_a(pr.a, ib, mb, pb, kc, apack);
+      for (int64_t jb = j0; jb < j1; jb += nb_max) {
+        const int64_t nb = std::min(nb_max, j1 - jb);
+        pack_b(pr.b, pb, kc, jb, nb, bpack);
+        for (int64_t ir = 0; ir < mb; ir += kMR) {
+          const float* as = apack + ir * kc;
+          float* crow = pr.c + (ib + ir) * pr.ldc + jb;
+          const int64_t rows = std::min<int64_t>(kMR, mb - ir);
+          for (int64_t jr = 0; jr < nb; jr += kNR) {
+            compute_tile(kc, as, bpack + jr * kc, crow + jr, pr.ldc, rows,
+                         std::min<int64_t>(kNR, nb - jr), accumulate);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- threads ------------------------------------------------------------------------------
+// Threads tile C as a tm x tn grid of rectangles (whole kMR x kNR tiles each) and run
+// independently: no barrier, no shared buffer. A thread packs the A rows and B columns of
+// its own rectangle, so splitting N repacks A in every column of the grid and splitting M
+// repacks B; the grid is chosen by a cost model of the busiest thread.
+struct Grid {
+  int tm = 1, tn = 1;
+};
+
+// Cost of packing one element, in multiply-adds (one 16-lane FMA per cycle, so 16 of them
+// per cycle of packing). A copy along the panel's rows is cheapest, a transpose through
+// registers next, a scalar gather (any other stride) dearest.
+double pack_cost(const StridedMatrix& x, bool is_a) {
+  const bool copy = is_a ? x.row_stride == 1 : x.col_stride == 1;
+  const bool transpose = is_a ? x.col_stride == 1 : x.row_stride == 1;
+  return copy ? 4.0 : transpose ? 8.0 : 24.0;
+}
+
+Grid choose_grid(const Problem& pr, int max_threads) {
+  const int64_t tiles_m = ceil_div(pr.m, kMR), tiles_n = ceil_div(pr.n, kNR);
+  const int64_t by_work = std::max<int64_t>(1, pr.m * pr.n * pr.k / kMinWorkPerThread);
+  const int threads = static_cast<int>(std::min<int64_t>(max_threads, by_work));
+  const double cost_a = pack_cost(pr.a, true), cost_b = pack_cost(pr.b, false);
+  const double k = static_cast<double>(pr.k);
+  Grid best;
+  double best_cost = std::numeric_limits<double>::infinity();
+  for (int t = 1; t <= threads; ++t) {
+    for (int tm = 1; tm <= t; ++tm) {
+      if (t % tm != 0) continue;
+      const int tn = t / tm;
+      if (tm > tiles_m || tn > tiles_n) continue;
+      // The busiest thread: its tiles, its A rows packed once, its B columns packed once per
+      // A panel.
+      const int64_t rows = ceil_div(tiles_m, tm) * kMR, cols = ceil_div(tiles_n, tn) * kNR;
+      const double panels = static_cast<double>(ceil_div(rows, kMB));
+      const double cost =
+          static_cast<double>(rows) * cols * k + k * (cost_a * rows + cost_b * cols * panels);
+      if (cost < best_cost * 0.98) {  // more threads must win clearly, not by rounding
+        best_cost = cost;
+        best = Grid{tm, tn};
+      }
+    }
+  }
+  return best;
+}
+
+// First row (or column) of part `i` of `parts`, splitting whole tiles evenly.
+int64_t split_point(int64_t extent, int64_t tile, int parts, int i) {
+  const int64_t tiles = ceil_div(extent, tile);
+  return std::min(extent, tiles * i / parts * tile);
+}
+
+}  // namespace
+
+void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, float* c, int64_t ldc,
+           bool accumulate) {
+  TS_CHECK(m >= 0 && n >= 0 && k >= 0, "sgemm: negative size m={} n={} k={}", m, n, k);
+  TS_CHECK(ldc >= n, "sgemm: ldc={} is less than n={}", ldc, n);
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate) {
+      for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    }
+    return;
+  }
+  const Problem pr{m, n, k, a, b, c, ldc, accumulate, balanced_block(k, kKC, 1)};
+  const Grid grid = choose_grid(pr, num_threads());
+  const int parts = grid.tm * grid.tn;
+  if (parts == 1) {
+    gemm_rect(pr, 0, m, 0, n);
+    return;
+  }
+  std::exception_ptr error;
+  std::mutex error_mu;
+#pragma omp parallel num_threads(parts)
+  {
+    // OpenMP may grant fewer threads than asked; each then takes several rectangles.
+    for (int part = omp_get_thread_num(); part < parts; part += omp_get_num_threads()) {
+      const int pi = part / grid.tn, pj = part % grid.tn;
+      try {
+        gemm_rect(pr, split_point(m, kMR, grid.tm, pi), split_point(m, kMR, grid.tm, pi + 1),
+                  split_point(n, kNR, grid.tn, pj), split_point(n, kNR, grid.tn, pj + 1));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+const char* sgemm_kernel_name() { return kKernelName; }
+
+}  // namespace tessera::cpu

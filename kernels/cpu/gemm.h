@@ -1,0 +1,36 @@
+// Single-precision GEMM for the CPU kernels: C = A * B or C += A * B, BLIS/GotoBLAS-style
+// (cache blocking, packed panels, a register-blocked AVX-512 or AVX2 micro-kernel).
+//
+//   // C[m, n] = X[m, k] * W^T where W is stored [n, k]: a transpose is just other strides.
+//   sgemm(m, n, k, {x, k, 1}, {w, 1, k}, c, /*ldc=*/n);
+//   // C += A^T * B (A stored [k, m]), e.g. accumulating a weight gradient.
+//   sgemm(m, n, k, {a, 1, m}, {b, n, 1}, c, n, /*accumulate=*/true);
+//
+// Results are bitwise reproducible across thread counts: threads split C's rows or columns,
+// never K, and K is blocked by a function of K alone.
+#pragma once
+
+#include <cstdint>
+
+namespace tessera::cpu {
+
+// A read-only f32 matrix view: element (i, j) is data[i * row_stride + j * col_stride].
+// Any strides are accepted (transposed, non-contiguous, 0 for broadcast): packing gathers
+// the operand into contiguous panels, so no layout needs a copy beforehand.
+struct StridedMatrix {
+  const float* data;
+  int64_t row_stride;
+  int64_t col_stride;
+};
+
+// C[m, n] (row-major, leading dimension ldc >= n) = A[m, k] * B[k, n]; with `accumulate`
+// (beta = 1) C += A * B instead. k == 0 gives C = 0 (or leaves C as is when accumulating).
+// Runs on num_threads() threads (kernels/cpu/parallel.h; 1 inside a parallel region).
+// C must not overlap A or B. Throws tessera::Error on negative sizes or ldc < n.
+void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, float* c, int64_t ldc,
+           bool accumulate = false);
+
+// The micro-kernel compiled into this build, e.g. "avx512 12x32" (for benchmark reports).
+const char* sgemm_kernel_name();
+
+}  // namespace tessera::cpu

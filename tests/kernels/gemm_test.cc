@@ -1,0 +1,277 @@
+// sgemm (kernels/cpu/gemm.h) against a plain f64 triple loop: many shapes (1x1x1, primes,
+// tall and skinny, K = 1, sizes either side of the register tile and cache blocks), all four
+// transpose combinations, strided operands, accumulate on and off; bitwise determinism across
+// thread counts; and matmul through the op API (batched, broadcast, transposed views).
+//
+// Tolerance. Each element is a K-term f32 dot product. A product passes through at most
+// kc roundings inside its K block (one per fused multiply-add), then one per K block added
+// into C (or C's old value): kc + ceil(K / kc) + 1 <= K + 2 roundings of unit roundoff
+// u = 2^-24. Hence |computed - exact| <= (K + 3) u (sum_k |a_ik b_kj| + |c_ij|), with one
+// rounding to spare (Higham, "Accuracy and Stability of Numerical Algorithms", ch. 3). The
+// bound is rigorous (the test cannot flake) yet below what a real bug does: a wrong, missing
+// or doubled term is off by |a_ik b_kj|, 0.25 on average with these operands in [-1, 1),
+// while the bound is about (K + 3) u K / 4: 6e-6 at K = 10, 1.5e-2 at K = 1000. Edge-tile and
+// packing bugs hit whole rows or columns of C, far more than one term.
+#include "kernels/cpu/gemm.h"
+
+#include <doctest/doctest.h>
+#include <omp.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/parallel.h"
+#include "tensor/ops.h"
+
+using namespace tessera;
+using tessera::cpu::sgemm;
+using tessera::cpu::StridedMatrix;
+
+namespace {
+
+constexpr double kUnitRoundoff = 1.0 / (1 << 24);
+
+// Deterministic values in [-1, 1) from an index (a hash, so neighbours are unrelated).
+float value_at(uint64_t seed, uint64_t i) {
+  uint64_t x = (seed + 1) * 0x9E3779B97F4A7C15ull + i * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 29;
+  return static_cast<float>(static_cast<double>(x >> 40) / (1ull << 23) - 1.0);
+}
+
+// A logical rows x cols matrix laid out in memory with given strides inside a buffer that
+// also holds padding (filled with NaN, so reading it by mistake poisons the result).
+struct Operand {
+  std::vector<float> storage;
+  StridedMatrix view;
+};
+
+Operand lay_out(const std::vector<float>& logical, int64_t rows, int64_t cols, bool transposed,
+                bool strided) {
+  // Row-major: (i, j) at i * ld + j. Transposed (column-major): (i, j) at j * ld + i.
+  // Strided adds a gap to the leading dimension and doubles the unit stride.
+  const int64_t inner = transposed ? rows : cols, outer = transposed ? cols : rows;
+  const int64_t unit = strided ? 2 : 1;
+  const int64_t ld = inner * unit + (strided ? 3 : 0);
+  Operand op;
+  op.storage.assign(static_cast<size_t>(std::max<int64_t>(outer * ld, 1)), NAN);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t at = transposed ? j * ld + i * unit : i * ld + j * unit;
+      op.storage[at] = logical[i * cols + j];
+    }
+  }
+  op.view = transposed ? StridedMatrix{op.storage.data(), unit, ld}
+                       : StridedMatrix{op.storage.data(), ld, unit};
+  return op;
+}
+
+struct Reference {
+  std::vector<double> product;  // exact-ish A * B in f64
+  std::vector<double> abs_sum;  // sum_k |a_ik b_kj|, for the error bound
+};
+
+Reference naive(const std::vector<float>& a, const std::vector<float>& b, int64_t m, int64_t n,
+                int64_t k) {
+  Reference r{std::vector<double>(m * n, 0.0), std::vector<double>(m * n, 0.0)};
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t p = 0; p < k; ++p) {
+      const double av = a[i * k + p];
+      for (int64_t j = 0; j < n; ++j) {
+        r.product[i * n + j] += av * b[p * n + j];
+        r.abs_sum[i * n + j] += std::fabs(av * b[p * n + j]);
+      }
+    }
+  }
+  return r;
+}
+
+std::vector<float> random_matrix(int64_t rows, int64_t cols, uint64_t seed) {
+  std::vector<float> v(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) v[i] = value_at(seed, i);
+  return v;
+}
+
+// Checks C (m x n, leading dimension ldc) against ref (+ c0 when accumulating); returns the
+// number of elements outside the bound (reported once per case by the caller).
+int64_t count_bad(const float* c, int64_t ldc, const Reference& ref, const std::vector<float>* c0,
+                  int64_t m, int64_t n, int64_t k) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const double old = c0 ? (*c0)[i * n + j] : 0.0;
+      const double want = ref.product[i * n + j] + old;
+      const double bound = (k + 3) * kUnitRoundoff * (ref.abs_sum[i * n + j] + std::fabs(old));
+      const double got = c[i * ldc + j];
+      if (!(std::fabs(got - want) <= bound)) ++bad;  // NaN counts as bad
+    }
+  }
+  return bad;
+}
+
+// Restores the calling thread's kernel thread count when a test ends.
+struct ThreadCountGuard {
+  int saved = omp_get_max_threads();
+  ~ThreadCountGuard() { cpu::set_num_threads(saved); }
+};
+
+}  // namespace
+
+TEST_CASE("sgemm matches a f64 triple loop for all layouts, shapes and accumulate") {
+  // {m, n, k}: trivial, primes, tall/skinny, K = 1, and sizes either side of the register
+  // tile (12 x 32 with AVX-512, 6 x 16 with AVX2), the K block (384, balanced), the B block
+  // (512 columns) and the A panel (3072 rows).
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {1, 1, 1},       {1, 1, 7},      {7, 1, 1},      {1, 9, 1},       {2, 3, 4},
+      {37, 53, 71},    {13, 17, 19},   {97, 89, 101},  {1000, 3, 17},   {3, 1000, 17},
+      {517, 1, 33},    {1, 517, 33},   {64, 64, 1},    {45, 77, 1},     {6, 16, 8},
+      {12, 32, 384},   {11, 31, 383},  {13, 33, 385},  {25, 65, 769},   {5, 7, 1000},
+      {100, 513, 100}, {24, 1025, 50}, {3073, 20, 10}, {130, 300, 400},
+  };
+  uint64_t seed = 0;
+  for (const auto& [m, n, k] : shapes) {
+    const std::vector<float> a = random_matrix(m, k, ++seed), b = random_matrix(k, n, ++seed);
+    const std::vector<float> c0 = random_matrix(m, n, ++seed);
+    const Reference ref = naive(a, b, m, n, k);
+    for (int layout = 0; layout < 8; ++layout) {
+      const bool ta = layout & 1, tb = layout & 2, strided = layout & 4;
+      const Operand ao = lay_out(a, m, k, ta, strided), bo = lay_out(b, k, n, tb, strided);
+      for (bool accumulate : {false, true}) {
+        // C with a wider leading dimension; the gap must stay untouched.
+        const int64_t ldc = n + 5;
+        std::vector<float> c(m * ldc, -7.0f);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = accumulate ? c0[i * n + j] : NAN;
+        }
+        sgemm(m, n, k, ao.view, bo.view, c.data(), ldc, accumulate);
+        CAPTURE(m);
+        CAPTURE(n);
+        CAPTURE(k);
+        CAPTURE(ta);
+        CAPTURE(tb);
+        CAPTURE(strided);
+        CAPTURE(accumulate);
+        CHECK(count_bad(c.data(), ldc, ref, accumulate ? &c0 : nullptr, m, n, k) == 0);
+        int64_t gap_touched = 0;
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = n; j < ldc; ++j) gap_touched += c[i * ldc + j] != -7.0f;
+        }
+        CHECK(gap_touched == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("sgemm with broadcast (stride 0) operands and k == 0") {
+  // Every row of A is the same row: stride 0 between rows.
+  const int64_t m = 20, n = 45, k = 33;
+  const std::vector<float> row = random_matrix(1, k, 7), b = random_matrix(k, n, 8);
+  std::vector<float> c(m * n);
+  sgemm(m, n, k, {row.data(), 0, 1}, {b.data(), n, 1}, c.data(), n);
+  const Reference ref = naive(row, b, 1, n, k);
+  for (int64_t i = 0; i < m; ++i) CHECK(count_bad(c.data() + i * n, n, ref, nullptr, 1, n, k) == 0);
+
+  // k == 0: C = 0, or C unchanged when accumulating.
+  std::vector<float> z(6, 3.0f);
+  sgemm(2, 3, 0, {nullptr, 0, 1}, {nullptr, 3, 1}, z.data(), 3, /*accumulate=*/true);
+  CHECK(z == std::vector<float>(6, 3.0f));
+  sgemm(2, 3, 0, {nullptr, 0, 1}, {nullptr, 3, 1}, z.data(), 3);
+  CHECK(z == std::vector<float>(6, 0.0f));
+}
+
+TEST_CASE("sgemm rejects bad sizes with tessera::Error") {
+  std::vector<float> buf(16, 1.0f);
+  CHECK_THROWS_AS(sgemm(2, 4, 2, {buf.data(), 2, 1}, {buf.data(), 4, 1}, buf.data(), 3), Error);
+  CHECK_THROWS_AS(sgemm(-1, 4, 2, {buf.data(), 2, 1}, {buf.data(), 4, 1}, buf.data(), 4), Error);
+}
+
+TEST_CASE("sgemm is bitwise identical for 1, 2, 3 and 4 threads") {
+  ThreadCountGuard guard;
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {300, 300, 300}, {517, 130, 800}, {64, 1000, 77}, {1000, 40, 900}, {129, 257, 1025}};
+  uint64_t seed = 100;
+  for (const auto& [m, n, k] : shapes) {
+    const std::vector<float> a = random_matrix(m, k, ++seed), b = random_matrix(k, n, ++seed);
+    const std::vector<float> c0 = random_matrix(m, n, ++seed);
+    for (bool accumulate : {false, true}) {
+      std::vector<float> first;
+      for (int threads : {1, 2, 3, 4}) {
+        cpu::set_num_threads(threads);
+        std::vector<float> c = c0;
+        sgemm(m, n, k, {a.data(), k, 1}, {b.data(), n, 1}, c.data(), n, accumulate);
+        if (first.empty()) {
+          first = c;
+          continue;
+        }
+        CAPTURE(m);
+        CAPTURE(n);
+        CAPTURE(k);
+        CAPTURE(threads);
+        CHECK(std::memcmp(c.data(), first.data(), c.size() * sizeof(float)) == 0);
+      }
+      // Inside a parallel region sgemm runs single-threaded; still the same bits.
+      std::vector<float> inside = c0;
+#pragma omp parallel num_threads(2)
+      {
+#pragma omp single
+        sgemm(m, n, k, {a.data(), k, 1}, {b.data(), n, 1}, inside.data(), n, accumulate);
+      }
+      CHECK(std::memcmp(inside.data(), first.data(), inside.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+TEST_CASE("matmul (f32) through the op API: batched, broadcast and transposed views") {
+  ThreadCountGuard guard;
+  // Compares out[batch] with the triple loop of the batch's operands.
+  auto check_batch = [](const Tensor& out, const Tensor& a, const Tensor& b) {
+    const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+    const std::vector<float> av = a.contiguous().to_vector<float>();
+    const std::vector<float> bv = b.contiguous().to_vector<float>();
+    const std::vector<float> ov = out.to_vector<float>();
+    REQUIRE(ov.size() == static_cast<size_t>(m * n));
+    CHECK(count_bad(ov.data(), n, naive(av, bv, m, n, k), nullptr, m, n, k) == 0);
+  };
+  for (int threads : {1, 2}) {
+    cpu::set_num_threads(threads);
+    CAPTURE(threads);
+    // A batch of 3 against one shared right operand (batch broadcast).
+    const Tensor a = Tensor::from_vector<float>(random_matrix(3 * 37, 53, 1), {3, 37, 53});
+    const Tensor b = Tensor::from_vector<float>(random_matrix(53, 71, 2), {53, 71});
+    const Tensor c = matmul(a, b);
+    REQUIRE(c.shape() == Shape{3, 37, 71});
+    for (int64_t i = 0; i < 3; ++i) check_batch(c.select(0, i), a.select(0, i), b);
+
+    // Transposed views on both sides (x^T @ w^T), no copies made by the caller.
+    const Tensor x = Tensor::from_vector<float>(random_matrix(129, 65, 3), {129, 65});
+    const Tensor w = Tensor::from_vector<float>(random_matrix(70, 129, 4), {70, 129});
+    const Tensor xt = x.t(), wt = w.t();
+    const Tensor y = matmul(xt, wt);
+    REQUIRE(y.shape() == Shape{65, 70});
+    check_batch(y, xt, wt);
+
+    // A sliced (non-contiguous rows and columns) left operand.
+    const Tensor big = Tensor::from_vector<float>(random_matrix(80, 90, 5), {80, 90});
+    const Tensor sl = big.slice(0, 3, 80, 2).slice(1, 1, 90, 3);
+    const Tensor z = matmul(sl, b.slice(0, 0, sl.size(1)));
+    check_batch(z, sl, b.slice(0, 0, sl.size(1)));
+
+    // Many small products (the one-product-per-thread path).
+    const Tensor p = Tensor::from_vector<float>(random_matrix(64 * 9, 7, 6), {64, 9, 7});
+    const Tensor q = Tensor::from_vector<float>(random_matrix(64 * 7, 11, 7), {64, 7, 11});
+    const Tensor r = matmul(p, q);
+    for (int64_t i = 0; i < 64; i += 9) check_batch(r.select(0, i), p.select(0, i), q.select(0, i));
+  }
+  // One big product through matmul: identical bits with 1 and 2 threads.
+  const Tensor a = Tensor::from_vector<float>(random_matrix(300, 500, 8), {300, 500});
+  const Tensor b = Tensor::from_vector<float>(random_matrix(500, 260, 9), {500, 260});
+  cpu::set_num_threads(1);
+  const std::vector<float> one = matmul(a, b).to_vector<float>();
+  cpu::set_num_threads(2);
+  const std::vector<float> two = matmul(a, b).to_vector<float>();
+  CHECK(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)) == 0);
+}
