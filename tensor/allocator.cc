@@ -1,7 +1,14 @@
 #include "tensor/allocator.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "tensor/error.h"
 
@@ -29,28 +36,98 @@ MemoryTracker* MemoryScope::current() { return t_scope_tracker; }
 
 namespace {
 
-// Plain aligned malloc with counters. 64-byte alignment suits AVX-512 loads and avoids
-// false sharing between tensors written by different threads.
+// The CPU allocator. Small blocks come from malloc (its bins already recycle them). Blocks
+// of 1 MiB and more are rounded up to a size class and cached after free for the next
+// request of the same class, as PyTorch's CUDA caching allocator does on the GPU: a fresh
+// large block costs an mmap and a page fault per 4 KiB page on first touch (about 48 ms for
+// 64 MiB on the development VM), a reused one nothing. Training loops allocate the same
+// activation sizes every step, so after the first step they hit the cache. Large blocks are
+// 2 MiB aligned and advised as huge pages, which makes even the first touch cheaper.
 class CpuAllocator final : public Allocator {
  public:
+  static constexpr int64_t kCacheMin = int64_t{1} << 20;
+  static constexpr size_t kHugePage = size_t{2} << 20;
+
+  CpuAllocator() {
+    // Cache at most a quarter of physical memory (and 8 GiB); TESSERA_CPU_CACHE_MB overrides.
+    const int64_t pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    limit_ = std::min<int64_t>(int64_t{8} << 30, pages > 0 && page > 0 ? pages * page / 4 : 0);
+    if (const char* env = std::getenv("TESSERA_CPU_CACHE_MB")) limit_ = std::atoll(env) << 20;
+  }
+
+  // Large requests round up to 8 classes per power of two (at most 12.5% slack), in whole
+  // MiB; small ones to the 64-byte alignment.
+  static int64_t size_class(int64_t nbytes) {
+    if (nbytes < kCacheMin) return std::max<int64_t>((nbytes + 63) & ~int64_t{63}, 64);
+    const int64_t step = std::max<int64_t>(kCacheMin, static_cast<int64_t>(std::bit_floor(
+                                                          static_cast<uint64_t>(nbytes))) / 8);
+    return (nbytes + step - 1) / step * step;
+  }
+
   void* allocate(int64_t nbytes) override {
-    const size_t rounded = (static_cast<size_t>(nbytes) + 63) & ~size_t{63};
-    void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
-    if (p == nullptr) fail("cpu allocator: out of memory allocating {} bytes", nbytes);
+    const int64_t cls = size_class(nbytes);
+    void* p = nullptr;
+    if (cls >= kCacheMin) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = cache_.find(cls);
+      if (it != cache_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        cached_ -= cls;
+      }
+    }
+    if (p == nullptr) {
+      p = std::aligned_alloc(cls >= kCacheMin ? kHugePage : 64, static_cast<size_t>(cls));
+      if (p == nullptr) {
+        empty_cache();
+        p = std::aligned_alloc(cls >= kCacheMin ? kHugePage : 64, static_cast<size_t>(cls));
+      }
+      if (p == nullptr) fail("cpu allocator: out of memory allocating {} bytes", nbytes);
+      if (cls >= kCacheMin) madvise(p, static_cast<size_t>(cls), MADV_HUGEPAGE);
+      reserved_.fetch_add(cls, std::memory_order_relaxed);
+    }
     tracker_.add(nbytes);
     return p;
   }
+
   void deallocate(void* ptr, int64_t nbytes) override {
-    std::free(ptr);
     tracker_.sub(nbytes);
+    const int64_t cls = size_class(nbytes);
+    if (cls >= kCacheMin) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cached_ + cls <= limit_) {
+        cache_[cls].push_back(ptr);
+        cached_ += cls;
+        return;
+      }
+    }
+    std::free(ptr);
+    reserved_.fetch_sub(cls, std::memory_order_relaxed);
   }
+
   MemoryStats stats() const override {
-    return MemoryStats{tracker_.current(), tracker_.peak(), tracker_.current(), tracker_.count()};
+    return MemoryStats{tracker_.current(), tracker_.peak(),
+                       reserved_.load(std::memory_order_relaxed), tracker_.count()};
   }
   void reset_peak() override { tracker_.reset_peak(); }
 
+  void empty_cache() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [cls, blocks] : cache_) {
+      for (void* p : blocks) std::free(p);
+      reserved_.fetch_sub(cls * static_cast<int64_t>(blocks.size()), std::memory_order_relaxed);
+    }
+    cache_.clear();
+    cached_ = 0;
+  }
+
  private:
-  MemoryTracker tracker_;
+  MemoryTracker tracker_;                  // live bytes as requested
+  std::atomic<int64_t> reserved_{0};       // held from the system: live + cached, by class
+  std::mutex mu_;
+  std::unordered_map<int64_t, std::vector<void*>> cache_;  // size class -> free blocks
+  int64_t cached_ = 0;
+  int64_t limit_ = 0;
 };
 
 struct Registry {

@@ -1,8 +1,10 @@
-// CPU conv2d (NCHW) by im2col + Eigen GEMM, its input and weight gradients (col2im and a
+// CPU conv2d (NCHW) by im2col + GEMM (f32: kernels/cpu/gemm.h; f64: Eigen), its input and
+// weight gradients (col2im and a
 // GEMM against the same columns), and max_pool2d with argmax indices.
 #include <Eigen/Core>
 #include <limits>
 
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/util.h"
 #include "tensor/op.h"
@@ -12,6 +14,23 @@ namespace {
 
 template <typename T>
 using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// C[m, n] (row-major, contiguous) = A * B, or += with `accumulate`; A and B are read at
+// any (row, column) strides, so transposes need no copy.
+template <typename T>
+void gemm(int64_t m, int64_t n, int64_t k, const T* a, int64_t ars, int64_t acs, const T* b,
+          int64_t brs, int64_t bcs, T* c, bool accumulate = false) {
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm(m, n, k, StridedMatrix{a, ars, acs}, StridedMatrix{b, brs, bcs}, c, n, accumulate);
+  } else {
+    using Strided = Eigen::Map<const RowMat<T>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>>;
+    const Strided am(a, m, k, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(ars, acs));
+    const Strided bm(b, k, n, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>(brs, bcs));
+    Eigen::Map<RowMat<T>> cm(c, m, n);
+    if (accumulate) cm.noalias() += am * bm;
+    else cm.noalias() = am * bm;
+  }
+}
 
 struct ConvGeom {
   int64_t n, c, h, w, o, kh, kw, oh, ow, sh, sw, ph, pw;
@@ -92,13 +111,18 @@ void conv_forward(const Tensor& xt, const Tensor& wt, const Tensor& bt, const Te
   const Tensor b = bt.defined() ? contiguous_cpu(bt) : Tensor();
   const T* bp = b.defined() ? static_cast<const T*>(b.raw_data()) : nullptr;
   T* op = static_cast<T*>(out.raw_data());
-  Eigen::Map<const RowMat<T>> wm(static_cast<const T*>(w.raw_data()), g.o, g.ckk());
+  const T* wp = static_cast<const T*>(w.raw_data());
   for_images(g.n, [&](int64_t n) {
     std::vector<T> col(g.ckk() * g.ohw());
     im2col(xp + n * g.c * g.h * g.w, g, col.data());
-    Eigen::Map<RowMat<T>> om(op + n * g.o * g.ohw(), g.o, g.ohw());
-    om.noalias() = wm * Eigen::Map<const RowMat<T>>(col.data(), g.ckk(), g.ohw());
-    if (bp) om.colwise() += Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(bp, g.o);
+    T* on = op + n * g.o * g.ohw();
+    // out[n] [o, ohw] = W [o, ckk] @ col [ckk, ohw]
+    gemm<T>(g.o, g.ohw(), g.ckk(), wp, g.ckk(), 1, col.data(), g.ohw(), 1, on);
+    if (bp) {
+      for (int64_t o = 0; o < g.o; ++o) {
+        for (int64_t i = 0; i < g.ohw(); ++i) on[o * g.ohw() + i] += bp[o];
+      }
+    }
   });
 }
 
@@ -109,10 +133,11 @@ void conv_backward_input(const Tensor& gt, const Tensor& wt, const Tensor& dx, c
   const ConvGeom g = geometry(a.shape, w.shape(), a);
   const T* gp = static_cast<const T*>(gr.raw_data());
   T* dp = static_cast<T*>(dx.raw_data());
-  Eigen::Map<const RowMat<T>> wm(static_cast<const T*>(w.raw_data()), g.o, g.ckk());
+  const T* wp = static_cast<const T*>(w.raw_data());
   for_images(g.n, [&](int64_t n) {
-    RowMat<T> col(g.ckk(), g.ohw());
-    col.noalias() = wm.transpose() * Eigen::Map<const RowMat<T>>(gp + n * g.o * g.ohw(), g.o, g.ohw());
+    std::vector<T> col(g.ckk() * g.ohw());
+    // col [ckk, ohw] = W^T [ckk, o] @ grad[n] [o, ohw]
+    gemm<T>(g.ckk(), g.ohw(), g.o, wp, 1, g.ckk(), gp + n * g.o * g.ohw(), g.ohw(), 1, col.data());
     col2im(col.data(), g, dp + n * g.c * g.h * g.w);
   });
 }
@@ -124,13 +149,14 @@ void conv_backward_weight(const Tensor& gt, const Tensor& xt, const Tensor& dw, 
   const ConvGeom g = geometry(x.shape(), a.shape, a);
   const T* gp = static_cast<const T*>(gr.raw_data());
   const T* xp = static_cast<const T*>(x.raw_data());
-  Eigen::Map<RowMat<T>> dwm(static_cast<T*>(dw.raw_data()), g.o, g.ckk());
-  dwm.setZero();
+  T* dwp = static_cast<T*>(dw.raw_data());
+  std::fill(dwp, dwp + g.o * g.ckk(), T(0));
   std::vector<T> col(g.ckk() * g.ohw());
   for (int64_t n = 0; n < g.n; ++n) {
     im2col(xp + n * g.c * g.h * g.w, g, col.data());
-    dwm.noalias() += Eigen::Map<const RowMat<T>>(gp + n * g.o * g.ohw(), g.o, g.ohw()) *
-                     Eigen::Map<const RowMat<T>>(col.data(), g.ckk(), g.ohw()).transpose();
+    // dW [o, ckk] += grad[n] [o, ohw] @ col^T [ohw, ckk]
+    gemm<T>(g.o, g.ckk(), g.ohw(), gp + n * g.o * g.ohw(), g.ohw(), 1, col.data(), 1, g.ohw(), dwp,
+            /*accumulate=*/true);
   }
 }
 

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include "tensor/ops.h"
@@ -186,6 +187,34 @@ TEST_CASE("allocator and memory scopes count live bytes") {
   CHECK(tracker.current() == 0);
   CHECK(tracker.peak() == 8000);
   CHECK(a.stats().allocated_bytes == before);
+}
+
+TEST_CASE("large CPU blocks are cached and reused; empty_cache returns them") {
+  if (const char* env = std::getenv("TESSERA_CPU_CACHE_MB"); env != nullptr && std::atoll(env) == 0) {
+    MESSAGE("skipped: TESSERA_CPU_CACHE_MB=0 disables the cache (sanitizer runs set it so "
+            "freed blocks really are freed)");
+    return;
+  }
+  Allocator& a = allocator_for(kCPU);
+  a.empty_cache();
+  const int64_t reserved0 = a.stats().reserved_bytes;
+  void* first = nullptr;
+  {
+    Tensor t = Tensor::empty({3 << 20}, DType::f32);  // 12 MiB: a cached size class
+    first = t.raw_data();
+    CHECK(reinterpret_cast<uintptr_t>(first) % (2 << 20) == 0);  // huge-page aligned
+    CHECK(a.stats().reserved_bytes - reserved0 >= 12 << 20);
+  }
+  // Freed: no longer live, still reserved; the same class gets the same block back.
+  CHECK(a.stats().reserved_bytes - reserved0 >= 12 << 20);
+  {
+    Tensor again = Tensor::empty({3 << 20}, DType::f32);
+    CHECK(again.raw_data() == first);
+    Tensor slightly_smaller = Tensor::empty({(3 << 20) - 100}, DType::f32);  // same class
+    CHECK(slightly_smaller.raw_data() != first);
+  }
+  a.empty_cache();
+  CHECK(a.stats().reserved_bytes == reserved0);
 }
 
 TEST_CASE("a device without a linked backend (or without hardware) is a clear error") {
