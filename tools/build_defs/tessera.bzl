@@ -16,6 +16,11 @@ TS_COPTS = [
 
 TS_LINKOPTS = ["-fopenmp"]
 
+# The CUDA toolkit (also the path of @cuda in WORKSPACE). nvcc runs from here rather than
+# through the repository's symlink: it finds cicc, ptxas and its headers relative to its
+# own location, which a sandbox holding only declared inputs would not contain.
+CUDA_PATH = "/usr/local/cuda"
+
 def ts_cc_library(name, copts = [], linkopts = [], **kwargs):
     native.cc_library(
         name = name,
@@ -43,7 +48,7 @@ def ts_cc_test(name, copts = [], linkopts = [], deps = [], **kwargs):
     )
 
 def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], tags = [], **kwargs):
-    """Compiles .cu files with nvcc (from @cuda) into objects wrapped in a cc_library.
+    """Compiles .cu files with the toolkit's nvcc into objects wrapped in a cc_library.
 
     Bazel 4 has no CUDA rules, so each .cu becomes a genrule producing a position-independent
     object, which cc_library accepts as a source. Include paths: the workspace root and the
@@ -57,9 +62,8 @@ def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], tags = []
             name = "%s_%s_nvcc" % (name, base.replace("/", "_")),
             srcs = [src] + hdrs,
             outs = [out],
-            tools = ["@cuda//:nvcc"],
             tags = tags,
-            cmd = ("$(location @cuda//:nvcc) -c -std=c++20 -O3 --expt-relaxed-constexpr " +
+            cmd = (CUDA_PATH + "/bin/nvcc -c -std=c++20 -O3 --expt-relaxed-constexpr " +
                    "-Xcompiler -fPIC -I. -I$(GENDIR) " +
                    "-gencode arch=compute_90,code=sm_90 " +
                    "-gencode arch=compute_90,code=compute_90 " +
