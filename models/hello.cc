@@ -40,7 +40,7 @@ HelloResult train_hello(const HelloConfig& c, const std::function<void(int64_t, 
     {
       NoGradGuard no_grad;
       for (const Tensor& p : params) {
-        Tensor(p).copy_(p - p.grad() * c.lr);
+        p.copy_(p - p.grad() * c.lr);
         p.set_grad(Tensor());
       }
     }

@@ -537,7 +537,7 @@ Tensor Tensor::contiguous() const { return tessera::contiguous(*this); }
 Tensor Tensor::clone() const { return tessera::clone(*this); }
 Tensor Tensor::cast(DType dtype) const { return tessera::cast(*this, dtype); }
 Tensor Tensor::to(Device device) const { return tessera::to(*this, device); }
-Tensor& Tensor::copy_(const Tensor& src) {
+const Tensor& Tensor::copy_(const Tensor& src) const {
   tessera::copy_(*this, src);
   return *this;
 }

@@ -124,7 +124,8 @@ class Tensor {
   Tensor cast(DType dtype) const;
   Tensor to(Device device) const;
   // In-place copy from src (broadcast to this shape, cast to this dtype); not differentiable.
-  Tensor& copy_(const Tensor& src);
+  // const like the other methods: it writes the data, not the handle.
+  const Tensor& copy_(const Tensor& src) const;
 
   // ---- a few reductions as methods ----------------------------------------------------
   Tensor sum(const std::vector<int64_t>& dims = {}, bool keepdim = false) const;

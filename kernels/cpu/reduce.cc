@@ -212,7 +212,6 @@ void reduce_range(const R& r, typename R::State& s, const T* base, const Layout&
     if (rbegin < rend) r.step(s, C(base[0]), 0);
     return;
   }
-  const int64_t nd = static_cast<int64_t>(l.rshape.size());
   const int64_t inner = l.rshape.back(), istride = l.rin.back();
   int64_t ridx = rbegin;
   while (ridx < rend) {
@@ -229,7 +228,6 @@ void reduce_range(const R& r, typename R::State& s, const T* base, const Layout&
     for (int64_t i = 0; i < n; ++i) r.step(s, C(p[i * istride]), ridx + i);
     ridx += n;
   }
-  (void)nd;
 }
 
 template <typename T, typename R>

@@ -70,6 +70,21 @@ def bench_memory(args, results):
         ("sum_lastdim_4096x4096", (rows * cols + rows) * f, lambda: torch.sum(m, dim=-1)),
         ("softmax_lastdim_4096x4096", 2 * rows * cols * f, lambda: torch.softmax(m, dim=-1)),
     ]
+    if args.preallocated:
+        # The kernels alone: outputs written into preallocated tensors (out=), so no fresh
+        # memory is touched per call. Softmax has no out= form and is left out.
+        out = torch.empty(n, dtype=torch.float32)
+        row_sums = torch.empty(rows, dtype=torch.float32)
+        scalar = torch.empty((), dtype=torch.float32)
+        cases = [
+            ("add_16M_out", 3 * n * f, lambda: torch.add(x, y, out=out)),
+            ("mul_scalar_16M_out", 2 * n * f, lambda: torch.mul(x, 2.0, out=out)),
+            ("exp_16M_out", 2 * n * f, lambda: torch.exp(x, out=out)),
+            ("relu_16M_out", 2 * n * f, lambda: torch.clamp(x, min=0.0, out=out)),
+            ("sum_all_16M_out", n * f, lambda: torch.sum(x, dim=0, out=scalar)),
+            ("sum_lastdim_4096x4096_out", (rows * cols + rows) * f,
+             lambda: torch.sum(m, dim=-1, out=row_sums)),
+        ]
     for name, nbytes, op in cases:
         ms = median_ms(args, op)
         results.append({"name": name, "unit": "GB/s", "value": nbytes / (ms * 1e6),
@@ -84,6 +99,8 @@ def main():
     parser.add_argument("--min_ms", type=float, default=20.0)
     parser.add_argument("--json", default="")
     parser.add_argument("--only", choices=["gemm", "memory"], default=None)
+    parser.add_argument("--preallocated", action="store_true",
+                        help="memory ops write into preallocated outputs (out=): kernels only")
     args = parser.parse_args()
 
     # Debian's torch calls OpenBLAS (pthreads build), whose pool is sized from this variable
