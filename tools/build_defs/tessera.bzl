@@ -37,10 +37,11 @@ def ts_cc_binary(name, copts = [], linkopts = [], **kwargs):
         **kwargs
     )
 
-def ts_cc_test(name, copts = [], linkopts = [], deps = [], **kwargs):
-    """A doctest suite; tests/main.cc provides main()."""
+def ts_cc_test(name, copts = [], linkopts = [], deps = [], size = "small", **kwargs):
+    """A doctest suite; tests/main.cc provides main(). Small (60 s) unless said otherwise."""
     native.cc_test(
         name = name,
+        size = size,
         copts = TS_COPTS + copts,
         linkopts = TS_LINKOPTS + linkopts,
         deps = deps + ["//tests:doctest_main"],
