@@ -93,12 +93,14 @@ void col2im(const T* col, const ConvGeom& g, T* img) {
   }
 }
 
-// Runs fn(image) for every image: in parallel (one GEMM per thread) when there are several
-// images, else on the caller's thread so the GEMM itself can use every thread.
-template <typename F>
-void for_images(int64_t n, F&& fn) {
-  parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) fn(i);
+// Runs fn(image, col) for every image: in parallel (one GEMM per thread) when there are
+// several images, else on the caller's thread so the GEMM itself can use every thread.
+// `col` is a [ckk, ohw] scratch buffer allocated once per chunk of images, not per image.
+template <typename T, typename F>
+void for_images(const ConvGeom& g, F&& fn) {
+  parallel_for(0, g.n, 1, [&](int64_t b, int64_t e) {
+    std::vector<T> col(g.ckk() * g.ohw());
+    for (int64_t i = b; i < e; ++i) fn(i, col.data());
   });
 }
 
@@ -112,12 +114,11 @@ void conv_forward(const Tensor& xt, const Tensor& wt, const Tensor& bt, const Te
   const T* bp = b.defined() ? static_cast<const T*>(b.raw_data()) : nullptr;
   T* op = static_cast<T*>(out.raw_data());
   const T* wp = static_cast<const T*>(w.raw_data());
-  for_images(g.n, [&](int64_t n) {
-    std::vector<T> col(g.ckk() * g.ohw());
-    im2col(xp + n * g.c * g.h * g.w, g, col.data());
+  for_images<T>(g, [&](int64_t n, T* col) {
+    im2col(xp + n * g.c * g.h * g.w, g, col);
     T* on = op + n * g.o * g.ohw();
     // out[n] [o, ohw] = W [o, ckk] @ col [ckk, ohw]
-    gemm<T>(g.o, g.ohw(), g.ckk(), wp, g.ckk(), 1, col.data(), g.ohw(), 1, on);
+    gemm<T>(g.o, g.ohw(), g.ckk(), wp, g.ckk(), 1, col, g.ohw(), 1, on);
     if (bp) {
       for (int64_t o = 0; o < g.o; ++o) {
         for (int64_t i = 0; i < g.ohw(); ++i) on[o * g.ohw() + i] += bp[o];
@@ -134,11 +135,10 @@ void conv_backward_input(const Tensor& gt, const Tensor& wt, const Tensor& dx, c
   const T* gp = static_cast<const T*>(gr.raw_data());
   T* dp = static_cast<T*>(dx.raw_data());
   const T* wp = static_cast<const T*>(w.raw_data());
-  for_images(g.n, [&](int64_t n) {
-    std::vector<T> col(g.ckk() * g.ohw());
+  for_images<T>(g, [&](int64_t n, T* col) {
     // col [ckk, ohw] = W^T [ckk, o] @ grad[n] [o, ohw]
-    gemm<T>(g.ckk(), g.ohw(), g.o, wp, 1, g.ckk(), gp + n * g.o * g.ohw(), g.ohw(), 1, col.data());
-    col2im(col.data(), g, dp + n * g.c * g.h * g.w);
+    gemm<T>(g.ckk(), g.ohw(), g.o, wp, 1, g.ckk(), gp + n * g.o * g.ohw(), g.ohw(), 1, col);
+    col2im(col, g, dp + n * g.c * g.h * g.w);
   });
 }
 

@@ -225,12 +225,13 @@ NdArray conv2d(const NdArray& x, const NdArray& w, const NdArray& bias,
 }
 
 // The adjoints of conv2d in x and in w: every (output, tap) pair scatters its product back.
-NdArray conv2d_backward_input(const NdArray& grad, const NdArray& w, const Shape& in_shape,
-                              std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
-  NdArray dx = NdArray::zeros(in_shape);
-  const int64_t N = in_shape[0], C = in_shape[1], H = in_shape[2], W = in_shape[3];
-  const int64_t O = w.shape[0], KH = w.shape[2], KW = w.shape[3];
-  const int64_t OH = grad.shape[2], OW = grad.shape[3];
+// fn(n, o, y, xo, c, i, j, iy, ix) runs for each in-bounds tap, in one fixed order.
+template <typename F>
+void for_each_tap(const Shape& x, const Shape& w, const Shape& out, std::array<int64_t, 2> stride,
+                  std::array<int64_t, 2> padding, F&& fn) {
+  const int64_t N = x[0], C = x[1], H = x[2], W = x[3];
+  const int64_t O = w[0], KH = w[2], KW = w[3];
+  const int64_t OH = out[2], OW = out[3];
   for (int64_t n = 0; n < N; ++n)
     for (int64_t o = 0; o < O; ++o)
       for (int64_t y = 0; y < OH; ++y)
@@ -241,29 +242,29 @@ NdArray conv2d_backward_input(const NdArray& grad, const NdArray& w, const Shape
                 const int64_t iy = y * stride[0] - padding[0] + i;
                 const int64_t ix = xo * stride[1] - padding[1] + j;
                 if (iy < 0 || iy >= H || ix < 0 || ix >= W) continue;
-                dx.at({n, c, iy, ix}) += grad.at({n, o, y, xo}) * w.at({o, c, i, j});
+                fn(n, o, y, xo, c, i, j, iy, ix);
               }
+}
+
+NdArray conv2d_backward_input(const NdArray& grad, const NdArray& w, const Shape& in_shape,
+                              std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
+  NdArray dx = NdArray::zeros(in_shape);
+  for_each_tap(in_shape, w.shape, grad.shape, stride, padding,
+               [&](int64_t n, int64_t o, int64_t y, int64_t xo, int64_t c, int64_t i, int64_t j,
+                   int64_t iy, int64_t ix) {
+                 dx.at({n, c, iy, ix}) += grad.at({n, o, y, xo}) * w.at({o, c, i, j});
+               });
   return dx;
 }
 
 NdArray conv2d_backward_weight(const NdArray& grad, const NdArray& x, const Shape& w_shape,
                                std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
   NdArray dw = NdArray::zeros(w_shape);
-  const int64_t N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3];
-  const int64_t O = w_shape[0], KH = w_shape[2], KW = w_shape[3];
-  const int64_t OH = grad.shape[2], OW = grad.shape[3];
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t o = 0; o < O; ++o)
-      for (int64_t y = 0; y < OH; ++y)
-        for (int64_t xo = 0; xo < OW; ++xo)
-          for (int64_t c = 0; c < C; ++c)
-            for (int64_t i = 0; i < KH; ++i)
-              for (int64_t j = 0; j < KW; ++j) {
-                const int64_t iy = y * stride[0] - padding[0] + i;
-                const int64_t ix = xo * stride[1] - padding[1] + j;
-                if (iy < 0 || iy >= H || ix < 0 || ix >= W) continue;
-                dw.at({o, c, i, j}) += grad.at({n, o, y, xo}) * x.at({n, c, iy, ix});
-              }
+  for_each_tap(x.shape, w_shape, grad.shape, stride, padding,
+               [&](int64_t n, int64_t o, int64_t y, int64_t xo, int64_t c, int64_t i, int64_t j,
+                   int64_t iy, int64_t ix) {
+                 dw.at({o, c, i, j}) += grad.at({n, o, y, xo}) * x.at({n, c, iy, ix});
+               });
   return dw;
 }
 
