@@ -2,6 +2,7 @@
 
 #include "autograd/engine.h"
 #include "autograd/node.h"
+#include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
 #include "tensor/random.h"
@@ -12,8 +13,8 @@ namespace {
 class CheckpointNode final : public Node {
  public:
   CheckpointNode(CheckpointFn fn, const std::vector<Tensor>& inputs, uint64_t seed,
-                 uint64_t offset)
-      : fn_(std::move(fn)), seed_(seed), offset_(offset) {
+                 uint64_t offset, DType autocast)
+      : fn_(std::move(fn)), seed_(seed), offset_(offset), autocast_(autocast) {
     for (const Tensor& t : inputs) {
       mutable_next_edges().push_back(gradient_edge(t));
       saved_.emplace_back(t);
@@ -47,7 +48,9 @@ class CheckpointNode final : public Node {
     gen.set_state(seed_, offset_);
     std::vector<Tensor> outputs;
     {
+      // The recomputation runs as the forward did: with grad and under its autocast policy.
       GradModeGuard grad_on(true);
+      AutocastGuard amp(autocast_);
       outputs = fn_(inputs);
     }
     gen.set_state(seed, offset);
@@ -76,6 +79,7 @@ class CheckpointNode final : public Node {
  private:
   CheckpointFn fn_;
   uint64_t seed_, offset_;
+  DType autocast_;
   std::vector<SavedTensor> saved_;
   std::vector<bool> wants_grad_;
   bool released_ = false;
@@ -92,7 +96,7 @@ std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& input
     NoGradGuard no_grad;
     outputs = fn(inputs);
   }
-  auto node = std::make_shared<CheckpointNode>(fn, inputs, seed, offset);
+  auto node = std::make_shared<CheckpointNode>(fn, inputs, seed, offset, autocast_dtype());
   node->set_num_outputs(static_cast<uint32_t>(outputs.size()));
   for (size_t k = 0; k < outputs.size(); ++k) {
     Tensor& out = outputs[k];

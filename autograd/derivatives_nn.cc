@@ -1,5 +1,6 @@
 // Derivatives of matmul, the fused layers, and indexing ops, written with ops (fused
-// backward ops where speed or memory needs them: gelu, layer_norm, cross_entropy, conv2d).
+// backward ops where speed or memory needs them: gelu, layer_norm, cross_entropy, conv2d,
+// max_pool2d).
 #include "autograd/derivatives.h"
 #include "tensor/ops.h"
 
@@ -8,10 +9,28 @@ namespace {
 
 using Grads = std::vector<Tensor>;
 
+// d/db of a @ b for a 2-D b (a weight). A batched a is flattened so the batch folds into the
+// GEMM's K instead of a [B, k, n] product summed afterwards. The result is produced in b's
+// own layout: for a transposed view (x @ W^T, as nn::Linear computes) it is (g^T a)^T, so
+// the transpose's backward hands AccumulateGrad a contiguous gradient and nothing is copied.
+Tensor matmul_grad_weight(const Tensor& a, const Tensor& b, const Tensor& g) {
+  const Tensor a2 = a.dim() == 2 ? a : reshape(a, {-1, a.size(-1)});
+  const Tensor g2 = g.dim() == 2 ? g : reshape(g, {-1, g.size(-1)});
+  const bool column_major = b.stride(0) == 1 && b.stride(1) != 1;
+  if (column_major) return transpose(matmul(transpose(g2, 0, 1), a2), 0, 1);
+  return matmul(transpose(a2, 0, 1), g2);
+}
+
 TS_REGISTER_DERIVATIVE(matmul, kIn0 | kIn1, 0, [](const GradCtx& c) {
   const Tensor &a = c.input(0), &b = c.input(1);
+  Tensor grad_b;
+  if (c.needs(1)) {
+    grad_b = b.dim() == 2 && a.dim() >= 2
+                 ? matmul_grad_weight(a, b, c.grad())
+                 : sum_to(matmul(transpose(a, -1, -2), c.grad()), c.in_shape(1));
+  }
   return Grads{c.needs(0) ? sum_to(matmul(c.grad(), transpose(b, -1, -2)), c.in_shape(0)) : Tensor(),
-               c.needs(1) ? sum_to(matmul(transpose(a, -1, -2), c.grad()), c.in_shape(1)) : Tensor()};
+               grad_b};
 });
 
 TS_REGISTER_DERIVATIVE(softmax, 0, kOut0, [](const GradCtx& c) {
@@ -49,15 +68,11 @@ TS_REGISTER_DERIVATIVE(conv2d, kIn0 | kIn1, 0, [](const GradCtx& c) {
       c.needs(2) ? sum(c.grad(), {0, 2, 3}) : Tensor()};
 });
 
-// The gradient goes to each window's argmax: a scatter_add over the flattened planes.
+// The gradient goes to each window's argmax (a fused scatter: max_pool2d_backward).
 TS_REGISTER_DERIVATIVE(max_pool2d, 0, kOut1, [](const GradCtx& c) {
-  const Shape& in = c.in_shape(0);
-  const Tensor& idx = c.output(1);
-  const Tensor& g = c.grad(0);
-  const Shape planes = {in[0], in[1], in[2] * in[3]};
-  const Tensor flat = scatter_add(zeros(planes, g.dtype(), g.device()), 2,
-                                  reshape(idx, {in[0], in[1], -1}), reshape(g, {in[0], in[1], -1}));
-  return Grads{reshape(flat, in)};
+  Attrs a = c.attrs;
+  a.shape = c.in_shape(0);
+  return Grads{call1(OpId::max_pool2d_backward, {c.grad(0), c.output(1)}, a)};
 });
 
 TS_REGISTER_DERIVATIVE(embedding, kIn1, 0, [](const GradCtx& c) {

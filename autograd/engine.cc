@@ -3,6 +3,7 @@
 #include <queue>
 #include <unordered_map>
 
+#include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
 
@@ -26,6 +27,8 @@ std::vector<Tensor> run_backward(const std::vector<Tensor>& roots,
   TS_CHECK(grads.empty() || grads.size() == roots.size(),
            "backward: {} gradients given for {} roots", grads.size(), roots.size());
   NoGradGuard no_grad;
+  // Each derivative runs in the dtypes its forward saw; autocast would re-cast gradients.
+  AutocastGuard no_autocast(DType::f32);
 
   // Keeps every node alive while the engine holds raw pointers to it.
   std::unordered_map<Node*, std::shared_ptr<Node>> alive;

@@ -1,4 +1,5 @@
 // The op tables and call(): the one path from an op name to a kernel and the graph.
+#include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
 
@@ -107,6 +108,7 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
   if (info.kind == OpKind::Compute && (inputs.empty() || !inputs[0].defined())) {
     fail("{}: input 0 is an undefined tensor", info.name);
   }
+  if (autocast_enabled()) [[unlikely]] autocast_inputs(op, inputs);
   const Device device = dispatch_device(op, inputs, attrs);
   MetaFn meta = meta_fn(op);
   if (meta == nullptr) fail("{}: no shape inference registered", info.name);
@@ -162,6 +164,45 @@ void call_copy_(const Tensor& dst, const Tensor& src) {
   std::vector<Tensor> out = {dst};
   find_kernel(OpId::copy_, device)(inputs, out, Attrs{});
   dst.storage()->bump_version();
+}
+
+void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
+                  std::initializer_list<size_t> written) {
+  const OpInfo& info = op_info(op);
+  TS_CHECK(info.kind == OpKind::Compute && !info.differentiable,
+           "{}: call_inplace runs only non-differentiable Compute ops", info.name);
+  TS_CHECK(!inputs.empty() && inputs[0].defined(), "{}: input 0 is an undefined tensor",
+           info.name);
+  if (GradMode::enabled() && any_requires_grad(inputs)) {
+    fail("{}: writes its inputs in place and is not differentiable; called under grad mode "
+         "with an input that requires grad (input 0 {}). Call it under NoGradGuard",
+         info.name, shape_str(inputs[0].shape()));
+  }
+  // `written` may name optional trailing inputs that were not passed.
+  for (size_t i : written) {
+    if (i >= inputs.size() || !inputs[i].defined()) continue;
+    const Tensor& t = inputs[i];
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.strides()[d] == 0 && t.shape()[d] > 1) {
+        fail("{}: input {} {} with strides {} is an expanded view and is written in place: "
+             "several of its elements share one memory location; clone() it first",
+             info.name, i, shape_str(t.shape()), shape_str(t.strides()));
+      }
+    }
+  }
+  const Device device = dispatch_device(op, inputs, attrs);
+  MetaFn meta = meta_fn(op);
+  if (meta == nullptr) fail("{}: no shape inference registered", info.name);
+  std::vector<TensorSpec> in_specs;
+  in_specs.reserve(inputs.size());
+  for (const Tensor& t : inputs) in_specs.push_back(TensorSpec::of(t));
+  const std::vector<TensorSpec> out_specs = meta(in_specs, attrs);
+  TS_CHECK(out_specs.empty(), "{}: an in-place op's shape inference returned {} outputs",
+           info.name, out_specs.size());
+  find_kernel(op, device)(inputs, std::span<Tensor>(), attrs);
+  for (size_t i : written) {
+    if (i < inputs.size() && inputs[i].defined()) inputs[i].storage()->bump_version();
+  }
 }
 
 }  // namespace tessera

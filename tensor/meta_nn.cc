@@ -209,6 +209,26 @@ std::vector<TensorSpec> max_pool2d_meta(std::span<const TensorSpec> in, const At
   return {spec(out, x.dtype, x.device), spec(out, DType::i64, x.device)};
 }
 
+// Inputs: grad [N, C, OH, OW], indices (max_pool2d's second output: flat positions within
+// each input plane); attrs.shape = input shape.
+std::vector<TensorSpec> max_pool2d_backward_meta(std::span<const TensorSpec> in,
+                                                 const Attrs& attrs) {
+  constexpr OpId op = OpId::max_pool2d_backward;
+  require_count(op, in, 2);
+  const TensorSpec& grad = required(op, in, 0, "grad");
+  const TensorSpec& idx = required(op, in, 1, "indices");
+  require_float(op, grad, "grad");
+  require_ndim(op, grad, 4, "grad ([N, C, OH, OW])");
+  require_index(op, idx, "indices");
+  TS_CHECK(idx.shape == grad.shape, "max_pool2d_backward: indices shape {} must match grad {}",
+           shape_str(idx.shape), shape_str(grad.shape));
+  TS_CHECK(attrs.shape.size() == 4 && attrs.shape[0] == grad.shape[0] &&
+               attrs.shape[1] == grad.shape[1],
+           "max_pool2d_backward: input shape {} must be 4-D with grad {}'s N and C",
+           shape_str(attrs.shape), shape_str(grad.shape));
+  return {spec(attrs.shape, grad.dtype, grad.device)};
+}
+
 std::vector<TensorSpec> embedding_meta(std::span<const TensorSpec> in, const Attrs&) {
   constexpr OpId op = OpId::embedding;
   require_count(op, in, 2);
@@ -406,6 +426,7 @@ TS_REGISTER_META(conv2d, conv2d_meta);
 TS_REGISTER_META(conv2d_backward_input, conv2d_backward_input_meta);
 TS_REGISTER_META(conv2d_backward_weight, conv2d_backward_weight_meta);
 TS_REGISTER_META(max_pool2d, max_pool2d_meta);
+TS_REGISTER_META(max_pool2d_backward, max_pool2d_backward_meta);
 TS_REGISTER_META(embedding, embedding_meta);
 TS_REGISTER_META(index_select, index_select_meta);
 TS_REGISTER_META(index_add, index_add_meta);

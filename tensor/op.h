@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -75,6 +76,12 @@ struct Attrs {
   RngView rng_view;                      // rand, randn, dropout
   DType dtype = DType::f32;              // cast target, factory dtype
   Device device = kCPU;                  // to_device target, factory device
+  // Optimizer updates (adamw_ also reads eps above).
+  double lr = 0.0, weight_decay = 0.0;     // adamw_, sgd_
+  double beta1 = 0.9, beta2 = 0.999;       // adamw_
+  double momentum = 0.0, dampening = 0.0;  // sgd_
+  bool nesterov = false;                   // sgd_
+  int64_t step_count = 1;  // 1-based: adamw_'s bias correction; sgd_ seeds its buffer at 1
 };
 
 // Shape inference input/output: what a tensor is, without data.
@@ -117,6 +124,13 @@ Tensor call1(OpId op, std::vector<Tensor> inputs, const Attrs& attrs = {});
 Tensor call_view(OpId op, const Tensor& input, const Attrs& attrs);
 // copy_: writes src into dst in place (no graph; Error if that would lose a gradient).
 void call_copy_(const Tensor& dst, const Tensor& src);
+// An op that writes into its inputs (adamw_, sgd_): shape inference validates (and returns
+// no outputs), the kernel runs with an empty output span, and the storage version of each
+// input listed in `written` is bumped. No graph: Error if grad mode is on and an input
+// requires grad (optimizers step under NoGradGuard), or if a written input is an expanded
+// view.
+void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
+                  std::initializer_list<size_t> written);
 
 }  // namespace tessera
 

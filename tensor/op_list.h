@@ -8,7 +8,10 @@
 //           Factory   - no tensor inputs; a kernel per device fills the output
 //           Composite - written with other ops in tensor/ops.cc; no kernel, no derivative
 //     grad: Diff      - has a derivative (the completeness test checks it)
-//           NoDiff    - not differentiable (integer/bool outputs, backward helpers, copy_)
+//           NoDiff    - not differentiable (integer/bool outputs, backward helpers, copy_,
+//                       optimizer updates)
+//
+// Ops ending in _ write into their inputs and return nothing (call_copy_, call_inplace).
 //
 // Adding an op: one line here, one meta function, one CPU kernel, one derivative (or NoDiff).
 #pragma once
@@ -60,6 +63,7 @@
   X(conv2d_backward_input, Compute, NoDiff)             \
   X(conv2d_backward_weight, Compute, NoDiff)            \
   X(max_pool2d, Compute, Diff)                          \
+  X(max_pool2d_backward, Compute, NoDiff)               \
   /* indexing */                                        \
   X(embedding, Compute, Diff)                           \
   X(index_select, Compute, Diff)                        \
@@ -75,6 +79,9 @@
   X(to_device, Compute, Diff)                           \
   X(clone, Compute, Diff)                               \
   X(copy_, Compute, NoDiff)                             \
+  /* optimizer updates (in place) */                    \
+  X(adamw_, Compute, NoDiff)                            \
+  X(sgd_, Compute, NoDiff)                              \
   /* views */                                           \
   X(view, View, Diff)                                   \
   X(permute, View, Diff)                                \

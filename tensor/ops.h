@@ -133,6 +133,29 @@ Tensor to(const Tensor& x, Device device);
 Tensor clone(const Tensor& x);
 void copy_(const Tensor& dst, const Tensor& src);
 
+// ---- optimizer updates (fused, in place; call under NoGradGuard as optim/ does) ------------
+// One AdamW step, as torch.optim.AdamW (t = step, 1-based):
+//   param *= 1 - lr * weight_decay
+//   exp_avg += (1 - beta1) * (grad - exp_avg)
+//   exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad^2
+//   param -= lr / (1 - beta1^t) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^t) + eps)
+// grad has param's dtype and shape; the moments are f32 (f64 for an f64 param). With an f32
+// `master` (f32/f16/bf16 params) the update runs on the master and param is written as the
+// master rounded to param's dtype (param's own values are not read).
+void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+            const Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
+            double eps, double weight_decay, const Tensor& master = Tensor());
+// One SGD step, as torch.optim.SGD:
+//   d = grad + weight_decay * param
+//   with momentum: buf = (step == 1 ? d : momentum * buf + (1 - dampening) * d)
+//                  d = nesterov ? d + momentum * buf : buf
+//   param -= lr * d
+// momentum_buffer is undefined iff momentum == 0 (its old values are not read at step 1);
+// dtypes and `master` as for adamw_.
+void sgd_(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer, int64_t step,
+          double lr, double momentum, double dampening, double weight_decay, bool nesterov,
+          const Tensor& master = Tensor());
+
 // ---- views -------------------------------------------------------------------------------
 Tensor view(const Tensor& x, const Shape& shape);      // one dim may be -1
 Tensor reshape(const Tensor& x, const Shape& shape);   // view when possible, else a copy

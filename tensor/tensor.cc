@@ -36,6 +36,7 @@ int64_t Tensor::size(int64_t d) const { return shape()[normalize_dim("size", d, 
 int64_t Tensor::stride(int64_t d) const { return strides()[normalize_dim("stride", d, dim())]; }
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;  // no element to misplace (PyTorch agrees)
   int64_t expected = 1;
   for (int64_t i = dim() - 1; i >= 0; --i) {
     if (impl_->shape[i] == 1) continue;

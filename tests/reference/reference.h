@@ -117,6 +117,9 @@ NdArray conv2d_backward_weight(const NdArray& grad, const NdArray& x, const Shap
 // never wins.
 std::vector<NdArray> max_pool2d(const NdArray& x, std::array<int64_t, 2> kernel,
                                 std::array<int64_t, 2> stride, std::array<int64_t, 2> padding);
+// dx [input_shape]: grad [N, C, OH, OW] added at each flat plane index of indices (same
+// shape as grad); repeated indices add up.
+NdArray max_pool2d_backward(const NdArray& grad, const NdArray& indices, const Shape& input_shape);
 
 // ---- indexing, joining, views (reference_data.cc) ---------------------------------------
 NdArray embedding(const NdArray& weight, const NdArray& indices);
@@ -134,6 +137,18 @@ NdArray slice(const NdArray& x, int64_t dim, int64_t start, int64_t end, int64_t
 NdArray expand(const NdArray& x, const Shape& shape);                 // -1 keeps a dim
 NdArray squeeze(const NdArray& x, const std::vector<int64_t>& dims);  // {} = all size-1 dims
 NdArray unsqueeze(const NdArray& x, int64_t dim);
+
+// ---- optimizer updates (reference_optim.cc) ----------------------------------------------
+// One torch.optim.AdamW step at 1-based step t: {param, exp_avg, exp_avg_sq}.
+std::vector<NdArray> adamw(const NdArray& param, const NdArray& grad, const NdArray& exp_avg,
+                           const NdArray& exp_avg_sq, int64_t t, double lr, double beta1,
+                           double beta2, double eps, double weight_decay);
+// One torch.optim.SGD step at 1-based step t: {param, momentum_buffer (absent when
+// momentum == 0)}; at t == 1 the buffer starts as the decayed gradient (its input is
+// ignored, and may be absent).
+std::vector<NdArray> sgd(const NdArray& param, const NdArray& grad, const NdArray& momentum_buffer,
+                         int64_t t, double lr, double momentum, double dampening,
+                         double weight_decay, bool nesterov);
 
 // ---- factories and random numbers ---------------------------------------------------------
 NdArray full(const Shape& shape, double value, DType dt);

@@ -1,4 +1,5 @@
-// The f64 reference: matmul, softmax, layer_norm, cross_entropy, conv2d, max_pool2d.
+// The f64 reference: matmul, softmax, layer_norm, cross_entropy, conv2d, max_pool2d (and
+// their backward ops).
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -297,6 +298,20 @@ std::vector<NdArray> max_pool2d(const NdArray& x, std::array<int64_t, 2> kernel,
           indices.at({n, c, y, xo}) = static_cast<double>(arg);
         }
   return {values, indices};
+}
+
+NdArray max_pool2d_backward(const NdArray& grad, const NdArray& indices, const Shape& input_shape) {
+  const int64_t N = grad.shape[0], C = grad.shape[1], OH = grad.shape[2], OW = grad.shape[3];
+  const int64_t W = input_shape[3];
+  NdArray dx = NdArray::zeros(input_shape);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t y = 0; y < OH; ++y)
+        for (int64_t xo = 0; xo < OW; ++xo) {
+          const int64_t idx = static_cast<int64_t>(indices.at({n, c, y, xo}));
+          dx.at({n, c, idx / W, idx % W}) += grad.at({n, c, y, xo});
+        }
+  return dx;
 }
 
 }  // namespace tessera::ref

@@ -127,6 +127,7 @@ struct OpSweep {
 std::vector<OpSweep> elementwise_sweeps();  // op_sweep_elementwise.cc
 std::vector<OpSweep> nn_sweeps();           // op_sweep_nn.cc
 std::vector<OpSweep> data_sweeps();         // op_sweep_data.cc
+std::vector<OpSweep> optim_sweeps();        // op_sweep_optim.cc
 
 // ---- harness (op_sweep_harness.cc) ------------------------------------------------------
 // A contiguous tensor holding `a` (values must be representable in dt), written directly

@@ -414,6 +414,11 @@ const Conv kConvs[] = {
     {"stride 2, padding 1", {2, 3, 7, 6}, {4, 3, 3, 3}, {2, 2}, {1, 1}, true},
     {"no bias, stride [2, 1], padding [0, 2]", {1, 2, 6, 5}, {3, 2, 2, 3}, {2, 1}, {0, 2}, false},
     {"1x1 kernel", {2, 5, 4, 4}, {3, 5, 1, 1}, {1, 1}, {0, 0}, true},
+    // 16 outputs take the kernel's pixel-major GEMM; 17 images make uneven chunks of images
+    // and weight-gradient groups of 1 and 2 images.
+    {"17 images, 16 outputs, padding 1", {17, 4, 3, 2}, {16, 4, 3, 3}, {1, 1}, {1, 1}, true},
+    // 20 output pixels: one vectorised 16 x 16 transpose block back to NCHW and a remainder.
+    {"16 outputs, 5x4 pixels, padding 1", {2, 4, 5, 4}, {16, 4, 3, 3}, {1, 1}, {1, 1}, true},
 };
 
 int64_t conv_out(int64_t in, int64_t k, int64_t s, int64_t p) { return (in + 2 * p - k) / s + 1; }
@@ -461,6 +466,9 @@ std::vector<OpSweep> conv_sweeps() {
     bw.args = {arg(conv_out_shape(cv)), arg(cv.x)};
     bw.attrs = fwd.cases.back().attrs;
     bw.attrs.shape = cv.w;
+    // Each weight-gradient element sums N * OH * OW products in f32.
+    const Shape out = conv_out_shape(cv);
+    bw.rel32 = std::max(1e-5, static_cast<double>(out[0] * out[2] * out[3]) * std::ldexp(1.0, -24));
     bw.ref = [cv](const Arrays& in, DType) {
       return Arrays{ref::conv2d_backward_weight(in[0], in[1], cv.w, cv.stride, cv.padding)};
     };
@@ -494,6 +502,8 @@ OpSweep max_pool_sweep() {
   };
   for (const P& p :
        {P{"[2, 3, 7, 6] k 2 s 2", {2, 3, 7, 6}, {2, 2}, {2, 2}, {0, 0}, normal(1)},
+        P{"[1, 2, 4, 41] k 2 s 2 (20 outputs a row)", {1, 2, 4, 41}, {2, 2}, {2, 2}, {0, 0},
+          normal(1)},
         P{"k 3 s 2 pad 1", {2, 3, 7, 6}, {3, 3}, {2, 2}, {1, 1}, normal(1)},
         P{"k [3, 2] s [1, 2] pad [1, 0]", {1, 2, 5, 6}, {3, 2}, {1, 2}, {1, 0}, normal(1)},
         P{"k 2 s 1 ties", {2, 2, 5, 5}, {2, 2}, {1, 1}, {0, 0}, ints(-1, 1)},
@@ -503,7 +513,18 @@ OpSweep max_pool_sweep() {
           {1, 1},
           {0, 0},
           fixed({1, NAN, 3, -INFINITY, -INFINITY, -INFINITY, 2, INFINITY, -INFINITY, -INFINITY, NAN,
-                 0})}}) {
+                 0})},
+        // The vectorised 2x2 stride-2 path. Windows: a NaN before a larger value, all -inf,
+        // a NaN after a larger value, two NaNs, tied infinities, a NaN in the last position.
+        P{"k 2 s 2 IEEE specials",
+          {1, 1, 4, 6},
+          {2, 2},
+          {2, 2},
+          {0, 0},
+          fixed({1,   NAN,       -INFINITY, -INFINITY, 5,   1,     //
+                 3,   -INFINITY, -INFINITY, -INFINITY, NAN, 2,     //
+                 NAN, 2,         INFINITY,  INFINITY,  -1,  -1,    //
+                 NAN, INFINITY,  0,         0,         -1,  NAN})}}) {
     Case c;
     c.label = p.label;
     c.args = {arg(p.x, p.domain, ints(-5, 5))};
@@ -528,6 +549,51 @@ OpSweep max_pool_sweep() {
   return s;
 }
 
+// max_pool2d_backward adds each grad at its index within the input plane: any index is
+// valid, so random ones test repeats (overlapping windows) too.
+OpSweep max_pool_backward_sweep() {
+  OpSweep s{OpId::max_pool2d_backward, kFloats, kNonFloat, {}, {}};
+  struct P {
+    const char* label;
+    Shape in, out;
+    Arg indices;
+  };
+  for (const P& p : {P{"[2, 3, 7, 6] from [2, 3, 3, 3]", {2, 3, 7, 6}, {2, 3, 3, 3},
+                       index_arg({2, 3, 3, 3}, 0, 41)},
+                     P{"repeated indices, i32", {1, 2, 2, 2}, {1, 2, 4, 3},
+                       index_arg({1, 2, 4, 3}, 0, 3, DType::i32)},
+                     P{"[3, 2, 8, 8] from [3, 2, 4, 4]", {3, 2, 8, 8}, {3, 2, 4, 4},
+                       index_arg({3, 2, 4, 4}, 0, 63)}}) {
+    Case c;
+    c.label = p.label;
+    c.args = {arg(p.out), p.indices};
+    c.attrs.shape = p.in;
+    const Shape in = p.in;
+    c.ref = [in](const Arrays& v, DType) { return Arrays{ref::max_pool2d_backward(v[0], v[1], in)}; };
+    c.mag = [in](const Arrays& v, DType) {
+      return Arrays{ref::max_pool2d_backward(absv(v[0]), v[1], in)};
+    };
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    Attrs a;
+    a.shape = {1, 1, 2, 2};
+    expect_error("max_pool2d_backward index 4 outside a 2x2 plane", [&] {
+      call(OpId::max_pool2d_backward,
+           {zeros({1, 1, 1, 1}), Tensor::from_vector<int64_t>({4}, {1, 1, 1, 1})}, a);
+    });
+    expect_error("max_pool2d_backward indices shape differs from grad", [&] {
+      call(OpId::max_pool2d_backward,
+           {zeros({1, 1, 1, 2}), Tensor::from_vector<int64_t>({0}, {1, 1, 1, 1})}, a);
+    });
+    expect_error("max_pool2d_backward input N, C differ from grad", [&] {
+      call(OpId::max_pool2d_backward,
+           {zeros({1, 2, 1, 1}), Tensor::from_vector<int64_t>({0, 1}, {1, 2, 1, 1})}, a);
+    });
+  };
+  return s;
+}
+
 }  // namespace
 
 std::vector<OpSweep> nn_sweeps() {
@@ -541,6 +607,7 @@ std::vector<OpSweep> nn_sweeps() {
                               dropout_sweep()};
   for (OpSweep& s : conv_sweeps()) out.push_back(std::move(s));
   out.push_back(max_pool_sweep());
+  out.push_back(max_pool_backward_sweep());
   return out;
 }
 

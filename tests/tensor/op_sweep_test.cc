@@ -1,6 +1,6 @@
 // The op sweep: every op in tensor/op_list.h, over every dtype it supports and every input
 // layout, against the f64 reference (tests/reference). See op_sweep.h for the harness and
-// the tolerances; the cases live in op_sweep_{elementwise,nn,data,factories}.cc.
+// the tolerances; the cases live in op_sweep_{elementwise,nn,data,factories,optim}.cc.
 //
 //   bazel test //tests/tensor:op_sweep_test
 //   OP_SWEEP_ONLY=matmul bazel-bin/tests/tensor/op_sweep_test   # one op's sweep only
@@ -22,7 +22,7 @@ namespace {
 const std::vector<OpSweep>& all_sweeps() {
   static const std::vector<OpSweep> sweeps = [] {
     std::vector<OpSweep> out;
-    for (auto* family : {&elementwise_sweeps, &nn_sweeps, &data_sweeps}) {
+    for (auto* family : {&elementwise_sweeps, &nn_sweeps, &data_sweeps, &optim_sweeps}) {
       for (OpSweep& s : family()) out.push_back(std::move(s));
     }
     return out;

@@ -1,0 +1,119 @@
+#include "models/common/flags.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "tensor/error.h"
+
+namespace tessera::models {
+
+Flags::Flag& Flags::add_flag(const std::string& name, const std::string& help) {
+  for (const Flag& f : flags_) {
+    TS_CHECK(f.name != name, "{}: flag --{} defined twice", program_, name);
+  }
+  flags_.push_back(Flag{name, help, int64_t{0}, false});
+  return flags_.back();
+}
+
+int64_t& Flags::add(const std::string& name, int64_t value, const std::string& help) {
+  Flag& f = add_flag(name, help);
+  f.value = value;
+  return std::get<int64_t>(f.value);
+}
+double& Flags::add(const std::string& name, double value, const std::string& help) {
+  Flag& f = add_flag(name, help);
+  f.value = value;
+  return std::get<double>(f.value);
+}
+bool& Flags::add(const std::string& name, bool value, const std::string& help) {
+  Flag& f = add_flag(name, help);
+  f.value = value;
+  return std::get<bool>(f.value);
+}
+std::string& Flags::add(const std::string& name, std::string value, const std::string& help) {
+  Flag& f = add_flag(name, help);
+  f.value = std::move(value);
+  return std::get<std::string>(f.value);
+}
+
+Flags::Flag& Flags::find(const std::string& name) {
+  for (Flag& f : flags_) {
+    if (f.name == name) return f;
+  }
+  fail("{}: unknown flag --{}\n{}", program_, name, usage());
+}
+
+bool Flags::given(const std::string& name) const {
+  for (const Flag& f : flags_) {
+    if (f.name == name) return f.given;
+  }
+  return false;
+}
+
+void Flags::parse(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s", usage().c_str());
+      std::exit(0);
+    }
+    TS_CHECK(arg.rfind("--", 0) == 0 && arg.size() > 2, "{}: unexpected argument '{}'\n{}",
+             program_, arg, usage());
+    std::string name = arg.substr(2), text;
+    bool has_value = false;
+    if (const size_t eq = name.find('='); eq != std::string::npos) {
+      text = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    Flag& f = find(name);
+    f.given = true;
+    if (std::holds_alternative<bool>(f.value) && !has_value) {
+      f.value = true;
+      continue;
+    }
+    if (!has_value) {
+      TS_CHECK(i + 1 < argc, "{}: flag --{} needs a value", program_, name);
+      text = argv[++i];
+    }
+    const char* s = text.c_str();
+    char* end = nullptr;
+    if (std::holds_alternative<int64_t>(f.value)) {
+      const long long v = std::strtoll(s, &end, 10);
+      TS_CHECK(!text.empty() && *end == '\0', "{}: --{} expects an integer, got '{}'", program_,
+               name, text);
+      f.value = static_cast<int64_t>(v);
+    } else if (std::holds_alternative<double>(f.value)) {
+      const double v = std::strtod(s, &end);
+      TS_CHECK(!text.empty() && *end == '\0', "{}: --{} expects a number, got '{}'", program_,
+               name, text);
+      f.value = v;
+    } else if (std::holds_alternative<bool>(f.value)) {
+      TS_CHECK(text == "true" || text == "false" || text == "1" || text == "0",
+               "{}: --{} expects true or false, got '{}'", program_, name, text);
+      f.value = text == "true" || text == "1";
+    } else {
+      f.value = text;
+    }
+  }
+}
+
+std::string Flags::usage() const {
+  std::string out = fmt::format("usage: {} [--flag=value ...]\n{}\n\nflags:\n", program_, description_);
+  for (const Flag& f : flags_) {
+    const std::string def = std::visit(
+        [](const auto& v) -> std::string {
+          using T = std::decay_t<decltype(v)>;
+          if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
+          else if constexpr (std::is_same_v<T, std::string>) return "'" + v + "'";
+          else return fmt::format("{}", v);
+        },
+        f.value);
+    out += fmt::format("  --{:<14} {} (default {})\n", f.name, f.help, def);
+  }
+  return out;
+}
+
+}  // namespace tessera::models

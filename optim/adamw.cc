@@ -1,0 +1,74 @@
+#include "optim/adamw.h"
+
+#include <cmath>
+
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+
+namespace tessera::optim {
+
+AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
+    : AdamW(std::vector<ParamGroup>{ParamGroup{std::move(params), {}}}, options) {}
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions options)
+    : Optimizer("AdamW", std::move(groups), options.lr, options.weight_decay),
+      options_(checked(options)) {}
+
+AdamWOptions AdamW::checked(AdamWOptions o) {
+  TS_CHECK(std::isfinite(o.lr) && o.lr >= 0, "AdamW: invalid learning rate {} (must be >= 0)",
+           o.lr);
+  TS_CHECK(std::isfinite(o.eps) && o.eps >= 0, "AdamW: invalid eps {} (must be >= 0)", o.eps);
+  auto [b1, b2] = o.betas;
+  TS_CHECK(b1 >= 0 && b1 < 1, "AdamW: invalid beta1 {} (must be in [0, 1))", b1);
+  TS_CHECK(b2 >= 0 && b2 < 1, "AdamW: invalid beta2 {} (must be in [0, 1))", b2);
+  TS_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0,
+           "AdamW: invalid weight_decay {} (must be >= 0)", o.weight_decay);
+  return o;
+}
+
+bool AdamW::uses_master(const Tensor& p) const {
+  return options_.master_weights && (p.dtype() == DType::f16 || p.dtype() == DType::bf16);
+}
+
+std::vector<Optimizer::StateSpec> AdamW::state_specs(const Tensor& p) const {
+  const DType moments = p.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  std::vector<StateSpec> specs = {{"exp_avg", p.shape(), moments},
+                                  {"exp_avg_sq", p.shape(), moments}};
+  if (uses_master(p)) specs.push_back({"master", p.shape(), DType::f32});
+  return specs;
+}
+
+std::map<std::string, double> AdamW::hyperparameters() const {
+  return {{"beta1", options_.betas.first},
+          {"beta2", options_.betas.second},
+          {"eps", options_.eps}};
+}
+
+void AdamW::set_hyperparameters(const std::map<std::string, double>& values) {
+  AdamWOptions o = options_;
+  o.betas = {values.at("beta1"), values.at("beta2")};
+  o.eps = values.at("eps");
+  options_ = checked(o);
+}
+
+void AdamW::step() {
+  NoGradGuard no_grad;
+  for_each_param_with_grad(
+      [&](const Tensor& p) {
+        std::map<std::string, Tensor> s;
+        for (const StateSpec& spec : state_specs(p)) {
+          s[spec.name] = spec.name == "master" ? cast(p, DType::f32).contiguous()
+                                               : zeros(spec.shape, spec.dtype, p.device());
+        }
+        return s;
+      },
+      [&](const ParamGroup& group, const Tensor& p, const Tensor& grad, ParamState& s) {
+        const auto master = s.tensors.find("master");
+        adamw_(p, grad, s.tensors.at("exp_avg"), s.tensors.at("exp_avg_sq"), s.step + 1,
+               group.lr, options_.betas.first, options_.betas.second, options_.eps,
+               group.weight_decay, master == s.tensors.end() ? Tensor() : master->second);
+        ++s.step;
+      });
+}
+
+}  // namespace tessera::optim

@@ -1,0 +1,48 @@
+// AdamW (Loshchilov & Hutter, decoupled weight decay) with PyTorch's torch.optim.AdamW
+// semantics and defaults, one fused update per parameter (the adamw_ op in tensor/ops.h).
+//
+//   AdamW opt(model.parameters(), {.lr = 3e-4, .weight_decay = 0.1});
+//   loss.backward();
+//   opt.step();
+//
+// State per parameter: exp_avg and exp_avg_sq (f32; f64 for f64 params) and, for f16/bf16
+// params when master_weights is on, "master": an f32 copy the update is applied to, the
+// param then holding it rounded (small updates are not lost to 16-bit rounding).
+#pragma once
+
+#include <utility>
+
+#include "optim/optimizer.h"
+
+namespace tessera::optim {
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  std::pair<double, double> betas{0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  bool master_weights = true;  // f32 master copies of f16/bf16 params
+};
+
+class AdamW : public Optimizer {
+ public:
+  explicit AdamW(std::vector<Tensor> params, AdamWOptions options = {});
+  // Groups holding ParamGroup::kInherit take lr / weight_decay from options.
+  explicit AdamW(std::vector<ParamGroup> groups, AdamWOptions options = {});
+
+  void step() override;
+  const AdamWOptions& options() const { return options_; }
+
+ protected:
+  std::vector<StateSpec> state_specs(const Tensor& param) const override;
+  std::map<std::string, double> hyperparameters() const override;
+  void set_hyperparameters(const std::map<std::string, double>& values) override;
+
+ private:
+  static AdamWOptions checked(AdamWOptions options);
+  bool uses_master(const Tensor& param) const;
+
+  AdamWOptions options_;
+};
+
+}  // namespace tessera::optim

@@ -1,0 +1,42 @@
+#include "optim/clip.h"
+
+#include <cmath>
+
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+
+namespace tessera::optim {
+
+double grad_norm(const std::vector<Tensor>& params) {
+  NoGradGuard no_grad;
+  double sum_sq = 0.0;
+  for (const Tensor& p : params) {
+    TS_CHECK(p.defined(), "grad_norm: a parameter is an undefined tensor");
+    const Tensor g = p.grad();
+    if (!g.defined() || g.numel() == 0) continue;
+    const Tensor g64 = cast(g, DType::f64);
+    sum_sq += sum(g64 * g64).item<double>();
+  }
+  return std::sqrt(sum_sq);
+}
+
+double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
+  TS_CHECK(std::isfinite(max_norm) && max_norm > 0,
+           "clip_grad_norm: max_norm must be finite and > 0, got {}", max_norm);
+  const double norm = grad_norm(params);
+  if (!std::isfinite(norm)) return norm;
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return norm;
+  NoGradGuard no_grad;
+  for (const Tensor& p : params) {
+    const Tensor g = p.grad();
+    if (!g.defined() || g.numel() == 0) continue;
+    // 16-bit gradients are scaled in f32 and rounded once, not by a coefficient that was
+    // itself rounded to 16 bits.
+    const bool narrow = g.dtype() == DType::f16 || g.dtype() == DType::bf16;
+    copy_(g, (narrow ? cast(g, DType::f32) : g) * coef);
+  }
+  return norm;
+}
+
+}  // namespace tessera::optim

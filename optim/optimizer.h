@@ -1,0 +1,153 @@
+// Optimizer: the base of SGD and AdamW. It holds parameter groups (each with its own lr and
+// weight decay), per-parameter state, and a state dict made of tensors only.
+//
+//   AdamW opt(decay_groups(model.named_parameters(), 3e-4, 0.1));
+//   for (int64_t step = 0; step < steps; ++step) {
+//     opt.set_lr(schedule.lr(step));
+//     opt.zero_grad();
+//     loss(batch(step)).backward();
+//     opt.step();
+//   }
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace tessera::optim {
+
+struct ParamGroup {
+  // Marks lr / weight_decay as "the optimizer's default" (the options it was built with).
+  static constexpr double kInherit = std::numeric_limits<double>::quiet_NaN();
+
+  // Default member initializers keep ParamGroup{{w, b}} free of missing-initializer warnings.
+  std::vector<Tensor> params = {};
+  std::vector<std::string> names = {};  // empty, or one per param (used in error messages)
+  double lr = kInherit;
+  double weight_decay = kInherit;
+};
+
+// Two groups from named parameters: group 0 decays (weight_decay), group 1 does not (0).
+// The rule, as in nanoGPT/minGPT: a parameter with 2 or more dims (matmul and embedding
+// weights, conv kernels) decays; one with fewer (biases, layer-norm gains and shifts,
+// scalars) does not, because shrinking those towards 0 regularises nothing useful and
+// only fights the normalisation. Both groups are always returned (possibly empty), so group
+// indices in a state dict do not depend on the model.
+std::vector<ParamGroup> decay_groups(const std::vector<std::pair<std::string, Tensor>>& named_params,
+                                     double lr, double weight_decay);
+
+// Gradient accumulation needs no special class: backward() adds into .grad, so for k
+// micro-batches per step call zero_grad() once, then (loss_i / k).backward() for each
+// micro-batch, then step() once:
+//
+//   opt.zero_grad();
+//   for (int i = 0; i < k; ++i) (loss(micro_batch(i)) / double(k)).backward();
+//   opt.step();
+//
+// Dividing each loss by k makes the accumulated gradient that of the mean loss over the whole
+// batch, as one backward over all of it would give (for a loss that is a mean over equally
+// sized micro-batches), up to f32 summation order (tests/optim/accumulation_test.cc).
+class Optimizer {
+ public:
+  using StateDict = std::map<std::string, Tensor>;
+
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // Drops every parameter's gradient (PyTorch's set_to_none): the next backward allocates.
+  void zero_grad();
+  // One update of every parameter that has a gradient (those without are skipped, their
+  // state untouched). Runs under NoGradGuard.
+  virtual void step() = 0;
+
+  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  // Sets every group's learning rate (schedules call this before each step).
+  void set_lr(double lr);
+  // Parameters over all groups, in group order: the "global index" of state-dict keys.
+  int64_t num_params() const { return static_cast<int64_t>(state_.size()); }
+  // Steps taken by the parameter with global index i (0 before its first step).
+  int64_t step_count(int64_t i) const;
+  // The state tensors of parameter i by name ("exp_avg", "master", ...); empty before its
+  // first step.
+  const std::map<std::string, Tensor>& state(int64_t i) const;
+
+  // Everything needed to resume, as tensors (scalars 0-d f64 / i64), so the dict can be
+  // written to a safetensors file as is:
+  //   state.<i>.step (i64), state.<i>.<name> for each state tensor of param i (only params
+  //   that have stepped), group.<g>.lr, group.<g>.weight_decay (f64), group.<g>.params (i64
+  //   [n]: the global indices of the group's params), hparam.<name> (f64: betas, eps,
+  //   momentum, ...). Values are copies: training on does not change a dict already taken.
+  StateDict state_dict() const;
+  // Restores a state_dict() of an optimizer of the same kind over parameters of the same
+  // shapes. Validates everything first (Error naming the key on a missing or unexpected
+  // key, and both shapes/dtypes on a mismatch) and changes nothing if it throws. Values are
+  // copied, so resuming continues bitwise as the uninterrupted run would. Hyperparameters
+  // (hparam.*, group lr and weight_decay) are taken from the dict, as in PyTorch.
+  void load_state_dict(const StateDict& dict);
+
+ protected:
+  struct ParamState {
+    int64_t step = 0;
+    std::map<std::string, Tensor> tensors;
+  };
+  struct StateSpec {
+    std::string name;
+    Shape shape;
+    DType dtype;
+  };
+
+  // `kind` names the optimizer in errors ("AdamW"); groups inherit default_lr /
+  // default_weight_decay where they hold ParamGroup::kInherit.
+  Optimizer(std::string kind, std::vector<ParamGroup> groups, double default_lr,
+            double default_weight_decay);
+
+  // The state tensors a parameter has once it has stepped.
+  virtual std::vector<StateSpec> state_specs(const Tensor& param) const = 0;
+  // Optimizer-wide hyperparameters (saved as hparam.<name>); set_ validates all of them
+  // (Error naming the optimizer and the value) before changing any.
+  virtual std::map<std::string, double> hyperparameters() const = 0;
+  virtual void set_hyperparameters(const std::map<std::string, double>& values) = 0;
+  // Checks one group's lr and weight decay (Error naming the optimizer and the value).
+  void check_group_values(double lr, double weight_decay) const;
+
+  // Runs fn(group, param, grad, state) for every parameter that has a gradient, with
+  // its state created by init(param) before its first step. An Error from fn gets the
+  // parameter's index and name prepended.
+  template <typename Init, typename Fn>
+  void for_each_param_with_grad(Init&& init, Fn&& fn);
+
+  const std::string kind_;
+  std::vector<ParamGroup> groups_;
+  std::vector<ParamState> state_;  // by global index
+
+ private:
+  std::string describe_param(int64_t i) const;
+};
+
+template <typename Init, typename Fn>
+void Optimizer::for_each_param_with_grad(Init&& init, Fn&& fn) {
+  int64_t i = 0;
+  for (const ParamGroup& group : groups_) {
+    for (const Tensor& p : group.params) {
+      const Tensor grad = p.grad();
+      ParamState& s = state_[i];
+      if (grad.defined()) {
+        try {
+          if (s.step == 0) s.tensors = init(p);
+          fn(group, p, grad, s);
+        } catch (const Error& e) {
+          fail("{}.step: {}: {}", kind_, describe_param(i), e.what());
+        }
+      }
+      ++i;
+    }
+  }
+}
+
+}  // namespace tessera::optim

@@ -1,0 +1,189 @@
+// DynamicLossScaler: skipped steps on inf/NaN gradients (params untouched, scale backed off),
+// exact unscaling (powers of two), growth after growth_interval good steps, the disabled
+// identity, f16 overflow recovery, and state dict round trips.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "autograd/autograd.h"
+#include "optim/loss_scaler.h"
+#include "optim/sgd.h"
+#include "tests/optim/optim_test_util.h"
+
+namespace tessera::optim {
+namespace {
+
+using testing::bitwise_equal;
+using testing::expect_error_with;
+using testing::f32;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+TEST_CASE("a step with inf or NaN gradients is skipped and the scale backs off") {
+  Tensor p = f32({1.0f, 2.0f}).requires_grad_();
+  SGD opt({p}, {.lr = 0.1});
+  DynamicLossScaler scaler({.init_scale = 1024, .growth_interval = 3});
+  const Tensor before = p.detach().clone();
+  int iteration = 0;
+  for (float bad : {kInf, std::nanf(""), -kInf}) {
+    CAPTURE(bad);
+    p.set_grad(f32({512.0f, bad}));
+    CHECK_FALSE(scaler.step(opt));
+    CHECK(bitwise_equal(p, before));
+    CHECK(opt.step_count(0) == 0);
+    CHECK(scaler.skipped_steps() == ++iteration);
+    scaler.update();
+    CHECK(scaler.scale_value() == 1024.0 / (1 << iteration));
+    CHECK(scaler.growth_tracker() == 0);
+  }
+}
+
+TEST_CASE("finite gradients are unscaled exactly and stepped; the scale grows every N steps") {
+  Tensor p = f32({1.0f, 2.0f}).requires_grad_();
+  Tensor reference = f32({1.0f, 2.0f}).requires_grad_();
+  SGD opt({p}, {.lr = 0.1, .momentum = 0.9});
+  SGD ref_opt({reference}, {.lr = 0.1, .momentum = 0.9});
+  DynamicLossScaler scaler({.init_scale = 1024, .growth_interval = 3});
+  const std::vector<float> g = {0.5f, -0.25f};
+  auto iterate = [&](float bad = 0.0f) {
+    const float s = static_cast<float>(scaler.scale_value());
+    p.set_grad(f32({g[0] * s, bad == 0.0f ? g[1] * s : bad}));
+    const bool stepped = scaler.step(opt);
+    if (stepped) {
+      // Dividing by a power of two is exact: the unscaled gradient is g itself.
+      CHECK(p.grad().to_vector<float>() == g);
+      reference.set_grad(f32(g));
+      ref_opt.step();
+    }
+    scaler.update();
+    return stepped;
+  };
+  CHECK(iterate());
+  CHECK(iterate());
+  CHECK(scaler.scale_value() == 1024);
+  CHECK(scaler.growth_tracker() == 2);
+  CHECK(iterate());
+  CHECK(scaler.scale_value() == 2048);  // 3 good steps in a row
+  CHECK(scaler.growth_tracker() == 0);
+  CHECK(iterate());
+  CHECK(iterate());
+  CHECK_FALSE(iterate(kInf));  // an overflow resets the count: no growth at the 3rd
+  CHECK(scaler.scale_value() == 1024);
+  CHECK(iterate());
+  CHECK(iterate());
+  CHECK(scaler.scale_value() == 1024);
+  CHECK(iterate());
+  CHECK(scaler.scale_value() == 2048);
+  CHECK(bitwise_equal(p, reference));  // skipped steps left no trace
+  CHECK(opt.step_count(0) == 8);  // 9 iterations, 1 skipped
+  CHECK(scaler.skipped_steps() == 1);
+}
+
+TEST_CASE("scale() multiplies the loss; unscale_and_check() recovers the true gradient") {
+  Tensor w = f32({1.0f, 2.0f, -3.0f}).requires_grad_();
+  DynamicLossScaler scaler;  // 65536
+  const Tensor loss = sum(w * w);
+  const Tensor scaled = scaler.scale(loss);
+  CHECK(scaled.item<float>() == 14.0f * 65536.0f);
+  scaled.backward();
+  CHECK(w.grad().to_vector<float>() == std::vector<float>{2 * 65536.0f, 4 * 65536.0f, -6 * 65536.0f});
+  CHECK(scaler.unscale_and_check({w}));
+  CHECK(w.grad().to_vector<float>() == std::vector<float>{2.0f, 4.0f, -6.0f});
+  expect_error_with([&] { scaler.unscale_and_check({w}); },
+                    {"DynamicLossScaler", "already unscaled", "update()"});
+  SGD opt({w}, {.lr = 0.5});
+  CHECK(scaler.step(opt));  // uses the check above; does not unscale again
+  CHECK(w.to_vector<float>() == std::vector<float>{0.0f, 0.0f, 0.0f});
+  scaler.update();
+  expect_error_with([&] { scaler.update(); }, {"DynamicLossScaler.update", "step()"});
+}
+
+// f16 gradients of 2 * scale overflow at 65536 and 32768 (65536 rounds past the f16
+// maximum 65504), and fit at 16384: two skipped steps, then training proceeds.
+TEST_CASE("f16 training recovers from overflow by backing off") {
+  Tensor w = Tensor::from_vector<float>({1.0f}, {1});
+  w = cast(w, DType::f16).requires_grad_();
+  SGD opt({w}, {.lr = 0.01});
+  DynamicLossScaler scaler;
+  std::vector<bool> stepped;
+  for (int i = 0; i < 3; ++i) {
+    opt.zero_grad();
+    scaler.scale(sum(cast(w, DType::f32) * 2.0)).backward();
+    stepped.push_back(scaler.step(opt));
+    scaler.update();
+  }
+  CHECK(stepped == std::vector<bool>{false, false, true});
+  CHECK(scaler.scale_value() == 16384);
+  CHECK(scaler.skipped_steps() == 2);
+  CHECK(opt.state(0).at("master").item<float>() == doctest::Approx(1.0 - 0.02).epsilon(1e-7));
+}
+
+TEST_CASE("a disabled scaler is the identity, so one loop serves f32 and bf16") {
+  Tensor w = f32({1.0f, 2.0f}).requires_grad_();
+  SGD opt({w}, {.lr = 0.5});
+  DynamicLossScaler scaler({.enabled = false});
+  const Tensor loss = sum(w * w);
+  CHECK(scaler.scale(loss).is_same(loss));
+  CHECK(scaler.scale_value() == 1.0);
+  loss.backward();
+  CHECK(scaler.unscale_and_check({w}));
+  CHECK(w.grad().to_vector<float>() == std::vector<float>{2.0f, 4.0f});
+  CHECK(scaler.step(opt));
+  scaler.update();
+  scaler.update();  // no checks to enforce when disabled
+  CHECK(w.to_vector<float>() == std::vector<float>{0.0f, 0.0f});
+  CHECK(scaler.skipped_steps() == 0);
+}
+
+TEST_CASE("loss scaler state dict round trip and errors") {
+  DynamicLossScaler a({.init_scale = 1024, .growth_interval = 3});
+  Tensor p = f32({1.0f}).requires_grad_();
+  SGD opt({p}, {.lr = 0.1});
+  for (float g : {kInf, 1.0f, 1.0f}) {  // skip (-> 512), then two good steps
+    p.set_grad(f32({g}));
+    a.step(opt);
+    a.update();
+  }
+  const std::map<std::string, Tensor> d = a.state_dict();
+  CHECK(d.at("scale").dtype() == DType::f64);
+  CHECK(d.at("scale").item<double>() == 512);
+  CHECK(d.at("growth_tracker").dtype() == DType::i64);
+  CHECK(d.at("growth_tracker").item<int64_t>() == 2);
+  CHECK(d.at("skipped_steps").item<int64_t>() == 1);
+  CHECK(d.at("growth_interval").item<int64_t>() == 3);
+
+  DynamicLossScaler b;  // default options, replaced by the dict's
+  b.load_state_dict(d);
+  CHECK(b.scale_value() == 512);
+  CHECK(b.growth_tracker() == 2);
+  CHECK(b.skipped_steps() == 1);
+  // One more good step completes the interval in both.
+  for (DynamicLossScaler* s : {&a, &b}) {
+    p.set_grad(f32({1.0f}));
+    s->step(opt);
+    s->update();
+    CHECK(s->scale_value() == 1024);
+  }
+
+  auto edited = [&](const std::function<void(std::map<std::string, Tensor>&)>& edit) {
+    std::map<std::string, Tensor> e = d;
+    edit(e);
+    return e;
+  };
+  DynamicLossScaler c;
+  expect_error_with([&] { c.load_state_dict(edited([](auto& e) { e.erase("growth_tracker"); })); },
+                    {"DynamicLossScaler.load_state_dict", "missing key", "'growth_tracker'"});
+  expect_error_with([&] { c.load_state_dict(edited([](auto& e) { e["extra"] = zeros({}); })); },
+                    {"unexpected key", "'extra'"});
+  expect_error_with(
+      [&] { c.load_state_dict(edited([](auto& e) { e["scale"] = zeros({1}, DType::f64); })); },
+      {"'scale'", "[1]", "[]"});
+  expect_error_with([&] {
+    c.load_state_dict(edited([](auto& e) { e["growth_tracker"] = Tensor::from_vector<int64_t>({5}, {}); }));
+  }, {"growth_tracker 5", "growth_interval 3"});
+  CHECK(c.scale_value() == 65536);  // untouched by the failed loads
+}
+
+}  // namespace
+}  // namespace tessera::optim

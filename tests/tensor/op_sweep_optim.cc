@@ -1,0 +1,330 @@
+// Sweep cases: the fused optimizer updates adamw_ and sgd_. They write into their inputs, so
+// each case runs the public function and returns the written tensors as its outputs (param,
+// the state, and the master copy when there is one); written inputs are never laid out as
+// expanded (stride-0) views, the gradient is.
+//
+// Tolerances: the f32 kernel against the f64 reference, relative to the sum of the
+// magnitudes of the terms each update adds (mag below): a handful of roundings per element,
+// far inside rel32 = 1e-5. With a master, param's reference is the updated master itself:
+// the 16-bit result is then checked as the f32 twin rounded once.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "tests/tensor/op_sweep.h"
+
+namespace tessera::sweep {
+namespace {
+
+DType state_dtype(DType dt) { return dt == DType::f64 ? DType::f64 : DType::f32; }
+
+Arg written(Arg a) {
+  a.expandable = false;  // several elements sharing one location cannot each be updated
+  return a;
+}
+
+Arg state_arg(Shape shape, Domain domain) {
+  Arg a = written(arg(std::move(shape), std::move(domain)));
+  a.stats = true;
+  return a;
+}
+
+Arg master_arg(Shape shape) {
+  Arg a = written(arg(std::move(shape)));
+  a.dtype = DType::f32;
+  return a;
+}
+
+// ---- adamw_ -------------------------------------------------------------------------------
+
+struct AdamSetup {
+  int64_t t = 1;
+  double lr = 0.1, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.1;
+};
+
+// Inputs: param, grad, exp_avg, exp_avg_sq[, master]. Outputs: param, exp_avg, exp_avg_sq
+// [, master].
+Case adamw_case(std::string label, Shape shape, AdamSetup h, bool master) {
+  Case c;
+  c.label = std::move(label);
+  c.args = {written(arg(shape)), arg(shape), state_arg(shape, normal(0.3)),
+            state_arg(shape, uniform(0, 0.5))};
+  if (master) {
+    c.args.push_back(master_arg(shape));
+    c.dtypes = {DType::f32, DType::f16, DType::bf16};
+    // A param holds its master rounded (the kernel ignores param's own values then).
+    c.prepare = [](Arrays& in, DType) { in[0] = in[4]; };
+  }
+  c.ref = [h, master](const Arrays& in, DType) {
+    const NdArray& x = master ? in[4] : in[0];
+    Arrays out = ref::adamw(x, in[1], in[2], in[3], h.t, h.lr, h.beta1, h.beta2, h.eps,
+                            h.weight_decay);
+    if (master) out.push_back(out[0]);
+    return out;
+  };
+  // exp_avg = beta1 m + (1 - beta1) g; param = x (1 - lr wd) - step_size m_hat / denom, whose
+  // second term carries exp_avg's error; exp_avg_sq adds positive terms only (|want|).
+  c.mag = [h, master](const Arrays& in, DType) {
+    const NdArray& x = master ? in[4] : in[0];
+    const Arrays want = ref::adamw(x, in[1], in[2], in[3], h.t, h.lr, h.beta1, h.beta2, h.eps,
+                                   h.weight_decay);
+    const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(h.t));
+    const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(h.t));
+    NdArray mp = x, mm = x;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      mm.data[i] = h.beta1 * std::fabs(in[2].data[i]) + (1 - h.beta1) * std::fabs(in[1].data[i]);
+      const double denom = std::sqrt(want[2].data[i]) / std::sqrt(bc2) + h.eps;
+      mp.data[i] = std::fabs(x.data[i]) * (1 - h.lr * h.weight_decay) +
+                   h.lr / bc1 * mm.data[i] / denom;
+    }
+    Arrays out = {mp, mm, NdArray::absent()};
+    if (master) out.push_back(mp);
+    return out;
+  };
+  c.run = [h, master](const Tensors& in, DType) {
+    adamw_(in[0], in[1], in[2], in[3], h.t, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+           master ? in[4] : Tensor());
+    Tensors out = {in[0], in[2], in[3]};
+    if (master) out.push_back(in[4]);
+    return out;
+  };
+  c.out_dtype = [](DType dt, size_t k) {
+    return k == 0 ? dt : k == 3 ? DType::f32 : state_dtype(dt);
+  };
+  return c;
+}
+
+void adamw_errors() {
+  const Tensor p = zeros({2, 3}), g = zeros({2, 3}), m = zeros({2, 3}), v = zeros({2, 3});
+  auto step = [](const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
+                 const Tensor& master = Tensor()) {
+    adamw_(p, g, m, v, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, master);
+  };
+  expect_error("adamw_ grad [3, 2] for param [2, 3]", [&] { step(p, zeros({3, 2}), m, v); });
+  expect_error("adamw_ f16 exp_avg for an f32 param",
+               [&] { step(p, g, zeros({2, 3}, DType::f16), v); });
+  expect_error("adamw_ f32 moments for an f64 param", [&] {
+    step(zeros({2, 3}, DType::f64), zeros({2, 3}, DType::f64), m, v);
+  });
+  expect_error("adamw_ undefined exp_avg_sq", [&] { step(p, g, m, Tensor()); });
+  expect_error("adamw_ master for an f64 param", [&] {
+    const Tensor p64 = zeros({2, 3}, DType::f64);
+    step(p64, zeros({2, 3}, DType::f64), zeros({2, 3}, DType::f64), zeros({2, 3}, DType::f64),
+         zeros({2, 3}));
+  });
+  expect_error("adamw_ bf16 master", [&] {
+    const Tensor pb = zeros({2, 3}, DType::bf16);
+    step(pb, zeros({2, 3}, DType::bf16), m, v, zeros({2, 3}, DType::bf16));
+  });
+  expect_error("adamw_ i32 param", [&] {
+    step(zeros({2, 3}, DType::i32), zeros({2, 3}, DType::i32), m, v);
+  });
+  expect_error("adamw_ expanded param", [&] { step(zeros({1, 3}).expand({2, 3}), g, m, v); });
+  expect_error("adamw_ exp_avg aliasing param", [&] { step(p, g, p, v); });
+  expect_error("adamw_ step 0", [&] { adamw_(p, g, m, v, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0); });
+  expect_error("adamw_ beta1 1", [&] { adamw_(p, g, m, v, 1, 1e-3, 1.0, 0.999, 1e-8, 0.0); });
+  expect_error("adamw_ under grad mode with a param that requires grad", [&] {
+    const Tensor w = zeros({2, 3}).requires_grad_();
+    step(w, g, m, v);
+  });
+  // Error messages name the op and both shapes.
+  try {
+    step(p, zeros({3, 2}), m, v);
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK_MESSAGE(msg.find("adamw_") != std::string::npos, msg);
+    CHECK_MESSAGE(msg.find("[3, 2]") != std::string::npos, msg);
+    CHECK_MESSAGE(msg.find("[2, 3]") != std::string::npos, msg);
+  }
+}
+
+// An update bumps the version of what it wrote and leaves the gaps of strided operands alone.
+void inplace_effects(const std::function<void(const Tensors&)>& update, size_t n_inputs,
+                     std::vector<size_t> written_inputs, const char* op) {
+  Tensors in;
+  for (size_t i = 0; i < n_inputs; ++i) {
+    in.push_back(build(NdArray::zeros({3, 4}, 0.5), DType::f32, Layout::strided, i).tensor);
+  }
+  std::vector<uint64_t> before;
+  for (const Tensor& t : in) before.push_back(t.storage()->version());
+  {
+    NoGradGuard no_grad;
+    update(in);
+  }
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool is_written =
+        std::find(written_inputs.begin(), written_inputs.end(), i) != written_inputs.end();
+    CHECK_MESSAGE(in[i].storage()->version() == before[i] + (is_written ? 1 : 0), op,
+                  ": input ", i, " version ", in[i].storage()->version(), " (was ", before[i],
+                  ")");
+    int64_t finite = 0;
+    for (int64_t k = 0; k < in[i].storage()->nbytes() / 4; ++k) {
+      finite += !std::isnan(read_storage(in[i], k));
+    }
+    CHECK_MESSAGE(finite == 12, op, ": input ", i, " has ", finite,
+                  " non-NaN storage elements: the update wrote into its gaps");
+  }
+}
+
+OpSweep adamw_sweep() {
+  OpSweep s{OpId::adamw_, kFloats, kNonFloat, {}, {}};
+  s.cases.push_back(adamw_case("[5, 7] t 1 (bias correction 1 - beta)", {5, 7}, {}, false));
+  s.cases.push_back(adamw_case("[4, 6] t 10 betas (0.8, 0.99) eps 1e-6", {4, 6},
+                               {10, 0.05, 0.8, 0.99, 1e-6, 0.01}, false));
+  s.cases.push_back(adamw_case("[2, 3, 4] t 3 no weight decay", {2, 3, 4},
+                               {3, 0.01, 0.9, 0.999, 1e-8, 0.0}, false));
+  s.cases.push_back(adamw_case("0-d t 2", {}, {2}, false));
+  s.cases.push_back(adamw_case("[0, 3] (empty)", {0, 3}, {}, false));
+  s.cases.push_back(adamw_case("[4, 6] t 5 f32 master", {4, 6}, {5, 0.02}, true));
+  // Over kUpdateGrain elements: the update runs in chunks on several threads.
+  Case big = adamw_case("[130, 257] t 2 (parallel chunks)", {130, 257}, {2}, false);
+  big.layouts = {Layout::contiguous, Layout::strided};
+  s.cases.push_back(std::move(big));
+  Case big_master = adamw_case("[130, 257] t 7 master (parallel chunks)", {130, 257}, {7}, true);
+  big_master.layouts = {Layout::contiguous};
+  s.cases.push_back(std::move(big_master));
+  // Edge values: zero gradient and second moment (the denominator is eps), large values.
+  Case edge = adamw_case("edges: zero grad and exp_avg_sq, large values", {6}, {1}, false);
+  edge.args[0] = written(arg({6}, fixed({0, 1, -1, 300, -2, 0.5})));
+  edge.args[1] = arg({6}, fixed({0, 0, 1e-3, -200, 4, 0}));
+  edge.args[2] = state_arg({6}, fixed({0, 0.5, 0, 10, -1, 0}));
+  edge.args[3] = state_arg({6}, fixed({0, 0, 0, 100, 0.25, 0}));
+  s.cases.push_back(std::move(edge));
+  s.extra = [] {
+    adamw_errors();
+    inplace_effects(
+        [](const Tensors& in) {
+          adamw_(in[0], in[1], in[2], in[3], 1, 0.1, 0.9, 0.999, 1e-8, 0.1, in[4]);
+        },
+        5, {0, 2, 3, 4}, "adamw_");
+  };
+  return s;
+}
+
+// ---- sgd_ ---------------------------------------------------------------------------------
+
+struct SgdSetup {
+  int64_t t = 1;
+  double lr = 0.1, momentum = 0.0, dampening = 0.0, weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+// Inputs: param, grad, momentum_buffer (absent without momentum)[, master]. Outputs: param
+// [, momentum_buffer][, master].
+Case sgd_case(std::string label, Shape shape, SgdSetup h, bool master) {
+  Case c;
+  c.label = std::move(label);
+  const bool buffer = h.momentum != 0;
+  c.args = {written(arg(shape)), arg(shape),
+            buffer ? state_arg(shape, normal(0.5)) : absent_arg()};
+  if (master) {
+    c.args.push_back(master_arg(shape));
+    c.dtypes = {DType::f32, DType::f16, DType::bf16};
+    c.prepare = [](Arrays& in, DType) { in[0] = in[3]; };
+  }
+  auto outputs = [buffer, master](const NdArray& p, const NdArray& buf) {
+    Arrays out = {p};
+    if (buffer) out.push_back(buf);
+    if (master) out.push_back(p);
+    return out;
+  };
+  c.ref = [h, master, outputs](const Arrays& in, DType) {
+    const Arrays r = ref::sgd(master ? in[3] : in[0], in[1], in[2], h.t, h.lr, h.momentum,
+                              h.dampening, h.weight_decay, h.nesterov);
+    return outputs(r[0], r[1]);
+  };
+  // d = g + wd x; buf = momentum buf + (1 - dampening) d; d' = d + momentum buf (nesterov)
+  // or buf; param = x - lr d': each magnitude is the sum of its terms' magnitudes.
+  c.mag = [h, master, buffer, outputs](const Arrays& in, DType) {
+    const NdArray& x = master ? in[3] : in[0];
+    NdArray mp = x, mb = x;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const double d = std::fabs(in[1].data[i]) + h.weight_decay * std::fabs(x.data[i]);
+      double step = d;
+      if (buffer) {
+        mb.data[i] = h.t == 1 ? d
+                              : h.momentum * std::fabs(in[2].data[i]) + (1 - h.dampening) * d;
+        step = h.nesterov ? d + h.momentum * mb.data[i] : mb.data[i];
+      }
+      mp.data[i] = std::fabs(x.data[i]) + h.lr * step;
+    }
+    return outputs(mp, mb);
+  };
+  c.run = [h, master, buffer](const Tensors& in, DType) {
+    sgd_(in[0], in[1], in[2], h.t, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov,
+         master ? in[3] : Tensor());
+    Tensors out = {in[0]};
+    if (buffer) out.push_back(in[2]);
+    if (master) out.push_back(in[3]);
+    return out;
+  };
+  c.out_dtype = [buffer](DType dt, size_t k) {
+    if (k == 0) return dt;
+    return k == 1 && buffer ? state_dtype(dt) : DType::f32;
+  };
+  return c;
+}
+
+void sgd_errors() {
+  const Tensor p = zeros({2, 3}), g = zeros({2, 3}), b = zeros({2, 3});
+  expect_error("sgd_ momentum 0.9 without a buffer",
+               [&] { sgd_(p, g, Tensor(), 1, 0.1, 0.9, 0, 0, false); });
+  expect_error("sgd_ a buffer with momentum 0", [&] { sgd_(p, g, b, 1, 0.1, 0, 0, 0, false); });
+  expect_error("sgd_ nesterov with dampening",
+               [&] { sgd_(p, g, b, 2, 0.1, 0.9, 0.1, 0, true); });
+  expect_error("sgd_ buffer [3, 2] for param [2, 3]",
+               [&] { sgd_(p, g, zeros({3, 2}), 2, 0.1, 0.9, 0, 0, false); });
+  expect_error("sgd_ f16 grad for an f32 param",
+               [&] { sgd_(p, zeros({2, 3}, DType::f16), Tensor(), 1, 0.1, 0, 0, 0, false); });
+  expect_error("sgd_ f64 master", [&] {
+    sgd_(zeros({2, 3}, DType::bf16), zeros({2, 3}, DType::bf16), Tensor(), 1, 0.1, 0, 0, 0,
+         false, zeros({2, 3}, DType::f64));
+  });
+  expect_error("sgd_ infinite lr", [&] {
+    sgd_(p, g, Tensor(), 1, std::numeric_limits<double>::infinity(), 0, 0, 0, false);
+  });
+  expect_error("sgd_ buffer aliasing grad", [&] { sgd_(p, g, g, 2, 0.1, 0.9, 0, 0, false); });
+}
+
+OpSweep sgd_sweep() {
+  OpSweep s{OpId::sgd_, kFloats, kNonFloat, {}, {}};
+  s.cases.push_back(sgd_case("[5, 7] plain", {5, 7}, {}, false));
+  s.cases.push_back(sgd_case("[5, 7] weight decay 0.1", {5, 7}, {1, 0.1, 0, 0, 0.1}, false));
+  s.cases.push_back(sgd_case("[4, 6] momentum t 1 (buffer seeded with d)", {4, 6},
+                             {1, 0.1, 0.9, 0.1, 0.01}, false));
+  s.cases.push_back(sgd_case("[4, 6] momentum 0.9 dampening 0.3 t 4", {4, 6},
+                             {4, 0.05, 0.9, 0.3, 0.01}, false));
+  s.cases.push_back(sgd_case("[2, 3, 4] nesterov t 3", {2, 3, 4}, {3, 0.1, 0.8, 0, 0.05, true},
+                             false));
+  s.cases.push_back(sgd_case("[4, 6] nesterov t 1, master", {4, 6}, {1, 0.1, 0.9, 0, 0.01, true},
+                             true));
+  s.cases.push_back(sgd_case("[4, 6] plain, master", {4, 6}, {2, 0.3}, true));
+  s.cases.push_back(sgd_case("0-d momentum t 2", {}, {2, 0.1, 0.9}, false));
+  s.cases.push_back(sgd_case("[0, 3] (empty)", {0, 3}, {2, 0.1, 0.9}, false));
+  Case big = sgd_case("[130, 257] momentum t 2 (parallel chunks)", {130, 257},
+                      {2, 0.1, 0.9, 0.1, 0.01}, false);
+  big.layouts = {Layout::contiguous, Layout::strided};
+  s.cases.push_back(std::move(big));
+  // Without weight decay an infinite param stays infinite (0 * inf would make it NaN).
+  Case edge = sgd_case("edges: inf param without weight decay", {4}, {1, 0.5}, false);
+  const double inf = std::numeric_limits<double>::infinity();
+  edge.args[0] = written(arg({4}, fixed({inf, -inf, 0, 2})));
+  edge.args[1] = arg({4}, fixed({1, 1, 0, -4}));
+  s.cases.push_back(std::move(edge));
+  s.extra = [] {
+    sgd_errors();
+    inplace_effects(
+        [](const Tensors& in) { sgd_(in[0], in[1], in[2], 2, 0.1, 0.9, 0.1, 0.01, false, in[3]); },
+        4, {0, 2, 3}, "sgd_");
+  };
+  return s;
+}
+
+}  // namespace
+
+std::vector<OpSweep> optim_sweeps() { return {adamw_sweep(), sgd_sweep()}; }
+
+}  // namespace tessera::sweep
