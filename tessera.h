@@ -1,4 +1,4 @@
-// Tessera in one include: tensors, ops, autograd.
+// Tessera in one include: tensors, ops, autograd, nn layers, optimizers, mixed precision.
 //
 //   #include "tessera.h"
 //   using namespace tessera;
@@ -7,4 +7,12 @@
 #pragma once
 
 #include "autograd/autograd.h"
+#include "nn/init.h"
+#include "nn/layers.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "optim/loss_scaler.h"
+#include "optim/schedule.h"
+#include "optim/sgd.h"
+#include "tensor/autocast.h"
 #include "tensor/ops.h"

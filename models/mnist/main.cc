@@ -2,10 +2,24 @@
 //     [--precision=f32|bf16|f16] [--save=PATH] [--resume=PATH] [--metrics=PATH] ...
 // Trains a Fashion-MNIST classifier and prints the final test accuracy (--help lists all).
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "models/common/flags.h"
 #include "models/mnist/train.h"
 #include "tensor/error.h"
+
+namespace {
+
+// `bazel run` starts the program in its runfiles tree; relative paths given on the command
+// line mean the directory the user ran bazel from (BUILD_WORKING_DIRECTORY).
+std::string from_user_dir(const std::string& path) {
+  const char* dir = std::getenv("BUILD_WORKING_DIRECTORY");
+  if (path.empty() || path[0] == '/' || dir == nullptr) return path;
+  return std::string(dir) + "/" + path;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   tessera::mnist::MnistConfig d;  // defaults
@@ -41,10 +55,10 @@ int main(int argc, char** argv) {
     c.warmup = warmup;
     c.clip = clip;
     c.precision = precision;
-    c.data_dir = data;
-    c.save = save;
-    c.resume = resume;
-    c.metrics = metrics;
+    c.data_dir = from_user_dir(data);
+    c.save = from_user_dir(save);
+    c.resume = from_user_dir(resume);
+    c.metrics = from_user_dir(metrics);
     c.seed = seed;
     c.threads = threads;
     c.max_steps = max_steps;
