@@ -23,6 +23,7 @@
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/simd.h"
 #include "kernels/cpu/util.h"
 #include "tensor/op.h"
 
@@ -290,36 +291,6 @@ class Columns {
   std::vector<ShiftedPlanes> shifted_;  // empty or one
 #endif
 };
-
-#if defined(__AVX512F__)
-// Transposes 16 rows of 16 floats in place: afterwards r[j] holds column j.
-inline void transpose16x16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  __m512 u[16];
-  for (int q = 0; q < 4; ++q) {
-    const __m512d t0 = _mm512_castps_pd(t[4 * q]), t1 = _mm512_castps_pd(t[4 * q + 1]);
-    const __m512d t2 = _mm512_castps_pd(t[4 * q + 2]), t3 = _mm512_castps_pd(t[4 * q + 3]);
-    u[4 * q + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-    u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-    u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-    u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);
-    const __m512 v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
-    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
-    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
-    r[e] = _mm512_shuffle_f32x4(v0, w0, 0x88);
-    r[8 + e] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
-    r[4 + e] = _mm512_shuffle_f32x4(v1, w1, 0x88);
-    r[12 + e] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
-  }
-}
-#endif
 
 // out[o, q] = res[q, o] + bias[o] for q < rows, o < cols: one image's GEMM result (pixels x
 // channels) into NCHW. bias may be null.

@@ -55,10 +55,13 @@ struct Sqrt {
 };
 struct Rsqrt {
   template <typename C> C operator()(C x) const { return C(1) / std::sqrt(x); }
-  // f32 only: Eigen's f64 rsqrt returns inf for subnormal inputs.
+#if defined(__AVX512F__)
+  // f32 with AVX-512 only: Eigen's f64 rsqrt, and its AVX2 f32 rsqrt (--config=portable),
+  // return inf for subnormal inputs.
   template <typename A>
     requires std::is_same_v<typename A::Scalar, float>
   auto eigen(const A& a) const { return a.rsqrt(); }
+#endif
 };
 struct Tanh {
   template <typename C> C operator()(C x) const { return std::tanh(x); }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing.h"
 #include "autograd/autograd.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -13,21 +14,12 @@
 namespace tessera {
 namespace {
 
+using testing::error_of;
+
 using V = std::vector<float>;
 
 Tensor leaf(const V& values, const Shape& shape) {
   return Tensor::from_vector<float>(values, shape).requires_grad_();
-}
-
-// The message of the Error `f` throws ("" if it throws none).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST_CASE("gradients accumulate into .grad across backward calls") {

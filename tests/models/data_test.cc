@@ -15,6 +15,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "tests/testing.h"
 #include "models/data/idx.h"
 #include "models/data/loader.h"
 #include "tensor/ops.h"
@@ -24,6 +25,9 @@ using namespace tessera;
 using namespace tessera::data;
 
 namespace {
+
+using testing::error_of;
+using testing::contains;
 
 std::string make_temp_dir() {
   const char* root = std::getenv("TEST_TMPDIR");
@@ -59,19 +63,6 @@ void write_gz(const std::string& path, const std::string& bytes) {
 std::string read_plain(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
 }
 
 std::string iota_bytes(size_t n, int start = 0) {

@@ -8,11 +8,14 @@
 #include <filesystem>
 #include <string>
 
+#include "tests/testing.h"
 #include "models/mnist/train.h"
 #include "tensor/error.h"
 
 namespace tessera::mnist {
 namespace {
+
+using testing::error_of;
 
 namespace fs = std::filesystem;
 
@@ -32,16 +35,6 @@ MnistConfig small(const std::string& model = "mlp") {
   c.verbose = false;
   c.threads = 2;
   return c;
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST_CASE("the MLP learns Fashion-MNIST: a 2-epoch run on 4096 images beats 75% test accuracy") {

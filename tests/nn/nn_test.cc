@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "tests/testing.h"
 #include "nn/init.h"
 #include "nn/layers.h"
 #include "tensor/autocast.h"
@@ -13,19 +14,8 @@
 namespace tessera::nn {
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using testing::error_of;
+using testing::contains;
 
 struct Net : Module {
   Net() : Module("Net") {

@@ -24,6 +24,7 @@
 #include "autograd/autograd.h"
 #include "kernels/cpu/parallel.h"
 #include "tensor/ops.h"
+#include "tools/bench/timing.h"
 
 namespace {
 
@@ -41,41 +42,12 @@ struct Options {
   bool cpu_time = false;
 };
 
-// With --cpu_time the clock is the process's CPU time (all threads, spinning included)
-// instead of wall time: on a machine busy with other jobs, time spent descheduled does not
-// count. Comparable between runs with the same thread count only.
-bool g_cpu_time = false;
+using tessera::bench::consume;
+using tessera::bench::sink;
 
-double now_ms() {
-  if (g_cpu_time) {
-    timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-  }
-  using clock = std::chrono::steady_clock;
-  return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
-}
-
-// Median time (ms) of one call of `op`, over opts.reps repetitions after opts.warmup.
 double median_ms(const Options& opts, const std::function<void()>& op) {
-  for (int i = 0; i < opts.warmup; ++i) op();
-  const double t0 = now_ms();
-  op();
-  const double once = std::max(now_ms() - t0, 1e-3);
-  const int inner = std::max(1, static_cast<int>(opts.min_ms / once));
-  std::vector<double> times;
-  for (int r = 0; r < opts.reps; ++r) {
-    const double start = now_ms();
-    for (int i = 0; i < inner; ++i) op();
-    times.push_back((now_ms() - start) / inner);
-  }
-  std::sort(times.begin(), times.end());
-  const size_t n = times.size();
-  return n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+  return tessera::bench::median_ms(tessera::bench::Timing{opts.reps, opts.warmup, opts.min_ms, opts.cpu_time}, op);
 }
-
-float sink = 0.0f;
-void consume(const Tensor& t) { sink += static_cast<const float*>(t.raw_data())[0]; }
 
 // One benchmarked operation: returns its result (for --check) given inputs of a dtype.
 struct Op {
@@ -207,7 +179,6 @@ Options parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Options opts = parse(argc, argv);
-  g_cpu_time = opts.cpu_time;
   std::vector<Op> ops = make_ops(opts);
   std::erase_if(ops, [&](const Op& op) { return op.name.find(opts.only) == std::string::npos; });
   if (opts.check) return check(opts, ops) ? 0 : 1;

@@ -25,6 +25,7 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
 #include "tensor/ops.h"
+#include "tools/bench/timing.h"
 
 namespace {
 
@@ -47,33 +48,12 @@ struct Result {
   int reps;
 };
 
-double now_ms() {
-  using clock = std::chrono::steady_clock;
-  return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
-}
+using tessera::bench::consume;
+using tessera::bench::sink;
 
-// Median time (ms) of one call of `op`, over opts.reps repetitions after opts.warmup.
 double median_ms(const Options& opts, const std::function<void()>& op) {
-  for (int i = 0; i < opts.warmup; ++i) op();
-  // Calls per repetition: enough to take min_ms, judged from one more call.
-  const double t0 = now_ms();
-  op();
-  const double once = std::max(now_ms() - t0, 1e-3);
-  const int inner = std::max(1, static_cast<int>(opts.min_ms / once));
-  std::vector<double> times;
-  for (int r = 0; r < opts.reps; ++r) {
-    const double start = now_ms();
-    for (int i = 0; i < inner; ++i) op();
-    times.push_back((now_ms() - start) / inner);
-  }
-  std::sort(times.begin(), times.end());
-  const size_t n = times.size();
-  return n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+  return tessera::bench::median_ms(tessera::bench::Timing{opts.reps, opts.warmup, opts.min_ms, false}, op);
 }
-
-// Keeps results alive so the compiler cannot drop an operation.
-float sink = 0.0f;
-void consume(const Tensor& t) { sink += static_cast<const float*>(t.raw_data())[0]; }
 
 // The machine's f32 FMA peak, the ceiling for matmul: per thread, 24 independent
 // multiply-add chains in registers (enough to hide the FMA latency), no memory traffic.
