@@ -62,6 +62,10 @@ MnistResult train_mnist(const MnistConfig& config) {
   const DType low = low_precision(config.precision);
   TS_CHECK(config.batch > 0, "mnist: --batch must be positive, got {}", config.batch);
   TS_CHECK(config.lr > 0, "mnist: --lr must be positive, got {}", config.lr);
+  TS_CHECK(config.log_every > 0, "mnist: --log_every must be positive, got {}", config.log_every);
+  TS_CHECK(config.epochs >= 0 && config.max_steps >= 0 && config.warmup >= 0,
+           "mnist: --epochs ({}), --max_steps ({}) and --warmup ({}) must not be negative",
+           config.epochs, config.max_steps, config.warmup);
   if (config.threads > 0) cpu::set_num_threads(static_cast<int>(config.threads));
   models::Progress progress;
   auto say = [&](const std::string& line) {

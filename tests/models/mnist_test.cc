@@ -96,6 +96,10 @@ TEST_CASE("errors: bad flags, missing data, mismatched checkpoints") {
   c.precision = "f8";
   CHECK(error_of([&] { train_mnist(c); }).find("unknown --precision 'f8'") != std::string::npos);
   c = small();
+  c.log_every = 0;
+  CHECK(error_of([&] { train_mnist(c); }).find("--log_every must be positive, got 0") !=
+        std::string::npos);
+  c = small();
   c.data_dir = temp_dir() + "/no_such_dir";
   CHECK(error_of([&] { train_mnist(c); }).find("no_such_dir") != std::string::npos);
 
