@@ -80,6 +80,28 @@ KernelFn find_kernel(OpId op, Device device) {
   return fn;
 }
 
+// Shape inference for `inputs`: validates them (throwing Error naming the op) and returns
+// the output specs.
+std::vector<TensorSpec> infer(OpId op, std::span<const Tensor> inputs, const Attrs& attrs) {
+  MetaFn meta = meta_fn(op);
+  if (meta == nullptr) fail("{}: no shape inference registered", op_name(op));
+  std::vector<TensorSpec> in_specs;
+  in_specs.reserve(inputs.size());
+  for (const Tensor& t : inputs) in_specs.push_back(TensorSpec::of(t));
+  return meta(in_specs, attrs);
+}
+
+// A tensor written in place must not be an expanded view (elements sharing memory).
+void reject_expanded(std::string_view op, const std::string& what, const Tensor& t) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.strides()[d] == 0 && t.shape()[d] > 1) {
+      fail("{}: {} {} with strides {} is an expanded view and is written in place: several of "
+           "its elements share one memory location; clone() it first",
+           op, what, shape_str(t.shape()), shape_str(t.strides()));
+    }
+  }
+}
+
 }  // namespace
 
 const OpInfo& op_info(OpId op) { return kOpInfos[index_of(op)]; }
@@ -110,12 +132,7 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
   }
   if (autocast_enabled()) [[unlikely]] autocast_inputs(op, inputs);
   const Device device = dispatch_device(op, inputs, attrs);
-  MetaFn meta = meta_fn(op);
-  if (meta == nullptr) fail("{}: no shape inference registered", info.name);
-  std::vector<TensorSpec> in_specs;
-  in_specs.reserve(inputs.size());
-  for (const Tensor& t : inputs) in_specs.push_back(TensorSpec::of(t));
-  const std::vector<TensorSpec> out_specs = meta(in_specs, attrs);
+  const std::vector<TensorSpec> out_specs = infer(op, inputs, attrs);
   KernelFn kernel = find_kernel(op, device);
 
   std::vector<Tensor> outputs;
@@ -149,18 +166,10 @@ void call_copy_(const Tensor& dst, const Tensor& src) {
          "Use it under NoGradGuard, or clone()/cast() to keep the graph",
          shape_str(dst.shape()), shape_str(src.shape()));
   }
-  for (int64_t d = 0; d < dst.dim(); ++d) {
-    if (dst.strides()[d] == 0 && dst.shape()[d] > 1) {
-      fail("copy_: destination {} with strides {} is an expanded view: several of its elements "
-           "share one memory location; clone() it first", shape_str(dst.shape()),
-           shape_str(dst.strides()));
-    }
-  }
+  reject_expanded("copy_", "destination", dst);
   std::vector<Tensor> inputs = {dst, src};
   const Device device = dispatch_device(OpId::copy_, inputs, Attrs{});
-  MetaFn meta = meta_fn(OpId::copy_);
-  const std::vector<TensorSpec> specs = {TensorSpec::of(dst), TensorSpec::of(src)};
-  meta(specs, Attrs{});
+  infer(OpId::copy_, inputs, Attrs{});
   std::vector<Tensor> out = {dst};
   find_kernel(OpId::copy_, device)(inputs, out, Attrs{});
   dst.storage()->bump_version();
@@ -180,23 +189,12 @@ void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
   }
   // `written` may name optional trailing inputs that were not passed.
   for (size_t i : written) {
-    if (i >= inputs.size() || !inputs[i].defined()) continue;
-    const Tensor& t = inputs[i];
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      if (t.strides()[d] == 0 && t.shape()[d] > 1) {
-        fail("{}: input {} {} with strides {} is an expanded view and is written in place: "
-             "several of its elements share one memory location; clone() it first",
-             info.name, i, shape_str(t.shape()), shape_str(t.strides()));
-      }
+    if (i < inputs.size() && inputs[i].defined()) {
+      reject_expanded(info.name, fmt::format("input {}", i), inputs[i]);
     }
   }
   const Device device = dispatch_device(op, inputs, attrs);
-  MetaFn meta = meta_fn(op);
-  if (meta == nullptr) fail("{}: no shape inference registered", info.name);
-  std::vector<TensorSpec> in_specs;
-  in_specs.reserve(inputs.size());
-  for (const Tensor& t : inputs) in_specs.push_back(TensorSpec::of(t));
-  const std::vector<TensorSpec> out_specs = meta(in_specs, attrs);
+  const std::vector<TensorSpec> out_specs = infer(op, inputs, attrs);
   TS_CHECK(out_specs.empty(), "{}: an in-place op's shape inference returned {} outputs",
            info.name, out_specs.size());
   find_kernel(op, device)(inputs, std::span<Tensor>(), attrs);

@@ -98,6 +98,7 @@ void Flags::parse(int argc, char** argv) {
       f.value = text;
     }
   }
+  for (const auto& write_back : bindings_) write_back();
 }
 
 std::string Flags::usage() const {

@@ -1,15 +1,18 @@
 // Command-line flags for the example programs: --name=value or --name value, typed, with
 // defaults, help text and clear errors for unknown flags and bad values.
 //
+//   Config c;                                  // defaults live in the struct
 //   Flags flags("mnist", "Trains a Fashion-MNIST classifier.");
-//   int64_t& epochs = flags.add("epochs", int64_t{10}, "passes over the training set");
-//   std::string& model = flags.add("model", std::string("mlp"), "mlp or cnn");
-//   flags.parse(argc, argv);   // --help prints the table and exits 0
+//   flags.bind("epochs", c.epochs, "passes over the training set");
+//   flags.bind("model", c.model, "mlp or cnn");
+//   flags.parse(argc, argv);   // fills c; --help prints the table and exits 0
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -24,6 +27,21 @@ class Flags {
   double& add(const std::string& name, double value, const std::string& help);
   bool& add(const std::string& name, bool value, const std::string& help);
   std::string& add(const std::string& name, std::string value, const std::string& help);
+
+  // A flag whose default is `target`'s value and whose parsed value parse() writes back
+  // into it (integers of any width, double, bool, std::string).
+  template <typename T>
+  void bind(const std::string& name, T& target, const std::string& help) {
+    if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, double> ||
+                  std::is_same_v<T, std::string>) {
+      T& value = add(name, target, help);
+      bindings_.push_back([&value, &target] { target = value; });
+    } else {
+      static_assert(std::is_integral_v<T>, "Flags::bind: unsupported type");
+      int64_t& value = add(name, static_cast<int64_t>(target), help);
+      bindings_.push_back([&value, &target] { target = static_cast<T>(value); });
+    }
+  }
 
   // Throws tessera::Error on an unknown flag or a value that does not parse; prints the
   // usage and exits 0 on --help.
@@ -43,6 +61,7 @@ class Flags {
 
   std::string program_, description_;
   std::deque<Flag> flags_;  // stable addresses for the references handed out
+  std::vector<std::function<void()>> bindings_;
 };
 
 }  // namespace tessera::models

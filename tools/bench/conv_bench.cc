@@ -23,6 +23,7 @@
 
 #include "autograd/autograd.h"
 #include "kernels/cpu/parallel.h"
+#include "models/common/flags.h"
 #include "tensor/ops.h"
 #include "tools/bench/timing.h"
 
@@ -136,49 +137,31 @@ bool check(const Options& opts, const std::vector<Op>& ops) {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "conv_bench: %s needs a value\n", arg.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (arg == "--threads")
-      o.threads = std::atoi(value().c_str());
-    else if (arg == "--reps")
-      o.reps = std::atoi(value().c_str());
-    else if (arg == "--warmup")
-      o.warmup = std::atoi(value().c_str());
-    else if (arg == "--min_ms")
-      o.min_ms = std::atof(value().c_str());
-    else if (arg == "--batch")
-      o.batch = std::atoll(value().c_str());
-    else if (arg == "--check")
-      o.check = true;
-    else if (arg == "--only")
-      o.only = value();
-    else if (arg == "--cpu_time")
-      o.cpu_time = true;
-    else {
-      std::fprintf(stderr,
-                   "usage: conv_bench [--threads N] [--reps N] [--warmup N] [--min_ms MS] "
-                   "[--batch N] [--check] [--only NAME_PART] [--cpu_time]\n");
-      std::exit(2);
-    }
-  }
-  if (o.threads < 1 || o.reps < 1 || o.warmup < 0 || o.batch < 1) {
-    std::fprintf(stderr, "conv_bench: --threads, --reps, --batch must be >= 1, --warmup >= 0\n");
-    std::exit(2);
-  }
+  tessera::models::Flags f("conv_bench", "conv2d and max_pool2d of the MNIST CNN, timed.");
+  f.bind("threads", o.threads, "kernel threads");
+  f.bind("reps", o.reps, "timed repetitions (the median is reported)");
+  f.bind("warmup", o.warmup, "untimed calls first");
+  f.bind("min_ms", o.min_ms, "each repetition loops an op until it takes this long");
+  f.bind("batch", o.batch, "images per batch");
+  f.bind("check", o.check, "verify 1 vs 2 threads give the same bits, f32 vs f64");
+  f.bind("only", o.only, "run only operations whose name contains this");
+  f.bind("cpu_time", o.cpu_time, "time with process CPU time, not wall time");
+  f.parse(argc, argv);
+  TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.batch >= 1 && o.warmup >= 0,
+           "conv_bench: --threads, --reps, --batch must be >= 1, --warmup >= 0");
   return o;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Options opts = parse(argc, argv);
+  Options opts;
+  try {
+    opts = parse(argc, argv);
+  } catch (const tessera::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
   std::vector<Op> ops = make_ops(opts);
   std::erase_if(ops, [&](const Op& op) { return op.name.find(opts.only) == std::string::npos; });
   if (opts.check) return check(opts, ops) ? 0 : 1;

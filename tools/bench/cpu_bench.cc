@@ -24,6 +24,7 @@
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
+#include "models/common/flags.h"
 #include "tensor/ops.h"
 #include "tools/bench/timing.h"
 
@@ -156,45 +157,29 @@ void write_json(const Options& opts, const std::vector<Result>& results) {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "cpu_bench: %s needs a value\n", arg.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (arg == "--threads")
-      o.threads = std::atoi(value().c_str());
-    else if (arg == "--reps")
-      o.reps = std::atoi(value().c_str());
-    else if (arg == "--warmup")
-      o.warmup = std::atoi(value().c_str());
-    else if (arg == "--min_ms")
-      o.min_ms = std::atof(value().c_str());
-    else if (arg == "--json")
-      o.json_path = value();
-    else if (arg == "--only")
-      o.only = value();
-    else {
-      std::fprintf(stderr,
-                   "usage: cpu_bench [--threads N] [--reps N] [--warmup N] [--min_ms MS] "
-                   "[--json PATH] [--only gemm|memory]\n");
-      std::exit(2);
-    }
-  }
-  if (o.threads < 1 || o.reps < 1 || o.warmup < 0) {
-    std::fprintf(stderr, "cpu_bench: --threads and --reps must be >= 1, --warmup >= 0\n");
-    std::exit(2);
-  }
+  tessera::models::Flags f("cpu_bench", "GEMM and memory-bound ops, timed (see run_cpu_bench.sh).");
+  f.bind("threads", o.threads, "kernel threads");
+  f.bind("reps", o.reps, "timed repetitions (the median is reported)");
+  f.bind("warmup", o.warmup, "untimed calls first");
+  f.bind("min_ms", o.min_ms, "each repetition loops an op until it takes this long");
+  f.bind("json", o.json_path, "also write the results here as JSON");
+  f.bind("only", o.only, "gemm or memory (empty: both)");
+  f.parse(argc, argv);
+  TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
+           "cpu_bench: --threads and --reps must be >= 1, --warmup >= 0");
   return o;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Options opts = parse(argc, argv);
+  Options opts;
+  try {
+    opts = parse(argc, argv);
+  } catch (const tessera::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
   tessera::cpu::set_num_threads(opts.threads);
   std::vector<Result> results;
   if (opts.only.empty() || opts.only == "gemm") {
