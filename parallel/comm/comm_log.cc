@@ -1,0 +1,55 @@
+#include "parallel/comm/comm_log.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace tessera::parallel {
+namespace {
+thread_local std::vector<CommLog*> open_logs;
+thread_local std::vector<std::string> causes;
+const std::string kNoCause;
+}  // namespace
+
+int64_t CommLog::bytes(const std::string& group) const {
+  int64_t total = 0;
+  for (const CommRecord& r : records) {
+    if (group.empty() || r.group == group) total += r.bytes;
+  }
+  return total;
+}
+
+int64_t CommLog::count(const std::string& op, const std::string& group) const {
+  return std::count_if(records.begin(), records.end(), [&](const CommRecord& r) {
+    return r.op == op && (group.empty() || r.group == group);
+  });
+}
+
+std::string CommLog::str() const {
+  std::string out;
+  for (const CommRecord& r : records) {
+    out += fmt::format("{:<15} group={:<8} n={} bytes={:<10} {} x {:<8} cause={}\n", r.op,
+                       r.group, r.group_size, r.bytes, dtype_name(r.dtype), r.elements,
+                       r.cause.empty() ? "-" : r.cause);
+  }
+  return out;
+}
+
+CommLogScope::CommLogScope(CommLog& log) : log_(&log) { open_logs.push_back(log_); }
+CommLogScope::~CommLogScope() {
+  auto it = std::find(open_logs.rbegin(), open_logs.rend(), log_);
+  if (it != open_logs.rend()) open_logs.erase(std::next(it).base());
+}
+
+CommCause::CommCause(std::string cause) { causes.push_back(std::move(cause)); }
+CommCause::~CommCause() { causes.pop_back(); }
+
+const std::string& current_comm_cause() { return causes.empty() ? kNoCause : causes.back(); }
+
+void record_collective(CommRecord record) {
+  if (open_logs.empty()) return;
+  if (record.cause.empty()) record.cause = current_comm_cause();
+  for (CommLog* log : open_logs) log->records.push_back(record);
+}
+
+}  // namespace tessera::parallel

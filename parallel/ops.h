@@ -1,0 +1,99 @@
+// Ops on sharded tensors: the same op list as tensor/ops.h, run on each rank's local block
+// under the op's sharding rule (sharding_rule.h). The result equals the op on one device
+// (full_tensor() of the output matches), with collectives only where the layouts require.
+//
+//   ShardedTensor h = relu(matmul(x, w1));        // x [S(0)] (batch), w1 [R]: no traffic
+//   ShardedTensor y = matmul(h, w2);              // w2 [S(0)] (rows): needs h [S(1)] ...
+//   ShardedTensor loss = cross_entropy(y, target);
+//   loss.backward();
+//
+// Every function is a thin wrapper over call() (or factory / call_inplace), which any op in
+// the list can use directly. Inputs must live on one mesh (Error naming both meshes).
+#pragma once
+
+#include <array>
+#include <initializer_list>
+#include <vector>
+
+#include "parallel/sharded_tensor.h"
+#include "tensor/op.h"
+
+namespace tessera::parallel {
+
+// Runs `op` (Compute or View) on sharded inputs; all its outputs.
+std::vector<ShardedTensor> call(OpId op, const std::vector<ShardedTensor>& inputs,
+                                const Attrs& attrs = {});
+ShardedTensor call1(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs& attrs = {});
+// In-place ops (copy_, adamw_, sgd_): the inputs listed in `written` keep their placements
+// (Error if the rule would move them); the others are redistributed to match.
+void call_inplace(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs& attrs,
+                  std::initializer_list<size_t> written);
+// Factories (full, arange, rand, randn): each rank makes its block of the global tensor
+// (random draws equal slicing the single-device draw).
+ShardedTensor factory(OpId op, const Attrs& attrs, const MeshPtr& mesh, const Placements& placements);
+
+// A plain tensor every rank holds in full, as a Replicate sharded tensor on `mesh`.
+ShardedTensor replicate(const Tensor& t, const MeshPtr& mesh);
+
+// ---- named forms ---------------------------------------------------------------------------
+ShardedTensor neg(const ShardedTensor& x);
+ShardedTensor exp(const ShardedTensor& x);
+ShardedTensor log(const ShardedTensor& x);
+ShardedTensor tanh(const ShardedTensor& x);
+ShardedTensor relu(const ShardedTensor& x);
+ShardedTensor gelu(const ShardedTensor& x, bool approximate_tanh = false);
+ShardedTensor add(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor sub(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor mul(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor div(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor operator+(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor operator-(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor operator*(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor operator/(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor operator*(const ShardedTensor& a, double b);
+ShardedTensor operator+(const ShardedTensor& a, double b);
+
+ShardedTensor sum(const ShardedTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+ShardedTensor mean(const ShardedTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+ShardedTensor max(const ShardedTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+
+ShardedTensor matmul(const ShardedTensor& a, const ShardedTensor& b);
+ShardedTensor softmax(const ShardedTensor& x, int64_t dim = -1);
+ShardedTensor log_softmax(const ShardedTensor& x, int64_t dim = -1);
+ShardedTensor layer_norm(const ShardedTensor& x, const Shape& normalized_shape,
+                         const ShardedTensor& weight = {}, const ShardedTensor& bias = {},
+                         double eps = 1e-5);
+ShardedTensor cross_entropy(const ShardedTensor& logits, const ShardedTensor& target,
+                            Reduction reduction = Reduction::mean, int64_t ignore_index = -100);
+// The mask of element i is the single-device mask of element i (counter-based RNG keyed by
+// the global index), whatever the placements.
+ShardedTensor dropout(const ShardedTensor& x, double p, bool training = true);
+ShardedTensor embedding(const ShardedTensor& weight, const ShardedTensor& indices);
+ShardedTensor cast(const ShardedTensor& x, DType dtype);
+
+ShardedTensor view(const ShardedTensor& x, const Shape& shape);
+ShardedTensor permute(const ShardedTensor& x, const std::vector<int64_t>& order);
+ShardedTensor transpose(const ShardedTensor& x, int64_t d0, int64_t d1);
+ShardedTensor slice(const ShardedTensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+ShardedTensor expand(const ShardedTensor& x, const Shape& shape);
+ShardedTensor squeeze(const ShardedTensor& x, const std::vector<int64_t>& dims = {});
+ShardedTensor unsqueeze(const ShardedTensor& x, int64_t dim);
+ShardedTensor cat(const std::vector<ShardedTensor>& tensors, int64_t dim = 0);
+ShardedTensor stack(const std::vector<ShardedTensor>& tensors, int64_t dim = 0);
+std::vector<ShardedTensor> split(const ShardedTensor& x, int64_t split_size, int64_t dim = 0);
+
+ShardedTensor full(const Shape& shape, double value, const MeshPtr& mesh, const Placements& placements,
+                   DType dtype = DType::f32);
+ShardedTensor zeros(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
+                    DType dtype = DType::f32);
+ShardedTensor ones(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
+                   DType dtype = DType::f32);
+// Drawn at (seed, offset) as tessera::randn with a Generator at that state would draw them.
+ShardedTensor randn(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
+                    uint64_t seed, uint64_t offset = 0, DType dtype = DType::f32);
+ShardedTensor rand(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
+                   uint64_t seed, uint64_t offset = 0, DType dtype = DType::f32);
+ShardedTensor arange(double start, double end, double step, const MeshPtr& mesh,
+                     const Placements& placements, DType dtype = DType::f32);
+
+}  // namespace tessera::parallel

@@ -1,0 +1,237 @@
+// Sharding rules: reductions, matmul and the fused layers (softmax, layer_norm,
+// cross_entropy, conv2d, max_pool2d) with their backward helpers.
+//
+// A reduction over a split dim leaves each coordinate one term of the result (Partial: sum
+// for sum/mean, max for max); other split dims stay split. matmul follows Megatron: a split
+// row dim of the left operand or column dim of the right one stays split, a split
+// contraction dim gives a Partial sum. The fused row-wise layers need the dims they
+// normalise whole and keep the other dims split.
+#include <algorithm>
+#include <optional>
+
+#include "parallel/comm/comm_log.h"
+#include "parallel/sharding_rule.h"
+#include "tensor/error.h"
+#include "tensor/ops.h"
+
+namespace tessera::parallel {
+namespace {
+
+// Out dim of input dim d after reducing `dims` (-1 when d is reduced and not kept).
+int64_t reduced_position(int64_t d, const std::vector<int64_t>& dims, bool keepdim) {
+  if (keepdim) return d;
+  if (std::find(dims.begin(), dims.end(), d) != dims.end()) return -1;
+  return d - std::count_if(dims.begin(), dims.end(), [d](int64_t r) { return r < d; });
+}
+
+AxisOptions reduction(const AxisCtx& c, std::optional<ReduceOp> partial_kind, bool linear) {
+  const std::vector<int64_t> dims = normalize_dims(op_name(c.op), c.attrs.dims, c.rank(0));
+  AxisOptions options{all_replicate(c)};
+  for (int64_t d = 0; d < c.rank(0); ++d) {
+    const bool reduced = std::find(dims.begin(), dims.end(), d) != dims.end();
+    if (!reduced) {
+      options.push_back(uniform(c, Shard(d), Shard(reduced_position(d, dims, c.attrs.keepdim))));
+    } else if (partial_kind && (*partial_kind == ReduceOp::sum || c.splits_nonempty(c.in[0].shape, d))) {
+      options.push_back(uniform(c, Shard(d), Partial(*partial_kind)));
+    }
+  }
+  if (linear) options.push_back(uniform(c, Partial(), Partial()));
+  if (partial_kind == ReduceOp::max) options.push_back(uniform(c, Partial(ReduceOp::max), Partial(ReduceOp::max)));
+  return options;
+}
+
+bool any_split(const Placements& p, const std::vector<int64_t>& dims) {
+  for (const Placement& x : p) {
+    if (x.is_shard() && std::find(dims.begin(), dims.end(), x.dim) != dims.end()) return true;
+  }
+  return false;
+}
+
+// mean over a split dim: each block's sum over the whole count, so the terms add up.
+std::vector<Tensor> mean_local(const LocalCtx& c) {
+  const std::vector<int64_t> dims =
+      normalize_dims("mean", c.attrs.dims, static_cast<int64_t>(c.in[0].shape.size()));
+  if (!any_split(c.in_placements[0], dims)) return tessera::call(c.op, c.locals, c.attrs);
+  int64_t count = 1;
+  for (int64_t d : dims) count *= c.in[0].shape[d];
+  return {tessera::sum(c.locals[0], c.attrs.dims, c.attrs.keepdim) * (1.0 / static_cast<double>(count))};
+}
+
+AxisOptions matmul_options(const AxisCtx& c) {
+  const int64_t ra = c.rank(0), rb = c.rank(1), ro = static_cast<int64_t>(c.out[0].shape.size());
+  AxisOptions options{all_replicate(c)};
+  options.push_back({{Shard(ra - 2), Replicate()}, {Shard(ro - 2)}});
+  options.push_back({{Replicate(), Shard(rb - 1)}, {Shard(ro - 1)}});
+  options.push_back({{Shard(ra - 1), Shard(rb - 2)}, {Partial()}});
+  options.push_back({{Partial(), Replicate()}, {Partial()}});
+  options.push_back({{Replicate(), Partial()}, {Partial()}});
+  for (int64_t d = 0; d < ro - 2; ++d) {  // batch dims, broadcast like elementwise
+    AxisOption o{{Replicate(), Replicate()}, {Shard(d)}};
+    bool any = false;
+    for (size_t i = 0; i < 2; ++i) {
+      const int64_t j = d - (ro - c.rank(i));
+      if (j < 0 || c.in[i].shape[j] != c.out[0].shape[d]) continue;
+      o.in[i] = Shard(j);
+      any = true;
+    }
+    if (any) options.push_back(o);
+  }
+  return options;
+}
+
+AxisOptions softmax_options(const AxisCtx& c) {
+  const int64_t dim = normalize_dim(op_name(c.op), c.attrs.dim, c.rank(0));
+  AxisOptions options{all_replicate(c)};
+  for (int64_t d = 0; d < c.rank(0); ++d) {
+    if (d != dim) options.push_back(uniform(c, Shard(d), Shard(d)));
+  }
+  return options;
+}
+
+AxisOptions layer_norm_options(const AxisCtx& c) {
+  // x, weight, bias -> y, mean, rstd: leading dims of x split; weight/bias whole.
+  const int64_t lead = c.rank(0) - c.attrs.normalized_ndim;
+  AxisOptions options{all_replicate(c)};
+  for (int64_t d = 0; d < lead; ++d) options.push_back({{Shard(d), Replicate(), Replicate()}, {Shard(d), Shard(d), Shard(d)}});
+  return options;
+}
+
+AxisOptions layer_norm_backward_options(const AxisCtx& c) {
+  // grad, x, mean, rstd, weight, bias -> grad_x, grad_weight, grad_bias.
+  const int64_t lead = c.rank(1) - c.attrs.normalized_ndim;
+  AxisOptions options{all_replicate(c)};
+  const Placement R = Replicate();
+  for (int64_t d = 0; d < lead; ++d) {
+    options.push_back({{Shard(d), Shard(d), Shard(d), Shard(d), R, R}, {Shard(d), Partial(), Partial()}});
+  }
+  options.push_back({{Partial(), R, R, R, R, R}, {Partial(), Partial(), Partial()}});
+  return options;
+}
+
+// The count of targets that are not ignored, summed over the axes splitting the batch.
+double target_count(const LocalCtx& c, const Tensor& target, const Placements& p) {
+  std::vector<std::string> axes;
+  for (int a = 0; a < c.mesh->ndim(); ++a) {
+    if (p[a].is_shard(0)) axes.push_back(c.mesh->axis_name(a));
+  }
+  Tensor n = tessera::sum(tessera::cast(
+      tessera::ne(target, tessera::scalar_like(static_cast<double>(c.attrs.ignore_index), target,
+                                               "cross_entropy")),
+      DType::f64));
+  n = tessera::clone(n);
+  if (!axes.empty()) c.mesh->group(axes).all_reduce(n, ReduceOp::sum);
+  return n.item<double>();
+}
+
+bool batch_split(const Placements& p) {
+  return std::any_of(p.begin(), p.end(), [](const Placement& x) { return x.is_shard(0); });
+}
+
+AxisOptions cross_entropy_options(const AxisCtx& c) {
+  const bool none = c.attrs.reduction == Reduction::none;
+  AxisOptions options{all_replicate(c)};
+  options.push_back({{Shard(0), Shard(0)}, {none ? Shard(0) : Partial(), Shard(0)}});
+  return options;
+}
+
+std::vector<Tensor> cross_entropy_local(const LocalCtx& c) {
+  if (c.attrs.reduction != Reduction::mean || !batch_split(c.in_placements[0])) {
+    return tessera::call(c.op, c.locals, c.attrs);
+  }
+  const double count = target_count(c, c.locals[1], c.in_placements[1]);
+  Attrs a = c.attrs;
+  a.reduction = Reduction::sum;
+  std::vector<Tensor> out = tessera::call(c.op, c.locals, a);
+  out[0] = out[0] * (1.0 / count);
+  return out;
+}
+
+AxisOptions cross_entropy_backward_options(const AxisCtx& c) {
+  // grad, logits, target, logsumexp -> grad_logits.
+  const bool none = c.attrs.reduction == Reduction::none;
+  AxisOptions options{all_replicate(c)};
+  options.push_back({{none ? Shard(0) : Replicate(), Shard(0), Shard(0), Shard(0)}, {Shard(0)}});
+  options.push_back({{Partial(), Replicate(), Replicate(), Replicate()}, {Partial()}});
+  return options;
+}
+
+std::vector<Tensor> cross_entropy_backward_local(const LocalCtx& c) {
+  if (c.attrs.reduction != Reduction::mean || !batch_split(c.in_placements[1])) {
+    return tessera::call(c.op, c.locals, c.attrs);
+  }
+  const double count = target_count(c, c.locals[2], c.in_placements[2]);
+  Attrs a = c.attrs;
+  a.reduction = Reduction::sum;
+  std::vector<Tensor> in = c.locals;
+  in[0] = in[0] * (1.0 / count);
+  return tessera::call(c.op, in, a);
+}
+
+AxisOptions conv2d_options(const AxisCtx& c) {
+  // x [N, C, H, W], weight [O, C, kh, kw], bias [O].
+  const Placement R = Replicate();
+  return {all_replicate(c),
+          {{Shard(0), R, R}, {Shard(0)}},
+          {{R, Shard(0), Shard(0)}, {Shard(1)}},
+          {{Shard(1), Shard(1), Partial()}, {Partial()}},
+          {{Partial(), R, Partial()}, {Partial()}}};
+}
+
+AxisOptions conv2d_backward_input_options(const AxisCtx& c) {
+  // grad [N, O, ...], weight [O, C, kh, kw] -> grad_x [N, C, H, W].
+  const Placement R = Replicate();
+  return {all_replicate(c),
+          {{Shard(0), R}, {Shard(0)}},
+          {{Shard(1), Shard(0)}, {Partial()}},
+          {{R, Shard(1)}, {Shard(1)}},
+          {{Partial(), R}, {Partial()}}};
+}
+
+AxisOptions conv2d_backward_weight_options(const AxisCtx& c) {
+  // grad [N, O, ...], x [N, C, H, W] -> grad_weight [O, C, kh, kw].
+  const Placement R = Replicate();
+  return {all_replicate(c),
+          {{Shard(0), Shard(0)}, {Partial()}},
+          {{Shard(1), R}, {Shard(0)}},
+          {{R, Shard(1)}, {Shard(1)}},
+          {{Partial(), R}, {Partial()}}};
+}
+
+AxisOptions pool_options(const AxisCtx& c) {
+  AxisOptions options{all_replicate(c)};
+  for (int64_t d = 0; d < 2; ++d) options.push_back(uniform(c, Shard(d), Shard(d)));
+  return options;
+}
+
+}  // namespace
+
+TS_REGISTER_SHARDING_RULE(sum, {.options = [](const AxisCtx& c) { return reduction(c, ReduceOp::sum, true); }});
+TS_REGISTER_SHARDING_RULE(mean, {.options = [](const AxisCtx& c) { return reduction(c, ReduceOp::sum, true); },
+                                 .local = mean_local});
+TS_REGISTER_SHARDING_RULE(max, {.options = [](const AxisCtx& c) { return reduction(c, ReduceOp::max, false); }});
+TS_REGISTER_SHARDING_RULE(var, {.options = [](const AxisCtx& c) { return reduction(c, std::nullopt, false); }});
+TS_REGISTER_SHARDING_RULE(argmax, {.options = [](const AxisCtx& c) {
+  if (c.attrs.all_dims) return AxisOptions{all_replicate(c)};
+  const int64_t dim = normalize_dim("argmax", c.attrs.dim, c.rank(0));
+  AxisOptions options{all_replicate(c)};
+  for (int64_t d = 0; d < c.rank(0); ++d) {
+    if (d != dim) options.push_back(uniform(c, Shard(d), Shard(reduced_position(d, {dim}, c.attrs.keepdim))));
+  }
+  return options;
+}});
+
+TS_REGISTER_SHARDING_RULE(matmul, {.options = matmul_options});
+TS_REGISTER_SHARDING_RULE(softmax, {.options = softmax_options});
+TS_REGISTER_SHARDING_RULE(log_softmax, {.options = softmax_options});
+TS_REGISTER_SHARDING_RULE(layer_norm, {.options = layer_norm_options});
+TS_REGISTER_SHARDING_RULE(layer_norm_backward, {.options = layer_norm_backward_options});
+TS_REGISTER_SHARDING_RULE(cross_entropy, {.options = cross_entropy_options, .local = cross_entropy_local});
+TS_REGISTER_SHARDING_RULE(cross_entropy_backward, {.options = cross_entropy_backward_options,
+                                                   .local = cross_entropy_backward_local});
+TS_REGISTER_SHARDING_RULE(conv2d, {.options = conv2d_options});
+TS_REGISTER_SHARDING_RULE(conv2d_backward_input, {.options = conv2d_backward_input_options});
+TS_REGISTER_SHARDING_RULE(conv2d_backward_weight, {.options = conv2d_backward_weight_options});
+TS_REGISTER_SHARDING_RULE(max_pool2d, {.options = pool_options});
+TS_REGISTER_SHARDING_RULE(max_pool2d_backward, {.options = pool_options});
+
+}  // namespace tessera::parallel
