@@ -183,7 +183,11 @@ ShardedTensor from_local(const Tensor& local, const MeshPtr& mesh, const Placeme
 
 ShardedTensor with_sharding_constraint(const ShardedTensor& t, const Placements& placements) {
   TS_CHECK(t.defined(), "with_sharding_constraint: tensor is undefined");
-  return t.redistribute(placements);
+  const Placements to = normalized(placements, t.dim());
+  check_placements("with_sharding_constraint", t.mesh(), to, t.shape());
+  return ShardedTensor(redistribute_autograd(t.local(), t.mesh_ptr(), t.shape(), t.placements(), to,
+                                             "with_sharding_constraint"),
+                       t.mesh_ptr(), to, t.shape());
 }
 
 namespace {
