@@ -1,7 +1,5 @@
 #include "parallel/comm/mpi.h"
 
-// The C API only: OpenMPI's mpi.h otherwise pulls in its deprecated C++ bindings, whose
-// symbols live in libmpi_cxx (unlinked), breaking shared-library (test) links.
 #include <mpi.h>
 
 #include <algorithm>

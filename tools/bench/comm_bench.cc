@@ -14,8 +14,6 @@
 // a barrier, loops the call until it took >= --min_ms, and counts the slowest rank's time per
 // call; figures are medians over --reps repetitions after --warmup calls.
 // tools/bench/run_comm_bench.sh runs every configuration.
-// The C API only: OpenMPI's mpi.h otherwise pulls in its deprecated C++ bindings, whose
-// symbols live in libmpi_cxx (unlinked), breaking shared-library (test) links.
 #include <mpi.h>
 #include <omp.h>
 
