@@ -128,14 +128,23 @@ Attrs local_attrs(const LocalCtx& c) {
   return a;
 }
 
+// An even block's bytes, the same on every rank: the choice must not depend on which rank
+// holds a larger (or empty) block, or ranks would pick different layouts.
+double block_bytes(const DeviceMesh& mesh, const TensorSpec& spec, const Placements& p) {
+  double bytes = static_cast<double>(numel_of(spec.shape)) * static_cast<double>(dtype_size(spec.dtype));
+  for (int a = 0; a < mesh.ndim(); ++a) {
+    if (p[a].is_shard()) bytes /= static_cast<double>(mesh.size(a));
+  }
+  return bytes;
+}
+
 struct Chosen {
   std::vector<Placements> in, out;
   std::vector<std::vector<std::string>> replicated_axes;  // per input
 };
 
 Chosen choose(OpId op, const Attrs& attrs, const DeviceMesh& mesh, const std::vector<TensorSpec>& in,
-              const std::vector<TensorSpec>& out, const std::vector<Placements>& current,
-              const std::vector<Tensor>& locals) {
+              const std::vector<TensorSpec>& out, const std::vector<Placements>& current) {
   const ShardingRule* rule = sharding_rule_for(op);
   TS_CHECK(rule != nullptr && rule->options != nullptr,
            "{}: no sharding rule; it cannot run on sharded tensors", op_name(op));
@@ -144,7 +153,7 @@ Chosen choose(OpId op, const Attrs& attrs, const DeviceMesh& mesh, const std::ve
   ch.out.assign(out.size(), Placements(mesh.ndim()));
   ch.replicated_axes.resize(in.size());
   for (int a = 0; a < mesh.ndim(); ++a) {
-    const AxisCtx ctx{op, attrs, a, mesh.size(a), in, out, current};
+    const AxisCtx ctx{op, attrs, a, mesh.size(a), in, out, current, mesh.size()};
     const AxisOptions options = rule->options(ctx);
     TS_CHECK(!options.empty(), "{}: its sharding rule offers no option on mesh axis '{}'",
              op_name(op), mesh.axis_name(a));
@@ -154,7 +163,7 @@ Chosen choose(OpId op, const Attrs& attrs, const DeviceMesh& mesh, const std::ve
       double cost = 0.0;
       for (size_t i = 0; i < in.size(); ++i) {
         if (!in[i].defined) continue;
-        const double bytes = static_cast<double>(locals[i].nbytes());
+        const double bytes = block_bytes(mesh, in[i], current[i]);
         cost += move_cost(current[i][a], o.in.at(i), bytes, mesh.size(a));
       }
       if (cost < best) best = cost, pick = &o;
@@ -203,20 +212,17 @@ Prepared prepare(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs&
                  const MeshPtr& mesh, const std::vector<size_t>& written) {
   Prepared p;
   std::vector<Placements> current;
-  std::vector<Tensor> locals;
   for (const ShardedTensor& t : inputs) {
     if (t.defined()) {
       p.in.push_back(TensorSpec{t.shape(), t.dtype(), t.local().device(), true});
       current.push_back(t.placements());
-      locals.push_back(t.local());
     } else {
       p.in.push_back(TensorSpec{{}, DType::f32, kCPU, false});
       current.push_back(replicated(*mesh));
-      locals.push_back(Tensor());
     }
   }
   p.out = global_outputs(op, p.in, attrs);
-  p.chosen = choose(op, attrs, *mesh, p.in, p.out, current, locals);
+  p.chosen = choose(op, attrs, *mesh, p.in, p.out, current);
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) {
       p.locals.push_back(Tensor());

@@ -86,7 +86,7 @@ AxisOptions cat_options(const AxisCtx& c) {
 // copy_(dst, src): dst keeps its placements (it is written); src follows, broadcasting.
 AxisOptions copy_options(const AxisCtx& c) {
   const Placement dst = c.now(0);
-  AxisOption o{{dst, R}, {}};
+  AxisOption o{{dst, R}, std::vector<Placement>(c.out.size(), dst)};
   if (dst.is_partial(ReduceOp::sum)) o.in[1] = Partial();
   if (dst.is_partial() && !dst.is_partial(ReduceOp::sum)) o.in[1] = R;
   if (dst.is_shard()) {
@@ -102,18 +102,11 @@ AxisOptions like_param(const AxisCtx& c) {
   AxisOptions options;
   if (!p.is_partial()) options.push_back(uniform(c, p, R));
   options.push_back(uniform(c, R, R));
-  for (AxisOption& o : options) o.out.clear();
+  for (AxisOption& o : options) o.out.assign(c.out.size(), o.in[0]);
   return options;
 }
 
 // ---- views ---------------------------------------------------------------------------------
-
-bool split_elsewhere(const AxisCtx& c, int64_t d) {
-  for (int a = 0; a < static_cast<int>(c.current[0].size()); ++a) {
-    if (a != c.axis && c.current[0][a].is_shard(d)) return true;
-  }
-  return false;
-}
 
 AxisOptions view_options(const AxisCtx& c) {
   const Shape& in = c.in[0].shape;
@@ -122,16 +115,17 @@ AxisOptions view_options(const AxisCtx& c) {
   for (ReduceOp op : {ReduceOp::avg, ReduceOp::max, ReduceOp::min}) {
     options.push_back(uniform(c, Partial(op), Partial(op)));
   }
-  const int64_t n = c.axis_size;
+  const int64_t n = c.mesh_size;
   for (int64_t d = 0; d < static_cast<int64_t>(in.size()); ++d) {
     // The output dim starting at the same flat position, if any.
     int64_t before_in = 1;
     for (int64_t k = 0; k < d; ++k) before_in *= in[k];
     int64_t before_out = 1;
     for (int64_t e = 0; e < static_cast<int64_t>(out.size()); ++e) {
+      // Equal sizes split alike; otherwise both must divide evenly under any nesting of
+      // the mesh's axes on this dim (hence the whole mesh's size).
       if (before_out == before_in && out[e] != 1 &&
-          (out[e] == in[d] ||
-           (in[d] % n == 0 && out[e] % n == 0 && !split_elsewhere(c, d)))) {
+          (out[e] == in[d] || (in[d] % n == 0 && out[e] % n == 0))) {
         options.push_back(uniform(c, Shard(d), Shard(e)));
         break;
       }

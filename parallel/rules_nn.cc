@@ -30,6 +30,8 @@ AxisOptions reduction(const AxisCtx& c, std::optional<ReduceOp> partial_kind, bo
   for (int64_t d = 0; d < c.rank(0); ++d) {
     const bool reduced = std::find(dims.begin(), dims.end(), d) != dims.end();
     if (!reduced) {
+      // max's kernels reject empty blocks even along kept dims.
+      if (partial_kind == ReduceOp::max && !c.splits_nonempty(c.in[0].shape, d)) continue;
       options.push_back(uniform(c, Shard(d), Shard(reduced_position(d, dims, c.attrs.keepdim))));
     } else if (partial_kind && (*partial_kind == ReduceOp::sum || c.splits_nonempty(c.in[0].shape, d))) {
       options.push_back(uniform(c, Shard(d), Partial(*partial_kind)));
@@ -215,7 +217,10 @@ TS_REGISTER_SHARDING_RULE(argmax, {.options = [](const AxisCtx& c) {
   const int64_t dim = normalize_dim("argmax", c.attrs.dim, c.rank(0));
   AxisOptions options{all_replicate(c)};
   for (int64_t d = 0; d < c.rank(0); ++d) {
-    if (d != dim) options.push_back(uniform(c, Shard(d), Shard(reduced_position(d, {dim}, c.attrs.keepdim))));
+    // argmax's kernel rejects empty blocks.
+    if (d != dim && c.splits_nonempty(c.in[0].shape, d)) {
+      options.push_back(uniform(c, Shard(d), Shard(reduced_position(d, {dim}, c.attrs.keepdim))));
+    }
   }
   return options;
 }});

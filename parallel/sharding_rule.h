@@ -37,9 +37,11 @@ struct AxisCtx {
   int64_t num_inputs() const { return static_cast<int64_t>(in.size()); }
   int64_t rank(size_t i) const { return static_cast<int64_t>(in[i].shape.size()); }
   const Placement& now(size_t i) const { return current[i][axis]; }
-  // Whether dim d of a tensor of `shape` can be split over this axis with no empty block
-  // (ops that cannot reduce an empty block, such as max, need that).
-  bool splits_nonempty(const Shape& shape, int64_t d) const { return shape[d] >= axis_size; }
+  int64_t mesh_size;  // ranks in the whole mesh
+  // Whether dim d of a tensor of `shape` keeps every block non-empty however the mesh's axes
+  // split it (ops that cannot reduce an empty block, such as max, need that). Conservative:
+  // the other axes may split the same dim too.
+  bool splits_nonempty(const Shape& shape, int64_t d) const { return shape[d] >= mesh_size; }
 };
 
 struct AxisOption {

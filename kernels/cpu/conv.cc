@@ -15,6 +15,7 @@
 // partial sums in group order, so 1 and N threads give the same bits.
 #include <Eigen/Core>
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -331,6 +332,7 @@ constexpr int64_t kColumnBudget = int64_t{1} << 17;
 // shapes alone. fn(first_image, count) runs once per chunk, chunks spread over threads.
 template <typename F>
 void for_image_chunks(const ConvGeom& g, F&& fn) {
+  if (g.n == 0) return;
   const int64_t fit = std::max<int64_t>(1, kColumnBudget / std::max<int64_t>(1, g.ckk() * g.ohw()));
   const int64_t chunks = std::max((g.n + fit - 1) / fit, std::min<int64_t>(g.n, 8));
   const int64_t per = (g.n + chunks - 1) / chunks;
@@ -353,6 +355,10 @@ void conv_forward(const Tensor& xt, const Tensor& wt, const Tensor& bt, const Te
   T* op = static_cast<T*>(out.raw_data());
   const T* wp = static_cast<const T*>(w.raw_data());
   const int64_t ohw = g.ohw(), ckk = g.ckk();
+  if (ckk == 0) {  // no input channels (a sharded block can be empty): the bias alone
+    for (int64_t i = 0; i < out.numel(); ++i) op[i] = bp != nullptr ? bp[i / ohw % g.o] : T(0);
+    return;
+  }
   // Pixels as GEMM rows when O fills whole register tiles (16 or 32 wide) and the GEMM is
   // deep enough that transposing its result back to NCHW is cheap next to it: no padded
   // tile is computed. Otherwise one GEMM per image writes NCHW directly.
@@ -474,7 +480,17 @@ void in_compute_type(std::span<const Tensor> in, const Tensor& out, F&& f) {
   copy_cpu(out, o);
 }
 
+// Backward passes over an empty batch, or with no channels on the other side, produce
+// zeros (a sharded block can be empty); all-zero bits are 0 in every float dtype.
+bool zero_if_empty(std::span<const Tensor> in, const Tensor& out) {
+  if (out.numel() == 0) return true;
+  if (in[0].numel() != 0 && in[1].numel() != 0) return false;
+  std::memset(out.raw_data(), 0, static_cast<size_t>(out.nbytes()));
+  return true;
+}
+
 void conv2d_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  if (out[0].numel() == 0) return;
   in_compute_type(in, out[0], [&]<typename T>(std::span<const Tensor> v, const Tensor& o) {
     conv_forward<T>(v[0], v[1], v[2], o, a);
   });
@@ -482,6 +498,7 @@ void conv2d_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
 
 void conv2d_backward_input_kernel(std::span<const Tensor> in, std::span<Tensor> out,
                                   const Attrs& a) {
+  if (zero_if_empty(in, out[0])) return;
   in_compute_type(in, out[0], [&]<typename T>(std::span<const Tensor> v, const Tensor& o) {
     conv_backward_input<T>(v[0], v[1], o, a);
   });
@@ -489,6 +506,7 @@ void conv2d_backward_input_kernel(std::span<const Tensor> in, std::span<Tensor> 
 
 void conv2d_backward_weight_kernel(std::span<const Tensor> in, std::span<Tensor> out,
                                    const Attrs& a) {
+  if (zero_if_empty(in, out[0])) return;
   in_compute_type(in, out[0], [&]<typename T>(std::span<const Tensor> v, const Tensor& o) {
     conv_backward_weight<T>(v[0], v[1], o, a);
   });
