@@ -187,23 +187,25 @@ ShardedTensor zeros(const Shape& shape, const MeshPtr& mesh, const Placements& p
 ShardedTensor ones(const Shape& shape, const MeshPtr& mesh, const Placements& placements, DType dtype) {
   return full(shape, 1.0, mesh, placements, dtype);
 }
-ShardedTensor randn(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
-                    uint64_t seed, uint64_t offset, DType dtype) {
+namespace {
+ShardedTensor random_factory(OpId op, const Shape& shape, const MeshPtr& mesh,
+                             const Placements& placements, uint64_t seed, uint64_t offset, DType dtype) {
   Attrs a;
   a.shape = shape;
   a.seed = seed;
   a.offset = offset;
   a.dtype = dtype;
-  return factory(OpId::randn, a, mesh, placements);
+  return factory(op, a, mesh, placements);
+}
+}  // namespace
+
+ShardedTensor randn(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
+                    uint64_t seed, uint64_t offset, DType dtype) {
+  return random_factory(OpId::randn, shape, mesh, placements, seed, offset, dtype);
 }
 ShardedTensor rand(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
                    uint64_t seed, uint64_t offset, DType dtype) {
-  Attrs a;
-  a.shape = shape;
-  a.seed = seed;
-  a.offset = offset;
-  a.dtype = dtype;
-  return factory(OpId::rand, a, mesh, placements);
+  return random_factory(OpId::rand, shape, mesh, placements, seed, offset, dtype);
 }
 ShardedTensor arange(double start, double end, double step, const MeshPtr& mesh,
                      const Placements& placements, DType dtype) {

@@ -136,17 +136,24 @@ AxisOptions cross_entropy_options(const AxisCtx& c) {
   return options;
 }
 
-std::vector<Tensor> cross_entropy_local(const LocalCtx& c) {
-  if (c.attrs.reduction != Reduction::mean || !batch_split(c.in_placements[0])) {
+// cross_entropy and its backward averaging over a batch split on some axes: run the sum
+// form, with the mean's divisor the global count of targets (input `target` of the op).
+// `scale_grad`: the backward scales its incoming gradient; the forward scales its loss.
+std::vector<Tensor> mean_over_split_batch(const LocalCtx& c, size_t target, bool scale_grad) {
+  if (c.attrs.reduction != Reduction::mean || !batch_split(c.in_placements[target])) {
     return tessera::call(c.op, c.locals, c.attrs);
   }
-  const double count = target_count(c, c.locals[1], c.in_placements[1]);
+  const double inv_count = 1.0 / target_count(c, c.locals[target], c.in_placements[target]);
   Attrs a = c.attrs;
   a.reduction = Reduction::sum;
-  std::vector<Tensor> out = tessera::call(c.op, c.locals, a);
-  out[0] = out[0] * (1.0 / count);
+  std::vector<Tensor> in = c.locals;
+  if (scale_grad) in[0] = in[0] * inv_count;
+  std::vector<Tensor> out = tessera::call(c.op, in, a);
+  if (!scale_grad) out[0] = out[0] * inv_count;
   return out;
 }
+
+std::vector<Tensor> cross_entropy_local(const LocalCtx& c) { return mean_over_split_batch(c, 1, false); }
 
 AxisOptions cross_entropy_backward_options(const AxisCtx& c) {
   // grad, logits, target, logsumexp -> grad_logits.
@@ -158,15 +165,7 @@ AxisOptions cross_entropy_backward_options(const AxisCtx& c) {
 }
 
 std::vector<Tensor> cross_entropy_backward_local(const LocalCtx& c) {
-  if (c.attrs.reduction != Reduction::mean || !batch_split(c.in_placements[1])) {
-    return tessera::call(c.op, c.locals, c.attrs);
-  }
-  const double count = target_count(c, c.locals[2], c.in_placements[2]);
-  Attrs a = c.attrs;
-  a.reduction = Reduction::sum;
-  std::vector<Tensor> in = c.locals;
-  in[0] = in[0] * (1.0 / count);
-  return tessera::call(c.op, in, a);
+  return mean_over_split_batch(c, 2, true);
 }
 
 AxisOptions conv2d_options(const AxisCtx& c) {
