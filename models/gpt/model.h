@@ -1,0 +1,97 @@
+// GPT-2, built from nn/ layers and tensor ops only (no hand-written backward): token and
+// position embeddings, pre-LayerNorm blocks of causal self-attention (fused qkv) and a 4x
+// tanh-GELU MLP, a final LayerNorm, and an LM head tied to the token embedding. Parameter
+// names follow the torch/nanoGPT state dict ("wte.weight", "h.0.attn.c_attn.weight", ...),
+// so tools/gpt_reference.py builds the same model in PyTorch from a Tessera checkpoint.
+//
+//   manual_seed(0);                                     // GPT-2 init draws from it
+//   gpt::Gpt model({.layers = 2, .heads = 2, .width = 32, .context = 16, .vocab = 64});
+//   Tensor logits = model.forward(idx);                 // idx [B, T] i64 -> [B, T, vocab]
+//   Tensor loss = gpt::Gpt::loss(logits, targets);      // targets [B, T] i64
+//   loss.backward();
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "nn/layers.h"
+
+namespace tessera::gpt {
+
+struct GptConfig {
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t width = 128;    // embedding width C; head_dim = width / heads
+  int64_t context = 128;  // longest sequence (rows of wpe)
+  int64_t vocab = 256;
+  double dropout = 0.0;   // after the embeddings, on attention weights, on each residual branch
+
+  // Throws tessera::Error naming the offending field ("GptConfig: heads must ...").
+  void validate() const;
+  // V*C + context*C + layers*(12*C^2 + 13*C) + 2*C (the head is tied: no extra parameters).
+  int64_t num_parameters() const;
+};
+
+// Multi-head causal self-attention: c_attn [3C, C] projects to q, k, v at once; scores
+// q k^T / sqrt(head_dim) with the future masked to -inf, softmax, dropout, @ v; c_proj [C, C].
+class CausalSelfAttention : public nn::Module {
+ public:
+  explicit CausalSelfAttention(const GptConfig& config);
+  Tensor forward(const Tensor& x) override;  // x [B, T, C] -> [B, T, C]
+  // Bool [T, T], true where key j may be seen from query i (j <= i); built once per T.
+  Tensor causal_mask(int64_t T);
+
+  int64_t heads, width;
+  std::shared_ptr<nn::Linear> c_attn, c_proj;
+  std::shared_ptr<nn::Dropout> attn_dropout, resid_dropout;
+
+ private:
+  Tensor mask_;  // cached for the last T seen
+};
+
+// Linear(C, 4C), GELU (tanh approximation, as GPT-2), Linear(4C, C), dropout.
+class Mlp : public nn::Module {
+ public:
+  explicit Mlp(const GptConfig& config);
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<nn::Linear> c_fc, c_proj;
+  std::shared_ptr<nn::GELU> gelu;
+  std::shared_ptr<nn::Dropout> dropout;
+};
+
+// x + attn(ln_1(x)), then + mlp(ln_2(x)).
+class Block : public nn::Module {
+ public:
+  explicit Block(const GptConfig& config);
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<nn::LayerNorm> ln_1, ln_2;
+  std::shared_ptr<CausalSelfAttention> attn;
+  std::shared_ptr<Mlp> mlp;
+};
+
+class Gpt : public nn::Module {
+ public:
+  // Validates `config`, builds the layers and applies GPT-2's initialisation from this
+  // thread's generator: N(0, 0.02) for embeddings and Linear weights, N(0, 0.02/sqrt(2L))
+  // for the residual projections (attn.c_proj, mlp.c_proj), zero biases, LayerNorm 1/0.
+  explicit Gpt(const GptConfig& config);
+
+  // idx [B, T] i64 with T <= context and values in [0, vocab) -> logits [B, T, vocab].
+  Tensor forward(const Tensor& idx) override;
+  // Mean cross-entropy of logits [B, T, V] against targets [B, T] i64 (over B*T rows).
+  static Tensor loss(const Tensor& logits, const Tensor& targets);
+
+  const GptConfig& config() const { return config_; }
+
+  std::shared_ptr<nn::Embedding> wte, wpe;
+  std::shared_ptr<nn::Dropout> drop;
+  std::shared_ptr<nn::Sequential> h;  // the blocks, named h.0, h.1, ...
+  std::shared_ptr<nn::LayerNorm> ln_f;
+
+ private:
+  void init_weights();
+  GptConfig config_;
+};
+
+}  // namespace tessera::gpt
