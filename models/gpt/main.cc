@@ -1,0 +1,75 @@
+// bazel run //models:gpt -- [--layers=L] [--heads=H] [--width=C] [--context=T] [--batch=B]
+//     [--steps=N] [--lr=LR] [--precision=f32|bf16|f16] [--data=FILE|DIR] [--save=PATH]
+//     [--resume=PATH] [--metrics=PATH] [--sample=N] ...
+// Trains a byte-level GPT on text (Debian's fortunes by default), reports the validation
+// loss and prints a sample (--help lists all flags).
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "models/common/flags.h"
+#include "models/gpt/train.h"
+#include "tensor/error.h"
+
+namespace {
+
+// `bazel run` starts the program in its runfiles tree; relative paths given on the command
+// line mean the directory the user ran bazel from (BUILD_WORKING_DIRECTORY).
+std::string from_user_dir(const std::string& path) {
+  const char* dir = std::getenv("BUILD_WORKING_DIRECTORY");
+  if (path.empty() || path[0] == '/' || dir == nullptr) return path;
+  return std::string(dir) + "/" + path;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tessera::gpt::GptTrainConfig c;
+  tessera::models::Flags f(
+      "gpt", "Trains a byte-level GPT on text, reports the validation loss and samples from it.");
+  f.bind("layers", c.layers, "transformer blocks");
+  f.bind("heads", c.heads, "attention heads (must divide --width)");
+  f.bind("width", c.width, "embedding width");
+  f.bind("context", c.context, "sequence length in bytes");
+  f.bind("dropout", c.dropout, "dropout probability (embeddings, attention, residuals)");
+  f.bind("batch", c.batch, "sequences per step");
+  f.bind("steps", c.steps, "optimizer steps (the length of the learning-rate schedule)");
+  f.bind("max_steps", c.max_steps, "stop after this many steps in all (0: --steps); resumable");
+  f.bind("lr", c.lr, "peak learning rate (AdamW, warmup then cosine decay)");
+  f.bind("min_lr_ratio", c.min_lr_ratio, "the cosine decays to lr times this");
+  f.bind("warmup", c.warmup, "linear warmup steps");
+  f.bind("weight_decay", c.weight_decay, "AdamW decoupled weight decay (not on 1-D params)");
+  f.bind("beta1", c.beta1, "AdamW beta1");
+  f.bind("beta2", c.beta2, "AdamW beta2");
+  f.bind("clip", c.clip, "max global gradient norm (0: off)");
+  f.bind("precision", c.precision, "f32, bf16 or f16 (mixed precision; f16 scales the loss)");
+  f.bind("data", c.data, "a text file or a directory of them (empty: /usr/share/games/fortunes)");
+  f.bind("val_every", c.val_every, "steps between validation losses (0: only at the end)");
+  f.bind("val_batches", c.val_batches, "validation batches per evaluation (0: the whole split)");
+  f.bind("log_every", c.log_every, "steps between progress and metrics lines");
+  f.bind("save", c.save, "write a checkpoint here at the end (PATH and PATH's .state.safetensors)");
+  f.bind("save_every", c.save_every, "also write it every N steps (0: only at the end)");
+  f.bind("resume", c.resume, "continue from this checkpoint");
+  f.bind("metrics", c.metrics, "append JSON-lines metrics here (for tools/plot_metrics.py)");
+  f.bind("sample", c.sample_length, "bytes to generate at the end (0: no sample)");
+  f.bind("prompt", c.prompt, "text the sample continues (empty: a newline)");
+  f.bind("temperature", c.temperature, "sampling temperature (0: greedy)");
+  f.bind("top_k", c.top_k, "sample among the k most likely bytes (0: all 256)");
+  f.bind("seed", c.seed, "seed of initialisation, data windows, dropout and sampling");
+  f.bind("threads", c.threads, "kernel threads (0: all cores)");
+  bool quiet = false;
+  f.bind("quiet", quiet, "no progress output");
+  try {
+    f.parse(argc, argv);
+    c.verbose = !quiet;
+    for (std::string* path : {&c.data, &c.save, &c.resume, &c.metrics}) {
+      *path = from_user_dir(*path);
+    }
+    const tessera::gpt::GptResult r = tessera::gpt::train_gpt(c);
+    if (quiet) std::printf("val loss %.4f\n", r.val_loss);
+  } catch (const tessera::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

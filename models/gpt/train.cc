@@ -1,0 +1,341 @@
+#include "models/gpt/train.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "kernels/cpu/parallel.h"
+#include "models/common/checkpoint.h"
+#include "models/common/progress.h"
+#include "models/data/text.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "optim/loss_scaler.h"
+#include "optim/schedule.h"
+#include "tensor/autocast.h"
+#include "tensor/grad_mode.h"
+#include "tensor/random.h"
+
+namespace tessera::gpt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+DType low_precision(const std::string& precision) {
+  if (precision == "f32") return DType::f32;  // AutocastGuard(f32) = autocast off
+  if (precision == "bf16") return DType::bf16;
+  if (precision == "f16") return DType::f16;
+  fail("gpt: unknown --precision '{}'; expected f32, bf16 or f16", precision);
+}
+
+// Restores a module's train/eval mode on scope exit.
+class ModeGuard {
+ public:
+  ModeGuard(nn::Module& m, bool training) : m_(m), was_(m.is_training()) { m_.train(training); }
+  ~ModeGuard() { m_.train(was_); }
+  ModeGuard(const ModeGuard&) = delete;
+  ModeGuard& operator=(const ModeGuard&) = delete;
+
+ private:
+  nn::Module& m_;
+  bool was_;
+};
+
+// The mean loss over the first `max_batches` (0: all) evaluation batches of `windows`; all
+// batches have one shape, so the mean of their means is the mean over every scored byte.
+double evaluate(Gpt& model, const data::TextWindows& windows, int64_t batch, int64_t context,
+                int64_t max_batches, DType low) {
+  NoGradGuard no_grad;
+  ModeGuard mode(model, /*training=*/false);
+  AutocastGuard amp(low);
+  int64_t n = windows.num_eval_batches(batch, context);
+  TS_CHECK(n > 0, "gpt: the validation split ({} bytes) holds no batch of {} x {} bytes",
+           windows.size(), batch, context);
+  if (max_batches > 0) n = std::min(n, max_batches);
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const data::TextBatch b = windows.eval_batch(i, batch, context);
+    total += Gpt::loss(model.forward(b.idx), b.targets).item<double>();
+  }
+  return total / static_cast<double>(n);
+}
+
+// Checks that a checkpoint holds the model being built (heads would load silently: the
+// weight shapes do not depend on it).
+void check_same_model(const std::string& path, const models::TrainingState& s,
+                      const GptTrainConfig& c) {
+  const std::pair<const char*, int64_t> fields[] = {
+      {"layers", c.layers}, {"heads", c.heads}, {"width", c.width}, {"context", c.context}};
+  for (const auto& [name, value] : fields) {
+    auto it = s.info.find(name);
+    TS_CHECK(it == s.info.end() || it->second == std::to_string(value),
+             "gpt: {} holds a model with {} = {} but --{} is {}", path, name, it->second, name,
+             value);
+  }
+}
+
+}  // namespace
+
+GptConfig GptTrainConfig::model_config() const {
+  GptConfig m;
+  m.layers = layers;
+  m.heads = heads;
+  m.width = width;
+  m.context = context;
+  m.vocab = data::kByteVocab;
+  m.dropout = dropout;
+  return m;
+}
+
+std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& options) {
+  TS_CHECK(!prompt.empty(), "gpt sample: the prompt must hold at least one byte");
+  TS_CHECK(options.length >= 0, "gpt sample: length must not be negative, got {}",
+           options.length);
+  TS_CHECK(options.temperature >= 0 && std::isfinite(options.temperature),
+           "gpt sample: temperature must be finite and >= 0, got {}", options.temperature);
+  TS_CHECK(options.top_k >= 0, "gpt sample: top_k must not be negative, got {}", options.top_k);
+  NoGradGuard no_grad;
+  ModeGuard mode(model, /*training=*/false);
+  AutocastGuard amp(options.precision);
+  const int64_t context = model.config().context, vocab = model.config().vocab;
+  std::vector<int64_t> tokens(prompt.begin(), prompt.end());
+  for (int64_t& t : tokens) t = static_cast<uint8_t>(t);  // char may be signed
+  std::string out;
+  out.reserve(static_cast<size_t>(options.length));
+  std::vector<int64_t> order(static_cast<size_t>(vocab));
+  std::vector<double> probs(static_cast<size_t>(vocab));
+  for (int64_t i = 0; i < options.length; ++i) {
+    const int64_t T = std::min<int64_t>(static_cast<int64_t>(tokens.size()), context);
+    const std::vector<int64_t> window(tokens.end() - T, tokens.end());
+    const Tensor logits = model.forward(Tensor::from_vector(window, {1, T}));
+    const std::vector<float> last = narrow(logits, 1, T - 1, 1).to_vector<float>();
+    // Candidates by logit, highest first; equal logits keep the lower byte first.
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return last[a] > last[b]; });
+    int64_t next = order[0];
+    if (options.temperature > 0) {
+      const int64_t k = options.top_k > 0 ? std::min(options.top_k, vocab) : vocab;
+      const double top = last[order[0]];
+      double total = 0.0;
+      for (int64_t j = 0; j < k; ++j) {
+        probs[j] = std::exp((last[order[j]] - top) / options.temperature);
+        total += probs[j];
+      }
+      const double u = philox::uniform_f64(options.seed, static_cast<uint64_t>(i)) * total;
+      double acc = 0.0;
+      next = order[k - 1];  // u rounding up to the total lands on the last candidate
+      for (int64_t j = 0; j < k; ++j) {
+        acc += probs[j];
+        if (u < acc) {
+          next = order[j];
+          break;
+        }
+      }
+    }
+    tokens.push_back(next);
+    out.push_back(static_cast<char>(next));
+  }
+  return out;
+}
+
+GptResult train_gpt(const GptTrainConfig& config) {
+  const DType low = low_precision(config.precision);
+  TS_CHECK(config.batch > 0, "gpt: --batch must be positive, got {}", config.batch);
+  TS_CHECK(config.steps > 0, "gpt: --steps must be positive, got {}", config.steps);
+  TS_CHECK(config.lr > 0, "gpt: --lr must be positive, got {}", config.lr);
+  TS_CHECK(config.log_every > 0, "gpt: --log_every must be positive, got {}", config.log_every);
+  TS_CHECK(config.max_steps >= 0 && config.warmup >= 0 && config.val_every >= 0 &&
+               config.val_batches >= 0 && config.save_every >= 0,
+           "gpt: --max_steps ({}), --warmup ({}), --val_every ({}), --val_batches ({}) and "
+           "--save_every ({}) must not be negative",
+           config.max_steps, config.warmup, config.val_every, config.val_batches,
+           config.save_every);
+  const GptConfig mconfig = config.model_config();
+  mconfig.validate();
+  if (config.threads > 0) cpu::set_num_threads(static_cast<int>(config.threads));
+  models::Progress progress;
+  auto say = [&](const std::string& line) {
+    if (config.verbose) progress.print(line);
+  };
+
+  const data::TextCorpus corpus =
+      data::load_text(config.data.empty() ? data::kFortunesDir : config.data);
+  const uint64_t seed = static_cast<uint64_t>(config.seed);
+  const data::TextWindows train(corpus, data::TextSplit::train, seed);
+  const data::TextWindows val(corpus, data::TextSplit::val, seed);
+  TS_CHECK(config.context < train.size() && config.context < val.size(),
+           "gpt: --context {} needs more bytes than the {} training / {} validation bytes of {}",
+           config.context, train.size(), val.size(),
+           config.data.empty() ? data::kFortunesDir : config.data);
+
+  manual_seed(seed);
+  Gpt model(mconfig);
+  const int64_t stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps)
+                                               : config.steps;
+  optim::AdamWOptions aopt;
+  aopt.lr = config.lr;
+  aopt.betas = {config.beta1, config.beta2};
+  aopt.weight_decay = config.weight_decay;
+  optim::AdamW opt(optim::decay_groups(model.named_parameters(), config.lr, config.weight_decay),
+                   aopt);
+  optim::LossScalerOptions sopt;
+  sopt.enabled = low == DType::f16;
+  optim::DynamicLossScaler scaler(sopt);
+  const optim::WarmupCosineLr schedule(config.lr, std::min(config.warmup, config.steps / 2),
+                                       config.steps, config.lr * config.min_lr_ratio);
+
+  int64_t step = 0;
+  if (!config.resume.empty()) {
+    const models::TrainingState s = models::load_checkpoint(config.resume, model, opt, scaler);
+    check_same_model(config.resume, s, config);
+    step = s.step;  // the data windows are a pure function of the step
+    default_generator().set_state(s.rng_seed, s.rng_offset);
+    say(fmt::format("resumed from {} at step {}", config.resume, step));
+  }
+  models::MetricsWriter metrics;
+  if (!config.metrics.empty()) metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
+  const int64_t tokens_per_step = config.batch * config.context;
+  say(fmt::format("gpt: {} layers, {} heads, width {}, context {} ({} parameters); {} train / {} "
+                  "val bytes; batch {} ({} tokens/step), {} steps, AdamW lr {}, precision {}",
+                  config.layers, config.heads, config.width, config.context,
+                  model.num_parameters(), train.size(), val.size(), config.batch,
+                  tokens_per_step, config.steps, config.lr, config.precision));
+
+  auto save = [&] {
+    models::TrainingState s;
+    s.step = step;
+    s.rng_seed = default_generator().seed();
+    s.rng_offset = default_generator().offset();
+    s.info = {{"model", "gpt"},
+              {"layers", std::to_string(config.layers)},
+              {"heads", std::to_string(config.heads)},
+              {"width", std::to_string(config.width)},
+              {"context", std::to_string(config.context)},
+              {"precision", config.precision}};
+    models::save_checkpoint(config.save, model, opt, scaler, s);
+  };
+  auto validate = [&] {
+    const double loss = evaluate(model, val, config.batch, config.context, config.val_batches, low);
+    metrics.write({{"step", step}, {"val_loss", loss}});
+    return loss;
+  };
+
+  GptResult result;
+  const std::vector<Tensor> params = model.parameters();
+  const Clock::time_point run_start = Clock::now();
+  double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0;
+  int64_t window_steps = 0, run_steps = 0;
+
+  model.train();
+  while (step < stop_at) {
+    const Clock::time_point t0 = Clock::now();
+    const data::TextBatch batch = train.get(step, config.batch, config.context);
+    const double lr = schedule.lr(step);
+    opt.set_lr(lr);
+    opt.zero_grad();
+    Tensor loss;
+    {
+      AutocastGuard amp(low);
+      loss = Gpt::loss(model.forward(batch.idx), batch.targets);
+    }
+    scaler.scale(loss).backward();
+    double norm = std::numeric_limits<double>::quiet_NaN();
+    if (config.clip > 0 && scaler.unscale_and_check(params)) {
+      norm = optim::clip_grad_norm(params, config.clip);
+    }
+    scaler.step(opt);
+    scaler.update();
+    ++step;
+    const double loss_value = loss.item<double>();
+    const double dt = seconds_since(t0);
+    train_seconds += dt;
+    window_seconds += dt;
+    ++window_steps;
+    ++run_steps;
+    window_loss += loss_value;
+    result.losses.push_back(loss_value);
+
+    if (step % config.log_every == 0 || step == stop_at) {
+      const double tps = window_steps * tokens_per_step / window_seconds;
+      nlohmann::json rec = {{"step", step}, {"loss", loss_value}, {"lr", lr},
+                            {"tokens_per_s", tps}};
+      if (std::isfinite(norm)) rec["grad_norm"] = norm;
+      metrics.write(rec);
+      result.train_loss = window_loss / window_steps;
+      if (config.verbose) {
+        const double eta = (stop_at - step) * (train_seconds / run_steps);
+        std::string line = fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tokens/s  ETA {}",
+                                       step, stop_at, result.train_loss, lr, tps,
+                                       models::format_duration(eta));
+        if (scaler.enabled()) {
+          line += fmt::format("  loss scale {:g} (skipped {})", scaler.scale_value(),
+                              scaler.skipped_steps());
+        }
+        progress.update(line);
+      }
+      window_seconds = 0.0;
+      window_steps = 0;
+      window_loss = 0.0;
+    }
+    // The final step's validation is the result's, below.
+    if (config.val_every > 0 && step % config.val_every == 0 && step < stop_at) {
+      const double v = validate();
+      result.val_losses.emplace_back(step, v);
+      if (config.verbose) {
+        progress.update(fmt::format("step {}/{}  val loss {:.4f}", step, stop_at, v),
+                        /*force=*/true);
+        progress.finish();
+      }
+    }
+    if (!config.save.empty() && config.save_every > 0 && step % config.save_every == 0 &&
+        step < stop_at) {
+      save();
+    }
+  }
+  // Saved before the final evaluation and the sample: neither changes what resume needs,
+  // and the checkpoint then holds exactly the state a longer run has at this step.
+  if (!config.save.empty()) {
+    save();
+    say(fmt::format("saved {} and {}", config.save, models::state_path(config.save)));
+  }
+
+  result.val_loss = validate();
+  result.val_losses.emplace_back(step, result.val_loss);
+  result.steps = step;
+  result.skipped_steps = scaler.skipped_steps();
+  result.tokens_per_s = run_steps > 0 ? run_steps * tokens_per_step / train_seconds : 0.0;
+  if (config.verbose) {
+    say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
+                    "tokens/s; {} in all{}",
+                    result.val_loss, result.train_loss, step, result.tokens_per_s,
+                    models::format_duration(seconds_since(run_start)),
+                    scaler.enabled() ? fmt::format("; {} f16 steps skipped", scaler.skipped_steps())
+                                     : std::string()));
+  }
+  if (config.sample_length > 0) {
+    SampleOptions so;
+    so.length = config.sample_length;
+    so.temperature = config.temperature;
+    so.top_k = config.top_k;
+    so.seed = seed;
+    so.precision = low;
+    const std::string prompt = config.prompt.empty() ? std::string("\n") : config.prompt;
+    result.sample = sample(model, prompt, so);
+    if (config.verbose) {
+      say(fmt::format("sample (temperature {:g}, top-k {}, seed {}):\n{}{}\n", config.temperature,
+                      config.top_k, config.seed, prompt, result.sample));
+    }
+  }
+  return result;
+}
+
+}  // namespace tessera::gpt
