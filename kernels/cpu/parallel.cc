@@ -1,12 +1,10 @@
 #include "kernels/cpu/parallel.h"
 
-#include <Eigen/Core>
-
 namespace tessera::cpu {
 
-void set_num_threads(int n) {
-  omp_set_num_threads(std::max(1, n));
-  Eigen::setNbThreads(std::max(1, n));
-}
+// Only OpenMP's per-thread ICV: Eigen::setNbThreads would set one process-wide count (a race
+// between simulated ranks, and a GEMM rounding that depends on which rank set it last);
+// left unset, Eigen reads omp_get_max_threads() on the calling thread.
+void set_num_threads(int n) { omp_set_num_threads(std::max(1, n)); }
 
 }  // namespace tessera::cpu
