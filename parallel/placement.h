@@ -3,7 +3,8 @@
 //   Replicate()  every coordinate holds the whole tensor (of this axis' view)
 //   Partial(op)  every coordinate holds a term; the value is their sum / mean / max / min
 // A dim split over several axes is split by the earlier (outer) axis first, then each block
-// by the later axis, as JAX does for PartitionSpec(("dp", "tp")).
+// by the later axis, as JAX does for PartitionSpec(("dp", "tp")). Partial on several axes
+// reduces the last axis' terms first (it matters only when max/min mix with sums).
 //
 //   Placements p = {Shard(0), Replicate()};          // mesh {dp, tp}: batch over dp
 //   Placements q = spec(mesh, {{"dp", "tp"}, {}});   // PartitionSpec style: dim 0 over both
