@@ -3,7 +3,8 @@
 // (full_tensor() of the output matches), with collectives only where the layouts require.
 //
 //   ShardedTensor h = relu(matmul(x, w1));        // x [S(0)] (batch), w1 [R]: no traffic
-//   ShardedTensor y = matmul(h, w2);              // w2 [S(0)] (rows): needs h [S(1)] ...
+//   ShardedTensor y = matmul(h, w2);              // w2 [S(0)] (rows): the cheaper of moving h
+//                                                 // to [S(1)] (a Partial y) or gathering w2
 //   ShardedTensor loss = cross_entropy(y, target);
 //   loss.backward();
 //
