@@ -46,6 +46,8 @@ CommCause::~CommCause() { causes.pop_back(); }
 
 const std::string& current_comm_cause() { return causes.empty() ? kNoCause : causes.back(); }
 
+bool comm_log_active() { return !open_logs.empty(); }
+
 void record_collective(CommRecord record) {
   if (open_logs.empty()) return;
   if (record.cause.empty()) record.cause = current_comm_cause();

@@ -64,6 +64,8 @@ class CommCause {
 // "" outside every CommCause.
 const std::string& current_comm_cause();
 
+// Whether any log is open on this thread (callers skip building records otherwise).
+bool comm_log_active();
 // Appends to every open log on this thread (called by Communicator's public methods).
 void record_collective(CommRecord record);
 

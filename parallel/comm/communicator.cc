@@ -75,6 +75,7 @@ std::vector<int64_t> fill_counts(const Communicator& c, const char* op, const ch
 }
 
 void log(const Communicator& c, const char* op, int64_t bytes, int64_t elements, DType dt) {
+  if (!comm_log_active()) return;  // no strings built when nobody records
   record_collective(CommRecord{op, c.name(), c.size(), bytes, elements, dt, ""});
 }
 
