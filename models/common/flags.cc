@@ -117,4 +117,17 @@ std::string Flags::usage() const {
   return out;
 }
 
+std::string from_user_dir(const std::string& path) {
+  const char* dir = std::getenv("BUILD_WORKING_DIRECTORY");
+  if (path.empty() || path[0] == '/' || dir == nullptr) return path;
+  return std::string(dir) + "/" + path;
+}
+
+DType precision_dtype(const std::string& precision, const char* program) {
+  if (precision == "f32") return DType::f32;  // AutocastGuard(f32) = autocast off
+  if (precision == "bf16") return DType::bf16;
+  if (precision == "f16") return DType::f16;
+  fail("{}: unknown --precision '{}'; expected f32, bf16 or f16", program, precision);
+}
+
 }  // namespace tessera::models

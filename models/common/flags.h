@@ -16,6 +16,8 @@
 #include <variant>
 #include <vector>
 
+#include "tensor/dtype.h"
+
 namespace tessera::models {
 
 class Flags {
@@ -63,5 +65,12 @@ class Flags {
   std::deque<Flag> flags_;  // stable addresses for the references handed out
   std::vector<std::function<void()>> bindings_;
 };
+
+// `bazel run` starts a program in its runfiles tree: a relative path given on the command
+// line means the directory the user ran bazel from (BUILD_WORKING_DIRECTORY).
+std::string from_user_dir(const std::string& path);
+
+// --precision: f32 (autocast off), bf16 or f16; Error naming `program` otherwise.
+DType precision_dtype(const std::string& precision, const char* program);
 
 }  // namespace tessera::models

@@ -39,6 +39,11 @@ class Progress {
 // "1h02m", "3m05s", "12s".
 std::string format_duration(double seconds);
 
+// Seconds from `start` to now (steady clock).
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 class MetricsWriter {
  public:
   MetricsWriter() = default;  // disabled: write() does nothing

@@ -4,24 +4,11 @@
 // Trains a byte-level GPT on text (Debian's fortunes by default), reports the validation
 // loss and prints a sample (--help lists all flags).
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "models/common/flags.h"
 #include "models/gpt/train.h"
 #include "tensor/error.h"
-
-namespace {
-
-// `bazel run` starts the program in its runfiles tree; relative paths given on the command
-// line mean the directory the user ran bazel from (BUILD_WORKING_DIRECTORY).
-std::string from_user_dir(const std::string& path) {
-  const char* dir = std::getenv("BUILD_WORKING_DIRECTORY");
-  if (path.empty() || path[0] == '/' || dir == nullptr) return path;
-  return std::string(dir) + "/" + path;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   tessera::gpt::GptTrainConfig c;
@@ -63,7 +50,7 @@ int main(int argc, char** argv) {
     f.parse(argc, argv);
     c.verbose = !quiet;
     for (std::string* path : {&c.data, &c.save, &c.resume, &c.metrics}) {
-      *path = from_user_dir(*path);
+      *path = tessera::models::from_user_dir(*path);
     }
     const tessera::gpt::GptResult r = tessera::gpt::train_gpt(c);
     if (quiet) std::printf("val loss %.4f\n", r.val_loss);

@@ -10,6 +10,7 @@
 
 #include "kernels/cpu/parallel.h"
 #include "models/common/checkpoint.h"
+#include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/data/text.h"
 #include "optim/adamw.h"
@@ -24,17 +25,6 @@ namespace tessera::gpt {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-DType low_precision(const std::string& precision) {
-  if (precision == "f32") return DType::f32;  // AutocastGuard(f32) = autocast off
-  if (precision == "bf16") return DType::bf16;
-  if (precision == "f16") return DType::f16;
-  fail("gpt: unknown --precision '{}'; expected f32, bf16 or f16", precision);
-}
 
 // Restores a module's train/eval mode on scope exit.
 class ModeGuard {
@@ -148,7 +138,7 @@ std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& o
 }
 
 GptResult train_gpt(const GptTrainConfig& config) {
-  const DType low = low_precision(config.precision);
+  const DType low = models::precision_dtype(config.precision, "gpt");
   TS_CHECK(config.batch > 0, "gpt: --batch must be positive, got {}", config.batch);
   TS_CHECK(config.steps > 0, "gpt: --steps must be positive, got {}", config.steps);
   TS_CHECK(config.lr > 0, "gpt: --lr must be positive, got {}", config.lr);
@@ -256,7 +246,7 @@ GptResult train_gpt(const GptTrainConfig& config) {
     scaler.update();
     ++step;
     const double loss_value = loss.item<double>();
-    const double dt = seconds_since(t0);
+    const double dt = models::seconds_since(t0);
     train_seconds += dt;
     window_seconds += dt;
     ++window_steps;
@@ -317,7 +307,7 @@ GptResult train_gpt(const GptTrainConfig& config) {
     say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
                     "tokens/s; {} in all{}",
                     result.val_loss, result.train_loss, step, result.tokens_per_s,
-                    models::format_duration(seconds_since(run_start)),
+                    models::format_duration(models::seconds_since(run_start)),
                     scaler.enabled() ? fmt::format("; {} f16 steps skipped", scaler.skipped_steps())
                                      : std::string()));
   }

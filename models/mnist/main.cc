@@ -2,24 +2,11 @@
 //     [--precision=f32|bf16|f16] [--save=PATH] [--resume=PATH] [--metrics=PATH] ...
 // Trains a Fashion-MNIST classifier and prints the final test accuracy (--help lists all).
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "models/common/flags.h"
 #include "models/mnist/train.h"
 #include "tensor/error.h"
-
-namespace {
-
-// `bazel run` starts the program in its runfiles tree; relative paths given on the command
-// line mean the directory the user ran bazel from (BUILD_WORKING_DIRECTORY).
-std::string from_user_dir(const std::string& path) {
-  const char* dir = std::getenv("BUILD_WORKING_DIRECTORY");
-  if (path.empty() || path[0] == '/' || dir == nullptr) return path;
-  return std::string(dir) + "/" + path;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   tessera::mnist::MnistConfig c;
@@ -49,7 +36,7 @@ int main(int argc, char** argv) {
     f.parse(argc, argv);
     c.verbose = !quiet;
     for (std::string* path : {&c.data_dir, &c.save, &c.resume, &c.metrics}) {
-      *path = from_user_dir(*path);
+      *path = tessera::models::from_user_dir(*path);
     }
     const tessera::mnist::MnistResult r = tessera::mnist::train_mnist(c);
     if (quiet) std::printf("test accuracy %.4f\n", r.test_accuracy);

@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/parallel.h"
 #include "models/common/checkpoint.h"
+#include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/data/idx.h"
 #include "models/data/loader.h"
@@ -21,17 +22,6 @@ namespace tessera::mnist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-DType low_precision(const std::string& precision) {
-  if (precision == "f32") return DType::f32;  // AutocastGuard(f32) = autocast off
-  if (precision == "bf16") return DType::bf16;
-  if (precision == "f16") return DType::f16;
-  fail("mnist: unknown --precision '{}'; expected f32, bf16 or f16", precision);
-}
 
 struct Eval {
   double accuracy = 0.0, loss = 0.0;
@@ -59,7 +49,7 @@ Eval evaluate(nn::Module& model, const data::MnistSplit& test, DType low) {
 }  // namespace
 
 MnistResult train_mnist(const MnistConfig& config) {
-  const DType low = low_precision(config.precision);
+  const DType low = models::precision_dtype(config.precision, "mnist");
   TS_CHECK(config.batch > 0, "mnist: --batch must be positive, got {}", config.batch);
   TS_CHECK(config.lr > 0, "mnist: --lr must be positive, got {}", config.lr);
   TS_CHECK(config.log_every > 0, "mnist: --log_every must be positive, got {}", config.log_every);
@@ -184,7 +174,7 @@ MnistResult train_mnist(const MnistConfig& config) {
     scaler.update();
     ++step;
     const double loss_value = loss.item<double>();
-    const double dt = seconds_since(t0);
+    const double dt = models::seconds_since(t0);
     train_seconds += dt;
     epoch_seconds += dt;
     window_seconds += dt;
@@ -239,7 +229,7 @@ MnistResult train_mnist(const MnistConfig& config) {
     say(fmt::format("final test accuracy {:.2f}% (loss {:.4f}) after {} steps; {:.0f} training "
                     "samples/s; {} in all{}",
                     100 * final_eval.accuracy, final_eval.loss, step, result.samples_per_s,
-                    models::format_duration(seconds_since(run_start)),
+                    models::format_duration(models::seconds_since(run_start)),
                     scaler.enabled() ? fmt::format("; {} f16 steps skipped", scaler.skipped_steps())
                                      : std::string()));
   }
