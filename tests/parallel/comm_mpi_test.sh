@@ -22,6 +22,10 @@ export OMPI_MCA_btl=self,vader
 # vader's single-copy path (CMA, process_vm_readv) needs ptrace rights that sandboxes and
 # containers withhold; plain copy-in/copy-out always works.
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
+# Bazel's sandbox gives each test its own PID namespace, so two tests' mpirun can share a pid
+# and hence a job id; with vader's segments in the shared /dev/shm their names then collide
+# (a crash or hang when MPI tests run concurrently). Keep them in this test's own directory.
+export OMPI_MCA_btl_vader_backing_directory=$scratch
 # More ranks than cores: idle OpenMP workers must sleep, not spin.
 export OMP_WAIT_POLICY=passive
 export OMP_NUM_THREADS=1
