@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "tensor/error.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
 
 namespace tessera::parallel {
 namespace {
@@ -178,42 +180,20 @@ Reduction reduction_for(DType dt, ReduceOp op) {
   return r;
 }
 
-std::vector<float> widen(const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  const auto* bits = static_cast<const uint16_t*>(t.raw_data());
-  if (t.dtype() == DType::f16) {
-    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(Half::from_bits(bits[i]));
-  } else {
-    for (size_t i = 0; i < out.size(); ++i) {
-      out[i] = static_cast<float>(BFloat16::from_bits(bits[i]));
-    }
-  }
-  return out;
+// f16/bf16 buffers as f32 (MPI has no 16-bit float reductions).
+Tensor widen(const Tensor& t) {
+  NoGradGuard no_grad;
+  return tessera::cast(t, DType::f32);
 }
 
-// Rounds f32 sums into t (f16/bf16), dividing by `divisor` first when it is not 1.
-void narrow(const std::vector<float>& sums, const Tensor& t, int divisor) {
-  const float d = static_cast<float>(divisor);
-  auto* bits = static_cast<uint16_t*>(t.raw_data());
-  const bool half = t.dtype() == DType::f16;
-  for (size_t i = 0; i < sums.size(); ++i) {
-    const float v = divisor == 1 ? sums[i] : sums[i] / d;
-    bits[i] = half ? Half(v).bits : BFloat16(v).bits;
-  }
+// Writes reduced values into dst: `sums` is the f32 buffer for f16/bf16 (rounded once here)
+// or dst itself; avg divides by `divisor` first.
+void store_reduced(const Tensor& sums, const Tensor& dst, int divisor) {
+  NoGradGuard no_grad;
+  Tensor v = sums;
+  if (divisor != 1) v = tessera::div(v, tessera::scalar_like(divisor, v, "mpi avg"));
+  if (!v.is_same(dst)) dst.copy_(v);
 }
-
-void divide(const Tensor& t, int divisor) {
-  if (t.dtype() == DType::f32) {
-    auto* p = static_cast<float*>(t.raw_data());
-    const float d = static_cast<float>(divisor);
-    for (int64_t i = 0; i < t.numel(); ++i) p[i] /= d;
-  } else if (t.dtype() == DType::f64) {
-    auto* p = static_cast<double*>(t.raw_data());
-    const double d = divisor;
-    for (int64_t i = 0; i < t.numel(); ++i) p[i] /= d;
-  }
-}
-
 // Calls f(offset, count) over [0, total) in pieces MPI's int counts can hold (once for 0).
 template <typename F>
 void for_chunks(int64_t total, F&& f) {
@@ -434,10 +414,10 @@ struct AllReduce {
   static constexpr const char* kPosted = "MPI_Iallreduce";
   Tensor tensor;
   Reduction red;
-  std::vector<float> wide;  // f16/bf16: the values in f32
+  Tensor wide;  // f16/bf16: the values in f32
 
   void run(const MpiComm& c, Requests* requests) {
-    char* base = red.widen ? reinterpret_cast<char*>(wide.data()) : at(tensor, 0);
+    char* base = red.widen ? static_cast<char*>(wide.raw_data()) : at(tensor, 0);
     const int64_t esize = red.widen ? 4 : dtype_size(tensor.dtype());
     for_chunks(tensor.numel(), [&](int64_t offset, int n) {
       void* p = base + offset * esize;
@@ -451,10 +431,8 @@ struct AllReduce {
     });
   }
   void finish(const MpiComm& c) {
-    if (red.widen) {
-      narrow(wide, tensor, red.avg ? c.size() : 1);
-    } else if (red.avg) {
-      divide(tensor, c.size());
+    if (red.widen || red.avg) {
+      store_reduced(red.widen ? wide : tensor, tensor, red.avg ? c.size() : 1);
     }
   }
 };
@@ -494,11 +472,11 @@ struct ReduceScatter {
   Tensor output, input;
   Reduction red;
   std::vector<int> counts;  // empty: equal blocks of output.numel()
-  std::vector<float> wide_in, wide_out;
+  Tensor wide_in, wide_out;  // f16/bf16: f32 buffers
 
   void run(const MpiComm& c, Requests* requests) {
-    const void* send = red.widen ? static_cast<const void*>(wide_in.data()) : input.raw_data();
-    void* recv = red.widen ? static_cast<void*>(wide_out.data()) : output.raw_data();
+    const void* send = red.widen ? wide_in.raw_data() : input.raw_data();
+    void* recv = red.widen ? wide_out.raw_data() : output.raw_data();
     const int n = static_cast<int>(output.numel());
     if (requests == nullptr) {
       c.check(counts.empty()
@@ -515,10 +493,8 @@ struct ReduceScatter {
     requests->push_back(r);
   }
   void finish(const MpiComm& c) {
-    if (red.widen) {
-      narrow(wide_out, output, red.avg ? c.size() : 1);
-    } else if (red.avg) {
-      divide(output, c.size());
+    if (red.widen || red.avg) {
+      store_reduced(red.widen ? wide_out : output, output, red.avg ? c.size() : 1);
     }
   }
 };
@@ -646,7 +622,7 @@ WorkHandle MpiComm::do_reduce_scatter(const Tensor& output, const Tensor& input,
   if (!equal_counts("reduce_scatter", counts)) to_ints(counts, s.counts, nullptr);
   if (s.red.widen) {
     s.wide_in = widen(input);
-    s.wide_out.resize(static_cast<size_t>(output.numel()));
+    s.wide_out = Tensor::empty(output.shape(), DType::f32);
   }
   return issue(make_work(*this, std::move(s)));
 }
