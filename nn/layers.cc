@@ -106,7 +106,7 @@ void Sequential::push_back(std::shared_ptr<Module> module) {
 
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  for (auto& m : modules_) y = m->forward(y);
+  for (auto& m : modules_) y = (*m)(y);
   return y;
 }
 

@@ -1,5 +1,7 @@
 #include "nn/module.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include <set>
@@ -26,6 +28,32 @@ bool is_float(DType d) {
 
 Tensor Module::forward(const Tensor&) {
   fail("{}: has no one-input forward(); call its own forward method", type_name_);
+}
+
+Tensor Module::operator()(const Tensor& x) {
+  for (const ForwardPreHook& hook : pre_hooks_) hook(*this);
+  Tensor y = forward(x);
+  for (const ForwardHook& hook : post_hooks_) {
+    Tensor r = hook(*this, y);
+    if (r.defined()) y = std::move(r);
+  }
+  return y;
+}
+
+Module& Module::submodule(const std::string& path) {
+  Module* m = this;
+  size_t start = 0;
+  while (start <= path.size()) {
+    const size_t dot = std::min(path.find('.', start), path.size());
+    const std::string part = path.substr(start, dot - start);
+    auto it = std::find_if(m->children_.begin(), m->children_.end(),
+                           [&](const auto& c) { return c.first == part; });
+    TS_CHECK(it != m->children_.end(), "{}: has no submodule '{}' (looking up '{}')",
+             m->type_name_, part, path);
+    m = it->second.get();
+    start = dot + 1;
+  }
+  return *m;
 }
 
 void Module::check_new_name(const std::string& name) const {

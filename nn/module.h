@@ -11,6 +11,7 @@
 //   Net net;  net.named_parameters();   // {"fc.weight", "fc.bias"}
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -33,7 +34,19 @@ class Module {
 
   // One-input forward; modules with other signatures define their own and leave this.
   virtual Tensor forward(const Tensor& x);
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  // forward(x) wrapped in the hooks below: what containers (Sequential) and models call on
+  // their children, so wrappers such as ZeRO-3 see each unit's forward.
+  Tensor operator()(const Tensor& x);
+
+  // Forward hooks, run by operator() in registration order (hooks cannot be removed; one
+  // that should stop acting checks its own state). A pre hook runs before forward; a post
+  // hook gets the output and may return a replacement (undefined: keep it).
+  using ForwardPreHook = std::function<void(Module&)>;
+  using ForwardHook = std::function<Tensor(Module&, const Tensor& output)>;
+  void register_forward_pre_hook(ForwardPreHook hook) { pre_hooks_.push_back(std::move(hook)); }
+  void register_forward_hook(ForwardHook hook) { post_hooks_.push_back(std::move(hook)); }
+  // The submodule at a dotted path ("h.0"); Error naming the missing part.
+  Module& submodule(const std::string& path);
 
   const std::string& type_name() const { return type_name_; }
 
@@ -91,6 +104,8 @@ class Module {
   NamedTensors parameters_;
   NamedTensors buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::vector<ForwardPreHook> pre_hooks_;
+  std::vector<ForwardHook> post_hooks_;
 };
 
 }  // namespace tessera::nn

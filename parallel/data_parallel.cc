@@ -34,6 +34,74 @@ Tensor i64_tensor(std::vector<int64_t> values) {
 
 }  // namespace
 
+void check_same_parameters(Communicator& comm, std::string_view who, const nn::NamedTensors& params,
+                           uint64_t options_hash) {
+  uint64_t h = 14695981039346656037ull;
+  int64_t total = 0;
+  for (const auto& [name, param] : params) {
+    hash_bytes(h, name.data(), name.size() + 1);
+    for (int64_t d : param.shape()) hash_bytes(h, &d, sizeof d);
+    const auto dt = static_cast<int>(param.dtype());
+    hash_bytes(h, &dt, sizeof dt);
+    total += param.numel();
+  }
+  hash_bytes(h, &options_hash, sizeof options_hash);
+  const std::vector<int64_t> mine{static_cast<int64_t>(params.size()), total,
+                                  static_cast<int64_t>(h)};
+  Tensor root = i64_tensor(mine);
+  CommCause cause(fmt::format("{} check structure", who));
+  comm.broadcast(root, 0);
+  Tensor differs = i64_tensor({root.to_vector<int64_t>() != mine ? 1 : 0});
+  comm.all_reduce(differs, ReduceOp::max);
+  const std::vector<int64_t> r0 = root.to_vector<int64_t>();
+  TS_CHECK(differs.item<int64_t>() == 0,
+           "{}: the members of group '{}' disagree on the parameter list (names, shapes, "
+           "dtypes) or the options: rank 0 has {} parameters of {} elements, rank {} has {} "
+           "of {}{}",
+           who, comm.name(), r0[0], r0[1], comm.rank(), mine[0], mine[1],
+           r0 == mine ? " (same here; another rank differs)" : "");
+}
+
+void check_same_values(Communicator& comm, std::string_view who, const nn::NamedTensors& params) {
+  CommCause cause(fmt::format("{} check replicas", who));
+  NoGradGuard no_grad;
+  const auto n = static_cast<int64_t>(params.size());
+  int64_t first = n;  // the first differing parameter (list order) on this rank
+  for (int64_t i = 0; i < n; ++i) {
+    const Tensor& param = params[i].second;
+    Tensor root = param.contiguous().clone();
+    comm.broadcast(root, 0);  // rank 0's values
+    if (comm.rank() != 0 && first == n) {
+      const Tensor mine = param.to(kCPU).contiguous(), theirs = root.to(kCPU);
+      if (std::memcmp(mine.raw_data(), theirs.raw_data(), static_cast<size_t>(mine.nbytes())) != 0) {
+        first = i;
+      }
+    }
+  }
+  Tensor global_first = i64_tensor({first});
+  comm.all_reduce(global_first, ReduceOp::min);
+  const int64_t bad = global_first.item<int64_t>();
+  if (bad == n) return;
+
+  // Every member agrees a parameter differs: find the lowest differing rank and the size of
+  // the difference, so every member throws the same message.
+  const auto& [name, param] = params[bad];
+  Tensor rank = i64_tensor({first == bad ? comm.rank() : comm.size()});
+  comm.all_reduce(rank, ReduceOp::min);
+  Tensor root = param.contiguous().clone();
+  comm.broadcast(root, 0);
+  const double diff =
+      comm.rank() == 0
+          ? 0.0
+          : max(abs(param.cast(DType::f64) - root.cast(DType::f64))).item<double>();
+  Tensor max_diff = Tensor::from_vector<double>({diff}, {1});
+  comm.all_reduce(max_diff, ReduceOp::max);
+  fail("{}: replicas differ: parameter '{}' {} on rank {} is not bitwise equal to rank 0's "
+       "(largest |difference| over the group {:g}); seed the initialisation identically on "
+       "every rank or call broadcast_parameters()",
+       who, name, shape_str(param.shape()), rank.item<int64_t>(), max_diff.item<double>());
+}
+
 struct DistributedDataParallel::State {
   struct Slot {
     std::string name;
@@ -69,6 +137,9 @@ struct DistributedDataParallel::State {
       const Tensor dst = bucket.buffer.narrow(0, slot.offset, slot.param.numel())
                              .view(slot.param.shape());
       const Tensor src = values ? slot.param : slot.param.grad();
+      if (src.defined() && src.storage() == dst.storage() && src.offset() == dst.offset()) {
+        continue;  // the gradient already is this view (set by the previous round)
+      }
       if (!src.defined()) {
         dst.copy_(zeros({}, bucket.dtype, bucket.device));
         continue;
@@ -86,10 +157,26 @@ struct DistributedDataParallel::State {
   void launch(int k, bool from_hook) {
     Bucket& bucket = buckets[k];
     pack(bucket, /*values=*/false);
+    // Gradients become views of the bucket (PyTorch's gradient_as_bucket_view): the reduced
+    // values land in .grad() directly, and the separate gradient tensors are freed, so
+    // gradients cost one copy of the parameters, not two.
+    for (int s : bucket.slots) slot_grad_to_view(bucket, s);
     CommCause cause(fmt::format("ddp bucket {}", k));
     bucket.work = comm->all_reduce_async(bucket.buffer,
                                          options.average ? ReduceOp::avg : ReduceOp::sum);
     ++(from_hook ? stats.launched_in_backward : stats.launched_in_finish);
+  }
+
+  Tensor view_of(const Bucket& bucket, int s) const {
+    const Slot& slot = slots[s];
+    return bucket.buffer.narrow(0, slot.offset, slot.param.numel()).view(slot.param.shape());
+  }
+  void slot_grad_to_view(const Bucket& bucket, int s) {
+    const Tensor view = view_of(bucket, s);
+    const Tensor grad = slots[s].param.grad();
+    if (!(grad.defined() && grad.storage() == view.storage() && grad.offset() == view.offset())) {
+      slots[s].param.set_grad(view);
+    }
   }
 
   // Launches every filled bucket whose predecessors are all launched.
@@ -168,39 +255,20 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, Communicato
     bucket.slots.push_back(s);
     bucket.elements += slot.param.numel();
   }
-  for (State::Bucket& bucket : st.buckets) {
-    bucket.buffer = Tensor::empty({bucket.elements}, bucket.dtype, bucket.device);
+  {
+    MemoryTagScope tag(MemoryTag::gradients);
+    for (State::Bucket& bucket : st.buckets) {
+      bucket.buffer = Tensor::empty({bucket.elements}, bucket.dtype, bucket.device);
+    }
   }
   st.reset_round();
 
   // The members must agree on the parameter list before any bucket collective: a rank
   // whose buckets differ would otherwise pair its all_reduces with the wrong peers' buffers.
-  uint64_t h = 14695981039346656037ull;
-  int64_t total = 0;
-  for (const State::Slot& slot : st.slots) {
-    hash_bytes(h, slot.name.data(), slot.name.size() + 1);
-    for (int64_t d : slot.param.shape()) hash_bytes(h, &d, sizeof d);
-    const auto dt = static_cast<int>(slot.param.dtype());
-    hash_bytes(h, &dt, sizeof dt);
-    total += slot.param.numel();
-  }
-  hash_bytes(h, &options.bucket_bytes, sizeof options.bucket_bytes);
-  const std::vector<int64_t> mine{static_cast<int64_t>(st.slots.size()), total,
-                                  static_cast<int64_t>(h), options.average ? 1 : 0};
-  Tensor root = i64_tensor(mine);
-  {
-    CommCause cause("ddp check structure");
-    comm.broadcast(root, 0);
-    Tensor differs = i64_tensor({root.to_vector<int64_t>() != mine ? 1 : 0});
-    comm.all_reduce(differs, ReduceOp::max);
-    const std::vector<int64_t> r0 = root.to_vector<int64_t>();
-    TS_CHECK(differs.item<int64_t>() == 0,
-             "{}: the members of group '{}' disagree on the parameter list (names, shapes, "
-             "dtypes) or the options: rank 0 has {} parameters of {} elements, rank {} has {} "
-             "of {}{}",
-             kName, comm.name(), r0[0], r0[1], comm.rank(), mine[0], mine[1],
-             r0 == mine ? " (same here; another rank differs)" : "");
-  }
+  nn::NamedTensors named;
+  for (const State::Slot& slot : st.slots) named.emplace_back(slot.name, slot.param);
+  uint64_t options_hash = static_cast<uint64_t>(options.bucket_bytes) * 2 + (options.average ? 1 : 0);
+  check_same_parameters(comm, kName, named, options_hash);
   if (options.check_replicas) check_replicas();
 
   // The hooks hold the state weakly: once this object is gone they do nothing.
@@ -251,21 +319,12 @@ void DistributedDataParallel::finish() {
   while (st.next_launch < static_cast<int>(st.buckets.size())) {
     st.launch(st.next_launch++, /*from_hook=*/false);
   }
-  NoGradGuard no_grad;
   for (State::Bucket& bucket : st.buckets) {
     bucket.work->wait();
     bucket.work.reset();
-    for (int s : bucket.slots) {
-      const State::Slot& slot = st.slots[s];
-      const Tensor reduced = bucket.buffer.narrow(0, slot.offset, slot.param.numel())
-                                 .view(slot.param.shape());
-      const Tensor grad = slot.param.grad();
-      if (grad.defined()) {
-        grad.copy_(reduced);
-      } else {
-        slot.param.set_grad(reduced.clone());
-      }
-    }
+    // The reduced values are in .grad() already (views of the bucket); a hook or user code
+    // that replaced a .grad() between launch and here gets the view back.
+    for (int s : bucket.slots) st.slot_grad_to_view(bucket, s);
   }
   ++st.stats.rounds;
 }
@@ -308,49 +367,9 @@ void DistributedDataParallel::broadcast_parameters() {
 void DistributedDataParallel::check_replicas() {
   State& st = *state_;
   TS_CHECK(st.pending() == 0, "{}: check_replicas() with buckets in flight", kName);
-  CommCause cause("ddp check replicas");
-  NoGradGuard no_grad;
-  const auto n = static_cast<int64_t>(st.slots.size());
-  int64_t first = n;  // the first differing slot (registration order) on this rank
-  for (State::Bucket& bucket : st.buckets) {
-    st.pack(bucket, /*values=*/true);
-    st.comm->broadcast(bucket.buffer, 0);  // the buffer now holds rank 0's values
-    if (st.comm->rank() == 0) continue;
-    const Tensor root = bucket.buffer.to(kCPU);
-    for (int s : bucket.slots) {
-      const State::Slot& slot = st.slots[s];
-      const Tensor mine = slot.param.to(kCPU).contiguous();
-      const char* theirs = static_cast<const char*>(root.raw_data()) +
-                           slot.offset * dtype_size(bucket.dtype);
-      if (std::memcmp(mine.raw_data(), theirs, static_cast<size_t>(mine.nbytes())) != 0) {
-        first = std::min<int64_t>(first, s);
-      }
-    }
-  }
-  Tensor global_first = i64_tensor({first});
-  st.comm->all_reduce(global_first, ReduceOp::min);
-  const int64_t bad = global_first.item<int64_t>();
-  if (bad == n) return;
-
-  // Every member agrees a parameter differs: find the lowest differing rank and the size of
-  // the difference, so every member throws the same message.
-  const State::Slot& slot = st.slots[bad];
-  Tensor rank = i64_tensor({first == bad ? st.comm->rank() : st.comm->size()});
-  st.comm->all_reduce(rank, ReduceOp::min);
-  const State::Bucket& bucket = st.buckets[slot.bucket];
-  const Tensor root_value =
-      bucket.buffer.narrow(0, slot.offset, slot.param.numel()).view(slot.param.shape());
-  const double diff =
-      st.comm->rank() == 0
-          ? 0.0
-          : max(abs(slot.param.cast(DType::f64) - root_value.cast(DType::f64))).item<double>();
-  Tensor max_diff = Tensor::from_vector<double>({diff}, {1});
-  st.comm->all_reduce(max_diff, ReduceOp::max);
-  fail("{}: replicas differ: parameter '{}' {} on rank {} is not bitwise equal to rank 0's "
-       "(largest |difference| over the group {:g}); seed the initialisation identically on "
-       "every rank or call broadcast_parameters()",
-       kName, slot.name, shape_str(slot.param.shape()), rank.item<int64_t>(),
-       max_diff.item<double>());
+  nn::NamedTensors named;
+  for (const State::Slot& slot : st.slots) named.emplace_back(slot.name, slot.param);
+  check_same_values(*st.comm, kName, named);
 }
 
 std::vector<DistributedDataParallel::BucketInfo> DistributedDataParallel::buckets() const {

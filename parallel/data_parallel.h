@@ -19,11 +19,14 @@
 // gets a bucket of its own). Buckets are launched strictly in index order on every rank (a
 // bucket that fills early waits for its predecessors), so collectives line up across ranks
 // even when gradients arrive in a different order. Construct the DDP after Module::to().
+// Gradients are views of the bucket buffers once their bucket launched (PyTorch's
+// gradient_as_bucket_view): one copy of the gradients, tagged MemoryTag::gradients.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "nn/module.h"
@@ -36,6 +39,15 @@ struct DdpOptions {
   bool average = true;         // all_reduce avg (sum / group size); false: plain sum
   bool check_replicas = true;  // at construction: every rank's parameters equal rank 0's
 };
+
+// Collective: every member throws the same Error unless all agree on the names, shapes and
+// dtypes of `params` and on `options_hash` (`who` names the caller in the message).
+void check_same_parameters(Communicator& comm, std::string_view who,
+                           const nn::NamedTensors& params, uint64_t options_hash);
+
+// Collective: every member throws the same Error unless every parameter is bitwise equal to
+// rank 0's (naming the first that differs, the lowest differing rank and the difference).
+void check_same_values(Communicator& comm, std::string_view who, const nn::NamedTensors& params);
 
 class DistributedDataParallel {
  public:

@@ -14,15 +14,48 @@
 
 namespace tessera {
 
-void MemoryTracker::add(int64_t nbytes) {
-  const int64_t now = current_.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
-  int64_t peak = peak_.load(std::memory_order_relaxed);
-  while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+namespace {
+void raise_peak(std::atomic<int64_t>& peak_counter, int64_t now) {
+  int64_t peak = peak_counter.load(std::memory_order_relaxed);
+  while (now > peak && !peak_counter.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
+}
+}  // namespace
+
+const char* memory_tag_name(MemoryTag tag) {
+  switch (tag) {
+    case MemoryTag::untagged: return "untagged";
+    case MemoryTag::parameters: return "parameters";
+    case MemoryTag::gradients: return "gradients";
+    case MemoryTag::optimizer_state: return "optimizer state";
+    case MemoryTag::gathered: return "gathered";
+  }
+  return "?";
+}
+
+void MemoryTracker::add(int64_t nbytes, MemoryTag tag) {
+  raise_peak(peak_, current_.fetch_add(nbytes, std::memory_order_relaxed) + nbytes);
+  std::atomic<int64_t>& c = tag_current_[static_cast<int>(tag)];
+  raise_peak(tag_peak_[static_cast<int>(tag)], c.fetch_add(nbytes, std::memory_order_relaxed) + nbytes);
   count_.fetch_add(1, std::memory_order_relaxed);
 }
 
-void MemoryTracker::sub(int64_t nbytes) { current_.fetch_sub(nbytes, std::memory_order_relaxed); }
+void MemoryTracker::sub(int64_t nbytes, MemoryTag tag) {
+  current_.fetch_sub(nbytes, std::memory_order_relaxed);
+  tag_current_[static_cast<int>(tag)].fetch_sub(nbytes, std::memory_order_relaxed);
+}
+
+void MemoryTracker::reset_peak() {
+  peak_.store(current(), std::memory_order_relaxed);
+  for (int t = 0; t < kNumMemoryTags; ++t) {
+    tag_peak_[t].store(tag_current_[t].load(std::memory_order_relaxed), std::memory_order_relaxed);
+  }
+}
+
+MemoryTracker& process_memory() {
+  static MemoryTracker* tracker = new MemoryTracker;  // outlives every static storage
+  return *tracker;
+}
 
 namespace {
 thread_local MemoryTracker* t_scope_tracker = nullptr;
@@ -33,6 +66,14 @@ MemoryScope::MemoryScope(MemoryTracker* tracker) : previous_(t_scope_tracker) {
 }
 MemoryScope::~MemoryScope() { t_scope_tracker = previous_; }
 MemoryTracker* MemoryScope::current() { return t_scope_tracker; }
+
+namespace {
+thread_local MemoryTag t_tag = MemoryTag::untagged;
+}
+
+MemoryTagScope::MemoryTagScope(MemoryTag tag) : previous_(t_tag) { t_tag = tag; }
+MemoryTagScope::~MemoryTagScope() { t_tag = previous_; }
+MemoryTag MemoryTagScope::current() { return t_tag; }
 
 namespace {
 

@@ -3,6 +3,8 @@
 //   Allocator& a = allocator_for(kCPU);
 //   MemoryStats s = a.stats();            // bytes in use now, peak, allocation count
 //   { MemoryScope scope(&tracker); ... }  // also credit allocations made here to `tracker`
+//   { MemoryTagScope tag(MemoryTag::optimizer_state); opt.step(); }   // what the bytes are
+//   tracker.current(MemoryTag::optimizer_state);                       // bytes by tag
 //
 // Every Storage remembers the allocator and tracker it was charged to, so bytes are returned
 // to the right counters whichever thread frees them. Trackers let one process account
@@ -24,21 +26,40 @@ struct MemoryStats {
   int64_t num_allocs = 0;       // allocations ever made
 };
 
-// Counts bytes in use and their peak; thread-safe.
+// What a block of memory holds, as declared by the code that allocated it (MemoryTagScope).
+// Data parallelism and ZeRO tag their buffers so a run can print bytes per rank by kind.
+enum class MemoryTag : uint8_t { untagged, parameters, gradients, optimizer_state, gathered };
+inline constexpr int kNumMemoryTags = 5;
+const char* memory_tag_name(MemoryTag tag);
+
+// Counts bytes in use and their peak, in all and per tag; thread-safe.
 class MemoryTracker {
  public:
-  void add(int64_t nbytes);
-  void sub(int64_t nbytes);
+  void add(int64_t nbytes, MemoryTag tag = MemoryTag::untagged);
+  void sub(int64_t nbytes, MemoryTag tag = MemoryTag::untagged);
   int64_t current() const { return current_.load(std::memory_order_relaxed); }
   int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
   int64_t count() const { return count_.load(std::memory_order_relaxed); }
-  void reset_peak() { peak_.store(current(), std::memory_order_relaxed); }
+  int64_t current(MemoryTag tag) const {
+    return tag_current_[static_cast<int>(tag)].load(std::memory_order_relaxed);
+  }
+  int64_t peak(MemoryTag tag) const {
+    return tag_peak_[static_cast<int>(tag)].load(std::memory_order_relaxed);
+  }
+  // Every peak (the total's and each tag's) restarts from its current value.
+  void reset_peak();
 
  private:
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
   std::atomic<int64_t> count_{0};
+  std::atomic<int64_t> tag_current_[kNumMemoryTags] = {};
+  std::atomic<int64_t> tag_peak_[kNumMemoryTags] = {};
 };
+
+// Every storage allocated on any thread of the process, by tag (a process is one rank under
+// MPI; under the threads backend give each rank a MemoryScope of its own).
+MemoryTracker& process_memory();
 
 // Installs `tracker` as the calling thread's extra tracker for the scope's lifetime.
 class MemoryScope {
@@ -51,6 +72,19 @@ class MemoryScope {
 
  private:
   MemoryTracker* previous_;
+};
+
+// Tags the calling thread's allocations for the scope's lifetime (nested scopes: innermost).
+class MemoryTagScope {
+ public:
+  explicit MemoryTagScope(MemoryTag tag);
+  ~MemoryTagScope();
+  MemoryTagScope(const MemoryTagScope&) = delete;
+  MemoryTagScope& operator=(const MemoryTagScope&) = delete;
+  static MemoryTag current();
+
+ private:
+  MemoryTag previous_;
 };
 
 class Allocator {

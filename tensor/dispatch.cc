@@ -50,6 +50,15 @@ void maybe_record(OpId op, std::span<const Tensor> inputs, std::span<Tensor> out
 Device dispatch_device(OpId op, std::span<const Tensor> inputs, const Attrs& attrs) {
   const std::string_view name = op_name(op);
   if (op_info(op).kind == OpKind::Factory) return attrs.device;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& t = inputs[i];
+    if (t.defined() && t.storage()->released()) [[unlikely]] {
+      fail("{}: input {} {} has released storage: its bytes were freed (a ZeRO-3 parameter "
+           "outside its unit's forward and backward; call the module through operator() so "
+           "the unit's hooks gather it, or gather the full parameters first)",
+           name, i, shape_str(t.shape()));
+    }
+  }
   if (op == OpId::to_device) return inputs[0].device().is_cpu() ? attrs.device : inputs[0].device();
   if (op == OpId::copy_) return inputs[0].device().is_cpu() ? inputs[1].device() : inputs[0].device();
   // 0-d CPU tensors are scalars and may join tensors on any device, as in PyTorch.

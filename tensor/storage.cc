@@ -1,12 +1,31 @@
 #include "tensor/storage.h"
 
+#include "tensor/error.h"
+
 namespace tessera {
 
 StorageImpl::StorageImpl(int64_t nbytes, Device device)
     : nbytes_(nbytes), device_(device), allocator_(&allocator_for(device)) {
-  data_ = allocator_->allocate(nbytes);
+  reallocate();
+}
+
+void StorageImpl::reallocate() {
+  TS_CHECK(allocator_ != nullptr, "Storage::reallocate: the storage wraps external memory");
+  if (data_ != nullptr) return;
+  data_ = allocator_->allocate(nbytes_);
   tracker_ = MemoryScope::current();
-  if (tracker_ != nullptr) tracker_->add(nbytes);
+  tag_ = MemoryTagScope::current();
+  if (tracker_ != nullptr) tracker_->add(nbytes_, tag_);
+  process_memory().add(nbytes_, tag_);
+}
+
+void StorageImpl::release() {
+  TS_CHECK(allocator_ != nullptr, "Storage::release: the storage wraps external memory");
+  if (data_ == nullptr || nbytes_ == 0) return;  // an empty storage is never "released"
+  allocator_->deallocate(data_, nbytes_);
+  if (tracker_ != nullptr) tracker_->sub(nbytes_, tag_);
+  process_memory().sub(nbytes_, tag_);
+  data_ = nullptr;
 }
 
 StorageImpl::StorageImpl(void* data, int64_t nbytes, Device device,
@@ -15,8 +34,11 @@ StorageImpl::StorageImpl(void* data, int64_t nbytes, Device device,
 
 StorageImpl::~StorageImpl() {
   if (allocator_ != nullptr) {
-    allocator_->deallocate(data_, nbytes_);
-    if (tracker_ != nullptr) tracker_->sub(nbytes_);
+    if (data_ != nullptr) {
+      allocator_->deallocate(data_, nbytes_);
+      if (tracker_ != nullptr) tracker_->sub(nbytes_, tag_);
+      process_memory().sub(nbytes_, tag_);
+    }
   } else if (deleter_) {
     deleter_(data_);
   }

@@ -95,6 +95,16 @@ uint32_t Tensor::output_nr() const {
 
 bool Tensor::is_leaf() const { return grad_fn() == nullptr; }
 
+void Tensor::set_data(const Tensor& src) const {
+  TS_CHECK(defined() && src.defined(), "set_data: undefined tensor");
+  TS_CHECK(src.shape() == shape() && src.dtype() == dtype(),
+           "set_data: source {} {} does not match tensor {} {}", shape_str(src.shape()),
+           src.dtype(), shape_str(shape()), dtype());
+  impl_->storage = src.impl_->storage;
+  impl_->strides = src.impl_->strides;
+  impl_->offset = src.impl_->offset;
+}
+
 Tensor Tensor::detach() const {
   return from_storage(impl_->storage, impl_->shape, impl_->strides, impl_->offset, impl_->dtype);
 }

@@ -126,6 +126,10 @@ class Tensor {
   // In-place copy from src (broadcast to this shape, cast to this dtype); not differentiable.
   // const like the other methods: it writes the data, not the handle.
   const Tensor& copy_(const Tensor& src) const;
+  // Rebinds this tensor (and every handle sharing it: modules, optimizers) to view src's
+  // storage, offset and strides, keeping its autograd state (PyTorch's `p.data = src`).
+  // Shapes and dtypes must match. ZeRO uses it to make parameters views of flat buffers.
+  void set_data(const Tensor& src) const;
 
   // ---- a few reductions as methods ----------------------------------------------------
   Tensor sum(const std::vector<int64_t>& dims = {}, bool keepdim = false) const;

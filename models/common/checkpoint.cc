@@ -54,9 +54,15 @@ std::string state_path(const std::string& path) {
 void save_checkpoint(const std::string& path, const nn::Module& model,
                      const optim::Optimizer& optimizer, const optim::DynamicLossScaler& scaler,
                      const TrainingState& state) {
+  save_checkpoint(path, model.state_dict(), optimizer.state_dict(), scaler, state);
+}
+
+void save_checkpoint(const std::string& path, const nn::StateDict& model,
+                     const optim::Optimizer::StateDict& optimizer,
+                     const optim::DynamicLossScaler& scaler, const TrainingState& state) {
   const std::string id = new_checkpoint_id();
   std::map<std::string, Tensor> extra;
-  for (const auto& [k, v] : optimizer.state_dict()) extra[kOptimPrefix + k] = v;
+  for (const auto& [k, v] : optimizer) extra[kOptimPrefix + k] = v;
   for (const auto& [k, v] : scaler.state_dict()) extra[kScalerPrefix + k] = v;
   extra["progress.step"] = i64_scalar(state.step);
   extra["progress.epoch"] = i64_scalar(state.epoch);
@@ -71,11 +77,22 @@ void save_checkpoint(const std::string& path, const nn::Module& model,
   nn::save_safetensors(state_path(path), extra, meta);
   std::map<std::string, std::string> model_meta = meta;
   for (const auto& [k, v] : state.info) model_meta["info." + k] = v;
-  nn::save_safetensors(path, model.state_dict(), model_meta);
+  nn::save_safetensors(path, model, model_meta);
 }
 
 TrainingState load_checkpoint(const std::string& path, nn::Module& model,
                               optim::Optimizer& optimizer, optim::DynamicLossScaler& scaler) {
+  return load_checkpoint(
+      path,
+      [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& optim_state) {
+        model.load_state_dict(weights);
+        optimizer.load_state_dict(optim_state);
+      },
+      scaler);
+}
+
+TrainingState load_checkpoint(const std::string& path, const ApplyCheckpoint& apply,
+                              optim::DynamicLossScaler& scaler) {
   const nn::SafetensorsFile weights = nn::load_safetensors(path);
   const std::string spath = state_path(path);
   const nn::SafetensorsFile extra = nn::load_safetensors(spath);
@@ -88,8 +105,7 @@ TrainingState load_checkpoint(const std::string& path, nn::Module& model,
            "same save; the save was interrupted or the files were mixed",
            path, id_of(weights), spath, id_of(extra));
   try {
-    model.load_state_dict(weights.tensors);
-    optimizer.load_state_dict(with_prefix(extra.tensors, kOptimPrefix));
+    apply(weights.tensors, with_prefix(extra.tensors, kOptimPrefix));
     scaler.load_state_dict(with_prefix(extra.tensors, kScalerPrefix));
   } catch (const Error& e) {
     fail("load_checkpoint: {} does not fit this model or optimizer: {}", path, e.what());

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -36,6 +37,19 @@ std::string state_path(const std::string& path);
 void save_checkpoint(const std::string& path, const nn::Module& model,
                      const optim::Optimizer& optimizer, const optim::DynamicLossScaler& scaler,
                      const TrainingState& state);
+
+// The same files from state dicts: what a sharded run gathers (parallel/zero.h) in the
+// single-device layout, so it resumes under any other layout.
+void save_checkpoint(const std::string& path, const nn::StateDict& model,
+                     const optim::Optimizer::StateDict& optimizer,
+                     const optim::DynamicLossScaler& scaler, const TrainingState& state);
+
+// Reads both files, checks that they come from one save, loads the scaler and hands the
+// model's and the optimizer's dicts to `apply` (which throws on a mismatch).
+using ApplyCheckpoint = std::function<void(const nn::StateDict& model,
+                                           const optim::Optimizer::StateDict& optimizer)>;
+TrainingState load_checkpoint(const std::string& path, const ApplyCheckpoint& apply,
+                              optim::DynamicLossScaler& scaler);
 
 // Loads both files into the given (already constructed) objects; Error naming the file on a
 // missing, corrupt or mismatched file, and on weights that do not fit the model.

@@ -133,7 +133,7 @@ Tensor Gpt::forward(const Tensor& idx) {
            shape_str(idx.shape()));
   const Tensor pos = arange(0, static_cast<double>(T), 1, DType::i64, idx.device());
   Tensor x = drop->forward(wte->forward(idx) + wpe->forward(pos));  // [B, T, C] + [T, C]
-  x = ln_f->forward(h->forward(x));
+  x = ln_f->forward((*h)(x));  // through operator(): ZeRO-3 hooks on each block
   return matmul(x, wte->weight.t());  // tied head: [B, T, C] @ [C, V]
 }
 

@@ -21,6 +21,7 @@
 #include "parallel/data_parallel.h"
 #include "tensor/ops.h"
 #include "tensor/random.h"
+#include "tests/parallel/dp_harness.h"
 #include "tests/testing.h"
 
 namespace tessera::parallel {
@@ -29,90 +30,8 @@ namespace {
 using testing::contains;
 using testing::error_of;
 
-constexpr int kSteps = 20;
 
-// A model and its data: make() builds the replica from a fixed seed; loss(model, step, part,
-// parts) is the mean loss over slice `part` of `parts` equal slices of step's global batch.
-struct Task {
-  std::string name;
-  std::function<std::shared_ptr<nn::Module>()> make;
-  std::function<Tensor(nn::Module&, DType, int64_t step, int part, int parts)> loss;
-  double lr = 3e-3;
-  // Elements whose exact gradient is zero (see check_equivalence); none by default.
-  std::function<bool(const std::string& name, size_t index)> zero_gradient =
-      [](const std::string&, size_t) { return false; };
-};
-
-Task mlp_task() {
-  constexpr int64_t kBatch = 32;
-  Task task;
-  task.name = "mnist mlp";
-  task.make = [] {
-    manual_seed(0);
-    return std::shared_ptr<nn::Module>(mnist::make_mlp());
-  };
-  task.loss = [](nn::Module& model, DType dtype, int64_t step, int part, int parts) {
-    // The global batch of `step` is drawn whole from its own seed, on every rank alike.
-    manual_seed(1000 + static_cast<uint64_t>(step));
-    const Tensor x = randn({kBatch, 1, 28, 28});
-    const Tensor y = argmax(x.flatten(1).narrow(1, 0, 10), 1);
-    const int64_t rows = kBatch / parts;
-    return cross_entropy(model.forward(x.narrow(0, part * rows, rows).cast(dtype)),
-                         y.narrow(0, part * rows, rows));
-  };
-  return task;
-}
-
-// Byte text with some structure to learn (synthetic: hermetic and fast).
-const data::TextWindows& text_windows() {
-  static const data::TextWindows windows = [] {
-    const std::string lines[] = {"the quick brown fox jumps over the lazy dog. ",
-                                 "pack my box with five dozen liquor jugs! ",
-                                 "how vexingly quick daft zebras jump; ",
-                                 "sphinx of black quartz, judge my vow.\n"};
-    std::vector<uint8_t> bytes;
-    for (int i = 0; bytes.size() < 8192; ++i) {
-      const std::string& s = lines[(i * 7 + i / 3) % 4];
-      bytes.insert(bytes.end(), s.begin(), s.end());
-    }
-    return data::TextWindows(std::move(bytes), data::TextSplit::train, /*seed=*/3);
-  }();
-  return windows;
-}
-
-Task gpt_task() {
-  constexpr int64_t kBatch = 8, kContext = 16;
-  Task task;
-  task.name = "gpt-mini";
-  task.make = [] {
-    manual_seed(0);
-    return std::shared_ptr<nn::Module>(std::make_shared<gpt::Gpt>(gpt::GptConfig{
-        .layers = 2, .heads = 2, .width = 32, .context = kContext, .vocab = 256}));
-  };
-  task.loss = [](nn::Module& model, DType, int64_t step, int part, int parts) {
-    const data::TextBatch b = text_windows().get(step, kBatch, kContext, part, parts);
-    return gpt::Gpt::loss(model.forward(b.idx), b.targets);
-  };
-  task.lr = 1e-2;
-  // Adding a constant to every key of a head shifts all of a query's scores equally, which
-  // softmax ignores: the key bias c_attn.bias[C, 2C) has gradient exactly zero.
-  task.zero_gradient = [](const std::string& name, size_t i) {
-    return name.ends_with("attn.c_attn.bias") && i >= 32 && i < 64;
-  };
-  return task;
-}
-
-struct Run {
-  std::vector<double> losses;                  // global loss per step
-  std::vector<std::vector<double>> params;     // rank 0's final parameters
-  std::vector<std::string> names;
-};
-
-std::vector<std::vector<double>> values_of(const nn::Module& model) {
-  std::vector<std::vector<double>> out;
-  for (const Tensor& p : model.parameters()) out.push_back(p.to_vector<double>());
-  return out;
-}
+using namespace testing_dp;
 
 // dp = 0: the reference, one rank, one micro-batch, no DDP.
 Run train(const Task& task, DType dtype, int dp, int accum, DdpOptions options = {}) {
@@ -158,41 +77,6 @@ Run train(const Task& task, DType dtype, int dp, int accum, DdpOptions options =
   return runs[0];
 }
 
-struct Diff {
-  double loss = 0;       // max over steps of |a - b| / max(1, |b|)
-  double param_abs = 0;  // max |a - b| over every element
-  double param_rel = 0;  // max over tensors of max |a - b| / max |b|
-  double param_norm = 0; // max over tensors of ||a - b|| / ||b|| (zero-gradient elements out)
-  double zero_grad_abs = 0;  // max |a - b| over the zero-gradient elements
-};
-
-Diff compare(const Task& task, const Run& got, const Run& want) {
-  Diff d;
-  REQUIRE(got.losses.size() == want.losses.size());
-  REQUIRE(got.params.size() == want.params.size());
-  for (size_t i = 0; i < want.losses.size(); ++i) {
-    d.loss = std::max(d.loss, std::abs(got.losses[i] - want.losses[i]) /
-                                  std::max(1.0, std::abs(want.losses[i])));
-  }
-  for (size_t t = 0; t < want.params.size(); ++t) {
-    double scale = 0, worst = 0, err2 = 0, norm2 = 0;
-    for (size_t i = 0; i < want.params[t].size(); ++i) {
-      const double a = got.params[t][i], b = want.params[t][i], e = std::abs(a - b);
-      scale = std::max(scale, std::abs(b));
-      worst = std::max(worst, e);
-      if (task.zero_gradient(want.names[t], i)) {
-        d.zero_grad_abs = std::max(d.zero_grad_abs, e);
-      } else {
-        err2 += e * e;
-        norm2 += b * b;
-      }
-    }
-    d.param_abs = std::max(d.param_abs, worst);
-    d.param_rel = std::max(d.param_rel, worst / std::max(scale, 1e-30));
-    d.param_norm = std::max(d.param_norm, std::sqrt(err2 / std::max(norm2, 1e-300)));
-  }
-  return d;
-}
 
 // Tolerances. f64: every element within 1e-10 of the single-rank run (only summation order
 // differs, ~1e-16 per gradient; measured ~1e-13 after 20 steps). f32: the loss curve within

@@ -1,0 +1,152 @@
+// ZeRO (Rajbhandari et al.) and FSDP on the data-parallel axis: the same training step as
+// DistributedDataParallel, with the optimizer state (stage 1), the gradients (stage 2) and
+// the parameters (stage 3) partitioned over the group instead of replicated.
+//
+//   ZeroDataParallel zero(*model, mesh.group("dp"), {.stage = 3, .units = {"h.0", "h.1"}});
+//   optim::AdamW opt(zero.param_groups(lr, weight_decay), adamw_options);
+//   zero.zero_grad();
+//   Tensor loss = loss_fn((*model)(x_slice));     // operator(): stage 3 gathers per unit
+//   zero.backward(loss);                           // gradients reduced, each rank its slice
+//   zero.clip_grad_norm(1.0);                      // the global norm over the slices
+//   zero.step(opt);                                // update the slices; stages 1-2 all-gather
+//
+// Layout. The parameters are grouped into segments: one per (unit, dtype, device, weight
+// decay), and stages 0-2 further cut a segment at bucket_bytes. Each segment is one flat
+// buffer the parameters are views of (Tensor::set_data), split over the N ranks with
+// array_split counts; rank r owns block r, and the optimizer (any optim::Optimizer, built on
+// param_groups()) sees only those blocks ("shards"), so its state is partitioned for free.
+//   stage 0  DistributedDataParallel (gradients all-reduced in buckets); the optimizer sees
+//            the module's parameters.
+//   stage 1  full gradients kept; reduce-scattered after backward into this rank's block of
+//            the full gradient buffer; after the update the parameters are all-gathered.
+//   stage 2  as 1, but each segment's gradients are reduce-scattered as soon as backward has
+//            produced them all and the full buffer is freed: each rank keeps 1/N of them.
+//   stage 3  as 2, and only the shards of the parameters persist: each wrapped unit's flat
+//            buffer is all-gathered just before its forward and again before its backward
+//            (the next unit's gather is launched ahead), and freed after each. Parameters
+//            outside every unit (the root: embeddings, final norm) are gathered when the
+//            module's forward starts and kept until finish(), as FSDP keeps its root.
+// Every collective goes through the dp Communicator (its comm log records them with causes
+// "zero ..."); launches are strictly in segment order, so ranks issue them alike.
+//
+// Memory is tagged (tensor/allocator.h): parameters, gradients, optimizer_state (allocated
+// during step()) and gathered (stage 3's unit buffers); memory_report() reads them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/module.h"
+#include "optim/optimizer.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/data_parallel.h"
+
+namespace tessera::parallel {
+
+struct ZeroOptions {
+  int stage = 1;  // 0 (plain data parallel), 1, 2 or 3
+  // Submodule paths ("h.0") wrapped as units, in forward order: stage 3 gathers and frees
+  // each as a whole; for every stage a unit's parameters form their own segments. A
+  // parameter in no unit belongs to the root.
+  std::vector<std::string> units = {};
+  int64_t bucket_bytes = int64_t{25} << 20;  // stages 0-2: the largest segment
+  bool prefetch = true;        // stage 3: launch the next unit's all-gather ahead
+  bool check_replicas = true;  // at construction: parameters bitwise equal to rank 0's
+};
+
+// The formula's and the measured bytes per rank (see memory_report()).
+struct ZeroMemory {
+  int stage = 0;
+  int ranks = 1;
+  int64_t numel = 0;  // Ψ: parameter elements (each tensor once)
+  int64_t parameters = 0, gradients = 0, optimizer_state = 0;  // tagged bytes, now
+  int64_t gathered_peak = 0;   // tagged "gathered" high-water mark (stage 3)
+  int64_t largest_unit = 0;    // bytes of the largest gathered unit (stage 3)
+  int64_t root_unit = 0;       // bytes of the root unit (stage 3: kept gathered in a step)
+  // The ZeRO paper's figure for AdamW in f32 (bytes): DDP 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2
+  // 4Ψ + 12Ψ/N, stage 3 16Ψ/N; measured = parameters + gradients + optimizer state.
+  double formula() const;
+  int64_t measured() const { return parameters + gradients + optimizer_state; }
+  std::string str() const;  // one line: each tag, the sum, the formula and their ratio
+};
+
+class ZeroDataParallel {
+ public:
+  // Collective over `comm` (every member, same module structure and options). Checks that
+  // the members agree on the parameters and (check_replicas) that their values are equal;
+  // moves the parameters into flat buffers (stage 3 keeps only this rank's shards); hooks
+  // every parameter's gradient and, for stage 3, the forward of each unit and of `module`.
+  // `module` and `comm` must outlive it; construct it after Module::to() and before the
+  // optimizer.
+  ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroOptions options = {});
+  ~ZeroDataParallel();
+  ZeroDataParallel(const ZeroDataParallel&) = delete;
+  ZeroDataParallel& operator=(const ZeroDataParallel&) = delete;
+
+  nn::Module& module() const;
+  Communicator& comm() const;
+  const ZeroOptions& options() const;
+  int stage() const;
+
+  // The optimizer's groups: group 0 decays (weight_decay), group 1 does not, by the rule of
+  // optim::decay_groups. Stage 0: the module's parameters; stages 1-3: this rank's shards.
+  std::vector<optim::ParamGroup> param_groups(double lr, double weight_decay) const;
+
+  // Drops every gradient (the parameters' and the shards').
+  void zero_grad();
+  // loss.backward(), then finish().
+  void backward(const Tensor& loss);
+  // After each backward: launches the segments backward did not complete (a parameter
+  // without a gradient contributes zeros), waits for every reduction and leaves the reduced
+  // gradients: stage 0 in each parameter's .grad(), stages 1-3 in each shard's .grad()
+  // (added to what an earlier finish() left there; stage 1 requires zero_grad() between).
+  // Stage 3 frees every gathered buffer. Inside no_sync() it only frees.
+  void finish();
+
+  // Gradient accumulation: backward passes while the guard lives keep full local gradients
+  // (all stages); the next backward outside it reduces them once.
+  class NoSync {
+   public:
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    friend class ZeroDataParallel;
+    explicit NoSync(ZeroDataParallel& zero);
+    ZeroDataParallel& zero_;
+    bool previous_;
+    std::unique_ptr<DistributedDataParallel::NoSync> ddp_guard_;  // stage 0
+  };
+  [[nodiscard]] NoSync no_sync();
+
+  // Collective: scales the reduced gradients so their global L2 norm is at most max_norm
+  // (optim::clip_grad_norm's rule and formula); returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
+  // optimizer.step() (its new state tagged optimizer_state); stages 1-2 then all-gather the
+  // updated parameters.
+  void step(optim::Optimizer& optimizer);
+
+  // Checkpoints in the single-device layout, so a run resumes under any (dp, stage).
+  // Collective. The full parameters (stage 3 gathers them), copies.
+  nn::StateDict model_state_dict();
+  void load_model_state_dict(const nn::StateDict& dict);
+  // The dict an optimizer of the same kind built on optim::decay_groups(named_parameters())
+  // of the single-device module would hold (stages 1-3 all-gather the shards' state).
+  optim::Optimizer::StateDict optimizer_state_dict(const optim::Optimizer& optimizer);
+  void load_optimizer_state_dict(optim::Optimizer& optimizer,
+                                 const optim::Optimizer::StateDict& dict);
+
+  // Tagged bytes from the calling thread's MemoryScope tracker (or process_memory() when
+  // none is open), with the formula for this stage.
+  ZeroMemory memory_report() const;
+
+  struct State;  // shared with the hooks (which hold it weakly)
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace tessera::parallel

@@ -1,0 +1,200 @@
+#include "tests/parallel/dp_harness.h"
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "models/data/text.h"
+#include "models/gpt/model.h"
+#include "models/mnist/model.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "parallel/zero.h"
+#include "tensor/ops.h"
+#include "tensor/random.h"
+
+namespace tessera::parallel::testing_dp {
+
+Task mlp_task() {
+  constexpr int64_t kBatch = 32;
+  Task task;
+  task.name = "mnist mlp";
+  task.units = {"1"};  // the 784 x 256 layer; the output layer stays in the root
+  task.make = [] {
+    manual_seed(0);
+    return std::shared_ptr<nn::Module>(mnist::make_mlp());
+  };
+  task.loss = [](nn::Module& model, DType dtype, int64_t step, int part, int parts) {
+    // The global batch of `step` is drawn whole from its own seed, on every rank alike.
+    manual_seed(1000 + static_cast<uint64_t>(step));
+    const Tensor x = randn({kBatch, 1, 28, 28});
+    const Tensor y = argmax(x.flatten(1).narrow(1, 0, 10), 1);
+    const int64_t rows = kBatch / parts;
+    return cross_entropy(model(x.narrow(0, part * rows, rows).cast(dtype)),
+                         y.narrow(0, part * rows, rows));
+  };
+  return task;
+}
+
+// Byte text with some structure to learn (synthetic: hermetic and fast).
+const data::TextWindows& text_windows() {
+  static const data::TextWindows windows = [] {
+    const std::string lines[] = {"the quick brown fox jumps over the lazy dog. ",
+                                 "pack my box with five dozen liquor jugs! ",
+                                 "how vexingly quick daft zebras jump; ",
+                                 "sphinx of black quartz, judge my vow.\n"};
+    std::vector<uint8_t> bytes;
+    for (int i = 0; bytes.size() < 8192; ++i) {
+      const std::string& s = lines[(i * 7 + i / 3) % 4];
+      bytes.insert(bytes.end(), s.begin(), s.end());
+    }
+    return data::TextWindows(std::move(bytes), data::TextSplit::train, /*seed=*/3);
+  }();
+  return windows;
+}
+
+Task gpt_task() {
+  constexpr int64_t kBatch = 8, kContext = 16;
+  Task task;
+  task.name = "gpt-mini";
+  task.units = {"h.0", "h.1"};  // the transformer blocks
+  task.make = [] {
+    manual_seed(0);
+    return std::shared_ptr<nn::Module>(std::make_shared<gpt::Gpt>(gpt::GptConfig{
+        .layers = 2, .heads = 2, .width = 32, .context = kContext, .vocab = 256}));
+  };
+  task.loss = [](nn::Module& model, DType, int64_t step, int part, int parts) {
+    const data::TextBatch b = text_windows().get(step, kBatch, kContext, part, parts);
+    return gpt::Gpt::loss(model(b.idx), b.targets);
+  };
+  task.lr = 1e-2;
+  // Adding a constant to every key of a head shifts all of a query's scores equally, which
+  // softmax ignores: the key bias c_attn.bias[C, 2C) has gradient exactly zero.
+  task.zero_gradient = [](const std::string& name, size_t i) {
+    return name.ends_with("attn.c_attn.bias") && i >= 32 && i < 64;
+  };
+  return task;
+}
+
+
+std::vector<std::vector<double>> values_of(const nn::Module& model) {
+  std::vector<std::vector<double>> out;
+  for (const Tensor& p : model.parameters()) out.push_back(p.to_vector<double>());
+  return out;
+}
+
+
+Diff compare(const Task& task, const Run& got, const Run& want) {
+  Diff d;
+  REQUIRE(got.losses.size() == want.losses.size());
+  REQUIRE(got.params.size() == want.params.size());
+  for (size_t i = 0; i < want.losses.size(); ++i) {
+    d.loss = std::max(d.loss, std::abs(got.losses[i] - want.losses[i]) /
+                                  std::max(1.0, std::abs(want.losses[i])));
+  }
+  for (size_t t = 0; t < want.params.size(); ++t) {
+    double scale = 0, worst = 0, err2 = 0, norm2 = 0;
+    for (size_t i = 0; i < want.params[t].size(); ++i) {
+      const double a = got.params[t][i], b = want.params[t][i], e = std::abs(a - b);
+      scale = std::max(scale, std::abs(b));
+      worst = std::max(worst, e);
+      if (task.zero_gradient(want.names[t], i)) {
+        d.zero_grad_abs = std::max(d.zero_grad_abs, e);
+      } else {
+        err2 += e * e;
+        norm2 += b * b;
+      }
+    }
+    d.param_abs = std::max(d.param_abs, worst);
+    d.param_rel = std::max(d.param_rel, worst / std::max(scale, 1e-30));
+    d.param_norm = std::max(d.param_norm, std::sqrt(err2 / std::max(norm2, 1e-300)));
+  }
+  return d;
+}
+
+
+bool check_close(const Task& task, DType dtype, const Run& got, const Run& reference,
+                 const std::string& label) {
+  const Diff d = compare(task, got, reference);
+  const bool bitwise = got.losses == reference.losses && got.params == reference.params;
+  MESSAGE(fmt::format("{} {} {}: {} (loss rel {:.2g}; params: max abs {:.2g}, max rel {:.2g}, "
+                      "norm rel {:.2g}, zero-gradient elements abs {:.2g})",
+                      task.name, dtype, label, bitwise ? "bitwise equal" : "close", d.loss,
+                      d.param_abs, d.param_rel, d.param_norm, d.zero_grad_abs));
+  if (dtype == DType::f64) {
+    CHECK(d.loss <= 1e-10);
+    CHECK(d.param_abs <= 1e-10);
+    CHECK(d.param_rel <= 1e-10);
+  } else {
+    CHECK(d.loss <= 1e-5);
+    CHECK(d.param_norm <= 1e-5);
+    CHECK(d.zero_grad_abs <= 2 * kSteps * task.lr);
+  }
+  return bitwise;
+}
+
+Run train_reference(const Task& task, DType dtype) {
+  std::shared_ptr<nn::Module> model = task.make();
+  model->to(dtype);
+  optim::AdamW opt(optim::decay_groups(model->named_parameters(), task.lr, kWeightDecay),
+                   {.lr = task.lr, .weight_decay = kWeightDecay});
+  const std::vector<Tensor> params = model->parameters();
+  Run run;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    opt.zero_grad();
+    Tensor loss = task.loss(*model, dtype, step, 0, 1);
+    run.losses.push_back(loss.item<double>());
+    loss.backward();
+    optim::clip_grad_norm(params, kClip);
+    opt.step();
+  }
+  run.params = values_of(*model);
+  for (auto& [name, _] : model->named_parameters()) run.names.push_back(name);
+  return run;
+}
+
+Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec) {
+  std::shared_ptr<nn::Module> model = task.make();
+  model->to(dtype);
+  ZeroDataParallel zero(*model, world, {.stage = spec.stage, .units = task.units});
+  optim::AdamW opt(zero.param_groups(task.lr, kWeightDecay),
+                   {.lr = task.lr, .weight_decay = kWeightDecay});
+  if (spec.load != nullptr) {
+    zero.load_model_state_dict(spec.load->model);
+    zero.load_optimizer_state_dict(opt, spec.load->optimizer);
+  }
+  const int ranks = world.size(), accum = spec.accum;
+  Run run;
+  for (int64_t step = spec.start; step < spec.stop; ++step) {
+    zero.zero_grad();
+    double local = 0;
+    for (int micro = 0; micro < accum; ++micro) {
+      Tensor loss = task.loss(*model, dtype, step, world.rank() * accum + micro, ranks * accum);
+      local += loss.item<double>();
+      if (accum > 1) loss = loss / static_cast<double>(accum);
+      if (micro + 1 < accum) {
+        auto guard = zero.no_sync();
+        zero.backward(loss);
+      } else {
+        zero.backward(loss);
+      }
+    }
+    zero.clip_grad_norm(kClip);
+    zero.step(opt);
+    Tensor total = Tensor::from_vector<double>({local}, {1});
+    world.all_reduce(total, ReduceOp::sum);
+    run.losses.push_back(total.item<double>() / (ranks * accum));
+  }
+  if (spec.save != nullptr) spec.save->optimizer = zero.optimizer_state_dict(opt);
+  const nn::StateDict full = zero.model_state_dict();
+  if (spec.save != nullptr) spec.save->model = full;
+  for (auto& [name, _] : model->named_parameters()) {
+    run.names.push_back(name);
+    run.params.push_back(full.at(name).to_vector<double>());
+  }
+  return run;
+}
+
+}  // namespace tessera::parallel::testing_dp

@@ -1,0 +1,89 @@
+// Shared by the data-parallel and ZeRO equivalence suites (threads and MPI): two small
+// training tasks (the MNIST MLP and a GPT-mini on synthetic text), the record of a run and
+// the comparison against the single-rank run.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/module.h"
+#include "parallel/comm/communicator.h"
+#include "tensor/tensor.h"
+
+namespace tessera::parallel::testing_dp {
+
+inline constexpr int kSteps = 20;
+
+// A model and its data: make() builds the replica from a fixed seed; loss(model, step, part,
+// parts) is the mean loss over slice `part` of `parts` equal slices of step's global batch
+// (the model is called through operator(), so ZeRO-3's unit hooks see every forward).
+struct Task {
+  std::string name;
+  std::function<std::shared_ptr<nn::Module>()> make;
+  std::function<Tensor(nn::Module&, DType, int64_t step, int part, int parts)> loss;
+  double lr = 3e-3;
+  // Elements whose exact gradient is zero (see the f32 tolerances); none by default.
+  std::function<bool(const std::string& name, size_t index)> zero_gradient =
+      [](const std::string&, size_t) { return false; };
+  std::vector<std::string> units;  // ZeRO units (submodule paths, forward order)
+};
+
+Task mlp_task();
+Task gpt_task();
+
+struct Run {
+  std::vector<double> losses;                  // global loss per step
+  std::vector<std::vector<double>> params;     // rank 0's final parameters
+  std::vector<std::string> names;
+};
+
+std::vector<std::vector<double>> values_of(const nn::Module& model);
+
+struct Diff {
+  double loss = 0;       // max over steps of |a - b| / max(1, |b|)
+  double param_abs = 0;  // max |a - b| over every element
+  double param_rel = 0;  // max over tensors of max |a - b| / max |b|
+  double param_norm = 0; // max over tensors of ||a - b|| / ||b|| (zero-gradient elements out)
+  double zero_grad_abs = 0;  // max |a - b| over the zero-gradient elements
+};
+
+Diff compare(const Task& task, const Run& got, const Run& want);
+
+// Tolerances (doctest CHECKs, with a MESSAGE naming `label` and every figure). f64: every
+// element within 1e-10 of the single-rank run (summation order and the clipping norm's order
+// differ, ~1e-16 each; measured ~1e-13 after 20 steps). f32: the loss curve within 1e-5
+// relative and every parameter tensor within 1e-5 in norm (||a - b|| / ||b||). Element-wise
+// f32 is not a fair test of AdamW: its normalised step m / sqrt(v) turns a gradient that is
+// pure rounding noise (the attention key bias, exactly zero in exact arithmetic) into a full
+// lr-sized step whose sign depends on the summation order; those elements are reported and
+// bounded by 2 * steps * lr. Returns whether the runs are bitwise equal.
+bool check_close(const Task& task, DType dtype, const Run& got, const Run& reference,
+                 const std::string& label);
+
+// The ZeRO suites' optimisation: AdamW (weight decay 0.1 on matrices, optim::decay_groups)
+// with the global gradient norm clipped to kClip.
+inline constexpr double kWeightDecay = 0.1;
+inline constexpr double kClip = 1.0;
+
+// The single-device run: one rank, one micro-batch, no wrapper.
+Run train_reference(const Task& task, DType dtype);
+// This rank's part of a ZeRO run over `world` (every member calls it): kSteps steps of the
+// global batch split into world.size() x accum equal slices. The losses are global (averaged
+// over the ranks); the parameters are the full ones (ZeroDataParallel::model_state_dict).
+struct Checkpoint {
+  nn::StateDict model;
+  std::map<std::string, Tensor> optimizer;  // the single-device layout
+};
+struct ZeroRun {
+  int stage = 0;
+  int accum = 1;
+  int64_t start = 0, stop = kSteps;  // steps [start, stop)
+  const Checkpoint* load = nullptr;  // restored before step `start`
+  Checkpoint* save = nullptr;        // filled after step `stop` - 1 (on every rank)
+};
+Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec);
+
+}  // namespace tessera::parallel::testing_dp

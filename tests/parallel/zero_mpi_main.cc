@@ -1,0 +1,59 @@
+// ZeRO under MPI: one copy of this binary per rank, started by comm_mpi_test.sh (mpirun -np 2).
+// Each process trains the single-rank reference itself, then every stage 0-3 with
+// accumulation 1 and 2 over the MPI world, on the MNIST MLP and GPT-mini in f64 and f32, and
+// compares with dp_harness.h's tolerances; a resume under another stage continues the same
+// losses.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "parallel/comm/mpi.h"
+#include "tests/parallel/dp_harness.h"
+
+namespace tessera::parallel {
+namespace {
+
+using namespace testing_dp;
+
+void check_mpi(const Task& task, DType dtype) {
+  CommPtr world = mpi_world();
+  REQUIRE(world->size() == 2);
+  const Run reference = train_reference(task, dtype);
+  for (int stage : {0, 1, 2, 3}) {
+    for (int accum : {1, 2}) {
+      CAPTURE(stage);
+      CAPTURE(accum);
+      const Run run = train_zero(*world, task, dtype, {.stage = stage, .accum = accum});
+      check_close(task, dtype, run, reference,
+                  fmt::format("mpi rank {} of 2, zero={} accum={}", world->rank(), stage, accum));
+    }
+  }
+}
+
+TEST_CASE("zero over mpi: MNIST MLP, stages x accumulation equal one rank") {
+  check_mpi(mlp_task(), DType::f64);
+  check_mpi(mlp_task(), DType::f32);
+}
+
+TEST_CASE("zero over mpi: GPT-mini, stages x accumulation equal one rank") {
+  check_mpi(gpt_task(), DType::f64);
+  check_mpi(gpt_task(), DType::f32);
+}
+
+TEST_CASE("zero over mpi: a stage 3 checkpoint resumes under stage 1") {
+  CommPtr world = mpi_world();
+  const Task task = gpt_task();
+  const Run whole = train_zero(*world, task, DType::f64, {.stage = 3});
+  Checkpoint ckpt;
+  train_zero(*world, task, DType::f64, {.stage = 3, .stop = kSteps / 2, .save = &ckpt});
+  const Run rest =
+      train_zero(*world, task, DType::f64, {.stage = 1, .start = kSteps / 2, .load = &ckpt});
+  REQUIRE(rest.losses.size() == static_cast<size_t>(kSteps / 2));
+  for (int i = 0; i < kSteps / 2; ++i) {
+    CHECK(std::abs(rest.losses[i] - whole.losses[kSteps / 2 + i]) <= 1e-10);
+  }
+}
+
+}  // namespace
+}  // namespace tessera::parallel
