@@ -351,12 +351,15 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     if (options.stage == 3) {
       MemoryTagScope tag(MemoryTag::parameters);
       seg.shard = st.shard_slice(seg, seg.flat_param).clone();
+      seg.flat_param.storage()->release();  // one segment at a time: no full-model peak
     } else {
       seg.shard = st.shard_slice(seg, seg.flat_param);
     }
     st.units[seg.unit].bytes += seg.numel * dtype_size(seg.dtype);
   }
-  if (options.stage == 3) st.release_all();
+  if (options.stage == 3) {
+    for (State::Unit& unit : st.units) unit.gather = State::Gather::released;
+  }
   st.reset_round();
 
   if (options.stage == 0) {

@@ -1,6 +1,7 @@
 // bazel run //models:gpt -- [--layers=L] [--heads=H] [--width=C] [--context=T] [--batch=B]
 //     [--steps=N] [--lr=LR] [--precision=f32|bf16|f16] [--data=FILE|DIR] [--save=PATH]
-//     [--resume=PATH] [--metrics=PATH] [--sample=N] ...
+//     [--resume=PATH] [--metrics=PATH] [--sample=N] [--dp=N --zero=0..3 --accum=K] ...
+//   mpirun -np 2 bazel-bin/models/gpt/gpt --dp=2 --zero=3   (one process per rank)
 // Trains a byte-level GPT on text (Debian's fortunes by default), reports the validation
 // loss and prints a sample (--help lists all flags).
 #include <cstdio>
@@ -43,7 +44,10 @@ int main(int argc, char** argv) {
   f.bind("temperature", c.temperature, "sampling temperature (0: greedy)");
   f.bind("top_k", c.top_k, "sample among the k most likely bytes (0: all 256)");
   f.bind("seed", c.seed, "seed of initialisation, data windows, dropout and sampling");
-  f.bind("threads", c.threads, "kernel threads (0: all cores)");
+  f.bind("threads", c.threads, "kernel threads per rank (0: the cores shared by the ranks)");
+  f.bind("dp", c.dp, "data-parallel ranks (threads here; under mpirun: the process count)");
+  f.bind("zero", c.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
+  f.bind("accum", c.accum, "micro-batches per step (gradient accumulation)");
   bool quiet = false;
   f.bind("quiet", quiet, "no progress output");
   try {

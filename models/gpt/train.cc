@@ -7,6 +7,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <thread>
 
 #include "kernels/cpu/parallel.h"
 #include "models/common/checkpoint.h"
@@ -17,6 +19,11 @@
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
+#include "parallel/comm/comm_log.h"
+#include "parallel/comm/mpi.h"
+#include "parallel/comm/threads.h"
+#include "parallel/zero.h"
+#include "tensor/allocator.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/random.h"
@@ -53,7 +60,7 @@ double evaluate(Gpt& model, const data::TextWindows& windows, int64_t batch, int
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     const data::TextBatch b = windows.eval_batch(i, batch, context);
-    total += Gpt::loss(model.forward(b.idx), b.targets).item<double>();
+    total += Gpt::loss(model(b.idx), b.targets).item<double>();
   }
   return total / static_cast<double>(n);
 }
@@ -105,7 +112,7 @@ std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& o
   for (int64_t i = 0; i < options.length; ++i) {
     const int64_t T = std::min<int64_t>(static_cast<int64_t>(tokens.size()), context);
     const std::vector<int64_t> window(tokens.end() - T, tokens.end());
-    const Tensor logits = model.forward(Tensor::from_vector(window, {1, T}));
+    const Tensor logits = model(Tensor::from_vector(window, {1, T}));
     const std::vector<float> last = narrow(logits, 1, T - 1, 1).to_vector<float>();
     // Candidates by logit, highest first; equal logits keep the lower byte first.
     std::iota(order.begin(), order.end(), 0);
@@ -137,8 +144,12 @@ std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& o
   return out;
 }
 
-GptResult train_gpt(const GptTrainConfig& config) {
+namespace {
+
+// One rank's training (comm null: the plain single-process loop, no wrapper).
+GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm) {
   const DType low = models::precision_dtype(config.precision, "gpt");
+  const bool lead = comm == nullptr || comm->rank() == 0;  // prints, writes files
   TS_CHECK(config.batch > 0, "gpt: --batch must be positive, got {}", config.batch);
   TS_CHECK(config.steps > 0, "gpt: --steps must be positive, got {}", config.steps);
   TS_CHECK(config.lr > 0, "gpt: --lr must be positive, got {}", config.lr);
@@ -151,10 +162,17 @@ GptResult train_gpt(const GptTrainConfig& config) {
            config.save_every);
   const GptConfig mconfig = config.model_config();
   mconfig.validate();
+  const int64_t rank = comm != nullptr ? comm->rank() : 0;
+  const int64_t ranks = comm != nullptr ? comm->size() : 1;
+  TS_CHECK(config.accum > 0, "gpt: --accum must be positive, got {}", config.accum);
+  TS_CHECK(config.batch % (ranks * config.accum) == 0,
+           "gpt: --batch {} must divide into --dp {} x --accum {} equal micro-batches",
+           config.batch, ranks, config.accum);
   if (config.threads > 0) cpu::set_num_threads(static_cast<int>(config.threads));
+  const bool verbose = config.verbose && lead;
   models::Progress progress;
   auto say = [&](const std::string& line) {
-    if (config.verbose) progress.print(line);
+    if (verbose) progress.print(line);
   };
 
   const data::TextCorpus corpus =
@@ -169,13 +187,22 @@ GptResult train_gpt(const GptTrainConfig& config) {
 
   manual_seed(seed);
   Gpt model(mconfig);
+  std::unique_ptr<parallel::ZeroDataParallel> zero;
+  if (comm != nullptr) {
+    parallel::ZeroOptions zopt;
+    zopt.stage = static_cast<int>(config.zero);
+    for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
+    zero = std::make_unique<parallel::ZeroDataParallel>(model, *comm, zopt);
+  }
   const int64_t stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps)
                                                : config.steps;
   optim::AdamWOptions aopt;
   aopt.lr = config.lr;
   aopt.betas = {config.beta1, config.beta2};
   aopt.weight_decay = config.weight_decay;
-  optim::AdamW opt(optim::decay_groups(model.named_parameters(), config.lr, config.weight_decay),
+  optim::AdamW opt(zero ? zero->param_groups(config.lr, config.weight_decay)
+                        : optim::decay_groups(model.named_parameters(), config.lr,
+                                              config.weight_decay),
                    aopt);
   optim::LossScalerOptions sopt;
   sopt.enabled = low == DType::f16;
@@ -185,20 +212,37 @@ GptResult train_gpt(const GptTrainConfig& config) {
 
   int64_t step = 0;
   if (!config.resume.empty()) {
-    const models::TrainingState s = models::load_checkpoint(config.resume, model, opt, scaler);
+    // A data-parallel run loads the single-device layout every run saves, whatever its own.
+    const models::TrainingState s =
+        zero ? models::load_checkpoint(
+                   config.resume,
+                   [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
+                     zero->load_model_state_dict(weights);
+                     zero->load_optimizer_state_dict(opt, state);
+                   },
+                   scaler)
+             : models::load_checkpoint(config.resume, model, opt, scaler);
     check_same_model(config.resume, s, config);
     step = s.step;  // the data windows are a pure function of the step
     default_generator().set_state(s.rng_seed, s.rng_offset);
     say(fmt::format("resumed from {} at step {}", config.resume, step));
   }
   models::MetricsWriter metrics;
-  if (!config.metrics.empty()) metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
+  if (!config.metrics.empty() && lead) {
+    metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
+  }
   const int64_t tokens_per_step = config.batch * config.context;
   say(fmt::format("gpt: {} layers, {} heads, width {}, context {} ({} parameters); {} train / {} "
                   "val bytes; batch {} ({} tokens/step), {} steps, AdamW lr {}, precision {}",
                   config.layers, config.heads, config.width, config.context,
                   model.num_parameters(), train.size(), val.size(), config.batch,
                   tokens_per_step, config.steps, config.lr, config.precision));
+  if (comm != nullptr) {
+    say(fmt::format("data parallel: {} ranks ({} backend), ZeRO stage {}, {} micro-batch(es) of "
+                    "{} sequences per rank per step",
+                    comm->size(), comm->backend(), config.zero, config.accum,
+                    config.batch / (comm->size() * config.accum)));
+  }
 
   auto save = [&] {
     models::TrainingState s;
@@ -211,7 +255,15 @@ GptResult train_gpt(const GptTrainConfig& config) {
               {"width", std::to_string(config.width)},
               {"context", std::to_string(config.context)},
               {"precision", config.precision}};
-    models::save_checkpoint(config.save, model, opt, scaler, s);
+    if (!zero) {
+      models::save_checkpoint(config.save, model, opt, scaler, s);
+      return;
+    }
+    // Every rank gathers (collective); rank 0 writes the single-device layout.
+    const nn::StateDict weights = zero->model_state_dict();
+    const optim::Optimizer::StateDict state = zero->optimizer_state_dict(opt);
+    if (lead) models::save_checkpoint(config.save, weights, state, scaler, s);
+    comm->barrier();  // nobody reads the files before they exist
   };
   auto validate = [&] {
     const double loss = evaluate(model, val, config.batch, config.context, config.val_batches, low);
@@ -228,24 +280,79 @@ GptResult train_gpt(const GptTrainConfig& config) {
   model.train();
   while (step < stop_at) {
     const Clock::time_point t0 = Clock::now();
-    const data::TextBatch batch = train.get(step, config.batch, config.context);
     const double lr = schedule.lr(step);
     opt.set_lr(lr);
-    opt.zero_grad();
-    Tensor loss;
-    {
-      AutocastGuard amp(low);
-      loss = Gpt::loss(model.forward(batch.idx), batch.targets);
+    // One step's communication (the second of the run: the first creates optimizer state).
+    parallel::CommLog step_log;
+    std::optional<parallel::CommLogScope> log_scope;
+    if (comm != nullptr && run_steps == 1) log_scope.emplace(step_log);
+    if (zero) {
+      zero->zero_grad();
+    } else {
+      opt.zero_grad();
     }
-    scaler.scale(loss).backward();
+    const int parts = static_cast<int>(ranks * config.accum);
+    double local_loss = 0.0;
+    for (int64_t micro = 0; micro < config.accum; ++micro) {
+      const int part = static_cast<int>(rank * config.accum + micro);
+      const data::TextBatch batch = train.get(step, config.batch, config.context, part, parts);
+      Tensor loss;
+      {
+        AutocastGuard amp(low);
+        loss = Gpt::loss(model(batch.idx), batch.targets);
+      }
+      local_loss += loss.item<double>();
+      Tensor scaled = scaler.scale(config.accum > 1 ? loss / static_cast<double>(config.accum)
+                                                    : loss);
+      if (!zero) {
+        scaled.backward();
+      } else if (micro + 1 < config.accum) {
+        auto guard = zero->no_sync();  // reduce once per step
+        zero->backward(scaled);
+      } else {
+        zero->backward(scaled);
+      }
+    }
     double norm = std::numeric_limits<double>::quiet_NaN();
-    if (config.clip > 0 && scaler.unscale_and_check(params)) {
-      norm = optim::clip_grad_norm(params, config.clip);
+    if (zero) {
+      if (config.clip > 0) norm = zero->clip_grad_norm(config.clip);
+      zero->step(opt);
+    } else {
+      if (config.clip > 0 && scaler.unscale_and_check(params)) {
+        norm = optim::clip_grad_norm(params, config.clip);
+      }
+      scaler.step(opt);
     }
-    scaler.step(opt);
     scaler.update();
+    double loss_value = local_loss / static_cast<double>(config.accum);
+    if (comm != nullptr) {  // the global batch's mean: the ranks' slices are equal
+      Tensor t = Tensor::from_vector<double>({loss_value}, {1});
+      parallel::CommCause cause("gpt loss");
+      comm->all_reduce(t, parallel::ReduceOp::avg);
+      loss_value = t.item<double>();
+    }
+    log_scope.reset();
+    if (zero && run_steps == 0) {
+      result.memory_report = zero->memory_report().str();
+      say(result.memory_report);
+    }
+    if (zero && run_steps == 1) {
+      int64_t bytes = 0;
+      for (const parallel::CommRecord& r : step_log.records) {
+        if (r.cause.rfind("zero", 0) == 0 || r.cause.rfind("DistributedDataParallel", 0) == 0 ||
+            r.cause.rfind("ddp", 0) == 0) {
+          bytes += r.bytes;
+        }
+      }
+      const double ring = 4.0 * static_cast<double>(model.num_parameters()) *
+                          static_cast<double>(ranks - 1) / static_cast<double>(ranks);
+      result.comm_per_step = ranks > 1 ? static_cast<double>(bytes) / ring : 0.0;
+      say(fmt::format("communication per step (rank 0): {} collectives, {:.2f} MiB of "
+                      "gradients and parameters = {:.3f} x 4 Psi (n-1)/n",
+                      step_log.records.size(), static_cast<double>(bytes) / (1 << 20),
+                      result.comm_per_step));
+    }
     ++step;
-    const double loss_value = loss.item<double>();
     const double dt = models::seconds_since(t0);
     train_seconds += dt;
     window_seconds += dt;
@@ -261,7 +368,7 @@ GptResult train_gpt(const GptTrainConfig& config) {
       if (std::isfinite(norm)) rec["grad_norm"] = norm;
       metrics.write(rec);
       result.train_loss = window_loss / window_steps;
-      if (config.verbose) {
+      if (verbose) {
         const double eta = (stop_at - step) * (train_seconds / run_steps);
         std::string line = fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tokens/s  ETA {}",
                                        step, stop_at, result.train_loss, lr, tps,
@@ -280,7 +387,7 @@ GptResult train_gpt(const GptTrainConfig& config) {
     if (config.val_every > 0 && step % config.val_every == 0 && step < stop_at) {
       const double v = validate();
       result.val_losses.emplace_back(step, v);
-      if (config.verbose) {
+      if (verbose) {
         progress.update(fmt::format("step {}/{}  val loss {:.4f}", step, stop_at, v),
                         /*force=*/true);
         progress.finish();
@@ -303,7 +410,7 @@ GptResult train_gpt(const GptTrainConfig& config) {
   result.steps = step;
   result.skipped_steps = scaler.skipped_steps();
   result.tokens_per_s = run_steps > 0 ? run_steps * tokens_per_step / train_seconds : 0.0;
-  if (config.verbose) {
+  if (verbose) {
     say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
                     "tokens/s; {} in all{}",
                     result.val_loss, result.train_loss, step, result.tokens_per_s,
@@ -320,11 +427,47 @@ GptResult train_gpt(const GptTrainConfig& config) {
     so.precision = low;
     const std::string prompt = config.prompt.empty() ? std::string("\n") : config.prompt;
     result.sample = sample(model, prompt, so);
-    if (config.verbose) {
+    if (verbose) {
       say(fmt::format("sample (temperature {:g}, top-k {}, seed {}):\n{}{}\n", config.temperature,
                       config.top_k, config.seed, prompt, result.sample));
     }
   }
+  return result;
+}
+
+}  // namespace
+
+GptResult train_gpt(const GptTrainConfig& config) {
+  TS_CHECK(config.dp >= 1, "gpt: --dp must be at least 1, got {}", config.dp);
+  TS_CHECK(config.zero >= 0 && config.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}",
+           config.zero);
+  TS_CHECK(config.precision != "f16" || (config.dp == 1 && config.zero == 0),
+           "gpt: --precision=f16 runs on one rank only (the loss scaler's overflow check is "
+           "not yet global); use bf16 with --dp > 1 or --zero > 0");
+  if (parallel::mpi_launched()) {
+    parallel::CommPtr world = parallel::mpi_world();
+    TS_CHECK(world->size() == config.dp,
+             "gpt: started by mpirun with {} processes but --dp is {}; they must be equal",
+             world->size(), config.dp);
+    if (config.threads <= 0) {  // the processes share the machine's cores
+      cpu::set_num_threads(
+          std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world->size()));
+    }
+    return train_rank(config, world.get());
+  }
+  if (config.dp == 1 && config.zero == 0) return train_rank(config, nullptr);
+  GptResult result;
+  parallel::ThreadsOptions topt;
+  topt.kernel_threads = static_cast<int>(config.threads);
+  parallel::run_threads(
+      static_cast<int>(config.dp),
+      [&](parallel::CommPtr world) {
+        MemoryTracker tracker;  // this rank's memory, for the report
+        MemoryScope scope(&tracker);
+        GptResult r = train_rank(config, world.get());
+        if (world->rank() == 0) result = std::move(r);
+      },
+      topt);
   return result;
 }
 

@@ -10,6 +10,9 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
+
+#include <fmt/format.h>
 
 #include "models/common/checkpoint.h"
 #include "models/gpt/train.h"
@@ -158,6 +161,79 @@ TEST_CASE("resume continues bitwise: 20 steps straight == 10, save, resume, 10")
     check_same_tensors(models::state_path(dir + "/straight.safetensors"),
                        models::state_path(dir + "/split.safetensors"));
   }
+}
+
+TEST_CASE("--dp --zero --accum: the same losses as one rank; checkpoints move between layouts") {
+  // f32 on simulated ranks (threads): the global batch and its slices are the single-rank
+  // run's, so the losses agree to f32 summation order (dp_harness.h's 1e-5 relative).
+  const std::string dir = temp_dir() + "/gpt_dp";
+  fs::create_directories(dir);
+  GptTrainConfig c = tiny();
+  c.steps = 12;
+  c.val_every = 0;
+  c.val_batches = 2;
+  c.sample_length = 20;
+  c.threads = 1;
+  c.save = dir + "/one.safetensors";
+  const GptResult one = train_gpt(c);
+  CHECK(one.memory_report.empty());
+  for (auto [dp, zero, accum] : {std::tuple{2, 3, 1}, std::tuple{2, 1, 2}, std::tuple{4, 2, 1}}) {
+    CAPTURE(dp);
+    CAPTURE(zero);
+    CAPTURE(accum);
+    c.dp = dp;
+    c.zero = zero;
+    c.accum = accum;
+    c.save = fmt::format("{}/dp{}_zero{}.safetensors", dir, dp, zero);
+    const GptResult r = train_gpt(c);
+    REQUIRE(r.losses.size() == one.losses.size());
+    for (size_t i = 0; i < one.losses.size(); ++i) {
+      CHECK(std::abs(r.losses[i] - one.losses[i]) <= 1e-5 * std::abs(one.losses[i]));
+    }
+    CHECK(std::abs(r.val_loss - one.val_loss) <= 1e-5 * one.val_loss);
+    CHECK(contains(r.memory_report, fmt::format("ZeRO stage {}, {} ranks", zero, dp)));
+    CHECK(r.comm_per_step > (zero == 3 ? 2.5 : 1.99));
+    CHECK(r.comm_per_step < (zero == 3 ? 3.01 : 2.01));
+  }
+  // Saved by dp=2 stage 3 after 6 of 12 steps, resumed by one rank without ZeRO (and the
+  // other way round): the next losses are the uninterrupted run's.
+  for (auto [save_dp, save_zero, load_dp, load_zero] :
+       {std::tuple{2, 3, 1, 0}, std::tuple{1, 0, 4, 3}}) {
+    CAPTURE(save_dp);
+    CAPTURE(load_dp);
+    c = tiny();
+    c.steps = 12;
+    c.val_every = 0;
+    c.val_batches = 2;
+    c.sample_length = 0;
+    c.threads = 1;
+    c.dp = save_dp;
+    c.zero = save_zero;
+    c.max_steps = 6;
+    c.save = dir + "/half.safetensors";
+    train_gpt(c);
+    c.dp = load_dp;
+    c.zero = load_zero;
+    c.max_steps = 0;
+    c.resume = c.save;
+    c.save = "";
+    const GptResult rest = train_gpt(c);
+    REQUIRE(rest.losses.size() == 6);
+    for (size_t i = 0; i < 6; ++i) {
+      CHECK(std::abs(rest.losses[i] - one.losses[6 + i]) <= 1e-5 * std::abs(one.losses[6 + i]));
+    }
+  }
+  c = tiny();
+  c.dp = 3;  // batch 8 does not split in 3
+  CHECK(contains(error_of([&] { train_gpt(c); }),
+                 "--batch 8 must divide into --dp 3 x --accum 1 equal micro-batches"));
+  c = tiny();
+  c.zero = 4;
+  CHECK(contains(error_of([&] { train_gpt(c); }), "--zero must be 0, 1, 2 or 3, got 4"));
+  c = tiny();
+  c.dp = 2;
+  c.precision = "f16";
+  CHECK(contains(error_of([&] { train_gpt(c); }), "--precision=f16 runs on one rank only"));
 }
 
 TEST_CASE("--data=FILE, and errors: bad flags, too little text, mismatched checkpoints") {
