@@ -23,7 +23,12 @@ double grad_norm(const std::vector<Tensor>& params) {
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
   TS_CHECK(std::isfinite(max_norm) && max_norm > 0,
            "clip_grad_norm: max_norm must be finite and > 0, got {}", max_norm);
-  const double norm = grad_norm(params);
+  return clip_grads_to_norm(params, grad_norm(params), max_norm);
+}
+
+double clip_grads_to_norm(const std::vector<Tensor>& params, double norm, double max_norm) {
+  TS_CHECK(std::isfinite(max_norm) && max_norm > 0,
+           "clip_grad_norm: max_norm must be finite and > 0, got {}", max_norm);
   if (!std::isfinite(norm)) return norm;
   const double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return norm;

@@ -22,6 +22,11 @@ namespace tessera::optim {
 // (skip the step, as DynamicLossScaler does).
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
 
+// clip_grad_norm's scaling for a norm computed elsewhere (ZeRO: over every rank's shards):
+// scales the gradients of `params` by max_norm / (norm + 1e-6) when norm > max_norm; a
+// non-finite norm scales nothing. Returns norm.
+double clip_grads_to_norm(const std::vector<Tensor>& params, double norm, double max_norm);
+
 // The same global L2 norm without clipping.
 double grad_norm(const std::vector<Tensor>& params);
 

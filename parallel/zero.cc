@@ -239,6 +239,23 @@ struct ZeroDataParallel::State {
     }
   }
 
+  // Indices of `items` with the decaying ones first, each part in index order: the order of
+  // optim::decay_groups (and of param_groups()).
+  template <typename T>
+  static std::vector<int> decay_first(const std::vector<T>& items) {
+    std::vector<int> order;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int i = 0; i < static_cast<int>(items.size()); ++i) {
+        if (items[i].decay == (pass == 0)) order.push_back(i);
+      }
+    }
+    return order;
+  }
+  // The single-device optimizer's parameter k is params[canonical_order()[k]].
+  std::vector<int> canonical_order() const { return decay_first(params); }
+  // The sharded optimizer's parameter j is the shard of segments[optimizer_order()[j]].
+  std::vector<int> optimizer_order() const { return decay_first(segments); }
+
   nn::NamedTensors named() const {
     nn::NamedTensors out;
     for (const Param& p : params) out.emplace_back(p.name, p.tensor);
@@ -412,7 +429,7 @@ std::vector<optim::ParamGroup> ZeroDataParallel::param_groups(double lr, double 
   std::vector<optim::ParamGroup> groups(2);
   groups[0].weight_decay = weight_decay;
   groups[1].weight_decay = 0.0;
-  for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
+  for (int s : st.optimizer_order()) {
     const State::Segment& seg = st.segments[s];
     optim::ParamGroup& g = groups[seg.decay ? 0 : 1];
     g.lr = lr;
@@ -516,8 +533,6 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
     for (const State::Param& p : st.params) ps.push_back(p.tensor);
     return optim::clip_grad_norm(ps, max_norm);
   }
-  TS_CHECK(std::isfinite(max_norm) && max_norm > 0,
-           "clip_grad_norm: max_norm must be finite and > 0, got {}", max_norm);
   NoGradGuard no_grad;
   std::vector<Tensor> shards;
   for (const State::Segment& seg : st.segments) shards.push_back(seg.shard);
@@ -527,17 +542,7 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
     CommCause cause("zero clip_grad_norm");
     st.comm->all_reduce(total, ReduceOp::sum);
   }
-  const double norm = std::sqrt(total.item<double>());
-  if (!std::isfinite(norm)) return norm;
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef >= 1.0) return norm;
-  for (const Tensor& shard : shards) {
-    const Tensor g = shard.grad();
-    if (!g.defined() || g.numel() == 0) continue;
-    const bool narrow = g.dtype() == DType::f16 || g.dtype() == DType::bf16;
-    copy_(g, (narrow ? cast(g, DType::f32) : g) * coef);
-  }
-  return norm;
+  return optim::clip_grads_to_norm(shards, std::sqrt(total.item<double>()), max_norm);
 }
 
 void ZeroDataParallel::step(optim::Optimizer& optimizer) {
@@ -590,29 +595,13 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
   st.release_all();
 }
 
-namespace {
-
-// The single-device optimizer's parameter order: decay_groups(named_parameters()).
-std::vector<int> canonical_order(const std::vector<bool>& decay) {
-  std::vector<int> order;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int i = 0; i < static_cast<int>(decay.size()); ++i) {
-      if (decay[i] == (pass == 0)) order.push_back(i);
-    }
-  }
-  return order;
-}
-
-}  // namespace
 
 optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
   State& st = *state_;
   optim::Optimizer::StateDict shard_dict = optimizer.state_dict();
   if (st.stage() == 0) return shard_dict;
   NoGradGuard no_grad;
-  std::vector<bool> decay;
-  for (const State::Param& p : st.params) decay.push_back(p.decay);
-  const std::vector<int> order = canonical_order(decay);
+  const std::vector<int> order = st.canonical_order();
   std::vector<int> index_of(st.params.size());
   for (int k = 0; k < static_cast<int>(order.size()); ++k) index_of[order[k]] = k;
 
@@ -630,13 +619,7 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
     out[fmt::format("group.{}.params", g)] = Tensor::from_vector<int64_t>(
         group_params[g], {static_cast<int64_t>(group_params[g].size())});
   }
-  // The optimizer's parameter s is segment s in param_groups() order: decay segments first.
-  std::vector<int> seg_order;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
-      if (st.segments[s].decay == (pass == 0)) seg_order.push_back(s);
-    }
-  }
+  const std::vector<int> seg_order = st.optimizer_order();
   CommCause cause("zero gather optimizer state");
   for (int j = 0; j < static_cast<int>(seg_order.size()); ++j) {
     const State::Segment& seg = st.segments[seg_order[j]];
@@ -670,9 +653,7 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
     return;
   }
   NoGradGuard no_grad;
-  std::vector<bool> decay;
-  for (const State::Param& p : st.params) decay.push_back(p.decay);
-  const std::vector<int> order = canonical_order(decay);
+  const std::vector<int> order = st.canonical_order();
   std::vector<int> index_of(st.params.size());
   for (int k = 0; k < static_cast<int>(order.size()); ++k) index_of[order[k]] = k;
 
@@ -696,12 +677,7 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
              "{}: optimizer state dict's group {} holds {} parameters, this model {}", kName, g,
              it->second.numel(), expected);
   }
-  std::vector<int> seg_order;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
-      if (st.segments[s].decay == (pass == 0)) seg_order.push_back(s);
-    }
-  }
+  const std::vector<int> seg_order = st.optimizer_order();
   for (int j = 0; j < static_cast<int>(seg_order.size()); ++j) {
     const State::Segment& seg = st.segments[seg_order[j]];
     // Every member's state names and step must agree (a segment steps as one).
