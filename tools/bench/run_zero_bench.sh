@@ -5,6 +5,7 @@
 #
 #   tools/bench/run_zero_bench.sh                  # dp 2 and 4, the default model, 20 steps
 #   DPS="2 4 8" STEPS=40 tools/bench/run_zero_bench.sh
+#   GPT_ARGS="--layers=12 --heads=12 --width=768 --batch=8" DPS=4 STEPS=3 tools/bench/run_zero_bench.sh
 #
 # On a 2-core machine the ranks share the cores, so tokens/s shows the overhead of the
 # wrappers (and, for stage 3, of gathering per unit), not a speed-up.
@@ -12,6 +13,7 @@ set -euo pipefail
 
 DPS=${DPS:-2 4}
 STEPS=${STEPS:-20}
+GPT_ARGS=${GPT_ARGS:-}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-$(mktemp -d)}
 cd "$ROOT"
@@ -24,7 +26,8 @@ echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for dp in $DPS; do
   for zero in 0 1 2 3; do
     log="$OUT/dp${dp}_zero${zero}.log"
-    "$OUT/gpt" --dp="$dp" --zero="$zero" --steps="$STEPS" --log_every="$STEPS" --val_every=0 \
+    # shellcheck disable=SC2086
+    "$OUT/gpt" $GPT_ARGS --dp="$dp" --zero="$zero" --steps="$STEPS" --log_every="$STEPS" --val_every=0 \
       --val_batches=1 --sample=0 > "$log" 2>&1
     /usr/bin/python3 - "$log" "$dp" "$zero" <<'PY'
 import re, sys
