@@ -133,14 +133,12 @@ struct ZeroDataParallel::State {
     const int next = u == root() ? 0 : u + 1;
     if (options.prefetch && next < root()) gather_async(next);
   }
-  Tensor post_forward(int u, const Tensor& out) {
-    if (u == root()) {
-      if (!GradMode::enabled()) release(u);  // evaluation: nothing left to do
-      return Tensor();
+  void post_forward(int u) {
+    if (u != root()) {
+      release(u);  // reshard after forward; the backward gathers again
+    } else if (!GradMode::enabled()) {
+      release(u);  // evaluation: the root is not needed until the next forward
     }
-    (void)out;
-    release(u);  // reshard after forward; the backward gathers again
-    return Tensor();
   }
   void pre_backward(int u) {
     ensure_gathered(u);
@@ -201,10 +199,42 @@ struct ZeroDataParallel::State {
     CommCause cause(fmt::format("zero reduce_scatter segment {}", s));
     seg.work = comm->reduce_scatter_async(seg.reduced, seg.flat_grad, ReduceOp::avg, seg.counts);
     if (stage() >= 2) {
-      // The full gradients go with the reduction: the buffer lives until it completes.
+      // The full gradients go with the reduction: the buffer lives until it completes. The
+      // previous segment's reduction has had this segment's backward to finish: take its
+      // block now, so at most two full segments are alive at once, not the whole model.
       for (int i : seg.params) params[i].tensor.set_grad(Tensor());
+      if (s > 0) finalize(s - 1);
     }
   }
+  // Waits for segment s's reduction and leaves this rank's block in the shard's gradient.
+  void finalize(int s) {
+    Segment& seg = segments[s];
+    if (!seg.work) return;
+    NoGradGuard no_grad;
+    seg.work->wait();
+    seg.work.reset();
+    const Tensor grad = seg.shard.grad();
+    if (stage() == 1) {
+      // The reduced block lives in this rank's block of the full gradient buffer, which the
+      // next backward overwrites: accumulate inside no_sync() instead.
+      TS_CHECK(!grad.defined(),
+               "{}: stage 1: a second synchronising backward without zero_grad() in between "
+               "(the reduced gradients live in the full gradient buffer; accumulate inside "
+               "no_sync())",
+               kName);
+      const Tensor slice = shard_slice(seg, seg.flat_grad);
+      slice.copy_(seg.reduced);
+      seg.shard.set_grad(slice);
+      for (int i : seg.params) params[i].tensor.set_grad(Tensor());
+    } else if (grad.defined()) {
+      grad.copy_(grad + seg.reduced);
+    } else {
+      seg.shard.set_grad(seg.reduced);
+    }
+    seg.reduced = Tensor();
+    if (stage() >= 2) seg.flat_grad = Tensor();  // freed: each rank keeps its block
+  }
+
   void launch_filled() {
     while (next_launch < static_cast<int>(segments.size()) && segments[next_launch].waiting == 0) {
       launch(next_launch++);
@@ -402,7 +432,7 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
       st.units[u].module->register_forward_hook([weak, u](nn::Module&, const Tensor& out) {
         std::shared_ptr<State> state = weak.lock();
         if (!state) return Tensor();
-        state->post_forward(u, out);
+        state->post_forward(u);
         if (u != state->root() && GradMode::enabled() && out.defined() && out.requires_grad()) {
           // The gradient of the unit's output arrives before any of its backward runs.
           out.register_hook([weak, u](const Tensor&) {
@@ -487,32 +517,7 @@ void ZeroDataParallel::finish() {
     }
   } reset{st};
   while (st.next_launch < static_cast<int>(st.segments.size())) st.launch(st.next_launch++);
-  NoGradGuard no_grad;
-  for (State::Segment& seg : st.segments) {
-    seg.work->wait();
-    seg.work.reset();
-    const Tensor grad = seg.shard.grad();
-    if (st.stage() == 1) {
-      // The reduced block lives in this rank's block of the full gradient buffer.
-      // The reduced block lives in this rank's block of the full gradient buffer, which the
-      // next backward overwrites: accumulate inside no_sync() instead.
-      TS_CHECK(!grad.defined(),
-               "{}: stage 1: a second synchronising backward without zero_grad() in between "
-               "(the reduced gradients live in the full gradient buffer; accumulate inside "
-               "no_sync())",
-               kName);
-      const Tensor slice = st.shard_slice(seg, seg.flat_grad);
-      slice.copy_(seg.reduced);
-      seg.shard.set_grad(slice);
-      for (int i : seg.params) st.params[i].tensor.set_grad(Tensor());
-    } else if (grad.defined()) {
-      grad.copy_(grad + seg.reduced);
-    } else {
-      seg.shard.set_grad(seg.reduced);
-    }
-    seg.reduced = Tensor();
-    if (st.stage() >= 2) seg.flat_grad = Tensor();  // freed: each rank keeps its block
-  }
+  for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) st.finalize(s);
 }
 
 ZeroDataParallel::NoSync::NoSync(ZeroDataParallel& zero) : zero_(zero), previous_(zero.state_->sync) {
@@ -735,6 +740,7 @@ ZeroMemory ZeroDataParallel::memory_report() const {
   m.parameters = t.current(MemoryTag::parameters);
   m.gradients = t.current(MemoryTag::gradients);
   m.optimizer_state = t.current(MemoryTag::optimizer_state);
+  m.gradients_peak = t.peak(MemoryTag::gradients);
   m.gathered_peak = t.peak(MemoryTag::gathered);
   if (st.stage() == 3) {
     for (int u = 0; u < st.root(); ++u) m.largest_unit = std::max(m.largest_unit, st.units[u].bytes);
@@ -757,9 +763,10 @@ std::string ZeroMemory::str() const {
   auto mib = [](double b) { return fmt::format("{:.2f} MiB", b / (1 << 20)); };
   std::string s = fmt::format(
       "memory per rank (ZeRO stage {}, {} ranks, Ψ = {} parameters): parameters {}, gradients "
-      "{}, optimizer state {}; sum {} vs formula {} ({:.3f}x)",
-      stage, ranks, numel, mib(parameters), mib(gradients), mib(optimizer_state),
-      mib(measured()), mib(formula()), measured() / std::max(formula(), 1.0));
+      "{} (peak {}), optimizer state {}; sum {} vs formula {} ({:.3f}x)",
+      stage, ranks, numel, mib(parameters), mib(gradients), mib(gradients_peak),
+      mib(optimizer_state), mib(measured()), mib(formula()),
+      measured() / std::max(formula(), 1.0));
   if (stage == 3) {
     s += fmt::format("; gathered peak {} (root unit {}, largest unit {})", mib(gathered_peak),
                      mib(root_unit), mib(largest_unit));

@@ -62,6 +62,7 @@ struct ZeroMemory {
   int ranks = 1;
   int64_t numel = 0;  // Ψ: parameter elements (each tensor once)
   int64_t parameters = 0, gradients = 0, optimizer_state = 0;  // tagged bytes, now
+  int64_t gradients_peak = 0;  // tagged "gradients" high-water mark (during backward)
   int64_t gathered_peak = 0;   // tagged "gathered" high-water mark (stage 3)
   int64_t largest_unit = 0;    // bytes of the largest gathered unit (stage 3)
   int64_t root_unit = 0;       // bytes of the root unit (stage 3: kept gathered in a step)

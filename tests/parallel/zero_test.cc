@@ -262,6 +262,10 @@ TEST_CASE("zero: stage 3's gathered peak is the root plus two blocks (one withou
       MESSAGE(m.str());
       CHECK(m.gathered_peak == m.root_unit + (prefetch ? 2 : 1) * m.largest_unit);
       CHECK(tracker.current(MemoryTag::gathered) == 0);
+      // Each segment's full gradient buffer is freed once its reduction is taken (at the
+      // latest when the next segment launches): the whole model's never exists at once.
+      CHECK(m.gradients_peak < 4 * m.numel);
+      CHECK(m.gradients_peak >= m.gradients + 4 * 12 * 32 * 32);  // + one block's matrices
     });
   }
 }

@@ -21,8 +21,8 @@ bazel build //models:gpt >&2
 cp -f bazel-bin/models/gpt/gpt "$OUT/gpt"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 
-echo "| dp | stage | parameters | gradients | optimizer state | sum | formula | sum / formula | stage 3 gathered peak | sent per step | in 4Ψ(n-1)/n | tokens/s |"
-echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| dp | stage | parameters | gradients | gradients peak | optimizer state | sum | formula | sum / formula | stage 3 gathered peak | sent per step | in 4Ψ(n-1)/n | tokens/s |"
+echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for dp in $DPS; do
   for zero in 0 1 2 3; do
     log="$OUT/dp${dp}_zero${zero}.log"
@@ -33,13 +33,14 @@ for dp in $DPS; do
 import re, sys
 text = open(sys.argv[1]).read()
 dp, zero = sys.argv[2], sys.argv[3]
-mem = re.search(r"parameters ([\d.]+) MiB, gradients ([\d.]+) MiB, optimizer state ([\d.]+) MiB; "
-                r"sum ([\d.]+) MiB vs formula ([\d.]+) MiB \(([\d.]+)x\)", text)
+mem = re.search(r"parameters ([\d.]+) MiB, gradients ([\d.]+) MiB \(peak ([\d.]+) MiB\), "
+                r"optimizer state ([\d.]+) MiB; sum ([\d.]+) MiB vs formula ([\d.]+) MiB "
+                r"\(([\d.]+)x\)", text)
 peak = re.search(r"gathered peak ([\d.]+) MiB", text)
 comm = re.search(r"([\d.]+) MiB of gradients and parameters = ([\d.]+) x", text)
 tps = re.search(r"; (\d+) training tokens/s", text)
 print(f"| {dp} | {zero} | {mem[1]} MiB | {mem[2]} MiB | {mem[3]} MiB | {mem[4]} MiB | {mem[5]} MiB "
-      f"| {mem[6]} | {peak[1] + ' MiB' if peak else '-'} | {comm[1]} MiB | {comm[2]} | {tps[1]} |")
+      f"| {mem[6]} MiB | {mem[7]} | {peak[1] + ' MiB' if peak else '-'} | {comm[1]} MiB | {comm[2]} | {tps[1]} |")
 PY
   done
 done
