@@ -55,6 +55,9 @@ Loader::Loader(const Tensor& inputs, const Tensor& targets, LoaderOptions option
   TS_CHECK(options_.batch_size > 0, "Loader: batch_size must be positive, got {}",
            options_.batch_size);
   TS_CHECK(options_.prefetch >= 0, "Loader: prefetch must be >= 0, got {}", options_.prefetch);
+  TS_CHECK(options_.world >= 1 && options_.rank >= 0 && options_.rank < options_.world,
+           "Loader: rank {} of world {} is not a rank (need 0 <= rank < world, world >= 1)",
+           options_.rank, options_.world);
   batches_per_epoch_ = options_.drop_last
                            ? num_samples_ / options_.batch_size
                            : (num_samples_ + options_.batch_size - 1) / options_.batch_size;
@@ -92,8 +95,13 @@ Batch Loader::assemble(int64_t epoch, int64_t index, OrderCache& cache) const {
     }
     order = &cache.order;
   }
-  const int64_t begin = index * options_.batch_size;
-  const int64_t count = std::min(options_.batch_size, num_samples_ - begin);
+  int64_t begin = index * options_.batch_size;
+  int64_t count = std::min(options_.batch_size, num_samples_ - begin);
+  if (options_.world > 1) {  // this rank's block of the global batch (array_split)
+    const int64_t base = count / options_.world, extra = count % options_.world;
+    begin += options_.rank * base + std::min<int64_t>(options_.rank, extra);
+    count = base + (options_.rank < extra ? 1 : 0);
+  }
   Batch batch;
   batch.inputs = gather_rows(inputs_, order, begin, count);
   batch.targets = gather_rows(targets_, order, begin, count);

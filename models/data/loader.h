@@ -36,6 +36,12 @@ struct LoaderOptions {
   int64_t batch_size = 64;
   bool shuffle = true;
   uint64_t seed = 0;
+  // Distributed sampling: every rank of `world` sees the same global batches (batch_size
+  // rows, the same order) and takes its slice of each, rank r the r-th of world array_split
+  // blocks (the first blocks one row larger when the rows do not divide), so the slices of
+  // all ranks concatenate to the one-rank batch. Epoch length is the one-rank loader's.
+  int rank = 0;
+  int world = 1;
   // Drop the last, smaller batch of each epoch instead of delivering it.
   bool drop_last = false;
   // Batches assembled ahead on a background thread; 0 assembles on the caller's thread.

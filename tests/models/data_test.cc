@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <memory>
 #include <numeric>
 #include <set>
 #include <stdexcept>
@@ -475,6 +476,42 @@ TEST_CASE("Loader: an error while assembling is rethrown at its batch, position 
     CHECK(b.index == 3);
     CHECK(calls >= 4);
   }
+}
+
+TEST_CASE("Loader: distributed sampling, each rank's slices concatenate to the one-rank batch") {
+  Toy toy(10);
+  for (int world : {2, 3, 4}) {
+    CAPTURE(world);
+    Loader one(toy.inputs, toy.targets, {.batch_size = 4, .seed = 5});
+    std::vector<std::unique_ptr<Loader>> ranks;
+    for (int r = 0; r < world; ++r) {
+      ranks.push_back(std::make_unique<Loader>(
+          toy.inputs, toy.targets, LoaderOptions{.batch_size = 4, .seed = 5, .rank = r, .world = world}));
+      CHECK(ranks.back()->batches_per_epoch() == one.batches_per_epoch());
+    }
+    for (int64_t step = 0; step < 2 * one.batches_per_epoch(); ++step) {
+      Batch want;
+      if (!one.next(want)) REQUIRE(one.next(want));
+      std::vector<int64_t> got;
+      int64_t max_rows = 0, min_rows = 1 << 30;
+      for (auto& loader : ranks) {
+        Batch b;
+        if (!loader->next(b)) REQUIRE(loader->next(b));
+        CHECK(b.epoch == want.epoch);
+        CHECK(b.index == want.index);
+        check_rows_match(b);
+        for (int64_t t : targets_of(b)) got.push_back(t);
+        max_rows = std::max(max_rows, b.inputs.size(0));
+        min_rows = std::min(min_rows, b.inputs.size(0));
+      }
+      CHECK(got == targets_of(want));
+      CHECK(max_rows - min_rows <= 1);  // array_split blocks
+    }
+  }
+  CHECK(contains(error_of([&] {
+                   Loader(toy.inputs, toy.targets, {.batch_size = 4, .rank = 2, .world = 2});
+                 }),
+                 "rank 2 of world 2 is not a rank"));
 }
 
 TEST_CASE("Loader: invalid arguments") {
