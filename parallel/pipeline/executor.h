@@ -1,0 +1,48 @@
+// Runs a pipeline schedule (schedule.h) for one training step on this rank: the forward and
+// backward of this rank's model chunks on each micro-batch, in the schedule's order, with
+// activations and gradients sent to and received from the neighbouring stages' ranks over
+// the pipeline communicator.
+//
+//   PipelineChunks chunks = {[&](const Tensor& x) { return stage0(x); }};   // this rank's
+//   PipelineStep step = run_pipeline(pp, one_f_one_b(pp.size(), m), chunks,
+//                                    [&](int mb) { return inputs[mb]; },      // stage 0
+//                                    [&](const Tensor& out, int mb) { return loss(out, mb); });
+//   opt.step();   // the parameters' .grad hold the gradient of the mean micro-batch loss
+//
+// The loss of the step is the mean of the micro-batch losses, so with equal micro-batches
+// the gradients are those of one backward over the whole batch. Transfers carry their shape
+// and dtype (a small header message), so stages may change shapes. With recompute, each
+// chunk's forward keeps only its input (autograd::checkpoint) and reruns in backward.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "parallel/comm/communicator.h"
+#include "parallel/pipeline/schedule.h"
+
+namespace tessera::parallel::pipeline {
+
+using PipelineChunk = std::function<Tensor(const Tensor&)>;
+using PipelineChunks = std::vector<PipelineChunk>;  // this rank's chunks, in chunk order
+
+struct PipelineOptions {
+  bool recompute = false;  // activation recomputation per chunk
+};
+
+struct PipelineStep {
+  double loss = 0.0;     // the mean micro-batch loss (on every rank: broadcast from the last)
+  int peak_live = 0;     // the most micro-batch chunks whose activations this rank kept
+  std::vector<Action> executed;  // the compute actions, in the order this rank ran them
+};
+
+// Collective over `pp` (every member, the same schedule; pp.size() == schedule.ranks).
+// `input(mb)` is called on the rank of stage 0, `loss(output, mb)` on the rank of the last
+// stage. Gradients accumulate into the parameters' .grad (zero them before the step).
+PipelineStep run_pipeline(Communicator& pp, const Schedule& schedule, const PipelineChunks& chunks,
+                          const std::function<Tensor(int microbatch)>& input,
+                          const std::function<Tensor(const Tensor& output, int microbatch)>& loss,
+                          PipelineOptions options = {});
+
+}  // namespace tessera::parallel::pipeline
