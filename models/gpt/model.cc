@@ -123,6 +123,10 @@ void Gpt::init_weights() {
 }
 
 Tensor Gpt::forward(const Tensor& idx) {
+  return head((*h)(embed(idx)));  // blocks through operator(): ZeRO-3 hooks on each block
+}
+
+Tensor Gpt::embed(const Tensor& idx) {
   TS_CHECK(idx.defined() && idx.dim() == 2 && idx.dtype() == DType::i64,
            "Gpt: expected idx [B, T] of dtype i64, got {}",
            idx.defined() ? fmt::format("{} {}", shape_str(idx.shape()), idx.dtype())
@@ -132,9 +136,11 @@ Tensor Gpt::forward(const Tensor& idx) {
            "Gpt: sequence length {} must be in [1, context = {}] (idx {})", T, config_.context,
            shape_str(idx.shape()));
   const Tensor pos = arange(0, static_cast<double>(T), 1, DType::i64, idx.device());
-  Tensor x = drop->forward(wte->forward(idx) + wpe->forward(pos));  // [B, T, C] + [T, C]
-  x = ln_f->forward((*h)(x));  // through operator(): ZeRO-3 hooks on each block
-  return matmul(x, wte->weight.t());  // tied head: [B, T, C] @ [C, V]
+  return drop->forward(wte->forward(idx) + wpe->forward(pos));  // [B, T, C] + [T, C]
+}
+
+Tensor Gpt::head(const Tensor& x) {
+  return matmul(ln_f->forward(x), wte->weight.t());  // tied head: [B, T, C] @ [C, V]
 }
 
 Tensor Gpt::loss(const Tensor& logits, const Tensor& targets) {

@@ -77,8 +77,13 @@ class Gpt : public nn::Module {
   // for the residual projections (attn.c_proj, mlp.c_proj), zero biases, LayerNorm 1/0.
   explicit Gpt(const GptConfig& config);
 
-  // idx [B, T] i64 with T <= context and values in [0, vocab) -> logits [B, T, vocab].
+  // idx [B, T] i64 with T <= context and values in [0, vocab) -> logits [B, T, vocab]:
+  // head(blocks(embed(idx))), the pieces a pipeline puts on its first and last stages.
   Tensor forward(const Tensor& idx) override;
+  // Token + position embeddings (and dropout): idx [B, T] -> x [B, T, C].
+  Tensor embed(const Tensor& idx);
+  // Final LayerNorm and the tied LM head: x [B, T, C] -> logits [B, T, vocab].
+  Tensor head(const Tensor& x);
   // Mean cross-entropy of logits [B, T, V] against targets [B, T] i64 (over B*T rows).
   static Tensor loss(const Tensor& logits, const Tensor& targets);
 
