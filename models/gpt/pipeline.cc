@@ -18,6 +18,13 @@ int64_t count(const nn::NamedTensors& params) {
   return n;
 }
 
+// A module that only holds children (the stage's share of the GPT's layers).
+class Holder : public nn::Module {
+ public:
+  explicit Holder(std::string type) : nn::Module(std::move(type)) {}
+  void add(const std::string& name, std::shared_ptr<nn::Module> m) { register_module(name, std::move(m)); }
+};
+
 }  // namespace
 
 std::string GptPipeline::layer_name(int layer) const {
@@ -95,6 +102,33 @@ nn::NamedTensors GptPipeline::parameters(Gpt& model, const parallel::pipeline::S
     }
   }
   return out;
+}
+
+std::shared_ptr<nn::Module> GptPipeline::stage_module(Gpt& model,
+                                                      const parallel::pipeline::Schedule& s,
+                                                      int rank) const {
+  auto stage = std::make_shared<Holder>("GptStages");
+  auto blocks = std::make_shared<Holder>("Blocks");
+  bool embed = false, head = false, any_block = false;
+  for (int c = 0; c < s.chunks; ++c) {
+    const int st = s.stage_of(rank, c);
+    for (int l = first_layer[st]; l < end_layer(st); ++l) {
+      if (l == 0) {
+        embed = true;
+      } else if (l == layers - 1) {
+        head = true;
+      } else {
+        blocks->add(std::to_string(l - 1), (*model.h)[l - 1]);
+        any_block = true;
+      }
+    }
+  }
+  // Registration order as in Gpt: wte, wpe, h, ln_f.
+  if (embed || head) stage->add("wte", model.wte);
+  if (embed) stage->add("wpe", model.wpe);
+  if (any_block) stage->add("h", blocks);
+  if (head) stage->add("ln_f", model.ln_f);
+  return stage;
 }
 
 void GptPipeline::sync_tied_gradients(Gpt& model, parallel::Communicator& pp,

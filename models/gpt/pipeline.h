@@ -13,6 +13,7 @@
 // those stages sum its gradient (Megatron's embedding group) before the optimizer step.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,11 @@ struct GptPipeline {
                                             int rank) const;
   // The parameters this rank's stages use (the tied embedding once), for its optimizer.
   nn::NamedTensors parameters(Gpt& model, const parallel::pipeline::Schedule& s, int rank) const;
+  // A module holding this rank's layers under their names in the full model ("wte", "h.3",
+  // "ln_f"), for data parallelism / ZeRO over the ranks that share these stages. It shares
+  // the layers with `model` (nothing is copied).
+  std::shared_ptr<nn::Module> stage_module(Gpt& model, const parallel::pipeline::Schedule& s,
+                                           int rank) const;
   // Collective over pp: sums wte's gradient over the ranks of the first and last stages.
   void sync_tied_gradients(Gpt& model, parallel::Communicator& pp,
                            const parallel::pipeline::Schedule& s) const;
