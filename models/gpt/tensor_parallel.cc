@@ -1,0 +1,181 @@
+#include "models/gpt/tensor_parallel.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "tensor/error.h"
+
+namespace tessera::gpt {
+
+namespace {
+
+using parallel::Placements;
+using parallel::ShardedTensor;
+
+std::vector<std::string> components(const std::string& path) {
+  std::vector<std::string> out;
+  std::stringstream ss(path);
+  for (std::string part; std::getline(ss, part, '.');) out.push_back(part);
+  return out;
+}
+
+bool matches(const std::string& pattern, const std::string& name) {
+  const auto p = components(pattern), n = components(name);
+  if (p.size() != n.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i] != "*" && p[i] != n[i]) return false;
+  }
+  return true;
+}
+
+ShardedTensor linear(const ShardedTensor& x, const ShardedTensor& w, const ShardedTensor& b) {
+  return parallel::matmul(x, parallel::transpose(w, 0, 1)) + b;
+}
+
+}  // namespace
+
+TpPlan megatron_plan() {
+  using parallel::Shard;
+  return {
+      // Column-parallel: output features split. The qkv weight is viewed [3, C, C] so that
+      // each rank holds the q, k and v rows of its own heads.
+      {"h.*.attn.c_attn.weight", {3, -1, -1}, Shard(1)},
+      {"h.*.attn.c_attn.bias", {3, -1}, Shard(1)},
+      {"h.*.mlp.c_fc.weight", {}, Shard(0)},
+      {"h.*.mlp.c_fc.bias", {}, Shard(0)},
+      // Row-parallel: input features split; the product is Partial.
+      {"h.*.attn.c_proj.weight", {}, Shard(1)},
+      {"h.*.mlp.c_proj.weight", {}, Shard(1)},
+  };
+}
+
+TpGpt::TpGpt(const Gpt& model, parallel::MeshPtr mesh, TpPlan plan, std::string tp_axis,
+             std::string batch_axis)
+    : config_(model.config()), mesh_(std::move(mesh)), tp_axis_(std::move(tp_axis)),
+      batch_axis_(std::move(batch_axis)) {
+  const int64_t tp = mesh_->size(tp_axis_);
+  TS_CHECK(config_.heads % tp == 0,
+           "TpGpt: heads ({}) must be divisible by the tp size ({}): each rank computes whole "
+           "heads; tp must divide {}",
+           config_.heads, tp, config_.heads);
+  TS_CHECK(config_.dropout == 0.0, "TpGpt: dropout {} is not supported yet (use 0)",
+           config_.dropout);
+  const int tp_index = mesh_->axis_index(tp_axis_);
+  stream_placements_.assign(mesh_->ndim(), parallel::Replicate());
+  for (int a = 0; a < mesh_->ndim(); ++a) {
+    if (mesh_->axis_name(a) == batch_axis_) stream_placements_[a] = parallel::Shard(0);
+  }
+  const int64_t C = config_.width;
+  for (const auto& [name, t] : model.named_parameters()) {
+    shapes_[name] = t.shape();
+    Placements placements(mesh_->ndim(), parallel::Replicate());
+    Tensor value = t.detach();
+    for (const TpSpec& spec : plan) {
+      if (!matches(spec.pattern, name)) continue;
+      if (!spec.view.empty()) {
+        Shape v = spec.view;
+        for (int64_t& d : v) d = d < 0 ? C : d;
+        value = value.view(v);
+      }
+      placements[tp_index] = spec.placement;
+      break;
+    }
+    ShardedTensor p = parallel::distribute(value.contiguous(), mesh_, placements);
+    p.requires_grad_();
+    params_.emplace(name, p);
+  }
+}
+
+const ShardedTensor& TpGpt::param(const std::string& name) const {
+  auto it = params_.find(name);
+  TS_CHECK(it != params_.end(), "TpGpt: no parameter '{}'", name);
+  return it->second;
+}
+
+Tensor TpGpt::full_grad(const std::string& name) const {
+  const ShardedTensor g = param(name).grad();
+  TS_CHECK(g.local().defined(), "TpGpt: parameter '{}' has no gradient", name);
+  return g.full_tensor().contiguous().view(shapes_.at(name));
+}
+
+ShardedTensor TpGpt::input(const Tensor& t) const {
+  return parallel::distribute(t, mesh_, stream_placements_);
+}
+
+// The residual stream's layout: batch split over dp (when the mesh has it), whole on tp.
+ShardedTensor TpGpt::replicated_on_tp(const ShardedTensor& x) const {
+  return parallel::with_sharding_constraint(x, stream_placements_);
+}
+
+ShardedTensor TpGpt::attention(int64_t i, const ShardedTensor& x) {
+  const std::string p = fmt::format("h.{}.attn.", i);
+  const int64_t B = x.shape()[0], T = x.shape()[1], C = config_.width;
+  const int64_t H = config_.heads, hd = C / H;
+  const ShardedTensor& w3 = param(p + "c_attn.weight");  // [3, C, C]: rows split on tp
+  const ShardedTensor& b3 = param(p + "c_attn.bias");    // [3, C]
+  // One column-parallel product for q, k and v: [B, 1, T, C] @ [3, C, C]^T -> [B, 3, T, C],
+  // its last dim split (each rank: its heads' q, k and v).
+  const ShardedTensor qkv =
+      parallel::matmul(parallel::unsqueeze(x, 1), parallel::transpose(w3, 1, 2)) +
+      parallel::unsqueeze(b3, 1);
+  auto heads_first = [&](int64_t k) {
+    const ShardedTensor t = parallel::squeeze(parallel::slice(qkv, 1, k, k + 1), {1});
+    // [B, T, C] -> [B, H, T, hd]: the split of C (whole heads) becomes a split of H.
+    return parallel::transpose(parallel::view(t, {B, T, H, hd}), 1, 2);
+  };
+  const ShardedTensor q = heads_first(0), k = heads_first(1), v = heads_first(2);
+  ShardedTensor scores =
+      parallel::matmul(q, parallel::transpose(k, 2, 3)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  const Tensor pos = arange(0, static_cast<double>(T), 1, DType::i64);
+  const ShardedTensor mask = parallel::replicate(ge(pos.view({T, 1}), pos.view({1, T})), mesh_);
+  const ShardedTensor neg_inf = parallel::full({}, -std::numeric_limits<double>::infinity(), mesh_,
+                                               Placements(mesh_->ndim(), parallel::Replicate()),
+                                               scores.local().dtype());
+  scores = parallel::call1(OpId::where, {mask, scores, neg_inf});
+  const ShardedTensor y = parallel::matmul(parallel::softmax(scores, -1), v);  // [B, H, T, hd]
+  const ShardedTensor merged = parallel::view(
+      parallel::call1(OpId::clone, {parallel::transpose(y, 1, 2)}), {B, T, C});
+  // Row-parallel: the product is Partial over tp; the residual stream wants it whole (the
+  // all-reduce), then the bias joins once.
+  const ShardedTensor out = replicated_on_tp(
+      parallel::matmul(merged, parallel::transpose(param(p + "c_proj.weight"), 0, 1)));
+  return out + param(p + "c_proj.bias");
+}
+
+ShardedTensor TpGpt::block(int64_t i, const ShardedTensor& x) {
+  const std::string p = fmt::format("h.{}.", i);
+  const Shape c{config_.width};
+  const ShardedTensor h =
+      x + attention(i, parallel::layer_norm(x, c, param(p + "ln_1.weight"), param(p + "ln_1.bias")));
+  const ShardedTensor n = parallel::layer_norm(h, c, param(p + "ln_2.weight"), param(p + "ln_2.bias"));
+  const ShardedTensor up = parallel::gelu(linear(n, param(p + "mlp.c_fc.weight"), param(p + "mlp.c_fc.bias")),
+                                          /*approximate_tanh=*/true);
+  const ShardedTensor down = replicated_on_tp(
+      parallel::matmul(up, parallel::transpose(param(p + "mlp.c_proj.weight"), 0, 1)));
+  return h + (down + param(p + "mlp.c_proj.bias"));
+}
+
+ShardedTensor TpGpt::forward(const Tensor& idx) {
+  TS_CHECK(idx.defined() && idx.dim() == 2 && idx.dtype() == DType::i64,
+           "TpGpt: expected idx [B, T] i64, got {}", idx.defined() ? shape_str(idx.shape()) : "undefined");
+  const int64_t T = idx.size(1);
+  const ShardedTensor pos =
+      parallel::replicate(arange(0, static_cast<double>(T), 1, DType::i64), mesh_);
+  ShardedTensor x = replicated_on_tp(parallel::embedding(param("wte.weight"), input(idx)) +
+                                     parallel::embedding(param("wpe.weight"), pos));
+  for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x);
+  x = parallel::layer_norm(x, {config_.width}, param("ln_f.weight"), param("ln_f.bias"));
+  return parallel::matmul(x, parallel::transpose(param("wte.weight"), 0, 1));
+}
+
+ShardedTensor TpGpt::loss(const Tensor& idx, const Tensor& targets) {
+  const ShardedTensor logits = forward(idx);
+  const int64_t rows = idx.size(0) * idx.size(1);
+  return parallel::cross_entropy(parallel::view(logits, {rows, config_.vocab}),
+                                 parallel::view(input(targets), {rows}));
+}
+
+}  // namespace tessera::gpt

@@ -1,0 +1,72 @@
+// GPT with Megatron-style tensor parallelism, expressed as sharding specs (parallel/): a plan
+// maps parameter paths to a placement on the "tp" mesh axis, and the forward runs the sharded
+// ops, whose rules place the collectives (no hand-written all-reduce).
+//
+//   auto mesh = make_mesh(world, {{"dp", 2}, {"tp", 2}});
+//   TpGpt tp(model, mesh, megatron_plan());            // shards model's parameters
+//   ShardedTensor loss = tp.loss(idx, targets);         // idx, targets [B, T]: S(0) on dp
+//   loss.backward();                                    // tp.param("h.0.mlp.c_fc.weight").grad()
+//
+// The Megatron plan: the fused qkv weight, viewed as [3, C, C], and the MLP's first layer are
+// column-parallel (their output features split over tp, whole heads per rank); the attention
+// and MLP output projections are row-parallel (input features split: a Partial product);
+// everything else is replicated. The forward only annotates the residual stream's layout
+// (with_sharding_constraint: whole on tp); the rules then give Megatron's collectives: the
+// Partial products are all-reduced in forward, and the stream's gradient is all-reduced in
+// backward where it meets the column-parallel weights. Not yet: a vocab-parallel
+// embedding, head and cross-entropy, and sequence parallelism.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "models/gpt/model.h"
+#include "parallel/ops.h"
+
+namespace tessera::gpt {
+
+struct TpSpec {
+  std::string pattern;   // dotted parameter path; "*" matches one component ("h.*.mlp.c_fc.weight")
+  Shape view = {};       // the shape the placement applies to (empty: the parameter's own)
+  parallel::Placement placement = parallel::Replicate();  // on the tp axis
+};
+using TpPlan = std::vector<TpSpec>;
+
+TpPlan megatron_plan();
+
+class TpGpt {
+ public:
+  // Shards `model`'s parameters (every rank passes the same values: one seed). On mesh axes
+  // other than `tp_axis` parameters are Replicate. Error when the heads or the MLP width do
+  // not divide by the tp size (naming the dimension and the sizes that would).
+  TpGpt(const Gpt& model, parallel::MeshPtr mesh, TpPlan plan = megatron_plan(),
+        std::string tp_axis = "tp", std::string batch_axis = "dp");
+
+  // idx [B, T] i64 -> logits [B, T, vocab]. idx is split over batch_axis (when the mesh has
+  // it) and replicated on the others.
+  parallel::ShardedTensor forward(const Tensor& idx);
+  parallel::ShardedTensor loss(const Tensor& idx, const Tensor& targets);
+
+  // The sharded parameter by its path in the single-device model (its view where the plan
+  // gives one).
+  const parallel::ShardedTensor& param(const std::string& name) const;
+  const std::map<std::string, parallel::ShardedTensor>& params() const { return params_; }
+  // The single-device shape of a parameter's gradient, gathered (collective).
+  Tensor full_grad(const std::string& name) const;
+
+ private:
+  parallel::ShardedTensor input(const Tensor& t) const;
+  parallel::ShardedTensor replicated_on_tp(const parallel::ShardedTensor& x) const;
+  parallel::ShardedTensor block(int64_t i, const parallel::ShardedTensor& x);
+  parallel::ShardedTensor attention(int64_t i, const parallel::ShardedTensor& x);
+
+  GptConfig config_;
+  parallel::MeshPtr mesh_;
+  std::string tp_axis_, batch_axis_;
+  parallel::Placements stream_placements_;  // the residual stream: S(0) on dp, R elsewhere
+  std::map<std::string, parallel::ShardedTensor> params_;
+  std::map<std::string, Shape> shapes_;  // single-device shapes
+};
+
+}  // namespace tessera::gpt
