@@ -314,7 +314,8 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     if (!seen) st.params.push_back({name, param});
   }
   for (State::Param& p : st.params) {
-    p.decay = p.tensor.dim() >= 2;  // optim::decay_groups' rule
+    p.decay = options.decay ? options.decay(p.name, p.tensor)
+                            : p.tensor.dim() >= 2;  // optim::decay_groups' rule
     st.numel += p.tensor.numel();
   }
 
@@ -455,7 +456,18 @@ int ZeroDataParallel::stage() const { return state_->options.stage; }
 
 std::vector<optim::ParamGroup> ZeroDataParallel::param_groups(double lr, double weight_decay) const {
   const State& st = *state_;
-  if (st.stage() == 0) return optim::decay_groups(st.named(), lr, weight_decay);
+  if (st.stage() == 0) {  // the module's own parameters, grouped by the decay rule
+    std::vector<optim::ParamGroup> groups(2);
+    groups[0].weight_decay = weight_decay;
+    groups[1].weight_decay = 0.0;
+    groups[0].lr = groups[1].lr = lr;
+    for (const State::Param& p : st.params) {
+      optim::ParamGroup& g = groups[p.decay ? 0 : 1];
+      g.params.push_back(p.tensor);
+      g.names.push_back(p.name);
+    }
+    return groups;
+  }
   std::vector<optim::ParamGroup> groups(2);
   groups[0].weight_decay = weight_decay;
   groups[1].weight_decay = 0.0;

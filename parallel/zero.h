@@ -34,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,10 @@ struct ZeroOptions {
   int64_t bucket_bytes = int64_t{25} << 20;  // stages 0-2: the largest segment
   bool prefetch = true;        // stage 3: launch the next unit's all-gather ahead
   bool check_replicas = true;  // at construction: parameters bitwise equal to rank 0's
+  // Which parameters weight decay applies to (param_groups' group 0); default
+  // optim::decay_groups' rule, dim() >= 2. A wrapper of reshaped shards (tensor parallel)
+  // passes the rule on the original shapes.
+  std::function<bool(const std::string& name, const Tensor& param)> decay = nullptr;
 };
 
 // The formula's and the measured bytes per rank (see memory_report()).

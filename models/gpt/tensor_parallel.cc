@@ -53,7 +53,7 @@ TpPlan megatron_plan() {
 }
 
 TpGpt::TpGpt(const Gpt& model, parallel::MeshPtr mesh, TpPlan plan, std::string tp_axis,
-             std::string batch_axis)
+             std::string batch_axis, const std::function<bool(const std::string&)>& keep)
     : config_(model.config()), mesh_(std::move(mesh)), tp_axis_(std::move(tp_axis)),
       batch_axis_(std::move(batch_axis)) {
   const int64_t tp = mesh_->size(tp_axis_);
@@ -70,6 +70,7 @@ TpGpt::TpGpt(const Gpt& model, parallel::MeshPtr mesh, TpPlan plan, std::string 
   }
   const int64_t C = config_.width;
   for (const auto& [name, t] : model.named_parameters()) {
+    if (keep && !keep(name)) continue;
     shapes_[name] = t.shape();
     Placements placements(mesh_->ndim(), parallel::Replicate());
     Tensor value = t.detach();
@@ -93,6 +94,15 @@ const ShardedTensor& TpGpt::param(const std::string& name) const {
   auto it = params_.find(name);
   TS_CHECK(it != params_.end(), "TpGpt: no parameter '{}'", name);
   return it->second;
+}
+
+void TpGpt::replace_local(const std::string& name, const Tensor& local) {
+  const ShardedTensor& old = param(name);
+  TS_CHECK(local.shape() == old.local().shape() && local.dtype() == old.local().dtype(),
+           "TpGpt::replace_local: '{}' block is {} {}, got {} {}", name,
+           shape_str(old.local().shape()), old.local().dtype(), shape_str(local.shape()),
+           local.dtype());
+  params_.at(name) = ShardedTensor(local, mesh_, old.placements(), old.shape());
 }
 
 Tensor TpGpt::full_grad(const std::string& name) const {
@@ -158,17 +168,30 @@ ShardedTensor TpGpt::block(int64_t i, const ShardedTensor& x) {
   return h + (down + param(p + "mlp.c_proj.bias"));
 }
 
-ShardedTensor TpGpt::forward(const Tensor& idx) {
+ShardedTensor TpGpt::embed(const Tensor& idx) {
   TS_CHECK(idx.defined() && idx.dim() == 2 && idx.dtype() == DType::i64,
            "TpGpt: expected idx [B, T] i64, got {}", idx.defined() ? shape_str(idx.shape()) : "undefined");
   const int64_t T = idx.size(1);
   const ShardedTensor pos =
       parallel::replicate(arange(0, static_cast<double>(T), 1, DType::i64), mesh_);
-  ShardedTensor x = replicated_on_tp(parallel::embedding(param("wte.weight"), input(idx)) +
-                                     parallel::embedding(param("wpe.weight"), pos));
+  return replicated_on_tp(parallel::embedding(param("wte.weight"), input(idx)) +
+                          parallel::embedding(param("wpe.weight"), pos));
+}
+
+ShardedTensor TpGpt::head(const ShardedTensor& x) {
+  const ShardedTensor n =
+      parallel::layer_norm(x, {config_.width}, param("ln_f.weight"), param("ln_f.bias"));
+  return parallel::matmul(n, parallel::transpose(param("wte.weight"), 0, 1));
+}
+
+ShardedTensor TpGpt::stream(const Tensor& x) const {
+  return ShardedTensor(x, mesh_, stream_placements_, x.shape());
+}
+
+ShardedTensor TpGpt::forward(const Tensor& idx) {
+  ShardedTensor x = embed(idx);
   for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x);
-  x = parallel::layer_norm(x, {config_.width}, param("ln_f.weight"), param("ln_f.bias"));
-  return parallel::matmul(x, parallel::transpose(param("wte.weight"), 0, 1));
+  return head(x);
 }
 
 ShardedTensor TpGpt::loss(const Tensor& idx, const Tensor& targets) {

@@ -17,6 +17,7 @@
 // embedding, head and cross-entropy, and sequence parallelism.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -40,25 +41,40 @@ class TpGpt {
   // Shards `model`'s parameters (every rank passes the same values: one seed). On mesh axes
   // other than `tp_axis` parameters are Replicate. Error when the heads or the MLP width do
   // not divide by the tp size (naming the dimension and the sizes that would).
+  // `keep` (when given) selects the parameters to shard, by path: a pipeline stage keeps
+  // only its layers'.
   TpGpt(const Gpt& model, parallel::MeshPtr mesh, TpPlan plan = megatron_plan(),
-        std::string tp_axis = "tp", std::string batch_axis = "dp");
+        std::string tp_axis = "tp", std::string batch_axis = "dp",
+        const std::function<bool(const std::string&)>& keep = nullptr);
 
   // idx [B, T] i64 -> logits [B, T, vocab]. idx is split over batch_axis (when the mesh has
   // it) and replicated on the others.
   parallel::ShardedTensor forward(const Tensor& idx);
   parallel::ShardedTensor loss(const Tensor& idx, const Tensor& targets);
 
+  // The pieces (a pipeline stage runs some of them): embeddings of idx, block i, and the
+  // final LayerNorm with the tied head. The residual stream is whole on tp.
+  parallel::ShardedTensor embed(const Tensor& idx);
+  parallel::ShardedTensor block(int64_t i, const parallel::ShardedTensor& x);
+  parallel::ShardedTensor head(const parallel::ShardedTensor& x);
+  // A plain tensor of the residual stream's global shape (every tp rank the same values) as
+  // a sharded tensor in that layout; differentiable (the gradient reaches `x`).
+  parallel::ShardedTensor stream(const Tensor& x) const;
+
   // The sharded parameter by its path in the single-device model (its view where the plan
   // gives one).
   const parallel::ShardedTensor& param(const std::string& name) const;
   const std::map<std::string, parallel::ShardedTensor>& params() const { return params_; }
+  // Swaps in another handle for a parameter's local block (same shape and values): a wrapper
+  // that registers the blocks in its own module (nn::Module::register_parameter makes new
+  // leaves) hands its handles back, so forward, gradients and updates use those.
+  void replace_local(const std::string& name, const Tensor& local);
   // The single-device shape of a parameter's gradient, gathered (collective).
   Tensor full_grad(const std::string& name) const;
 
  private:
   parallel::ShardedTensor input(const Tensor& t) const;
   parallel::ShardedTensor replicated_on_tp(const parallel::ShardedTensor& x) const;
-  parallel::ShardedTensor block(int64_t i, const parallel::ShardedTensor& x);
   parallel::ShardedTensor attention(int64_t i, const parallel::ShardedTensor& x);
 
   GptConfig config_;

@@ -1,0 +1,191 @@
+#include "models/gpt/parallel3d.h"
+
+#include <fmt/format.h>
+
+#include <set>
+
+#include "models/gpt/pipeline.h"
+#include "models/gpt/tensor_parallel.h"
+#include "optim/adamw.h"
+#include "parallel/comm/comm_log.h"
+#include "parallel/mesh.h"
+#include "parallel/pipeline/executor.h"
+#include "parallel/zero.h"
+#include "tensor/error.h"
+
+namespace tessera::gpt {
+
+namespace {
+
+// A module holding this rank's local shards as parameters (for ZeRO over dp).
+class ShardHolder : public nn::Module {
+ public:
+  ShardHolder() : nn::Module("GptShards") {}
+  Tensor add(const std::string& name, const Tensor& t) { return register_parameter(name, t); }
+};
+
+std::string flat_name(std::string name) {
+  for (char& c : name) {
+    if (c == '.') c = '_';
+  }
+  return name;
+}
+
+}  // namespace
+
+struct Gpt3d::Impl {
+  Gpt& model;
+  Gpt3dOptions o;
+  parallel::CommPtr world;
+  parallel::MeshPtr mesh;     // {pp, dp, tp}
+  parallel::MeshPtr tp_mesh;  // {tp}: this rank's tensor-parallel group
+  parallel::pipeline::Schedule schedule;
+  GptPipeline pipe;
+  std::unique_ptr<TpGpt> tp;
+  std::shared_ptr<ShardHolder> holder;
+  std::unique_ptr<parallel::ZeroDataParallel> zero;
+  std::unique_ptr<optim::AdamW> opt;
+  parallel::CommPtr tied;  // first + last stage ranks with our (dp, tp), when they differ
+  std::set<std::string> mine;  // parameter paths this rank's stages hold
+
+  Impl(Gpt& m, parallel::CommPtr w, Gpt3dOptions options) : model(m), o(std::move(options)), world(std::move(w)) {}
+
+  parallel::Communicator& pp() const { return mesh->group("pp"); }
+  parallel::Communicator& dp() const { return mesh->group("dp"); }
+};
+
+Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
+    : impl_(std::make_unique<Impl>(model, std::move(world), std::move(o))) {
+  Impl& s = *impl_;
+  const Gpt3dOptions& opt = s.o;
+  TS_CHECK(opt.pp >= 1 && opt.dp >= 1 && opt.tp >= 1,
+           "Gpt3d: pp ({}), dp ({}) and tp ({}) must be >= 1", opt.pp, opt.dp, opt.tp);
+  TS_CHECK(s.world->size() == opt.pp * opt.dp * opt.tp,
+           "Gpt3d: pp {} x dp {} x tp {} = {} ranks, but the world has {}", opt.pp, opt.dp,
+           opt.tp, opt.pp * opt.dp * opt.tp, s.world->size());
+  TS_CHECK(opt.zero == 0 || opt.zero == 1,
+           "Gpt3d: ZeRO stage {} with pipeline/tensor parallelism is not supported (0 or 1)",
+           opt.zero);
+  // Everything that can fail on the layout is checked before any collective.
+  s.schedule = parallel::pipeline::make_schedule(opt.schedule, static_cast<int>(opt.pp),
+                                                 static_cast<int>(opt.microbatches),
+                                                 static_cast<int>(opt.chunks));
+  s.pipe = partition_gpt(model, s.schedule.num_stages());
+  TS_CHECK(model.config().heads % opt.tp == 0,
+           "Gpt3d: heads ({}) must be divisible by tp ({}): each rank computes whole heads",
+           model.config().heads, opt.tp);
+
+  s.mesh = parallel::make_mesh(s.world, {{"pp", opt.pp}, {"dp", opt.dp}, {"tp", opt.tp}});
+  s.tp_mesh = parallel::make_mesh(s.mesh->group_ptr(2), {{"tp", opt.tp}});
+  const int pp_rank = s.pp().rank();
+  for (const auto& [name, t] : s.pipe.parameters(model, s.schedule, pp_rank)) s.mine.insert(name);
+  s.tp = std::make_unique<TpGpt>(model, s.tp_mesh, megatron_plan(), "tp", "dp",
+                                 [&](const std::string& name) { return s.mine.count(name) == 1; });
+  s.holder = std::make_shared<ShardHolder>();
+  std::map<std::string, int64_t> dims;  // flat name -> the single-device parameter's dims
+  for (const auto& [name, t] : model.named_parameters()) dims[flat_name(name)] = t.dim();
+  std::vector<std::string> names;
+  for (const auto& [name, p] : s.tp->params()) names.push_back(name);
+  for (const std::string& name : names) {
+    s.tp->replace_local(name, s.holder->add(flat_name(name), s.tp->param(name).local()));
+  }
+  parallel::ZeroOptions zopt;
+  zopt.stage = static_cast<int>(opt.zero);
+  zopt.decay = [dims](const std::string& name, const Tensor&) { return dims.at(name) >= 2; };
+  s.zero = std::make_unique<parallel::ZeroDataParallel>(*s.holder, s.dp(), zopt);
+  optim::AdamWOptions aopt;
+  aopt.lr = opt.lr;
+  aopt.betas = {opt.beta1, opt.beta2};
+  aopt.weight_decay = opt.weight_decay;
+  s.opt = std::make_unique<optim::AdamW>(s.zero->param_groups(opt.lr, opt.weight_decay), aopt);
+
+  const int first = s.schedule.rank_of(0), last = s.schedule.rank_of(s.schedule.num_stages() - 1);
+  const bool member = pp_rank == first || pp_rank == last;
+  const int64_t dp_rank = s.dp().rank(), tp_rank = s.tp_mesh->group(0).rank();
+  const int color = member ? static_cast<int>(dp_rank * opt.tp + tp_rank)
+                           : static_cast<int>(opt.dp * opt.tp + s.world->rank());
+  parallel::CommPtr group = s.world->split(color, s.world->rank(), "embedding");
+  if (member && first != last) s.tied = group;
+}
+
+Gpt3d::~Gpt3d() = default;
+
+double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
+  Impl& s = *impl_;
+  const int64_t B = idx.size(0), m = s.o.microbatches;
+  TS_CHECK(B % (s.o.dp * m) == 0,
+           "Gpt3d: a batch of {} rows does not split into dp {} x {} micro-batches", B, s.o.dp, m);
+  const int64_t rows = B / (s.o.dp * m), base = s.dp().rank() * m * rows;
+  const int last_layer = s.pipe.layers - 1;
+  parallel::pipeline::PipelineChunks chunks;
+  for (int c = 0; c < s.schedule.chunks; ++c) {
+    const int stage = s.schedule.stage_of(s.pp().rank(), c);
+    const int begin = s.pipe.first_layer[stage], end = s.pipe.end_layer(stage);
+    chunks.push_back([&s, begin, end, last_layer](const Tensor& input) {
+      int l = begin;
+      parallel::ShardedTensor x;
+      if (l == 0) {
+        x = s.tp->embed(input);
+        ++l;
+      } else {
+        x = s.tp->stream(input);
+      }
+      for (; l < end; ++l) x = l == last_layer ? s.tp->head(x) : s.tp->block(l - 1, x);
+      return x.local();
+    });
+  }
+  s.opt->set_lr(lr);
+  s.zero->zero_grad();
+  parallel::pipeline::PipelineStep step;
+  {
+    auto guard = s.zero->no_sync();  // micro-batches accumulate; dp reduces once, below
+    step = parallel::pipeline::run_pipeline(
+        s.pp(), s.schedule, chunks, [&](int mb) { return idx.narrow(0, base + mb * rows, rows); },
+        [&](const Tensor& logits, int mb) {
+          return Gpt::loss(logits, targets.narrow(0, base + mb * rows, rows));
+        },
+        {.recompute = s.o.recompute});
+    if (s.tied) {
+      const Tensor g = s.tp->param("wte.weight").local().grad();
+      TS_CHECK(g.defined(), "Gpt3d: the token embedding has no gradient on rank {}", s.world->rank());
+      parallel::CommCause cause("pipeline tied embedding");
+      s.tied->all_reduce(g, parallel::ReduceOp::sum);
+    }
+  }
+  s.zero->finish();
+  s.zero->step(*s.opt);
+  Tensor loss = Tensor::from_vector<double>({step.loss}, {1});
+  s.dp().all_reduce(loss, parallel::ReduceOp::avg);
+  return loss.item<double>();
+}
+
+std::map<std::string, Tensor> Gpt3d::full_parameters() {
+  Impl& s = *impl_;
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, t] : s.model.named_parameters()) {
+    // The first stage (in pipeline order) that holds it.
+    int owner = -1;
+    for (int st = 0; st < s.schedule.num_stages() && owner < 0; ++st) {
+      const int r = s.schedule.rank_of(st);
+      for (const auto& [n, p] : s.pipe.parameters(s.model, s.schedule, r)) {
+        if (n == name) owner = r;
+      }
+    }
+    Tensor full = zeros(t.shape(), t.dtype());
+    if (s.pp().rank() == owner) {
+      full = s.tp->param(name).full_tensor().contiguous().view(t.shape()).clone();
+    }
+    s.pp().broadcast(full, owner);
+    out[name] = full;
+  }
+  return out;
+}
+
+std::string Gpt3d::describe() const {
+  const Impl& s = *impl_;
+  return fmt::format("pp {} x dp {} x tp {}, {}{}, {} micro-batches, ZeRO {}{}: {}", s.o.pp, s.o.dp,
+                     s.o.tp, s.o.schedule, s.o.chunks > 1 ? fmt::format(" ({} chunks)", s.o.chunks) : "",
+                     s.o.microbatches, s.o.zero, s.o.recompute ? ", recompute" : "", s.pipe.str());
+}
+
+}  // namespace tessera::gpt

@@ -1,0 +1,57 @@
+// GPT on a 3-D mesh {pp, dp, tp}: pipeline stages over pp (parallel/pipeline: any schedule,
+// optional recomputation), Megatron tensor parallelism inside each stage over tp (sharding
+// specs, models/gpt/tensor_parallel.h), and data parallelism with ZeRO 0 or 1 over dp
+// (parallel/zero.h) on each rank's local shards.
+//
+//   Gpt model(config);                                   // same seed on every rank
+//   Gpt3d g(model, world, {.pp = 2, .dp = 2, .tp = 2, .schedule = "1f1b", .microbatches = 4});
+//   double loss = g.train_step(idx, targets, lr);        // the global batch, every rank
+//
+// Rank r sits at mesh coordinates (r / (dp tp), r / tp % dp, r % tp). Each pipeline stage's
+// ranks hold only that stage's layers. The tied token embedding's gradient is summed over
+// the ranks of the first and last stages with the same (dp, tp) coordinates.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "models/gpt/model.h"
+#include "parallel/comm/communicator.h"
+
+namespace tessera::gpt {
+
+struct Gpt3dOptions {
+  int64_t pp = 1, dp = 1, tp = 1;
+  int64_t zero = 0;                // over dp: 0 or 1
+  std::string schedule = "1f1b";   // gpipe, 1f1b or interleaved
+  int64_t chunks = 1;              // model chunks per pipeline rank (interleaved)
+  int64_t microbatches = 1;        // per dp rank and step
+  bool recompute = false;          // activation recomputation per pipeline chunk
+  double lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95;
+};
+
+class Gpt3d {
+ public:
+  // Collective over `world` (size pp x dp x tp). Validates the layout before any work
+  // (heads by tp, stages by layers, micro-batches by pp for interleaving, ZeRO stage).
+  Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions options);
+  ~Gpt3d();
+  Gpt3d(const Gpt3d&) = delete;
+  Gpt3d& operator=(const Gpt3d&) = delete;
+
+  // One optimizer step on the global batch idx/targets [B, T] (the same on every rank; each
+  // dp rank takes its slice, split into micro-batches). Returns the mean loss.
+  double train_step(const Tensor& idx, const Tensor& targets, double lr);
+  // Collective: every parameter of the single-device model, in full, on every rank.
+  std::map<std::string, Tensor> full_parameters();
+  // "pp 2 x dp 2 x tp 2, 1f1b, 4 micro-batches: stage 0: embed h.0 h.1 | stage 1: ..."
+  std::string describe() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tessera::gpt
