@@ -142,7 +142,10 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
     step = parallel::pipeline::run_pipeline(
         s.pp(), s.schedule, chunks, [&](int mb) { return idx.narrow(0, base + mb * rows, rows); },
         [&](const Tensor& logits, int mb) {
-          return Gpt::loss(logits, targets.narrow(0, base + mb * rows, rows));
+          // The last stage's output is this rank's slice of the vocabulary.
+          const Shape full{logits.size(0), logits.size(1), s.model.config().vocab};
+          const parallel::ShardedTensor z(logits, s.tp_mesh, {parallel::Shard(2)}, full);
+          return s.tp->vocab_parallel_loss(z, targets.narrow(0, base + mb * rows, rows)).local();
         },
         {.recompute = s.o.recompute});
     if (s.tied) {

@@ -46,6 +46,9 @@ TpPlan megatron_plan() {
       {"h.*.attn.c_attn.bias", {3, -1}, Shard(1)},
       {"h.*.mlp.c_fc.weight", {}, Shard(0)},
       {"h.*.mlp.c_fc.bias", {}, Shard(0)},
+      // Vocab-parallel: the token embedding's rows (the lookup is a masked local gather, a
+      // Partial sum) and, tied, the LM head's output features (logits split over the vocab).
+      {"wte.weight", {}, Shard(0)},
       // Row-parallel: input features split; the product is Partial.
       {"h.*.attn.c_proj.weight", {}, Shard(1)},
       {"h.*.mlp.c_proj.weight", {}, Shard(1)},
@@ -195,10 +198,32 @@ ShardedTensor TpGpt::forward(const Tensor& idx) {
 }
 
 ShardedTensor TpGpt::loss(const Tensor& idx, const Tensor& targets) {
-  const ShardedTensor logits = forward(idx);
-  const int64_t rows = idx.size(0) * idx.size(1);
-  return parallel::cross_entropy(parallel::view(logits, {rows, config_.vocab}),
-                                 parallel::view(input(targets), {rows}));
+  return vocab_parallel_loss(forward(idx), targets);
+}
+
+ShardedTensor TpGpt::vocab_parallel_loss(const ShardedTensor& logits, const Tensor& targets) {
+  const int64_t rows = targets.size(0) * targets.size(1), V = config_.vocab;
+  const ShardedTensor z = parallel::view(logits, {rows, V});  // vocab split over tp
+  const ShardedTensor t = parallel::view(input(targets), {rows});
+  // Mean cross-entropy without the full logits on any rank: log-sum-exp from a global max
+  // (a Partial max over the split vocab, reduced) and a global sum of exponentials (a
+  // Partial sum), and the target's logit from a one-hot mask of the local vocabulary slice
+  // (a Partial sum). The max is a constant shift (detached), as in any log-sum-exp.
+  const ShardedTensor m = parallel::with_sharding_constraint(
+      parallel::max(z, {1}, /*keepdim=*/true).detach(), stream_placements_);
+  const ShardedTensor lse =
+      parallel::log(parallel::sum(parallel::exp(z - m), {1}, /*keepdim=*/true)) + m;
+  Placements split_vocab(mesh_->ndim(), parallel::Replicate());
+  split_vocab[mesh_->axis_index(tp_axis_)] = parallel::Shard(0);
+  const ShardedTensor classes =
+      parallel::arange(0, static_cast<double>(V), 1, mesh_, split_vocab, DType::i64);
+  const ShardedTensor one_hot = parallel::cast(
+      parallel::call1(OpId::eq, {parallel::unsqueeze(t, 1), parallel::unsqueeze(classes, 0)}),
+      z.dtype());
+  const ShardedTensor target_logit = parallel::sum(z * one_hot, {1}, /*keepdim=*/true);
+  // A scalar, whole on every rank (a pipeline's last stage reads its local value).
+  return parallel::with_sharding_constraint(parallel::mean(lse - target_logit),
+                                            Placements(mesh_->ndim(), parallel::Replicate()));
 }
 
 }  // namespace tessera::gpt

@@ -10,11 +10,11 @@
 // The Megatron plan: the fused qkv weight, viewed as [3, C, C], and the MLP's first layer are
 // column-parallel (their output features split over tp, whole heads per rank); the attention
 // and MLP output projections are row-parallel (input features split: a Partial product);
-// everything else is replicated. The forward only annotates the residual stream's layout
+// the token embedding and the tied LM head are vocab-parallel, with a cross-entropy that
+// reduces over the split vocabulary; everything else is replicated. The forward only annotates the residual stream's layout
 // (with_sharding_constraint: whole on tp); the rules then give Megatron's collectives: the
 // Partial products are all-reduced in forward, and the stream's gradient is all-reduced in
-// backward where it meets the column-parallel weights. Not yet: a vocab-parallel
-// embedding, head and cross-entropy, and sequence parallelism.
+// backward where it meets the column-parallel weights. Not yet: sequence parallelism.
 #pragma once
 
 #include <functional>
@@ -51,6 +51,10 @@ class TpGpt {
   // it) and replicated on the others.
   parallel::ShardedTensor forward(const Tensor& idx);
   parallel::ShardedTensor loss(const Tensor& idx, const Tensor& targets);
+  // Mean cross-entropy of logits [B, T, V] (split over the vocab on tp) against targets
+  // [B, T]: reductions of the split vocabulary only, never the full logits on one rank.
+  parallel::ShardedTensor vocab_parallel_loss(const parallel::ShardedTensor& logits,
+                                              const Tensor& targets);
 
   // The pieces (a pipeline stage runs some of them): embeddings of idx, block i, and the
   // final LayerNorm with the tied head. The residual stream is whole on tp.
