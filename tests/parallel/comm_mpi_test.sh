@@ -1,14 +1,15 @@
 #!/bin/bash
 # Runs the MPI backend's suite (comm_mpi_main, one copy per rank) under mpirun with NP
 # processes on this machine; fails when any rank fails (mpirun returns the first non-zero
-# exit status) or when the run hangs past 50 s (a rank that failed before a collective leaves
-# its peers waiting in it).
+# exit status) or when the run hangs past TIMEOUT seconds (default 50: a rank that failed
+# before a collective leaves its peers waiting in it).
 #
-#   tests/parallel/comm_mpi_test.sh NP path/to/comm_mpi_main
+#   tests/parallel/comm_mpi_test.sh NP path/to/comm_mpi_main [TIMEOUT]
 set -euo pipefail
 
 np=$1
 bin=$2
+limit=${3:-50}
 
 # Inside Bazel's sandbox: HOME is unset and only TEST_TMPDIR is ours to write (OpenMPI keeps
 # its session directory and shared-memory files under TMPDIR).
@@ -30,4 +31,4 @@ export OMPI_MCA_btl_vader_backing_directory=$scratch
 export OMP_WAIT_POLICY=passive
 export OMP_NUM_THREADS=1
 
-timeout --kill-after=5 50 mpirun --oversubscribe --allow-run-as-root -np "$np" "$bin"
+timeout --kill-after=5 "$limit" mpirun --oversubscribe --allow-run-as-root -np "$np" "$bin"
