@@ -562,6 +562,52 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
   return optim::clip_grads_to_norm(shards, std::sqrt(total.item<double>()), max_norm);
 }
 
+double ZeroDataParallel::local_grad_norm_squared(
+    const std::function<double(const std::string&)>& weight) const {
+  const State& st = *state_;
+  NoGradGuard no_grad;
+  auto sum_sq = [](const Tensor& g) {
+    const Tensor g64 = cast(g, DType::f64);
+    return sum(g64 * g64).item<double>();
+  };
+  double total = 0.0;
+  if (st.stage() == 0) {
+    for (const State::Param& p : st.params) {
+      const Tensor g = p.tensor.grad();
+      const double w = weight(p.name);
+      if (g.defined() && g.numel() > 0 && w != 0.0) total += w * sum_sq(g);
+    }
+    return total;
+  }
+  for (const State::Segment& seg : st.segments) {
+    const Tensor g = seg.shard.grad();
+    if (!g.defined() || seg.shard_numel == 0) continue;
+    for (int i : seg.params) {  // the part of each parameter inside this rank's block
+      const State::Param& p = st.params[i];
+      const int64_t lo = std::max(p.offset, seg.shard_start);
+      const int64_t hi = std::min(p.offset + p.tensor.numel(), seg.shard_start + seg.shard_numel);
+      const double w = weight(p.name);
+      if (lo < hi && w != 0.0) total += w * sum_sq(g.narrow(0, lo - seg.shard_start, hi - lo));
+    }
+  }
+  return total;
+}
+
+void ZeroDataParallel::scale_grads(double coef) {
+  State& st = *state_;
+  NoGradGuard no_grad;
+  std::vector<Tensor> owned;
+  if (st.stage() == 0) {
+    for (const State::Param& p : st.params) owned.push_back(p.tensor);
+  } else {
+    for (const State::Segment& seg : st.segments) owned.push_back(seg.shard);
+  }
+  for (const Tensor& t : owned) {
+    const Tensor g = t.grad();
+    if (g.defined() && g.numel() > 0) copy_(g, g * coef);
+  }
+}
+
 void ZeroDataParallel::step(optim::Optimizer& optimizer) {
   State& st = *state_;
   {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <set>
 
 #include "models/gpt/pipeline.h"
@@ -156,10 +157,38 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
     }
   }
   s.zero->finish();
+  if (s.o.clip > 0) clip_grad_norm();
   s.zero->step(*s.opt);
   Tensor loss = Tensor::from_vector<double>({step.loss}, {1});
   s.dp().all_reduce(loss, parallel::ReduceOp::avg);
   return loss.item<double>();
+}
+
+double Gpt3d::clip_grad_norm() {
+  Impl& s = *impl_;
+  // Every element of the single-device gradient counted once over the whole world: a
+  // parameter whole on tp only on tp rank 0, the tied embedding only on the first stage,
+  // and under ZeRO 0 (replicas) only on dp rank 0; ZeRO 1's shards are disjoint over dp.
+  const int tp_rank = s.tp_mesh->group(0).rank(), dp_rank = s.dp().rank();
+  const bool first_stage = s.pp().rank() == s.schedule.rank_of(0);
+  std::map<std::string, double> weight;
+  for (const auto& [name, p] : s.tp->params()) {
+    double w = 1.0;
+    if (p.placements()[0].is_replicate() && tp_rank != 0) w = 0.0;
+    if (name == "wte.weight" && !first_stage) w = 0.0;
+    if (s.o.zero == 0 && dp_rank != 0) w = 0.0;
+    weight[flat_name(name)] = w;
+  }
+  Tensor total = Tensor::from_vector<double>(
+      {s.zero->local_grad_norm_squared([&](const std::string& n) { return weight.at(n); })}, {1});
+  {
+    parallel::CommCause cause("gpt3d clip_grad_norm");
+    s.world->all_reduce(total, parallel::ReduceOp::sum);
+  }
+  const double norm = std::sqrt(total.item<double>());
+  // optim::clip_grad_norm's rule: scale by max / (norm + 1e-6) when above the limit.
+  if (std::isfinite(norm) && s.o.clip / (norm + 1e-6) < 1.0) s.zero->scale_grads(s.o.clip / (norm + 1e-6));
+  return norm;
 }
 
 std::map<std::string, Tensor> Gpt3d::full_parameters() {

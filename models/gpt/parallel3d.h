@@ -28,6 +28,7 @@ struct Gpt3dOptions {
   int64_t chunks = 1;              // model chunks per pipeline rank (interleaved)
   int64_t microbatches = 1;        // per dp rank and step
   bool recompute = false;          // activation recomputation per pipeline chunk
+  double clip = 0.0;               // max global gradient norm (over every rank); 0: off
   double lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95;
 };
 
@@ -43,6 +44,9 @@ class Gpt3d {
   // One optimizer step on the global batch idx/targets [B, T] (the same on every rank; each
   // dp rank takes its slice, split into micro-batches). Returns the mean loss.
   double train_step(const Tensor& idx, const Tensor& targets, double lr);
+  // Collective (after the reduction, called by train_step when clip > 0): scales the
+  // gradients so that the norm of the whole model's gradient is at most clip; returns it.
+  double clip_grad_norm();
   // Collective: every parameter of the single-device model, in full, on every rank.
   std::map<std::string, Tensor> full_parameters();
   // "pp 2 x dp 2 x tp 2, 1f1b, 4 micro-batches: stage 0: embed h.0 h.1 | stage 1: ..."

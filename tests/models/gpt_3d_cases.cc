@@ -5,6 +5,7 @@
 
 #include "models/data/text.h"
 #include "optim/adamw.h"
+#include "optim/clip.h"
 #include "tensor/random.h"
 
 namespace tessera::gpt::testing3d {
@@ -14,6 +15,7 @@ namespace {
 constexpr int kSteps = 10, kMicro = 8, kLayers = 6;  // 8 pipeline layers: up to 8 stages
 constexpr int64_t kBatch = 64, kContext = 8;         // 8 micro-batches x up to 8 dp ranks
 constexpr double kLr = 1e-2, kWd = 0.1;
+constexpr double kClip = 0.5;  // below the gradient norm of the first steps: clipping acts
 
 std::shared_ptr<Gpt> make_gpt() {
   manual_seed(0);
@@ -45,6 +47,8 @@ Run reference() {
     Tensor loss = Gpt::loss((*model)(b.idx), b.targets);
     run.losses.push_back(loss.item<double>());
     loss.backward();
+    const double norm = optim::clip_grad_norm(model->parameters(), kClip);
+    if (step == 0) CHECK(norm > kClip);  // the clipping is exercised
     opt.step();
   }
   for (const auto& [name, t] : model->named_parameters()) run.params[name] = t.to_vector<double>();
@@ -84,7 +88,7 @@ int check_factorisations(parallel::CommPtr world, const Run& ref) {
           const Gpt3dOptions o{.pp = pp, .dp = dp, .tp = tp, .zero = zero, .schedule = name,
                                .chunks = chunks, .microbatches = kMicro,
                                .recompute = (pp + dp + zero) % 2 == 1,  // half the runs
-                               .lr = kLr, .weight_decay = kWd};
+                               .clip = kClip, .lr = kLr, .weight_decay = kWd};
           const Run r = train_3d(world, o);
           double loss_err = 0, param_err = 0;
           REQUIRE(r.losses.size() == ref.losses.size());
