@@ -2,6 +2,7 @@
 //     [--steps=N] [--lr=LR] [--precision=f32|bf16|f16] [--data=FILE|DIR] [--save=PATH]
 //     [--resume=PATH] [--metrics=PATH] [--sample=N] [--dp=N --zero=0..3 --accum=K] ...
 //   mpirun -np 2 bazel-bin/models/gpt/gpt --dp=2 --zero=3   (one process per rank)
+//   bazel run //models:gpt -- --pp=2 --dp=2 --tp=2 --microbatches=4 --schedule=1f1b
 // Trains a byte-level GPT on text (Debian's fortunes by default), reports the validation
 // loss and prints a sample (--help lists all flags).
 #include <cstdio>
@@ -48,6 +49,12 @@ int main(int argc, char** argv) {
   f.bind("dp", c.dp, "data-parallel ranks (threads here; under mpirun: the process count)");
   f.bind("zero", c.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
   f.bind("accum", c.accum, "micro-batches per step (gradient accumulation)");
+  f.bind("pp", c.pp, "pipeline stages (ranks: pp x dp x tp)");
+  f.bind("tp", c.tp, "tensor-parallel ranks (Megatron: must divide --heads)");
+  f.bind("microbatches", c.microbatches, "with --pp/--tp: micro-batches per dp rank per step");
+  f.bind("schedule", c.schedule, "pipeline schedule: gpipe, 1f1b or interleaved");
+  f.bind("chunks", c.chunks, "model chunks per pipeline rank (interleaved)");
+  f.bind("recompute", c.recompute, "activation recomputation per pipeline chunk");
   bool quiet = false;
   f.bind("quiet", quiet, "no progress output");
   try {

@@ -23,6 +23,7 @@
 #include "parallel/comm/mpi.h"
 #include "parallel/comm/threads.h"
 #include "parallel/zero.h"
+#include "models/gpt/parallel3d.h"
 #include "tensor/allocator.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
@@ -435,12 +436,158 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   return result;
 }
 
+// One rank's part of a pipeline / tensor-parallel run (Gpt3d). Validation and the sample
+// use the full parameters, gathered into a single-device model on rank 0.
+GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
+  TS_CHECK(config.precision == "f32", "gpt: --pp/--tp run in f32 for now, got --precision={}",
+           config.precision);
+  TS_CHECK(config.save.empty() && config.resume.empty(),
+           "gpt: --save/--resume are not yet supported with --pp/--tp");
+  TS_CHECK(config.accum == 1, "gpt: with --pp/--tp use --microbatches, not --accum");
+  TS_CHECK(config.dropout == 0.0, "gpt: --dropout is not yet supported with --pp/--tp");
+  const GptConfig mconfig = config.model_config();
+  mconfig.validate();
+  if (config.threads > 0) cpu::set_num_threads(static_cast<int>(config.threads));
+  const bool lead = world->rank() == 0, verbose = config.verbose && lead;
+  models::Progress progress;
+  auto say = [&](const std::string& line) {
+    if (verbose) progress.print(line);
+  };
+  const data::TextCorpus corpus =
+      data::load_text(config.data.empty() ? data::kFortunesDir : config.data);
+  const uint64_t seed = static_cast<uint64_t>(config.seed);
+  const data::TextWindows train(corpus, data::TextSplit::train, seed);
+  const data::TextWindows val(corpus, data::TextSplit::val, seed);
+  manual_seed(seed);
+  Gpt model(mconfig);
+  Gpt3dOptions o;
+  o.pp = config.pp;
+  o.dp = config.dp;
+  o.tp = config.tp;
+  o.zero = config.zero;
+  o.schedule = config.schedule;
+  o.chunks = config.chunks;
+  o.microbatches = config.microbatches;
+  o.recompute = config.recompute;
+  o.clip = config.clip;
+  o.lr = config.lr;
+  o.weight_decay = config.weight_decay;
+  o.beta1 = config.beta1;
+  o.beta2 = config.beta2;
+  Gpt3d g(model, world, o);
+  const optim::WarmupCosineLr schedule(config.lr, std::min(config.warmup, config.steps / 2),
+                                       config.steps, config.lr * config.min_lr_ratio);
+  const int64_t stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps)
+                                               : config.steps;
+  const int64_t tokens_per_step = config.batch * config.context;
+  say(fmt::format("gpt: {} layers, {} heads, width {}, context {} ({} parameters); batch {}, {} "
+                  "steps, AdamW lr {}; {} ({} backend)",
+                  config.layers, config.heads, config.width, config.context,
+                  model.num_parameters(), config.batch, config.steps, config.lr, g.describe(),
+                  world->backend()));
+  models::MetricsWriter metrics;
+  if (!config.metrics.empty() && lead) metrics = models::MetricsWriter(config.metrics, false);
+  // Rank 0 evaluates a single-device copy of the gathered parameters (collective gather).
+  Gpt eval_model(mconfig);
+  auto gathered = [&] {
+    const std::map<std::string, Tensor> full = g.full_parameters();
+    if (lead) eval_model.load_state_dict(nn::StateDict(full.begin(), full.end()));
+  };
+  auto validate = [&](int64_t step) {
+    gathered();
+    if (!lead) return 0.0;
+    const double loss =
+        evaluate(eval_model, val, config.batch, config.context, config.val_batches, DType::f32);
+    metrics.write({{"step", step}, {"val_loss", loss}});
+    return loss;
+  };
+  GptResult result;
+  double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0;
+  int64_t window_steps = 0, step = 0;
+  while (step < stop_at) {
+    const Clock::time_point t0 = Clock::now();
+    const double lr = schedule.lr(step);
+    const data::TextBatch batch = train.get(step, config.batch, config.context);
+    const double loss = g.train_step(batch.idx, batch.targets, lr);
+    ++step;
+    const double dt = models::seconds_since(t0);
+    train_seconds += dt;
+    window_seconds += dt;
+    window_loss += loss;
+    ++window_steps;
+    result.losses.push_back(loss);
+    if (step % config.log_every == 0 || step == stop_at) {
+      const double tps = window_steps * tokens_per_step / window_seconds;
+      metrics.write({{"step", step}, {"loss", loss}, {"lr", lr}, {"tokens_per_s", tps}});
+      result.train_loss = window_loss / window_steps;
+      if (verbose) {
+        progress.update(fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tokens/s  ETA {}",
+                                    step, stop_at, result.train_loss, lr, tps,
+                                    models::format_duration((stop_at - step) * train_seconds / step)));
+      }
+      window_seconds = window_loss = 0.0;
+      window_steps = 0;
+    }
+    if (config.val_every > 0 && step % config.val_every == 0 && step < stop_at) {
+      const double v = validate(step);
+      result.val_losses.emplace_back(step, v);
+      if (verbose) {
+        progress.update(fmt::format("step {}/{}  val loss {:.4f}", step, stop_at, v), true);
+        progress.finish();
+      }
+    }
+  }
+  result.val_loss = validate(step);
+  result.val_losses.emplace_back(step, result.val_loss);
+  result.steps = step;
+  result.tokens_per_s = step > 0 ? step * tokens_per_step / train_seconds : 0.0;
+  say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training tokens/s",
+                  result.val_loss, result.train_loss, step, result.tokens_per_s));
+  if (config.sample_length > 0 && lead) {
+    SampleOptions so;
+    so.length = config.sample_length;
+    so.temperature = config.temperature;
+    so.top_k = config.top_k;
+    so.seed = seed;
+    const std::string prompt = config.prompt.empty() ? std::string("\n") : config.prompt;
+    result.sample = sample(eval_model, prompt, so);
+    say(fmt::format("sample (temperature {:g}, top-k {}, seed {}):\n{}{}\n", config.temperature,
+                    config.top_k, config.seed, prompt, result.sample));
+  }
+  return result;
+}
+
 }  // namespace
 
 GptResult train_gpt(const GptTrainConfig& config) {
   TS_CHECK(config.dp >= 1, "gpt: --dp must be at least 1, got {}", config.dp);
   TS_CHECK(config.zero >= 0 && config.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}",
            config.zero);
+  if (config.pp > 1 || config.tp > 1) {
+    const int64_t ranks = config.pp * config.dp * config.tp;
+    if (parallel::mpi_launched()) {
+      parallel::CommPtr world = parallel::mpi_world();
+      TS_CHECK(world->size() == ranks,
+               "gpt: started by mpirun with {} processes but --pp {} x --dp {} x --tp {} = {}",
+               world->size(), config.pp, config.dp, config.tp, ranks);
+      if (config.threads <= 0) {
+        cpu::set_num_threads(
+            std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world->size()));
+      }
+      return train_rank_3d(config, world);
+    }
+    GptResult result;
+    parallel::ThreadsOptions topt;
+    topt.kernel_threads = static_cast<int>(config.threads);
+    parallel::run_threads(
+        static_cast<int>(ranks),
+        [&](parallel::CommPtr world) {
+          GptResult r = train_rank_3d(config, world);
+          if (world->rank() == 0) result = std::move(r);
+        },
+        topt);
+    return result;
+  }
   TS_CHECK(config.precision != "f16" || (config.dp == 1 && config.zero == 0),
            "gpt: --precision=f16 runs on one rank only (the loss scaler's overflow check is "
            "not yet global); use bf16 with --dp > 1 or --zero > 0");

@@ -64,6 +64,16 @@ struct GptTrainConfig {
   int64_t dp = 1;
   int64_t zero = 0;
   int64_t accum = 1;
+  // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
+  // (ZeRO 0 or 1 over dp), `microbatches` per dp rank and step run by `schedule` (gpipe,
+  // 1f1b, interleaved with `chunks` model chunks per rank), optional recomputation. f32
+  // without dropout; checkpoints are not yet written or read on this path.
+  int64_t pp = 1;
+  int64_t tp = 1;
+  int64_t microbatches = 1;
+  std::string schedule = "1f1b";
+  int64_t chunks = 1;
+  bool recompute = false;
   bool verbose = true;            // progress line and summary on stdout
 
   GptConfig model_config() const;

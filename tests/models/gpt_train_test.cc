@@ -236,6 +236,48 @@ TEST_CASE("--dp --zero --accum: the same losses as one rank; checkpoints move be
   CHECK(contains(error_of([&] { train_gpt(c); }), "--precision=f16 runs on one rank only"));
 }
 
+TEST_CASE("--pp --dp --tp: the same losses as one rank; layouts that cannot work are errors") {
+  GptTrainConfig c = tiny();
+  c.layers = 2;
+  c.steps = 8;
+  c.val_every = 0;
+  c.val_batches = 2;
+  c.sample_length = 10;
+  c.threads = 1;
+  const GptResult one = train_gpt(c);
+  for (auto [pp, dp, tp, schedule] :
+       {std::tuple{2, 2, 2, "1f1b"}, std::tuple{2, 1, 2, "interleaved"}, std::tuple{4, 1, 1, "gpipe"}}) {
+    CAPTURE(pp);
+    CAPTURE(dp);
+    CAPTURE(tp);
+    CAPTURE(schedule);
+    c.pp = pp;
+    c.dp = dp;
+    c.tp = tp;
+    c.schedule = schedule;
+    c.chunks = std::string(schedule) == "interleaved" ? 2 : 1;
+    c.microbatches = 4 / dp;
+    c.recompute = pp == 4;
+    const GptResult r = train_gpt(c);
+    REQUIRE(r.losses.size() == one.losses.size());
+    for (size_t i = 0; i < one.losses.size(); ++i) {
+      CHECK(std::abs(r.losses[i] - one.losses[i]) <= 1e-5 * std::abs(one.losses[i]));
+    }
+    CHECK(std::abs(r.val_loss - one.val_loss) <= 1e-5 * one.val_loss);
+    CHECK(r.sample.size() == 10);
+  }
+  c = tiny();
+  c.pp = 2;
+  c.save = temp_dir() + "/gpt_pp.safetensors";
+  CHECK(contains(error_of([&] { train_gpt(c); }), "--save/--resume are not yet supported with --pp/--tp"));
+  c = tiny();
+  c.tp = 4;  // 2 heads
+  CHECK(contains(error_of([&] { train_gpt(c); }), "heads (2) must be divisible by tp (4)"));
+  c = tiny();
+  c.pp = 4;  // 1 block: 3 pipeline layers
+  CHECK(contains(error_of([&] { train_gpt(c); }), "4 stages for 3 layers"));
+}
+
 TEST_CASE("--data=FILE, and errors: bad flags, too little text, mismatched checkpoints") {
   const std::string file = temp_dir() + "/gpt_small.txt";
   {
