@@ -67,10 +67,11 @@ TpGpt::TpGpt(const Gpt& model, parallel::MeshPtr mesh, TpPlan plan, std::string 
   TS_CHECK(config_.dropout == 0.0, "TpGpt: dropout {} is not supported yet (use 0)",
            config_.dropout);
   const int tp_index = mesh_->axis_index(tp_axis_);
-  stream_placements_.assign(mesh_->ndim(), parallel::Replicate());
+  column_placements_.assign(mesh_->ndim(), parallel::Replicate());
   for (int a = 0; a < mesh_->ndim(); ++a) {
-    if (mesh_->axis_name(a) == batch_axis_) stream_placements_[a] = parallel::Shard(0);
+    if (mesh_->axis_name(a) == batch_axis_) column_placements_[a] = parallel::Shard(0);
   }
+  stream_placements_ = column_placements_;
   const int64_t C = config_.width;
   for (const auto& [name, t] : model.named_parameters()) {
     if (keep && !keep(name)) continue;
@@ -115,12 +116,32 @@ Tensor TpGpt::full_grad(const std::string& name) const {
 }
 
 ShardedTensor TpGpt::input(const Tensor& t) const {
-  return parallel::distribute(t, mesh_, stream_placements_);
+  return parallel::distribute(t, mesh_, column_placements_);
 }
 
-// The residual stream's layout: batch split over dp (when the mesh has it), whole on tp.
-ShardedTensor TpGpt::replicated_on_tp(const ShardedTensor& x) const {
+// The residual stream's layout: batch split over dp (when the mesh has it); on tp whole, or
+// with sequence parallelism split along the sequence.
+ShardedTensor TpGpt::to_stream(const ShardedTensor& x) const {
   return parallel::with_sharding_constraint(x, stream_placements_);
+}
+
+// What a column-parallel product (and the head) takes: the stream whole on tp. With sequence
+// parallelism this is the all-gather entering the tensor-parallel region; without, a no-op.
+ShardedTensor TpGpt::column_input(const ShardedTensor& x) const {
+  return parallel::with_sharding_constraint(x, column_placements_);
+}
+
+ShardedTensor TpGpt::region(const std::function<ShardedTensor()>& fn) const {
+  if (region_tracker_ == nullptr) return fn();
+  MemoryScope scope(region_tracker_);
+  return fn();
+}
+
+void TpGpt::set_sequence_parallel(bool on, MemoryTracker* region_tracker) {
+  sequence_parallel_ = on;
+  region_tracker_ = region_tracker;
+  stream_placements_ = column_placements_;
+  if (on) stream_placements_[mesh_->axis_index(tp_axis_)] = parallel::Shard(1);
 }
 
 ShardedTensor TpGpt::attention(int64_t i, const ShardedTensor& x) {
@@ -132,7 +153,7 @@ ShardedTensor TpGpt::attention(int64_t i, const ShardedTensor& x) {
   // One column-parallel product for q, k and v: [B, 1, T, C] @ [3, C, C]^T -> [B, 3, T, C],
   // its last dim split (each rank: its heads' q, k and v).
   const ShardedTensor qkv =
-      parallel::matmul(parallel::unsqueeze(x, 1), parallel::transpose(w3, 1, 2)) +
+      parallel::matmul(parallel::unsqueeze(column_input(x), 1), parallel::transpose(w3, 1, 2)) +
       parallel::unsqueeze(b3, 1);
   auto heads_first = [&](int64_t k) {
     const ShardedTensor t = parallel::squeeze(parallel::slice(qkv, 1, k, k + 1), {1});
@@ -153,7 +174,7 @@ ShardedTensor TpGpt::attention(int64_t i, const ShardedTensor& x) {
       parallel::call1(OpId::clone, {parallel::transpose(y, 1, 2)}), {B, T, C});
   // Row-parallel: the product is Partial over tp; the residual stream wants it whole (the
   // all-reduce), then the bias joins once.
-  const ShardedTensor out = replicated_on_tp(
+  const ShardedTensor out = to_stream(
       parallel::matmul(merged, parallel::transpose(param(p + "c_proj.weight"), 0, 1)));
   return out + param(p + "c_proj.bias");
 }
@@ -161,14 +182,23 @@ ShardedTensor TpGpt::attention(int64_t i, const ShardedTensor& x) {
 ShardedTensor TpGpt::block(int64_t i, const ShardedTensor& x) {
   const std::string p = fmt::format("h.{}.", i);
   const Shape c{config_.width};
-  const ShardedTensor h =
-      x + attention(i, parallel::layer_norm(x, c, param(p + "ln_1.weight"), param(p + "ln_1.bias")));
-  const ShardedTensor n = parallel::layer_norm(h, c, param(p + "ln_2.weight"), param(p + "ln_2.bias"));
-  const ShardedTensor up = parallel::gelu(linear(n, param(p + "mlp.c_fc.weight"), param(p + "mlp.c_fc.bias")),
-                                          /*approximate_tanh=*/true);
-  const ShardedTensor down = replicated_on_tp(
-      parallel::matmul(up, parallel::transpose(param(p + "mlp.c_proj.weight"), 0, 1)));
-  return h + (down + param(p + "mlp.c_proj.bias"));
+  // The LayerNorm and residual regions run on the stream's layout (with sequence
+  // parallelism, each rank its part of the sequence); `region` accounts their memory.
+  const ShardedTensor n1 = region([&] {
+    return parallel::layer_norm(x, c, param(p + "ln_1.weight"), param(p + "ln_1.bias"));
+  });
+  const ShardedTensor a = attention(i, n1);
+  const ShardedTensor h = region([&] { return x + a; });
+  const ShardedTensor n2 = region([&] {
+    return parallel::layer_norm(h, c, param(p + "ln_2.weight"), param(p + "ln_2.bias"));
+  });
+  const ShardedTensor up = parallel::gelu(
+      linear(column_input(n2), param(p + "mlp.c_fc.weight"), param(p + "mlp.c_fc.bias")),
+      /*approximate_tanh=*/true);
+  const ShardedTensor down = to_stream(
+      parallel::matmul(up, parallel::transpose(param(p + "mlp.c_proj.weight"), 0, 1))) +
+      param(p + "mlp.c_proj.bias");
+  return region([&] { return h + down; });
 }
 
 ShardedTensor TpGpt::embed(const Tensor& idx) {
@@ -177,17 +207,20 @@ ShardedTensor TpGpt::embed(const Tensor& idx) {
   const int64_t T = idx.size(1);
   const ShardedTensor pos =
       parallel::replicate(arange(0, static_cast<double>(T), 1, DType::i64), mesh_);
-  return replicated_on_tp(parallel::embedding(param("wte.weight"), input(idx)) +
-                          parallel::embedding(param("wpe.weight"), pos));
+  return to_stream(parallel::embedding(param("wte.weight"), input(idx)) +
+                   parallel::embedding(param("wpe.weight"), pos));
 }
 
 ShardedTensor TpGpt::head(const ShardedTensor& x) {
-  const ShardedTensor n =
-      parallel::layer_norm(x, {config_.width}, param("ln_f.weight"), param("ln_f.bias"));
-  return parallel::matmul(n, parallel::transpose(param("wte.weight"), 0, 1));
+  const ShardedTensor n = region([&] {
+    return parallel::layer_norm(x, {config_.width}, param("ln_f.weight"), param("ln_f.bias"));
+  });
+  return parallel::matmul(column_input(n), parallel::transpose(param("wte.weight"), 0, 1));
 }
 
 ShardedTensor TpGpt::stream(const Tensor& x) const {
+  TS_CHECK(!sequence_parallel_, "TpGpt::stream: a plain tensor is the whole stream, which "
+           "sequence parallelism splits");
   return ShardedTensor(x, mesh_, stream_placements_, x.shape());
 }
 
@@ -210,7 +243,7 @@ ShardedTensor TpGpt::vocab_parallel_loss(const ShardedTensor& logits, const Tens
   // Partial sum), and the target's logit from a one-hot mask of the local vocabulary slice
   // (a Partial sum). The max is a constant shift (detached), as in any log-sum-exp.
   const ShardedTensor m = parallel::with_sharding_constraint(
-      parallel::max(z, {1}, /*keepdim=*/true).detach(), stream_placements_);
+      parallel::max(z, {1}, /*keepdim=*/true).detach(), column_placements_);
   const ShardedTensor lse =
       parallel::log(parallel::sum(parallel::exp(z - m), {1}, /*keepdim=*/true)) + m;
   Placements split_vocab(mesh_->ndim(), parallel::Replicate());

@@ -14,7 +14,8 @@
 // reduces over the split vocabulary; everything else is replicated. The forward only annotates the residual stream's layout
 // (with_sharding_constraint: whole on tp); the rules then give Megatron's collectives: the
 // Partial products are all-reduced in forward, and the stream's gradient is all-reduced in
-// backward where it meets the column-parallel weights. Not yet: sequence parallelism.
+// backward where it meets the column-parallel weights. set_sequence_parallel() splits the
+// stream along the sequence instead.
 #pragma once
 
 #include <functional>
@@ -24,6 +25,7 @@
 
 #include "models/gpt/model.h"
 #include "parallel/ops.h"
+#include "tensor/allocator.h"
 
 namespace tessera::gpt {
 
@@ -69,6 +71,14 @@ class TpGpt {
   // gives one).
   const parallel::ShardedTensor& param(const std::string& name) const;
   const std::map<std::string, parallel::ShardedTensor>& params() const { return params_; }
+  // Sequence parallelism (Megatron-LM's, Korthikanti et al.): the residual stream, and with
+  // it the LayerNorms and residual adds, is split along the sequence over tp; it is
+  // all-gathered entering each column-parallel product and the row-parallel products are
+  // reduce-scattered back to it, instead of all-reduced. When `region_tracker` is given,
+  // the allocations of the LayerNorm and residual regions are charged to it (the memory
+  // sequence parallelism divides by tp).
+  void set_sequence_parallel(bool on, MemoryTracker* region_tracker = nullptr);
+
   // Swaps in another handle for a parameter's local block (same shape and values): a wrapper
   // that registers the blocks in its own module (nn::Module::register_parameter makes new
   // leaves) hands its handles back, so forward, gradients and updates use those.
@@ -78,13 +88,18 @@ class TpGpt {
 
  private:
   parallel::ShardedTensor input(const Tensor& t) const;
-  parallel::ShardedTensor replicated_on_tp(const parallel::ShardedTensor& x) const;
+  parallel::ShardedTensor to_stream(const parallel::ShardedTensor& x) const;
+  parallel::ShardedTensor column_input(const parallel::ShardedTensor& x) const;
+  parallel::ShardedTensor region(const std::function<parallel::ShardedTensor()>& fn) const;
   parallel::ShardedTensor attention(int64_t i, const parallel::ShardedTensor& x);
 
   GptConfig config_;
   parallel::MeshPtr mesh_;
   std::string tp_axis_, batch_axis_;
-  parallel::Placements stream_placements_;  // the residual stream: S(0) on dp, R elsewhere
+  parallel::Placements column_placements_;  // S(0) on dp, whole elsewhere
+  parallel::Placements stream_placements_;  // the residual stream: the same, or S(1) on tp
+  bool sequence_parallel_ = false;
+  MemoryTracker* region_tracker_ = nullptr;
   std::map<std::string, parallel::ShardedTensor> params_;
   std::map<std::string, Shape> shapes_;  // single-device shapes
 };

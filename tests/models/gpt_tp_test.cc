@@ -14,6 +14,7 @@
 #include "models/gpt/tensor_parallel.h"
 #include "parallel/comm/comm_log.h"
 #include "parallel/comm/threads.h"
+#include "tensor/allocator.h"
 #include "tensor/random.h"
 #include "tests/testing.h"
 
@@ -88,6 +89,74 @@ TEST_CASE("tensor parallel GPT: loss and every gradient equal one device") {
       }
     });
   }
+}
+
+TEST_CASE("sequence parallel GPT: one device's gradients, all-gather in and reduce-scatter out, "
+          "LayerNorm and residual memory divided by tp") {
+  const data::TextBatch b = batch();
+  const auto ref = make_gpt();
+  const Tensor ref_loss = Gpt::loss((*ref)(b.idx), b.targets);
+  ref_loss.backward();
+  std::map<int64_t, int64_t> sp_bytes;  // tp -> rank 0's region bytes with SP (dp = 1)
+  for (auto [dp, tp] : {std::pair<int64_t, int64_t>{1, 2}, {1, 4}, {2, 2}}) {
+    CAPTURE(dp);
+    CAPTURE(tp);
+    parallel::run_threads(static_cast<int>(dp * tp), [&](parallel::CommPtr world) {
+      auto mesh = parallel::make_mesh(world, {{"dp", dp}, {"tp", tp}});
+      // The region memory alive after forward (what backward keeps), without and with SP.
+      int64_t region_bytes[2] = {0, 0};
+      for (bool sp : {false, true}) {
+        const auto model = make_gpt();
+        TpGpt tpg(*model, mesh);
+        MemoryTracker regions;
+        tpg.set_sequence_parallel(sp, &regions);
+        parallel::CommLog log;
+        parallel::ShardedTensor loss;
+        {
+          parallel::CommLogScope scope(log);
+          loss = tpg.loss(b.idx, b.targets);
+          region_bytes[sp] = regions.current();
+          loss.backward();
+        }
+        CHECK(std::abs(loss.full_tensor().item<double>() - ref_loss.item<double>()) <= 1e-12);
+        for (const auto& [name, t] : ref->named_parameters()) {
+          CAPTURE(name);
+          CHECK(max(abs(tpg.full_grad(name) - t.grad())).item<double>() <= 1e-12);
+        }
+        if (!sp) continue;
+        // Forward on tp: per block an all-gather into the attention's and the MLP's
+        // column-parallel product and a reduce-scatter out of each row-parallel one; the
+        // embedding's Partial lookup is reduce-scattered and the head's input all-gathered.
+        // No activation all-reduce.
+        int gathers = 0, scatters = 0, big_reduces = 0;
+        for (const parallel::CommRecord& r : log.records) {
+          if (r.group != "tp" || r.cause != "with_sharding_constraint") continue;
+          gathers += r.op == "all_gather";
+          scatters += r.op == "reduce_scatter";
+          big_reduces += r.op == "all_reduce" && r.elements > kBatch * kContext;
+        }
+        CAPTURE(log.str());
+        CHECK(gathers == 2 * 2 + 1);
+        CHECK(scatters == 2 * 2 + 1);
+        CHECK(big_reduces == 0);
+      }
+      MESSAGE(fmt::format("dp={} tp={}: LayerNorm/residual bytes alive after forward {} without "
+                          "SP, {} with", dp, tp, region_bytes[0], region_bytes[1]));
+      CHECK(region_bytes[1] > 0);
+      // Without SP the regions also keep the LayerNorm outputs the column-parallel products
+      // save; with SP those are kept gathered, outside the regions: at least a tp-fold drop.
+      CHECK(region_bytes[0] >= tp * region_bytes[1]);
+      if (dp == 1 && world->rank() == 0) sp_bytes[tp] = region_bytes[1];
+    });
+  }
+  // With SP the regions keep what backward needs of them, split along the sequence: per
+  // block the two residual-stream tensors they produce (the LayerNorm inputs h and the
+  // block's output) and both LayerNorms' mean and rstd, plus the final LayerNorm's
+  // statistics; in f64, divided by tp exactly.
+  const int64_t BT = kBatch * kContext, C = 16;
+  const int64_t whole = (2 * (2 * BT * C + 2 * 2 * BT) + 2 * BT) * 8;
+  CHECK(sp_bytes.at(2) * 2 == whole);
+  CHECK(sp_bytes.at(4) * 4 == whole);
 }
 
 TEST_CASE("tensor parallel GPT: heads must divide by tp") {
