@@ -64,8 +64,6 @@ TpGpt::TpGpt(const Gpt& model, parallel::MeshPtr mesh, TpPlan plan, std::string 
            "TpGpt: heads ({}) must be divisible by the tp size ({}): each rank computes whole "
            "heads; tp must divide {}",
            config_.heads, tp, config_.heads);
-  TS_CHECK(config_.dropout == 0.0, "TpGpt: dropout {} is not supported yet (use 0)",
-           config_.dropout);
   const int tp_index = mesh_->axis_index(tp_axis_);
   column_placements_.assign(mesh_->ndim(), parallel::Replicate());
   for (int a = 0; a < mesh_->ndim(); ++a) {
@@ -169,14 +167,16 @@ ShardedTensor TpGpt::attention(int64_t i, const ShardedTensor& x) {
                                                Placements(mesh_->ndim(), parallel::Replicate()),
                                                scores.local().dtype());
   scores = parallel::call1(OpId::where, {mask, scores, neg_inf});
-  const ShardedTensor y = parallel::matmul(parallel::softmax(scores, -1), v);  // [B, H, T, hd]
+  const ShardedTensor weights =
+      parallel::dropout(parallel::softmax(scores, -1), config_.dropout, training_);
+  const ShardedTensor y = parallel::matmul(weights, v);  // [B, H, T, hd]
   const ShardedTensor merged = parallel::view(
       parallel::call1(OpId::clone, {parallel::transpose(y, 1, 2)}), {B, T, C});
   // Row-parallel: the product is Partial over tp; the residual stream wants it whole (the
   // all-reduce), then the bias joins once.
   const ShardedTensor out = to_stream(
       parallel::matmul(merged, parallel::transpose(param(p + "c_proj.weight"), 0, 1)));
-  return out + param(p + "c_proj.bias");
+  return region([&] { return parallel::dropout(out + param(p + "c_proj.bias"), config_.dropout, training_); });
 }
 
 ShardedTensor TpGpt::block(int64_t i, const ShardedTensor& x) {
@@ -195,9 +195,12 @@ ShardedTensor TpGpt::block(int64_t i, const ShardedTensor& x) {
   const ShardedTensor up = parallel::gelu(
       linear(column_input(n2), param(p + "mlp.c_fc.weight"), param(p + "mlp.c_fc.bias")),
       /*approximate_tanh=*/true);
-  const ShardedTensor down = to_stream(
-      parallel::matmul(up, parallel::transpose(param(p + "mlp.c_proj.weight"), 0, 1))) +
-      param(p + "mlp.c_proj.bias");
+  const ShardedTensor down = region([&] {
+    return parallel::dropout(
+        to_stream(parallel::matmul(up, parallel::transpose(param(p + "mlp.c_proj.weight"), 0, 1))) +
+            param(p + "mlp.c_proj.bias"),
+        config_.dropout, training_);
+  });
   return region([&] { return h + down; });
 }
 
@@ -207,8 +210,9 @@ ShardedTensor TpGpt::embed(const Tensor& idx) {
   const int64_t T = idx.size(1);
   const ShardedTensor pos =
       parallel::replicate(arange(0, static_cast<double>(T), 1, DType::i64), mesh_);
-  return to_stream(parallel::embedding(param("wte.weight"), input(idx)) +
-                   parallel::embedding(param("wpe.weight"), pos));
+  const ShardedTensor x = to_stream(parallel::embedding(param("wte.weight"), input(idx)) +
+                                    parallel::embedding(param("wpe.weight"), pos));
+  return region([&] { return parallel::dropout(x, config_.dropout, training_); });
 }
 
 ShardedTensor TpGpt::head(const ShardedTensor& x) {

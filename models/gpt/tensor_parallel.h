@@ -78,6 +78,10 @@ class TpGpt {
   // the allocations of the LayerNorm and residual regions are charged to it (the memory
   // sequence parallelism divides by tp).
   void set_sequence_parallel(bool on, MemoryTracker* region_tracker = nullptr);
+  // Dropout (the model's p) runs only in training mode (the default), with the single-device
+  // masks: the sharded op keys each element's draw by its global index, and the calls
+  // advance this thread's generator as the single-device model's do.
+  void set_training(bool on) { training_ = on; }
 
   // Swaps in another handle for a parameter's local block (same shape and values): a wrapper
   // that registers the blocks in its own module (nn::Module::register_parameter makes new
@@ -99,6 +103,7 @@ class TpGpt {
   parallel::Placements column_placements_;  // S(0) on dp, whole elsewhere
   parallel::Placements stream_placements_;  // the residual stream: the same, or S(1) on tp
   bool sequence_parallel_ = false;
+  bool training_ = true;
   MemoryTracker* region_tracker_ = nullptr;
   std::map<std::string, parallel::ShardedTensor> params_;
   std::map<std::string, Shape> shapes_;  // single-device shapes

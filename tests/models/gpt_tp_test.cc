@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <map>
+#include <tuple>
 #include <string>
 
 #include "models/data/text.h"
@@ -23,10 +24,10 @@ namespace {
 
 constexpr int64_t kBatch = 4, kContext = 8;
 
-std::shared_ptr<Gpt> make_gpt(int64_t heads = 4) {
+std::shared_ptr<Gpt> make_gpt(int64_t heads = 4, double dropout = 0.0, int64_t width = 16) {
   manual_seed(0);
-  auto m = std::make_shared<Gpt>(
-      GptConfig{.layers = 2, .heads = heads, .width = 16, .context = kContext, .vocab = 256});
+  auto m = std::make_shared<Gpt>(GptConfig{.layers = 2, .heads = heads, .width = width,
+                                           .context = kContext, .vocab = 256, .dropout = dropout});
   m->to(DType::f64);
   return m;
 }
@@ -157,6 +158,38 @@ TEST_CASE("sequence parallel GPT: one device's gradients, all-gather in and redu
   const int64_t whole = (2 * (2 * BT * C + 2 * 2 * BT) + 2 * BT) * 8;
   CHECK(sp_bytes.at(2) * 2 == whole);
   CHECK(sp_bytes.at(4) * 4 == whole);
+}
+
+TEST_CASE("dropout under TP and SP draws the single-device masks; uneven vocabulary blocks") {
+  const data::TextBatch b = batch();
+  // heads 3, width 24: tp = 3 splits whole heads, and the 256-row vocabulary unevenly (86, 85,
+  // 85); dropout 0.2 everywhere the single-device model has it.
+  for (auto [tp, heads, width, p] : {std::tuple<int64_t, int64_t, int64_t, double>{2, 4, 16, 0.2},
+                                     {3, 3, 24, 0.2}, {3, 3, 24, 0.0}}) {
+    CAPTURE(tp);
+    CAPTURE(p);
+    const auto ref = make_gpt(heads, p, width);
+    manual_seed(42);  // the dropout draws
+    const Tensor ref_loss = Gpt::loss((*ref)(b.idx), b.targets);
+    ref_loss.backward();
+    for (bool sp : {false, true}) {
+      CAPTURE(sp);
+      parallel::run_threads(static_cast<int>(tp), [&](parallel::CommPtr world) {
+        const auto model = make_gpt(heads, p, width);
+        auto mesh = parallel::make_mesh(world, {{"tp", tp}});
+        TpGpt tpg(*model, mesh);
+        tpg.set_sequence_parallel(sp);
+        manual_seed(42);
+        const parallel::ShardedTensor loss = tpg.loss(b.idx, b.targets);
+        loss.backward();
+        CHECK(std::abs(loss.full_tensor().item<double>() - ref_loss.item<double>()) <= 1e-12);
+        for (const auto& [name, t] : ref->named_parameters()) {
+          CAPTURE(name);
+          CHECK(max(abs(tpg.full_grad(name) - t.grad())).item<double>() <= 1e-12);
+        }
+      });
+    }
+  }
 }
 
 TEST_CASE("tensor parallel GPT: heads must divide by tp") {
