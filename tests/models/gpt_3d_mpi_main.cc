@@ -1,7 +1,7 @@
 // GPT on {pp, dp, tp} under MPI: one copy of this binary per rank, started by
 // tests/parallel/comm_mpi_test.sh with mpirun -np 4. Every factorisation of the 4 ranks, each
 // schedule where pp > 1, ZeRO 0 and 1, against the single-device run each process trains
-// itself (f64, 1e-10; tests/models/gpt_3d_cases.h).
+// itself (f64, 1e-10), and in f32 with 1F1B and ZeRO 1 (1e-5; tests/models/gpt_3d_cases.h).
 #include <doctest/doctest.h>
 
 #include "parallel/comm/mpi.h"
@@ -15,6 +15,12 @@ TEST_CASE("3-D over mpi: every pp x dp x tp factorisation of 4 processes equals 
   REQUIRE(world->size() == 4);
   const testing3d::Run ref = testing3d::reference();
   CHECK(testing3d::check_factorisations(world, ref) >= 20);
+}
+
+TEST_CASE("3-D over mpi in f32: every factorisation of 4 processes with 1F1B and ZeRO 1") {
+  parallel::CommPtr world = parallel::mpi_world();
+  const testing3d::Run ref = testing3d::reference(DType::f32);
+  CHECK(testing3d::check_factorisations_f32(world, ref) == 6);
 }
 
 }  // namespace

@@ -27,6 +27,15 @@ TEST_CASE("3-D: every pp x dp x tp factorisation of 8 ranks, each schedule, ZeRO
   CHECK(runs[0] >= 40);
 }
 
+TEST_CASE("3-D in f32: every factorisation of 8 ranks with 1F1B and ZeRO 1 equals one device to 1e-5") {
+  const Run ref = reference(DType::f32);
+  std::vector<int> runs(8);
+  parallel::run_threads(8, [&](parallel::CommPtr world) {
+    runs[world->rank()] = check_factorisations_f32(world, ref);
+  });
+  CHECK(runs[0] == 10);
+}
+
 TEST_CASE("3-D: layouts that cannot work are errors before any step") {
   parallel::run_threads(8, [&](parallel::CommPtr world) {
     manual_seed(0);
