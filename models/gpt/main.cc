@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   f.bind("schedule", c.schedule, "pipeline schedule: gpipe, 1f1b or interleaved");
   f.bind("chunks", c.chunks, "model chunks per pipeline rank (interleaved)");
   f.bind("recompute", c.recompute, "activation recomputation per pipeline chunk");
+  f.bind("sp", c.sp, "sequence parallelism: the residual stream split along the sequence on tp");
   bool quiet = false;
   f.bind("quiet", quiet, "no progress output");
   try {

@@ -85,6 +85,7 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   for (const auto& [name, t] : s.pipe.parameters(model, s.schedule, pp_rank)) s.mine.insert(name);
   s.tp = std::make_unique<TpGpt>(model, s.tp_mesh, megatron_plan(), "tp", "dp",
                                  [&](const std::string& name) { return s.mine.count(name) == 1; });
+  s.tp->set_sequence_parallel(opt.sequence_parallel);
   s.holder = std::make_shared<ShardHolder>();
   std::map<std::string, int64_t> dims;  // flat name -> the single-device parameter's dims
   for (const auto& [name, t] : model.named_parameters()) dims[flat_name(name)] = t.dim();
@@ -125,14 +126,15 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
   for (int c = 0; c < s.schedule.chunks; ++c) {
     const int stage = s.schedule.stage_of(s.pp().rank(), c);
     const int begin = s.pipe.first_layer[stage], end = s.pipe.end_layer(stage);
-    chunks.push_back([&s, begin, end, last_layer](const Tensor& input) {
+    const Shape stream_shape{rows, idx.size(1), s.model.config().width};
+    chunks.push_back([&s, begin, end, last_layer, stream_shape](const Tensor& input) {
       int l = begin;
       parallel::ShardedTensor x;
       if (l == 0) {
         x = s.tp->embed(input);
         ++l;
       } else {
-        x = s.tp->stream(input);
+        x = s.tp->stream(input, stream_shape);  // our block of the previous stage's output
       }
       for (; l < end; ++l) x = l == last_layer ? s.tp->head(x) : s.tp->block(l - 1, x);
       return x.local();
@@ -218,8 +220,9 @@ std::map<std::string, Tensor> Gpt3d::full_parameters() {
 
 std::string Gpt3d::describe() const {
   const Impl& s = *impl_;
-  return fmt::format("pp {} x dp {} x tp {}, {}{}, {} micro-batches, ZeRO {}{}: {}", s.o.pp, s.o.dp,
-                     s.o.tp, s.o.schedule, s.o.chunks > 1 ? fmt::format(" ({} chunks)", s.o.chunks) : "",
+  return fmt::format("pp {} x dp {} x tp {}{}, {}{}, {} micro-batches, ZeRO {}{}: {}", s.o.pp,
+                     s.o.dp, s.o.tp, s.o.sequence_parallel ? " (sequence parallel)" : "",
+                     s.o.schedule, s.o.chunks > 1 ? fmt::format(" ({} chunks)", s.o.chunks) : "",
                      s.o.microbatches, s.o.zero, s.o.recompute ? ", recompute" : "", s.pipe.str());
 }
 

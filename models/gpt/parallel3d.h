@@ -29,6 +29,7 @@ struct Gpt3dOptions {
   int64_t microbatches = 1;        // per dp rank and step
   bool recompute = false;          // activation recomputation per pipeline chunk
   double clip = 0.0;               // max global gradient norm (over every rank); 0: off
+  bool sequence_parallel = false;  // the residual stream split along the sequence on tp
   double lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95;
 };
 

@@ -222,10 +222,8 @@ ShardedTensor TpGpt::head(const ShardedTensor& x) {
   return parallel::matmul(column_input(n), parallel::transpose(param("wte.weight"), 0, 1));
 }
 
-ShardedTensor TpGpt::stream(const Tensor& x) const {
-  TS_CHECK(!sequence_parallel_, "TpGpt::stream: a plain tensor is the whole stream, which "
-           "sequence parallelism splits");
-  return ShardedTensor(x, mesh_, stream_placements_, x.shape());
+ShardedTensor TpGpt::stream(const Tensor& x, const Shape& global_shape) const {
+  return ShardedTensor(x, mesh_, stream_placements_, global_shape);
 }
 
 ShardedTensor TpGpt::forward(const Tensor& idx) {

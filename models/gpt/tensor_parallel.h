@@ -63,9 +63,10 @@ class TpGpt {
   parallel::ShardedTensor embed(const Tensor& idx);
   parallel::ShardedTensor block(int64_t i, const parallel::ShardedTensor& x);
   parallel::ShardedTensor head(const parallel::ShardedTensor& x);
-  // A plain tensor of the residual stream's global shape (every tp rank the same values) as
-  // a sharded tensor in that layout; differentiable (the gradient reaches `x`).
-  parallel::ShardedTensor stream(const Tensor& x) const;
+  // This rank's block of the residual stream (the whole stream, or with sequence parallelism
+  // its part of the sequence) as a sharded tensor of `global_shape`; differentiable (the
+  // gradient reaches `x`). A pipeline stage wraps what it received with it.
+  parallel::ShardedTensor stream(const Tensor& x, const Shape& global_shape) const;
 
   // The sharded parameter by its path in the single-device model (its view where the plan
   // gives one).

@@ -469,6 +469,7 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   o.chunks = config.chunks;
   o.microbatches = config.microbatches;
   o.recompute = config.recompute;
+  o.sequence_parallel = config.sp;
   o.clip = config.clip;
   o.lr = config.lr;
   o.weight_decay = config.weight_decay;
@@ -563,6 +564,8 @@ GptResult train_gpt(const GptTrainConfig& config) {
   TS_CHECK(config.dp >= 1, "gpt: --dp must be at least 1, got {}", config.dp);
   TS_CHECK(config.zero >= 0 && config.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}",
            config.zero);
+  TS_CHECK(!config.sp || config.tp > 1, "gpt: --sp splits the sequence over tensor-parallel "
+           "ranks; it needs --tp > 1");
   if (config.pp > 1 || config.tp > 1) {
     const int64_t ranks = config.pp * config.dp * config.tp;
     if (parallel::mpi_launched()) {

@@ -74,6 +74,7 @@ struct GptTrainConfig {
   std::string schedule = "1f1b";
   int64_t chunks = 1;
   bool recompute = false;
+  bool sp = false;  // sequence parallelism over tp
   bool verbose = true;            // progress line and summary on stdout
 
   GptConfig model_config() const;

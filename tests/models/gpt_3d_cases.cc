@@ -88,7 +88,9 @@ int check_factorisations(parallel::CommPtr world, const Run& ref) {
           const Gpt3dOptions o{.pp = pp, .dp = dp, .tp = tp, .zero = zero, .schedule = name,
                                .chunks = chunks, .microbatches = kMicro,
                                .recompute = (pp + dp + zero) % 2 == 1,  // half the runs
-                               .clip = kClip, .lr = kLr, .weight_decay = kWd};
+                               .clip = kClip,
+                               .sequence_parallel = tp > 1 && zero == 1,
+                               .lr = kLr, .weight_decay = kWd};
           const Run r = train_3d(world, o, DType::f64);
           double loss_err = 0, param_err = 0;
           REQUIRE(r.losses.size() == ref.losses.size());
@@ -101,9 +103,10 @@ int check_factorisations(parallel::CommPtr world, const Run& ref) {
             for (size_t i = 0; i < v.size(); ++i) param_err = std::max(param_err, std::abs(v[i] - w[i]));
           }
           if (world->rank() == 0) {
-            MESSAGE(fmt::format("{} ranks: pp={} dp={} tp={} {} zero={}{}: loss err {:.2g}, "
+            MESSAGE(fmt::format("{} ranks: pp={} dp={} tp={} {} zero={}{}{}: loss err {:.2g}, "
                                 "param err {:.2g}", n, pp, dp, tp, name, zero,
-                                o.recompute ? " recompute" : "", loss_err, param_err));
+                                o.recompute ? " recompute" : "",
+                                o.sequence_parallel ? " sp" : "", loss_err, param_err));
           }
           CAPTURE(pp);
           CAPTURE(dp);

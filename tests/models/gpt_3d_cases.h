@@ -23,7 +23,9 @@ Run reference(DType dtype = DType::f64);
 // This rank's part of the same training under `o` (every member of `world` calls it).
 Run train_3d(parallel::CommPtr world, const Gpt3dOptions& o, DType dtype = DType::f64);
 // Every pp x dp x tp factorisation of world->size() (powers of two), each schedule where
-// pp > 1 and ZeRO 0 and 1, against `ref` (loss and parameters within 1e-10); collective.
+// pp > 1 and ZeRO 0 and 1 (with sequence parallelism on the ZeRO 1 runs where tp > 1;
+// recomputation on half the runs), against `ref` (loss and parameters within 1e-10);
+// collective.
 // Returns the configurations run; skipped ones are reported with the reason.
 int check_factorisations(parallel::CommPtr world, const Run& ref);
 // In f32, every factorisation with 1F1B and ZeRO 1 against the f32 single-device run: the
