@@ -31,6 +31,8 @@ int main(int argc, char** argv) {
   flags.bind("batch", batch, "global batch (rows)");
   flags.bind("microbatches", micro, "micro-batches per dp rank");
   flags.bind("ranks", ranks, "simulated ranks");
+  bool sp = false;
+  flags.bind("sp", sp, "sequence parallelism where tp > 1");
   try {
     flags.parse(argc, argv);
   } catch (const Error& e) {
@@ -42,8 +44,9 @@ int main(int argc, char** argv) {
   const gpt::GptConfig config{.layers = layers, .heads = heads, .width = width,
                               .context = context, .vocab = 256};
   fmt::print("GPT {} layers, width {}, {} heads, context {}, batch {}, {} micro-batches per dp "
-             "rank, f32, {} ranks ({} parameters)\n\n",
-             layers, width, heads, context, batch, micro, ranks, config.num_parameters());
+             "rank, f32, {} ranks ({} parameters){}\n\n",
+             layers, width, heads, context, batch, micro, ranks, config.num_parameters(),
+             sp ? ", sequence parallel where tp > 1" : "");
   fmt::print("| pp | dp | tp | schedule | ZeRO | sent per step, pp | dp | tp | embedding | "
              "peak memory per rank (max) | (min) |\n");
   fmt::print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
@@ -66,7 +69,8 @@ int main(int argc, char** argv) {
             manual_seed(0);
             gpt::Gpt model(config);
             gpt::Gpt3d g(model, world, {.pp = pp, .dp = dp, .tp = tp, .zero = zero,
-                                        .schedule = name, .chunks = chunks, .microbatches = micro});
+                                        .schedule = name, .chunks = chunks, .microbatches = micro,
+                                        .sequence_parallel = sp && tp > 1});
             data::TextBatch b = windows.get(0, batch, context);
             g.train_step(b.idx, b.targets, 1e-3);  // the first step creates optimizer state
             b = windows.get(1, batch, context);
