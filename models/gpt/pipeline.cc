@@ -149,7 +149,10 @@ std::string GptPipeline::str() const {
   std::string out;
   for (int s = 0; s < num_stages(); ++s) {
     out += fmt::format("{}stage {}:", s == 0 ? "" : " | ", s);
-    for (int l = first_layer[s]; l < end_layer(s); ++l) out += " " + layer_name(l);
+    for (int l = first_layer[s]; l < end_layer(s); ++l) {
+      out += ' ';  // (not " " + name: GCC 12 warns falsely of -Wrestrict on that)
+      out += layer_name(l);
+    }
   }
   return out;
 }
