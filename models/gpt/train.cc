@@ -80,6 +80,22 @@ void check_same_model(const std::string& path, const models::TrainingState& s,
   }
 }
 
+// The corpus split into training and validation windows, checked to hold a context.
+struct GptData {
+  data::TextWindows train, val;
+};
+GptData load_data(const GptTrainConfig& config) {
+  const std::string source = config.data.empty() ? data::kFortunesDir : config.data;
+  const data::TextCorpus corpus = data::load_text(source);
+  const uint64_t seed = static_cast<uint64_t>(config.seed);
+  GptData d{data::TextWindows(corpus, data::TextSplit::train, seed),
+            data::TextWindows(corpus, data::TextSplit::val, seed)};
+  TS_CHECK(config.context < d.train.size() && config.context < d.val.size(),
+           "gpt: --context {} needs more bytes than the {} training / {} validation bytes of {}",
+           config.context, d.train.size(), d.val.size(), source);
+  return d;
+}
+
 }  // namespace
 
 GptConfig GptTrainConfig::model_config() const {
@@ -176,15 +192,10 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
     if (verbose) progress.print(line);
   };
 
-  const data::TextCorpus corpus =
-      data::load_text(config.data.empty() ? data::kFortunesDir : config.data);
   const uint64_t seed = static_cast<uint64_t>(config.seed);
-  const data::TextWindows train(corpus, data::TextSplit::train, seed);
-  const data::TextWindows val(corpus, data::TextSplit::val, seed);
-  TS_CHECK(config.context < train.size() && config.context < val.size(),
-           "gpt: --context {} needs more bytes than the {} training / {} validation bytes of {}",
-           config.context, train.size(), val.size(),
-           config.data.empty() ? data::kFortunesDir : config.data);
+  const GptData gd = load_data(config);
+  const data::TextWindows& train = gd.train;
+  const data::TextWindows& val = gd.val;
 
   manual_seed(seed);
   Gpt model(mconfig);
@@ -453,11 +464,10 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   auto say = [&](const std::string& line) {
     if (verbose) progress.print(line);
   };
-  const data::TextCorpus corpus =
-      data::load_text(config.data.empty() ? data::kFortunesDir : config.data);
   const uint64_t seed = static_cast<uint64_t>(config.seed);
-  const data::TextWindows train(corpus, data::TextSplit::train, seed);
-  const data::TextWindows val(corpus, data::TextSplit::val, seed);
+  const GptData gd = load_data(config);
+  const data::TextWindows& train = gd.train;
+  const data::TextWindows& val = gd.val;
   manual_seed(seed);
   Gpt model(mconfig);
   Gpt3dOptions o;
