@@ -12,8 +12,8 @@ namespace tessera::gpt::testing3d {
 
 namespace {
 
-constexpr int kSteps = 10, kMicro = 8, kLayers = 6;  // 8 pipeline layers: up to 8 stages
-constexpr int64_t kBatch = 64, kContext = 8;         // 8 micro-batches x up to 8 dp ranks
+constexpr int kSteps = 10, kMicro = 4, kLayers = 6;  // 8 pipeline layers: up to 8 stages
+constexpr int64_t kBatch = 32, kContext = 8;         // 4 micro-batches x up to 8 dp ranks
 constexpr double kLr = 1e-2, kWd = 0.1;
 constexpr double kClip = 0.5;  // below the gradient norm of the first steps: clipping acts
 

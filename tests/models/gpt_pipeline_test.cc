@@ -110,8 +110,8 @@ TEST_CASE("one step on every schedule equals one device, the tied embedding incl
 
 // ---- pipeline x data parallel (ZeRO 0 and 1), 10 AdamW steps -----------------------------
 
-constexpr int kSteps = 10, kMicro = 8, kBlocks = 6;  // 8 pipeline layers: up to 8 stages
-constexpr int64_t kGlobalBatch = 64;                  // 8 micro-batches x up to 8 dp ranks
+constexpr int kSteps = 10, kMicro = 4, kBlocks = 6;  // 8 pipeline layers: up to 8 stages
+constexpr int64_t kGlobalBatch = 32;                  // 4 micro-batches x up to 8 dp ranks
 constexpr double kLr = 1e-2, kWd = 0.1;
 
 std::vector<double> train_reference(std::map<std::string, std::vector<double>>* params) {
