@@ -282,13 +282,7 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, Communicato
 
 DistributedDataParallel::~DistributedDataParallel() {
   // Collectives in flight read our buffers: let them finish before the buffers go.
-  for (State::Bucket& bucket : state_->buckets) {
-    if (!bucket.work) continue;
-    try {
-      bucket.work->wait();
-    } catch (...) {  // the failure was (or will be) reported where the error arose
-    }
-  }
+  for (State::Bucket& bucket : state_->buckets) wait_ignoring_errors(bucket.work);
 }
 
 nn::Module& DistributedDataParallel::module() const { return *state_->module; }
@@ -305,13 +299,8 @@ void DistributedDataParallel::finish() {
   struct ResetOnExit {
     State& st;
     ~ResetOnExit() {
-      for (State::Bucket& bucket : st.buckets) {
-        if (!bucket.work) continue;
-        try {
-          bucket.work->wait();  // never leave a collective reading a buffer we reuse
-        } catch (...) {
-        }
-      }
+      // Never leave a collective reading a buffer we reuse.
+      for (State::Bucket& bucket : st.buckets) wait_ignoring_errors(bucket.work);
       st.reset_round();
     }
   } reset{st};

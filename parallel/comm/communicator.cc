@@ -32,6 +32,14 @@ std::string_view reduce_op_name(ReduceOp op) {
 
 WorkHandle completed_work() { return std::make_shared<CompletedWork>(); }
 
+void wait_ignoring_errors(const WorkHandle& work) {
+  if (!work) return;
+  try {
+    work->wait();
+  } catch (...) {  // reported where the error arose
+  }
+}
+
 int64_t all_reduce_wire_bytes(int64_t bytes, int n) { return n <= 1 ? 0 : 2 * (n - 1) * bytes / n; }
 int64_t all_gather_wire_bytes(int64_t input_bytes, int n) { return (n - 1) * input_bytes; }
 int64_t reduce_scatter_wire_bytes(int64_t input_bytes, int64_t own_block_bytes) {

@@ -52,6 +52,11 @@ using WorkHandle = std::shared_ptr<Work>;
 // A Work that is already complete (synchronous backends, empty collectives).
 WorkHandle completed_work();
 
+// Waits for `work` (when set) and drops its error: for destructors and cleanup paths that
+// must not free a buffer a collective still uses, where the failure is (or will be)
+// reported where it arose.
+void wait_ignoring_errors(const WorkHandle& work);
+
 class Communicator {
  public:
   virtual ~Communicator() = default;

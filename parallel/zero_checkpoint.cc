@@ -1,0 +1,171 @@
+// ZeroDataParallel's checkpoints: conversion between this rank's shards and the
+// single-device layout of the model's and the optimizer's state dicts.
+#include "parallel/zero.h"
+
+#include <set>
+
+#include "parallel/zero_state.h"
+
+namespace tessera::parallel {
+
+// ---- checkpoints -------------------------------------------------------------------------
+
+nn::StateDict ZeroDataParallel::model_state_dict() {
+  State& st = *state_;
+  NoGradGuard no_grad;
+  if (st.stage() == 3) {
+    for (int u = 0; u < static_cast<int>(st.units.size()); ++u) st.ensure_gathered(u);
+  }
+  nn::StateDict out;
+  for (const auto& [k, v] : st.module->state_dict()) out[k] = v.clone();
+  if (st.stage() == 3) st.release_all();
+  return out;
+}
+
+void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
+  State& st = *state_;
+  NoGradGuard no_grad;
+  if (st.stage() != 3) {
+    st.module->load_state_dict(dict);
+    return;
+  }
+  for (int u = 0; u < static_cast<int>(st.units.size()); ++u) st.ensure_gathered(u);
+  try {
+    st.module->load_state_dict(dict);
+  } catch (...) {
+    st.release_all();
+    throw;
+  }
+  for (State::Segment& seg : st.segments) seg.shard.copy_(st.shard_slice(seg, seg.flat_param));
+  st.release_all();
+}
+
+
+optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
+  State& st = *state_;
+  optim::Optimizer::StateDict shard_dict = optimizer.state_dict();
+  if (st.stage() == 0) return shard_dict;
+  NoGradGuard no_grad;
+  const std::vector<int> order = st.canonical_order();
+  std::vector<int> index_of(st.params.size());
+  for (int k = 0; k < static_cast<int>(order.size()); ++k) index_of[order[k]] = k;
+
+  optim::Optimizer::StateDict out;
+  for (const auto& [k, v] : shard_dict) {
+    if (k.rfind("hparam.", 0) == 0 || k.ends_with(".lr") || k.ends_with(".weight_decay")) {
+      out[k] = v;
+    }
+  }
+  std::vector<int64_t> group_params[2];
+  for (int k = 0; k < static_cast<int>(order.size()); ++k) {
+    group_params[st.params[order[k]].decay ? 0 : 1].push_back(k);
+  }
+  for (int g = 0; g < 2; ++g) {
+    out[fmt::format("group.{}.params", g)] = Tensor::from_vector<int64_t>(
+        group_params[g], {static_cast<int64_t>(group_params[g].size())});
+  }
+  const std::vector<int> seg_order = st.optimizer_order();
+  CommCause cause("zero gather optimizer state");
+  for (int j = 0; j < static_cast<int>(seg_order.size()); ++j) {
+    const State::Segment& seg = st.segments[seg_order[j]];
+    const std::string prefix = fmt::format("state.{}.", j);
+    for (const auto& [k, v] : shard_dict) {
+      if (k.rfind(prefix, 0) != 0) continue;
+      const std::string name = k.substr(prefix.size());
+      if (name == "step") {
+        for (int i : seg.params) out[fmt::format("state.{}.step", index_of[i])] = v.clone();
+        continue;
+      }
+      TS_CHECK(v.dim() == 1 && v.numel() == seg.shard_numel,
+               "{}: optimizer state '{}' has shape {}, expected [{}] (the shard)", kName, k,
+               shape_str(v.shape()), seg.shard_numel);
+      const Tensor full = Tensor::empty({seg.numel}, v.dtype(), v.device());
+      st.comm->all_gather(full, v.contiguous(), seg.counts);
+      for (int i : seg.params) {
+        const State::Param& p = st.params[i];
+        out[fmt::format("state.{}.{}", index_of[i], name)] = st.param_view(full, p).clone();
+      }
+    }
+  }
+  return out;
+}
+
+void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
+                                                 const optim::Optimizer::StateDict& dict) {
+  State& st = *state_;
+  if (st.stage() == 0) {
+    optimizer.load_state_dict(dict);
+    return;
+  }
+  NoGradGuard no_grad;
+  const std::vector<int> order = st.canonical_order();
+  std::vector<int> index_of(st.params.size());
+  for (int k = 0; k < static_cast<int>(order.size()); ++k) index_of[order[k]] = k;
+
+  optim::Optimizer::StateDict out;
+  // Keys the optimizer's own dict has about its groups (segment indices) stay its own.
+  for (const auto& [k, v] : optimizer.state_dict()) {
+    if (k.rfind("group.", 0) == 0 && k.ends_with(".params")) out[k] = v;
+  }
+  for (const auto& [k, v] : dict) {
+    if (k.rfind("hparam.", 0) == 0 || (k.rfind("group.", 0) == 0 && !k.ends_with(".params"))) {
+      out[k] = v;
+    }
+  }
+  for (int g = 0; g < 2; ++g) {
+    const std::string key = fmt::format("group.{}.params", g);
+    auto it = dict.find(key);
+    TS_CHECK(it != dict.end(), "{}: optimizer state dict has no '{}'", kName, key);
+    int64_t expected = 0;
+    for (const State::Param& p : st.params) expected += p.decay == (g == 0);
+    TS_CHECK(it->second.numel() == expected,
+             "{}: optimizer state dict's group {} holds {} parameters, this model {}", kName, g,
+             it->second.numel(), expected);
+  }
+  const std::vector<int> seg_order = st.optimizer_order();
+  for (int j = 0; j < static_cast<int>(seg_order.size()); ++j) {
+    const State::Segment& seg = st.segments[seg_order[j]];
+    // Every member's state names and step must agree (a segment steps as one).
+    std::set<std::string> names;
+    int with_state = 0;
+    int64_t step = -1;
+    for (int i : seg.params) {
+      const std::string prefix = fmt::format("state.{}.", index_of[i]);
+      auto it = dict.find(prefix + "step");
+      if (it == dict.end()) continue;
+      ++with_state;
+      const int64_t s = it->second.item<int64_t>();
+      TS_CHECK(step < 0 || s == step,
+               "{}: parameters '{}' and its segment's others have different step counts ({} "
+               "and {}); a segment steps as one",
+               kName, st.params[i].name, s, step);
+      step = s;
+      for (auto k = dict.lower_bound(prefix); k != dict.end() && k->first.rfind(prefix, 0) == 0; ++k) {
+        if (k->first != prefix + "step") names.insert(k->first.substr(prefix.size()));
+      }
+    }
+    if (with_state == 0) continue;
+    TS_CHECK(with_state == static_cast<int>(seg.params.size()),
+             "{}: only {} of the {} parameters of segment {} have optimizer state", kName,
+             with_state, seg.params.size(), seg_order[j]);
+    out[fmt::format("state.{}.step", j)] = Tensor::from_vector<int64_t>({step}, {});
+    for (const std::string& name : names) {
+      Tensor full;
+      for (int i : seg.params) {
+        const State::Param& p = st.params[i];
+        const std::string key = fmt::format("state.{}.{}", index_of[i], name);
+        auto it = dict.find(key);
+        TS_CHECK(it != dict.end(), "{}: optimizer state dict has no '{}'", kName, key);
+        TS_CHECK(it->second.shape() == p.tensor.shape(),
+                 "{}: optimizer state '{}' has shape {}, parameter '{}' is {}", kName, key,
+                 shape_str(it->second.shape()), p.name, shape_str(p.tensor.shape()));
+        if (!full.defined()) full = Tensor::empty({seg.numel}, it->second.dtype(), seg.device);
+        st.param_view(full, p).copy_(it->second);
+      }
+      out[fmt::format("state.{}.{}", j, name)] = st.shard_slice(seg, full).clone();
+    }
+  }
+  optimizer.load_state_dict(out);
+}
+
+}  // namespace tessera::parallel
