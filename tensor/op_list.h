@@ -59,6 +59,8 @@
   X(cross_entropy, Compute, Diff)                       \
   X(cross_entropy_backward, Compute, NoDiff)            \
   X(dropout, Compute, Diff)                             \
+  X(attention, Compute, Diff)                           \
+  X(attention_backward, Compute, NoDiff)                \
   X(conv2d, Compute, Diff)                              \
   X(conv2d_backward_input, Compute, NoDiff)             \
   X(conv2d_backward_weight, Compute, NoDiff)            \

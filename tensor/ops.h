@@ -101,6 +101,12 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target,
 // !training or p == 0. The mask comes from this thread's generator (see random.h).
 Tensor dropout(const Tensor& x, double p, bool training = true,
                Generator* generator = nullptr);
+// Fused scaled dot-product attention: q, k, v [B, H, T, D] (one float dtype) give
+// softmax(q k^T * scale [+ causal mask]) v, [B, H, T, D]; scale 0 means 1/sqrt(D). The
+// probabilities are never stored: backward recomputes them from the saved row logsumexp
+// (flash-attention style on CUDA).
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
+                 double scale = 0.0);
 // x [N, C, H, W], weight [O, C, kh, kw], bias [O] optional.
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
               std::array<int64_t, 2> stride = {1, 1}, std::array<int64_t, 2> padding = {0, 0});
@@ -197,6 +203,11 @@ std::vector<Tensor> layer_norm_backward(const Tensor& grad, const Tensor& x, con
                                         const Tensor& bias, int64_t normalized_ndim);
 Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,
                               const Tensor& logsumexp, Reduction reduction, int64_t ignore_index);
+// Returns {grad_q, grad_k, grad_v} of attention, given its output `out` and the row
+// logsumexp `lse` [B, H, T] (f32; f64 for f64 inputs) that attention's op saved.
+std::vector<Tensor> attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k,
+                                       const Tensor& v, const Tensor& out, const Tensor& lse,
+                                       bool causal, double scale);
 Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Shape& input_shape,
                              std::array<int64_t, 2> stride, std::array<int64_t, 2> padding);
 Tensor conv2d_backward_weight(const Tensor& grad, const Tensor& x, const Shape& weight_shape,

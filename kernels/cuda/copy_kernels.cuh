@@ -1,20 +1,20 @@
-// Device-side copy and fill launchers, plain C++ interfaces so callers need no CUDA headers
-// beyond cuda_runtime.h.
+// Device-side copies (with casts) and fills.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "kernels/cuda/dev_tensor.h"
+
 namespace tessera::cuda_kernels {
 
-inline constexpr int kMaxDims = 8;
+// dst <- src elementwise (src already broadcast to dst's shape), converting dtypes as the
+// CPU's copy does. Contiguous same-dtype copies are one cudaMemcpyAsync.
+void launch_copy(const DevTensor& dst, const DevTensor& src, cudaStream_t stream);
 
-// Copies `numel` elements of `elem_size` bytes between two device buffers laid out with
-// the given shape and element strides (up to kMaxDims dims), on the current stream.
-void launch_strided_copy(void* dst, const void* src, int ndim, const int64_t* shape,
-                         const int64_t* dst_strides, const int64_t* src_strides,
-                         int64_t numel, int elem_size);
-
-// Writes `numel` copies of the `elem_size`-byte pattern at `value` (host memory) to dst.
-void launch_fill(void* dst, const void* value, int64_t numel, int elem_size);
+// Writes the element whose bytes are `bits` (dtype-sized, little end) to every element of a
+// contiguous dst.
+void launch_fill(const DevTensor& dst, uint64_t bits, cudaStream_t stream);
 
 }  // namespace tessera::cuda_kernels

@@ -48,7 +48,7 @@ def ts_cc_test(name, copts = [], linkopts = [], deps = [], size = "small", **kwa
         **kwargs
     )
 
-def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], tags = [], **kwargs):
+def ts_cuda_library(name, srcs, hdrs = [], extra_hdrs = [], deps = [], nvcc_flags = [], tags = [], **kwargs):
     """Compiles .cu files with the toolkit's nvcc into objects wrapped in a cc_library.
 
     Bazel 4 has no CUDA rules, so each .cu becomes a genrule producing a position-independent
@@ -61,7 +61,7 @@ def ts_cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], tags = []
         out = "_cuda_objs/%s/%s.pic.o" % (name, base)
         native.genrule(
             name = "%s_%s_nvcc" % (name, base.replace("/", "_")),
-            srcs = [src] + hdrs,
+            srcs = [src] + hdrs + extra_hdrs,
             outs = [out],
             tags = tags,
             cmd = (CUDA_PATH + "/bin/nvcc -c -std=c++20 -O3 --expt-relaxed-constexpr " +
