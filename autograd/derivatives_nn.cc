@@ -1,6 +1,6 @@
 // Derivatives of matmul, the fused layers, and indexing ops, written with ops (fused
-// backward ops where speed or memory needs them: gelu, layer_norm, cross_entropy, conv2d,
-// max_pool2d).
+// backward ops where speed or memory needs them: gelu, layer_norm, cross_entropy, attention,
+// conv2d, max_pool2d).
 #include "autograd/derivatives.h"
 #include "tensor/ops.h"
 
@@ -52,6 +52,13 @@ TS_REGISTER_DERIVATIVE_OUTPUTS(cross_entropy, kIn0 | kIn1, kOut1, kOut0, [](cons
   return Grads{cross_entropy_backward(c.grad(0), c.input(0), c.input(1), c.output(1),
                                       c.attrs.reduction, c.attrs.ignore_index),
                Tensor()};
+});
+
+// The fused backward recomputes the probabilities from q, k and the saved row logsumexp.
+TS_REGISTER_DERIVATIVE_OUTPUTS(attention, kIn0 | kIn1 | kIn2, kOut0 | kOut1, kOut0,
+                               [](const GradCtx& c) {
+  return attention_backward(c.grad(0), c.input(0), c.input(1), c.input(2), c.output(0),
+                            c.output(1), c.attrs.causal, c.attrs.scale);
 });
 
 // The mask is a pure function of (seed, offset, index), so the backward redraws it.

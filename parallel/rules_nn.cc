@@ -1,5 +1,5 @@
 // Sharding rules: reductions, matmul and the fused layers (softmax, layer_norm,
-// cross_entropy, conv2d, max_pool2d) with their backward helpers.
+// cross_entropy, attention, conv2d, max_pool2d) with their backward helpers.
 //
 // A reduction over a split dim leaves each coordinate one term of the result (Partial: sum
 // for sum/mean, max for max); other split dims stay split. matmul follows Megatron: a split
@@ -198,6 +198,15 @@ AxisOptions conv2d_backward_weight_options(const AxisCtx& c) {
           {{Partial(), R}, {Partial()}}};
 }
 
+// attention (q, k, v -> out, lse) and its backward (grad, q, k, v, out, lse -> dq, dk, dv):
+// every (batch, head) pair is independent, so a split batch (dim 0) or head dim (dim 1) of
+// all operands computes locally; the sequence and head-size dims stay whole.
+AxisOptions attention_options(const AxisCtx& c) {
+  AxisOptions options{all_replicate(c)};
+  for (int64_t d = 0; d < 2; ++d) options.push_back(uniform(c, Shard(d), Shard(d)));
+  return options;
+}
+
 AxisOptions pool_options(const AxisCtx& c) {
   AxisOptions options{all_replicate(c)};
   for (int64_t d = 0; d < 2; ++d) options.push_back(uniform(c, Shard(d), Shard(d)));
@@ -232,6 +241,8 @@ TS_REGISTER_SHARDING_RULE(layer_norm_backward, {.options = layer_norm_backward_o
 TS_REGISTER_SHARDING_RULE(cross_entropy, {.options = cross_entropy_options, .local = cross_entropy_local});
 TS_REGISTER_SHARDING_RULE(cross_entropy_backward, {.options = cross_entropy_backward_options,
                                                    .local = cross_entropy_backward_local});
+TS_REGISTER_SHARDING_RULE(attention, {.options = attention_options});
+TS_REGISTER_SHARDING_RULE(attention_backward, {.options = attention_options});
 TS_REGISTER_SHARDING_RULE(conv2d, {.options = conv2d_options});
 TS_REGISTER_SHARDING_RULE(conv2d_backward_input, {.options = conv2d_backward_input_options});
 TS_REGISTER_SHARDING_RULE(conv2d_backward_weight, {.options = conv2d_backward_weight_options});

@@ -11,7 +11,9 @@ thread_local DType t_autocast = DType::f32;
 constexpr std::array<AutocastRule, kNumOps> make_rules() {
   std::array<AutocastRule, kNumOps> r{};
   for (auto& x : r) x = AutocastRule::keep;
-  for (OpId op : {OpId::matmul, OpId::conv2d}) r[static_cast<int>(op)] = AutocastRule::lower;
+  for (OpId op : {OpId::matmul, OpId::conv2d, OpId::attention}) {
+    r[static_cast<int>(op)] = AutocastRule::lower;
+  }
   for (OpId op : {OpId::sum, OpId::mean, OpId::var, OpId::softmax, OpId::log_softmax,
                   OpId::layer_norm, OpId::cross_entropy, OpId::exp, OpId::log, OpId::pow}) {
     r[static_cast<int>(op)] = AutocastRule::to_f32;

@@ -123,6 +123,52 @@ std::vector<TensorSpec> dropout_meta(std::span<const TensorSpec> in, const Attrs
   return {in[0]};
 }
 
+// q, k, v [B, H, T, D]: one float dtype, one shape, a non-empty head dim.
+void check_attention(OpId op, const TensorSpec& q, const TensorSpec& k, const TensorSpec& v,
+                     const Attrs& attrs) {
+  require_float(op, q, "q");
+  require_ndim(op, q, 4, "q ([B, H, T, D])");
+  for (const TensorSpec* t : {&k, &v}) {
+    require_same_dtype(op, q, *t);
+    TS_CHECK(t->shape == q.shape, "{}: q, k and v must have one shape [B, H, T, D], got {}, {}, {}",
+             name_of(op), shape_str(q.shape), shape_str(k.shape), shape_str(v.shape));
+  }
+  TS_CHECK(q.shape[3] > 0, "{}: head dim of q {} must be positive", name_of(op),
+           shape_str(q.shape));
+  TS_CHECK(std::isfinite(attrs.scale), "{}: scale must be finite, got {}", name_of(op),
+           attrs.scale);
+}
+
+// Outputs: out [B, H, T, D] and the row logsumexp [B, H, T] (f32; f64 for f64).
+std::vector<TensorSpec> attention_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
+  constexpr OpId op = OpId::attention;
+  require_count(op, in, 3);
+  check_attention(op, in[0], required(op, in, 1, "k"), required(op, in, 2, "v"), attrs);
+  const Shape& s = in[0].shape;
+  return {in[0], spec({s[0], s[1], s[2]}, stats_dtype(in[0].dtype), in[0].device)};
+}
+
+// Inputs: grad, q, k, v, out, lse. Outputs: grad_q, grad_k, grad_v.
+std::vector<TensorSpec> attention_backward_meta(std::span<const TensorSpec> in,
+                                                const Attrs& attrs) {
+  constexpr OpId op = OpId::attention_backward;
+  require_count(op, in, 6);
+  const TensorSpec& q = required(op, in, 1, "q");
+  check_attention(op, q, required(op, in, 2, "k"), required(op, in, 3, "v"), attrs);
+  for (size_t i : {size_t{0}, size_t{4}}) {
+    const TensorSpec& t = required(op, in, i, i == 0 ? "grad" : "out");
+    require_same_dtype(op, q, t);
+    TS_CHECK(t.shape == q.shape, "attention_backward: {} shape {} must equal q's {}",
+             i == 0 ? "grad" : "out", shape_str(t.shape), shape_str(q.shape));
+  }
+  const TensorSpec& lse = required(op, in, 5, "lse");
+  const Shape rows{q.shape[0], q.shape[1], q.shape[2]};
+  TS_CHECK(lse.shape == rows && lse.dtype == stats_dtype(q.dtype),
+           "attention_backward: lse must be {} {}, got {} {}", stats_dtype(q.dtype),
+           shape_str(rows), lse.dtype, shape_str(lse.shape));
+  return {q, q, q};
+}
+
 int64_t conv_out(int64_t in, int64_t k, int64_t s, int64_t p) { return (in + 2 * p - k) / s + 1; }
 
 void check_window(OpId op, const Shape& x, const Attrs& a, int64_t kh, int64_t kw) {
@@ -422,6 +468,8 @@ TS_REGISTER_META(layer_norm_backward, layer_norm_backward_meta);
 TS_REGISTER_META(cross_entropy, cross_entropy_meta);
 TS_REGISTER_META(cross_entropy_backward, cross_entropy_backward_meta);
 TS_REGISTER_META(dropout, dropout_meta);
+TS_REGISTER_META(attention, attention_meta);
+TS_REGISTER_META(attention_backward, attention_backward_meta);
 TS_REGISTER_META(conv2d, conv2d_meta);
 TS_REGISTER_META(conv2d_backward_input, conv2d_backward_input_meta);
 TS_REGISTER_META(conv2d_backward_weight, conv2d_backward_weight_meta);

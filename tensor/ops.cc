@@ -202,6 +202,13 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator* generator) {
   return call1(OpId::dropout, {x}, a);
 }
 
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
+  Attrs a;
+  a.causal = causal;
+  a.scale = scale;
+  return call(OpId::attention, {q, k, v}, a)[0];
+}
+
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
   Attrs a;
@@ -511,6 +518,15 @@ Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Te
   a.reduction = reduction;
   a.ignore_index = ignore_index;
   return call1(OpId::cross_entropy_backward, {grad, logits, target, logsumexp}, a);
+}
+
+std::vector<Tensor> attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k,
+                                       const Tensor& v, const Tensor& out, const Tensor& lse,
+                                       bool causal, double scale) {
+  Attrs a;
+  a.causal = causal;
+  a.scale = scale;
+  return call(OpId::attention_backward, {grad, q, k, v, out, lse}, a);
 }
 
 Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Shape& input_shape,

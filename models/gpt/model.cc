@@ -52,6 +52,14 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   auto heads_first = [&](const Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
   const Tensor q = heads_first(qkv[0]), k = heads_first(qkv[1]), v = heads_first(qkv[2]);
 
+  // On CUDA, the fused flash-attention op: it never stores the [T, T] scores. It has no
+  // dropout on the probabilities, so an active attention dropout keeps the composite path,
+  // as does the CPU (whose results the golden and equivalence tests pin down).
+  const bool attn_dropout_active = attn_dropout->is_training() && attn_dropout->p > 0.0;
+  if (x.device().is_cuda() && !attn_dropout_active) {
+    const Tensor y = attention(q, k, v, /*causal=*/true).transpose(1, 2).reshape({B, T, width});
+    return resid_dropout->forward(c_proj->forward(y));
+  }
   Tensor scores = matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
   const Tensor neg_inf =
       scalar_like(-std::numeric_limits<double>::infinity(), scores, "CausalSelfAttention");

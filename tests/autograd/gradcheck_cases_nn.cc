@@ -138,7 +138,7 @@ void add_nn_cases(Table& t) {
             {Layout::contiguous,
              "sum, i32 target",
              {mk.normal({3, 4})},
-             fn(Tensor::from_vector<int32_t>({3, 0, 2}, {3}), Reduction::sum, -100)},
+             fn(on_device(Tensor::from_vector<int32_t>({3, 0, 2}, {3})), Reduction::sum, -100)},
             {Layout::contiguous,
              "batch of one",
              {mk.normal({1, 4})},
@@ -174,6 +174,31 @@ void add_nn_cases(Table& t) {
                         };
                       },
                       ""};
+  t[OpId::attention] = {
+      [](Maker& mk) {
+        auto fn = [](bool causal, double scale) {
+          return GradcheckFn(
+              [=](const Tensors& in) { return attention(in[0], in[1], in[2], causal, scale); });
+        };
+        const Shape s{2, 2, 4, 3};
+        return CaseList{
+            {Layout::contiguous, "causal", {mk.normal(s), mk.normal(s), mk.normal(s)}, fn(true, 0)},
+            {Layout::contiguous,
+             "not causal, scale 0.7",
+             {mk.normal(s), mk.normal(s), mk.normal(s)},
+             fn(false, 0.7)},
+            {Layout::contiguous,
+             "causal, one row of 5 keys",
+             {mk.normal({1, 1, 5, 2}), mk.normal({1, 1, 5, 2}), mk.normal({1, 1, 5, 2})},
+             fn(true, 0)},
+            {Layout::noncontiguous,
+             "transposed q, permuted k, strided v",
+             {mk.normal(s, Memory::transposed), mk.normal(s, Memory::permuted),
+              mk.normal(s, Memory::strided)},
+             fn(true, 0)},
+        };
+      },
+      ""};
   t[OpId::conv2d] = {
       [](Maker& mk) {
         auto fn = [](std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
@@ -263,7 +288,7 @@ void add_nn_cases(Table& t) {
         return CaseList{
             {Layout::contiguous, "weight [6, 3], repeated ids [2, 4]", {mk.normal({6, 3})}, fn},
             {Layout::contiguous, "i32 ids", {mk.normal({6, 3})}, GradcheckFn([](const Tensors& in) {
-               return embedding(in[0], Tensor::from_vector<int32_t>({5, 0, 5}, {3}));
+               return embedding(in[0], on_device(Tensor::from_vector<int32_t>({5, 0, 5}, {3})));
              })},
             {Layout::contiguous, "0-d id", {mk.normal({6, 3})}, GradcheckFn([](const Tensors& in) {
                return embedding(in[0], index({2}, {}));

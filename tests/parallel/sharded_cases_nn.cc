@@ -46,6 +46,18 @@ void cross_entropy_lse(Tensors& in, DType) {
   in[3] = tessera::call(OpId::cross_entropy, {in[1], classes}, a)[1];
 }
 
+// out and lse of attention(q, k, v), so the backward sees consistent inputs.
+std::function<void(Tensors&, DType)> attention_forward_outputs(bool causal) {
+  return [causal](Tensors& in, DType) {
+    NoGradGuard no_grad;
+    Attrs a;
+    a.causal = causal;
+    const Tensors fw = tessera::call(OpId::attention, {in[1], in[2], in[3]}, a);
+    in[4] = fw[0];
+    in[5] = fw[1];
+  };
+}
+
 void linalg(std::vector<OpCase>& out) {
   OpCase mm = op_case(OpId::matmul, "[5, 7] @ [7, 6]", {in({5, 7}), in({7, 6})});
   mm.mesh_2x4 = true;
@@ -115,6 +127,20 @@ void linalg(std::vector<OpCase>& out) {
     a.seed = 1234;
     a.offset = 77;
     out.push_back(op_case(OpId::dropout, shape_str(shape) + " p " + std::to_string(p), {in(shape)}, a));
+  }
+
+  // attention over [B, H, T, D] with B = 3, H = 2 (uneven and empty blocks on 4 ranks).
+  for (bool causal : {true, false}) {
+    Attrs a;
+    a.causal = causal;
+    const Shape s{3, 2, 5, 4};
+    const std::string label = std::string("[3, 2, 5, 4] ") + (causal ? "causal" : "not causal");
+    out.push_back(op_case(OpId::attention, label, {in(s), in(s), in(s)}, a));
+    // grad, q, k, v, out, lse (out and lse from q, k, v).
+    OpCase b = op_case(OpId::attention_backward, label,
+                       {in(s), in(s), in(s), in(s), in(s), in({3, 2, 5})}, a);
+    b.prepare = attention_forward_outputs(causal);
+    out.push_back(b);
   }
 
   struct Conv {

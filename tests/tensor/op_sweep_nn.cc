@@ -1,5 +1,5 @@
-// Sweep cases: matmul, softmax, layer_norm, cross_entropy, dropout, conv2d, max_pool2d and
-// their fused backward helpers.
+// Sweep cases: matmul, softmax, layer_norm, cross_entropy, dropout, attention, conv2d,
+// max_pool2d and their fused backward helpers.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -401,6 +401,159 @@ OpSweep dropout_sweep() {
   return s;
 }
 
+// ---- attention -------------------------------------------------------------------------------
+
+// A naive f64 attention, written here from the definition (tests/reference predates the
+// op): per (batch, head) row i, s_ij = scale q_i . k_j over the keys j it sees.
+struct AttentionRef {
+  int64_t bh, t, d;
+  double scale;
+  bool causal;
+  AttentionRef(const Shape& s, double sc, bool c)
+      : bh(s[0] * s[1]), t(s[2]), d(s[3]), scale(sc != 0 ? sc : 1 / std::sqrt(double(s[3]))),
+        causal(c) {}
+  int64_t keys(int64_t i) const { return causal ? i + 1 : t; }
+  double dot(const NdArray& a, int64_t p, int64_t i, const NdArray& b, int64_t j) const {
+    double s = 0;
+    for (int64_t e = 0; e < d; ++e) s += a.data[(p * t + i) * d + e] * b.data[(p * t + j) * d + e];
+    return s;
+  }
+  double absdot(const NdArray& a, int64_t p, int64_t i, const NdArray& b, int64_t j) const {
+    double s = 0;
+    for (int64_t e = 0; e < d; ++e) {
+      s += std::fabs(a.data[(p * t + i) * d + e] * b.data[(p * t + j) * d + e]);
+    }
+    return s;
+  }
+  // out and lse from q, k, v; with `mag`, the error magnitudes instead: every term
+  // P_ij |v_j| carries the relative error of P_ij, about u (1 + |s_ij| + |lse_i| + the
+  // dot product's sum of |terms|), and lse the same.
+  Arrays forward(const Arrays& in, bool mag) const {
+    NdArray out = NdArray::zeros(in[0].shape), lse = NdArray::zeros({in[0].shape[0], in[0].shape[1], t});
+    for (int64_t p = 0; p < bh; ++p) {
+      for (int64_t i = 0; i < t; ++i) {
+        std::vector<double> s(keys(i));
+        double mx = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < keys(i); ++j) mx = std::max(mx, s[j] = scale * dot(in[0], p, i, in[1], j));
+        for (int64_t j = 0; j < keys(i); ++j) sum += std::exp(s[j] - mx);
+        const double l = mx + std::log(sum);
+        double lmag = 0;
+        for (int64_t j = 0; j < keys(i); ++j) {
+          const double prob = std::exp(s[j] - l);
+          const double err =
+              1 + std::fabs(s[j]) + std::fabs(l) + std::fabs(scale) * absdot(in[0], p, i, in[1], j);
+          lmag = std::max(lmag, err);
+          for (int64_t e = 0; e < d; ++e) {
+            const double ve = in[2].data[(p * t + j) * d + e];
+            out.data[(p * t + i) * d + e] += mag ? prob * std::fabs(ve) * err : prob * ve;
+          }
+        }
+        lse.data[p * t + i] = mag ? lmag : l;
+      }
+    }
+    return {out, lse};
+  }
+  // Inputs grad, q, k, v, out, lse -> dq, dk, dv; with `mag`, the sums of the terms'
+  // magnitudes, each P_ij weighted by its relative error as above.
+  Arrays backward(const Arrays& in, bool mag) const {
+    const NdArray &g = in[0], &q = in[1], &k = in[2], &v = in[3], &o = in[4], &lse = in[5];
+    NdArray dq = NdArray::zeros(q.shape), dk = NdArray::zeros(q.shape), dv = NdArray::zeros(q.shape);
+    auto f = [&](double x) { return mag ? std::fabs(x) : x; };
+    for (int64_t p = 0; p < bh; ++p) {
+      for (int64_t i = 0; i < t; ++i) {
+        const double l = lse.data[p * t + i];
+        const double di = mag ? absdot(g, p, i, o, i) : dot(g, p, i, o, i);
+        for (int64_t j = 0; j < keys(i); ++j) {
+          const double s = scale * dot(q, p, i, k, j), prob = std::exp(s - l);
+          const double err =
+              mag ? 1 + std::fabs(s) + std::fabs(l) + std::fabs(scale) * absdot(q, p, i, k, j) : 1;
+          const double dp = mag ? absdot(g, p, i, v, j) : dot(g, p, i, v, j);
+          const double ds = mag ? prob * err * (dp + di) : prob * (dp - di);
+          for (int64_t e = 0; e < d; ++e) {
+            const int64_t ie = (p * t + i) * d + e, je = (p * t + j) * d + e;
+            dq.data[ie] += f(scale) * ds * f(k.data[je]);
+            dk.data[je] += f(scale) * ds * f(q.data[ie]);
+            dv.data[je] += prob * err * f(g.data[ie]);
+          }
+        }
+      }
+    }
+    return {dq, dk, dv};
+  }
+};
+
+struct Attn {
+  const char* label;
+  Shape shape;
+  bool causal;
+  double scale;
+};
+const Attn kAttention[] = {
+    {"[2, 3, 5, 4] causal", {2, 3, 5, 4}, true, 0.0},
+    {"[2, 3, 5, 4] not causal", {2, 3, 5, 4}, false, 0.0},
+    {"[1, 2, 9, 8] causal, scale 0.5", {1, 2, 9, 8}, true, 0.5},
+    {"[3, 1, 6, 3] not causal, scale -0.3", {3, 1, 6, 3}, false, -0.3},
+    {"[1, 1, 1, 5] one query", {1, 1, 1, 5}, true, 0.0},
+};
+
+OpSweep attention_sweep() {
+  OpSweep s{OpId::attention, kFloats, kNonFloat, {}, {}};
+  for (const Attn& at : kAttention) {
+    Case c;
+    c.label = at.label;
+    c.args = {arg(at.shape), arg(at.shape), arg(at.shape)};
+    c.attrs.causal = at.causal;
+    c.attrs.scale = at.scale;
+    const AttentionRef r(at.shape, at.scale, at.causal);
+    c.ref = [r](const Arrays& in, DType) { return r.forward(in, false); };
+    c.mag = [r](const Arrays& in, DType) { return r.forward(in, true); };
+    c.out_dtype = [](DType dt, size_t k) { return k == 0 || dt == DType::f64 ? dt : DType::f32; };
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    expect_error("attention k [1, 1, 4, 8] for q [1, 1, 3, 8]", [] {
+      attention(zeros({1, 1, 3, 8}), zeros({1, 1, 4, 8}), zeros({1, 1, 3, 8}));
+    });
+    expect_error("attention 3-D q", [] {
+      attention(zeros({1, 3, 8}), zeros({1, 3, 8}), zeros({1, 3, 8}));
+    });
+    expect_error("attention f64 v with f32 q, k", [] {
+      attention(zeros({1, 1, 3, 8}), zeros({1, 1, 3, 8}), zeros({1, 1, 3, 8}, DType::f64));
+    });
+    // The first query of a causal attention sees only the first key: out_0 = v_0.
+    const NdArray q = NdArray::of({1, 1, 2, 2}, {1, 2, 3, 4});
+    const NdArray v = NdArray::of({1, 1, 2, 2}, {5, -6, 7, 8});
+    const Tensor out = attention(make_tensor(q, DType::f64), make_tensor(q, DType::f64),
+                                 make_tensor(v, DType::f64), true);
+    expect_close("attention causal row 0", out.slice(2, 0, 1), NdArray::of({1, 1, 1, 2}, {5, -6}), 0);
+  };
+  return s;
+}
+
+OpSweep attention_backward_sweep() {
+  OpSweep s{OpId::attention_backward, kFloats, kNonFloat, {}, {}};
+  for (const Attn& at : kAttention) {
+    Case c;
+    c.label = at.label;
+    Arg lse = arg({at.shape[0], at.shape[1], at.shape[2]});
+    lse.stats = true;
+    c.args = {arg(at.shape), arg(at.shape), arg(at.shape), arg(at.shape), arg(at.shape), lse};
+    c.attrs.causal = at.causal;
+    c.attrs.scale = at.scale;
+    const AttentionRef r(at.shape, at.scale, at.causal);
+    // out and lse are the forward's of q, k, v.
+    c.prepare = [r](Arrays& in, DType) {
+      const Arrays fw = r.forward({in[1], in[2], in[3]}, false);
+      in[4] = fw[0];
+      in[5] = fw[1];
+    };
+    c.ref = [r](const Arrays& in, DType) { return r.backward(in, false); };
+    c.mag = [r](const Arrays& in, DType) { return r.backward(in, true); };
+    s.cases.push_back(std::move(c));
+  }
+  return s;
+}
+
 // ---- conv2d and max_pool2d ---------------------------------------------------------------
 
 struct Conv {
@@ -604,7 +757,9 @@ std::vector<OpSweep> nn_sweeps() {
                               layer_norm_backward_sweep(),
                               cross_entropy_sweep(),
                               cross_entropy_backward_sweep(),
-                              dropout_sweep()};
+                              dropout_sweep(),
+                              attention_sweep(),
+                              attention_backward_sweep()};
   for (OpSweep& s : conv_sweeps()) out.push_back(std::move(s));
   out.push_back(max_pool_sweep());
   out.push_back(max_pool_backward_sweep());

@@ -1,0 +1,475 @@
+// Elementwise kernels on CUDA: unary ops, binary ops with broadcasting, comparisons, where
+// and gelu_backward, all through one skeleton with a functor per op (as the CPU's
+// kernels/cpu/elementwise.cc, which is the spec: 16-bit floats computed in f32 and rounded
+// once, f64 in f64, the same NaN rules).
+//
+// Three paths, chosen on the host from the layouts only:
+//   - flat: every operand contiguous with the output (or a scalar): 16-byte vector loads
+//     and stores, with a scalar tail (and a scalar loop when a pointer is misaligned);
+//   - inner-vector: broadcasting whose innermost dim is contiguous or broadcast for every
+//     operand (a bias row): 16-byte accesses, one index computation per vector;
+//   - strided: any strides and broadcasting, dims coalesced on the host first and the index
+//     arithmetic done in 32 bits whenever the element count allows.
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/elementwise.cuh"
+
+namespace tessera::cuda_kernels {
+namespace {
+
+constexpr double kSqrt1_2 = 0.70710678118654752440;
+constexpr double kSqrt2OverPi = 0.79788456080286535588;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+constexpr double kGeluCoeff = 0.044715;
+
+// ---- math on the compute type (float or double), without fast-math approximations --------
+
+template <typename C> __device__ __forceinline__ C d_exp(C x) {
+  if constexpr (std::is_same_v<C, float>) return expf(x); else return ::exp(x);
+}
+template <typename C> __device__ __forceinline__ C d_log(C x) {
+  if constexpr (std::is_same_v<C, float>) return logf(x); else return ::log(x);
+}
+template <typename C> __device__ __forceinline__ C d_sqrt(C x) {
+  if constexpr (std::is_same_v<C, float>) return sqrtf(x); else return ::sqrt(x);
+}
+template <typename C> __device__ __forceinline__ C d_tanh(C x) {
+  if constexpr (std::is_same_v<C, float>) return tanhf(x); else return ::tanh(x);
+}
+template <typename C> __device__ __forceinline__ C d_erf(C x) {
+  if constexpr (std::is_same_v<C, float>) return erff(x); else return ::erf(x);
+}
+template <typename C> __device__ __forceinline__ C d_pow(C a, C b) {
+  if constexpr (std::is_same_v<C, float>) return powf(a, b); else return ::pow(a, b);
+}
+
+// ---- op functors on the compute type --------------------------------------------------------
+
+struct Neg { template <typename C> __device__ C operator()(C x) const { return -x; } };
+struct Abs {
+  template <typename C> __device__ C operator()(C x) const {
+    if constexpr (std::is_floating_point_v<C>) return fabs(x);  // abs(-0.0) = +0.0
+    else return x < C(0) ? C(-x) : x;
+  }
+};
+struct Relu {
+  template <typename C> __device__ C operator()(C x) const {
+    if constexpr (std::is_floating_point_v<C>) {
+      if (x != x) return x;  // NaN propagates
+    }
+    return x > C(0) ? x : C(0);
+  }
+};
+struct Exp { template <typename C> __device__ C operator()(C x) const { return d_exp(x); } };
+struct Log { template <typename C> __device__ C operator()(C x) const { return d_log(x); } };
+struct Sqrt { template <typename C> __device__ C operator()(C x) const { return d_sqrt(x); } };
+// Correctly rounded division of a correctly rounded sqrt, as the CPU's scalar loop (rsqrtf is
+// 2 ulp).
+struct Rsqrt { template <typename C> __device__ C operator()(C x) const { return C(1) / d_sqrt(x); } };
+struct Tanh { template <typename C> __device__ C operator()(C x) const { return d_tanh(x); } };
+struct Sigmoid {
+  template <typename C> __device__ C operator()(C x) const { return C(1) / (C(1) + d_exp(-x)); }
+};
+struct GeluExact {
+  template <typename C> __device__ C operator()(C x) const {
+    return C(0.5) * x * (C(1) + d_erf(x * C(kSqrt1_2)));
+  }
+};
+struct GeluTanh {
+  template <typename C> __device__ C operator()(C x) const {
+    return C(0.5) * x * (C(1) + d_tanh(C(kSqrt2OverPi) * (x + C(kGeluCoeff) * x * x * x)));
+  }
+};
+
+struct Add { template <typename C> __device__ C operator()(C a, C b) const { return a + b; } };
+struct Sub { template <typename C> __device__ C operator()(C a, C b) const { return a - b; } };
+struct Mul { template <typename C> __device__ C operator()(C a, C b) const { return a * b; } };
+struct Div { template <typename C> __device__ C operator()(C a, C b) const { return a / b; } };
+struct Pow {
+  template <typename C> __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      // The CPU throws for a negative exponent; a kernel cannot, so a device exponent gets
+      // PyTorch's CUDA values (1 ** -n = 1, (-1) ** -n = +-1, else 0). Host scalar
+      // exponents are checked in elementwise.cc and throw as on the CPU.
+      if (b < 0) {
+        if (a == 1) return C(1);
+        if (a == -1) return (b & 1) ? C(-1) : C(1);
+        return C(0);
+      }
+      C r = 1;
+      for (C e = b, base = a; e > 0; e >>= 1, base *= base) {
+        if (e & 1) r *= base;
+      }
+      return r;
+    } else {
+      return d_pow(a, b);
+    }
+  }
+};
+// NaN propagates, as in PyTorch's maximum/minimum.
+struct Maximum {
+  template <typename C> __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_floating_point_v<C>) { if (a != a || b != b) return a + b; }
+    return a > b ? a : b;
+  }
+};
+struct Minimum {
+  template <typename C> __device__ C operator()(C a, C b) const {
+    if constexpr (std::is_floating_point_v<C>) { if (a != a || b != b) return a + b; }
+    return a < b ? a : b;
+  }
+};
+struct Eq { template <typename C> __device__ bool operator()(C a, C b) const { return a == b; } };
+struct Ne { template <typename C> __device__ bool operator()(C a, C b) const { return a != b; } };
+struct Lt { template <typename C> __device__ bool operator()(C a, C b) const { return a < b; } };
+struct Le { template <typename C> __device__ bool operator()(C a, C b) const { return a <= b; } };
+struct Gt { template <typename C> __device__ bool operator()(C a, C b) const { return a > b; } };
+struct Ge { template <typename C> __device__ bool operator()(C a, C b) const { return a >= b; } };
+
+// d/dx gelu(x) * grad.
+struct GeluExactGrad {
+  template <typename C> __device__ C operator()(C g, C x) const {
+    const C cdf = C(0.5) * (C(1) + d_erf(x * C(kSqrt1_2)));
+    const C pdf = C(kInvSqrt2Pi) * d_exp(C(-0.5) * x * x);
+    return g * (cdf + x * pdf);
+  }
+};
+struct GeluTanhGrad {
+  template <typename C> __device__ C operator()(C g, C x) const {
+    const C x2 = x * x;
+    const C t = d_tanh(C(kSqrt2OverPi) * (x + C(kGeluCoeff) * x2 * x));
+    const C dt = C(kSqrt2OverPi) * (C(1) + C(3 * kGeluCoeff) * x2) * (C(1) - t * t);
+    return g * (C(0.5) * (C(1) + t) + C(0.5) * x * dt);
+  }
+};
+
+// ---- adapters from storage types to the functors ------------------------------------------
+
+template <typename T, typename Op> struct UnaryFn {
+  __device__ T operator()(T x) const { return from_acc<T>(Op{}(to_acc(x))); }
+};
+template <typename T, typename Op> struct BinaryFn {
+  __device__ T operator()(T a, T b) const { return from_acc<T>(Op{}(to_acc(a), to_acc(b))); }
+};
+template <typename T, typename Op> struct CompareFn {
+  __device__ bool operator()(T a, T b) const { return Op{}(to_acc(a), to_acc(b)); }
+};
+template <typename T> struct WhereFn {
+  __device__ T operator()(bool c, T a, T b) const { return c ? a : b; }  // the bits, unchanged
+};
+
+// ---- the skeleton ---------------------------------------------------------------------------
+
+template <typename T> struct Arg {
+  const T* p;
+  T value;
+  int mode;
+};
+
+template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
+
+// Scalars (host values and one-element device tensors) are read once per thread.
+template <typename T> __device__ __forceinline__ int resolve(Arg<T>& a) {
+  if (a.mode == kEwDeviceScalar) {
+    a.value = a.p[0];
+    a.mode = kEwHostScalar;
+  }
+  return 0;
+}
+template <typename T> __device__ __forceinline__ T load_one(const Arg<T>& a, int64_t i) {
+  return a.mode == kEwTensor ? a.p[i] : a.value;
+}
+template <int V, typename T> __device__ __forceinline__ Vec<T, V> load_vec(const Arg<T>& a, int64_t i) {
+  if (a.mode == kEwTensor) return reinterpret_cast<const Vec<T, V>*>(a.p)[i];
+  Vec<T, V> r;
+#pragma unroll
+  for (int j = 0; j < V; ++j) r.v[j] = a.value;
+  return r;
+}
+template <int V, typename Out, typename F, typename... In>
+__device__ __forceinline__ Vec<Out, V> apply_vec(const F& f, const Vec<In, V>&... x) {
+  Vec<Out, V> r;
+#pragma unroll
+  for (int j = 0; j < V; ++j) r.v[j] = f(x.v[j]...);
+  return r;
+}
+
+template <int V, typename Out, typename F, typename... In>
+__global__ void __launch_bounds__(256) ew_flat_kernel(Out* out, int64_t n, bool vec, F f, Arg<In>... a) {
+  [[maybe_unused]] const int dummy[] = {0, resolve(a)...};
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if (vec) {
+    const int64_t nv = n / V;
+    for (int64_t i = tid; i < nv; i += stride) {
+      reinterpret_cast<Vec<Out, V>*>(out)[i] = apply_vec<V, Out>(f, load_vec<V>(a, i)...);
+    }
+    done = nv * V;
+  }
+  for (int64_t i = done + tid; i < n; i += stride) out[i] = f(load_one(a, i)...);
+}
+
+// Coalesced iteration space: the output's shape with each input's element strides.
+template <int N> struct Strided {
+  int ndim = 0;
+  bool small = true;  // every index fits 32 bits: cheaper division
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[N][kMaxDims] = {};
+
+  __device__ __forceinline__ void offsets(int64_t i, int64_t (&o)[N]) const {
+#pragma unroll
+    for (int k = 0; k < N; ++k) o[k] = 0;
+    if (small) {
+      uint32_t li = static_cast<uint32_t>(i);
+      for (int d = ndim - 1; d >= 0; --d) {
+        const uint32_t s = static_cast<uint32_t>(sizes[d]);
+        const uint32_t q = li / s, c = li - q * s;
+        li = q;
+#pragma unroll
+        for (int k = 0; k < N; ++k) o[k] += static_cast<int64_t>(c) * strides[k][d];
+      }
+    } else {
+      for (int d = ndim - 1; d >= 0; --d) {
+        const int64_t q = i / sizes[d], c = i - q * sizes[d];
+        i = q;
+#pragma unroll
+        for (int k = 0; k < N; ++k) o[k] += c * strides[k][d];
+      }
+    }
+  }
+};
+
+template <typename Out, typename F, size_t... K, typename... In>
+__device__ __forceinline__ Out apply_at(const F& f, const int64_t* off, std::index_sequence<K...>,
+                                        const Arg<In>&... a) {
+  return f(load_one(a, off[K])...);
+}
+
+template <typename Out, typename F, typename... In>
+__global__ void __launch_bounds__(256) ew_strided_kernel(Out* out, int64_t n, Strided<sizeof...(In)> s,
+                                                         F f, Arg<In>... a) {
+  [[maybe_unused]] const int dummy[] = {0, resolve(a)...};
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t off[sizeof...(In)];
+    s.offsets(i, off);
+    out[i] = apply_at<Out>(f, off, std::index_sequence_for<In...>{}, a...);
+  }
+}
+
+// Strided operands whose innermost (coalesced) dim is contiguous or broadcast, with that dim
+// a multiple of V: V outputs at a time share one index computation and each operand is one
+// 16-byte load or one broadcast element (a bias row added to a matrix, a [B, T, 1] scale).
+template <int V, typename T>
+__device__ __forceinline__ Vec<T, V> load_vec_at(const Arg<T>& a, int64_t off, int64_t inner_stride) {
+  Vec<T, V> r;
+  if (a.mode == kEwTensor && inner_stride != 0) return *reinterpret_cast<const Vec<T, V>*>(a.p + off);
+  const T v = a.mode == kEwTensor ? a.p[off] : a.value;
+#pragma unroll
+  for (int j = 0; j < V; ++j) r.v[j] = v;
+  return r;
+}
+
+template <int V, typename Out, typename F, int N, size_t... K, typename... In>
+__device__ __forceinline__ Vec<Out, V> apply_vec_at(const F& f, const int64_t* off, const Strided<N>& s,
+                                                    std::index_sequence<K...>, const Arg<In>&... a) {
+  return apply_vec<V, Out>(f, load_vec_at<V>(a, off[K], s.strides[K][s.ndim - 1])...);
+}
+
+template <int V, typename Out, typename F, typename... In>
+__global__ void __launch_bounds__(256) ew_inner_vec_kernel(Out* out, int64_t nv, Strided<sizeof...(In)> s,
+                                                           F f, Arg<In>... a) {
+  [[maybe_unused]] const int dummy[] = {0, resolve(a)...};
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < nv;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t off[sizeof...(In)];
+    s.offsets(v * V, off);
+    reinterpret_cast<Vec<Out, V>*>(out)[v] =
+        apply_vec_at<V, Out>(f, off, s, std::index_sequence_for<In...>{}, a...);
+  }
+}
+
+// ---- host side --------------------------------------------------------------------------------
+
+template <typename... T> struct Types {};
+
+template <typename T> Arg<T> make_arg(const EwOperand& op) {
+  Arg<T> a;
+  a.p = static_cast<const T*>(op.t.data);
+  a.mode = op.mode;
+  std::memset(static_cast<void*>(&a.value), 0, sizeof(T));
+  if (op.mode == kEwHostScalar) std::memcpy(static_cast<void*>(&a.value), &op.bits, sizeof(T));
+  return a;
+}
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Drops size-1 dims and merges neighbours contiguous for every operand (the output is
+// contiguous, so only the inputs can stop a merge).
+template <int N>
+Strided<N> coalesce(const DevTensor& out, const std::array<EwOperand, N>& ops) {
+  Strided<N> s;
+  for (int d = 0; d < out.ndim; ++d) {
+    const int64_t size = out.sizes[d];
+    if (size == 1) continue;
+    bool merge = s.ndim > 0;
+    for (int k = 0; merge && k < N; ++k) {
+      const int64_t st = ops[k].mode == kEwTensor ? ops[k].t.strides[d] : 0;
+      merge = s.strides[k][s.ndim - 1] == st * size;
+    }
+    if (merge) {
+      s.sizes[s.ndim - 1] *= size;
+      for (int k = 0; k < N; ++k) s.strides[k][s.ndim - 1] = ops[k].mode == kEwTensor ? ops[k].t.strides[d] : 0;
+    } else {
+      s.sizes[s.ndim] = size;
+      for (int k = 0; k < N; ++k) s.strides[k][s.ndim] = ops[k].mode == kEwTensor ? ops[k].t.strides[d] : 0;
+      ++s.ndim;
+    }
+  }
+  s.small = out.numel <= static_cast<int64_t>(UINT32_MAX);
+  return s;
+}
+
+template <typename Out, typename F, typename... In, size_t... K>
+void run_ew_impl(F f, const DevTensor& out, const std::array<EwOperand, sizeof...(In)>& ops,
+                 cudaStream_t stream, std::index_sequence<K...>) {
+  constexpr int N = sizeof...(In);
+  const int64_t n = out.numel;
+  if (n == 0) return;
+  bool flat = true;
+  for (const EwOperand& op : ops) flat = flat && (op.mode != kEwTensor || op.t.contiguous());
+  Out* o = typed<Out>(out);
+  // Elements per 16-byte access of the widest operand.
+  constexpr size_t widest = std::max({sizeof(Out), sizeof(In)...});
+  constexpr int V = static_cast<int>(16 / widest);
+  constexpr size_t sizes[N] = {sizeof(In)...};
+  if (flat) {
+    bool vec = aligned(out.data, sizeof(Out) * V);
+    for (int k = 0; k < N; ++k) {
+      vec = vec && (ops[k].mode != kEwTensor || aligned(ops[k].t.data, sizes[k] * V));
+    }
+    const int blocks = grid_for(vec ? (n + V - 1) / V : n);
+    ew_flat_kernel<V, Out><<<blocks, 256, 0, stream>>>(o, n, vec, f, make_arg<In>(ops[K])...);
+    return;
+  }
+  const Strided<N> st = coalesce<N>(out, ops);
+  const int inner = st.ndim - 1;
+  bool inner_vec = V > 1 && st.ndim >= 2 && st.sizes[inner] % V == 0 && aligned(out.data, sizeof(Out) * V);
+  for (int k = 0; inner_vec && k < N; ++k) {
+    if (ops[k].mode != kEwTensor || st.strides[k][inner] == 0) continue;
+    inner_vec = st.strides[k][inner] == 1 && aligned(ops[k].t.data, sizes[k] * V);
+    for (int d = 0; inner_vec && d < inner; ++d) inner_vec = st.strides[k][d] % V == 0;
+  }
+  if (inner_vec) {
+    ew_inner_vec_kernel<V, Out><<<grid_for(n / V), 256, 0, stream>>>(o, n / V, st, f,
+                                                                    make_arg<In>(ops[K])...);
+  } else {
+    ew_strided_kernel<Out><<<grid_for(n), 256, 0, stream>>>(o, n, st, f, make_arg<In>(ops[K])...);
+  }
+}
+
+template <typename Out, typename F, typename... In>
+void run_ew(F f, const DevTensor& out, const std::array<EwOperand, sizeof...(In)>& ops,
+            cudaStream_t stream, Types<In...>) {
+  run_ew_impl<Out, F, In...>(f, out, ops, stream, std::index_sequence_for<In...>{});
+}
+
+[[noreturn]] void bad_dtype(const char* what, int dtype) {
+  throw CudaLaunchError(std::string(what) + ": unsupported dtype " + std::to_string(dtype));
+}
+
+template <typename Op>
+void unary_numeric(const DevTensor& out, const EwOperand& x, cudaStream_t s) {
+  TS_CUDA_DISPATCH_ALL(x.t.dtype, "unary", [&] {
+    using T = scalar_t;
+    if constexpr (std::is_same_v<T, bool>) bad_dtype("unary", x.t.dtype);
+    else run_ew<T>(UnaryFn<T, Op>{}, out, {x}, s, Types<T>{});
+  });
+}
+template <typename Op>
+void unary_float(const DevTensor& out, const EwOperand& x, cudaStream_t s) {
+  TS_CUDA_DISPATCH_FLOATS(x.t.dtype, "unary", [&] {
+    using T = scalar_t;
+    run_ew<T>(UnaryFn<T, Op>{}, out, {x}, s, Types<T>{});
+  });
+}
+
+template <typename Op>
+void binary_numeric(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
+  TS_CUDA_DISPATCH_ALL(a.t.dtype, "binary", [&] {
+    using T = scalar_t;
+    if constexpr (std::is_same_v<T, bool>) bad_dtype("binary", a.t.dtype);
+    else run_ew<T>(BinaryFn<T, Op>{}, out, {a, b}, s, Types<T, T>{});
+  });
+}
+template <typename Op>
+void binary_float(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
+  TS_CUDA_DISPATCH_FLOATS(a.t.dtype, "binary", [&] {
+    using T = scalar_t;
+    run_ew<T>(BinaryFn<T, Op>{}, out, {a, b}, s, Types<T, T>{});
+  });
+}
+template <typename Op>
+void compare(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
+  TS_CUDA_DISPATCH_ALL(a.t.dtype, "compare", [&] {
+    using T = scalar_t;
+    run_ew<bool>(CompareFn<T, Op>{}, out, {a, b}, s, Types<T, T>{});
+  });
+}
+
+}  // namespace
+
+void launch_unary(UnaryOp op, const DevTensor& out, const EwOperand& x, cudaStream_t s) {
+  switch (op) {
+    case UnaryOp::neg: unary_numeric<Neg>(out, x, s); break;
+    case UnaryOp::abs: unary_numeric<Abs>(out, x, s); break;
+    case UnaryOp::relu: unary_numeric<Relu>(out, x, s); break;
+    case UnaryOp::exp: unary_float<Exp>(out, x, s); break;
+    case UnaryOp::log: unary_float<Log>(out, x, s); break;
+    case UnaryOp::sqrt: unary_float<Sqrt>(out, x, s); break;
+    case UnaryOp::rsqrt: unary_float<Rsqrt>(out, x, s); break;
+    case UnaryOp::tanh: unary_float<Tanh>(out, x, s); break;
+    case UnaryOp::sigmoid: unary_float<Sigmoid>(out, x, s); break;
+    case UnaryOp::gelu: unary_float<GeluExact>(out, x, s); break;
+    case UnaryOp::gelu_tanh: unary_float<GeluTanh>(out, x, s); break;
+  }
+  check_launch("unary");
+}
+
+void launch_binary(BinaryOp op, const DevTensor& out, const EwOperand& a, const EwOperand& b,
+                   cudaStream_t s) {
+  switch (op) {
+    case BinaryOp::add: binary_numeric<Add>(out, a, b, s); break;
+    case BinaryOp::sub: binary_numeric<Sub>(out, a, b, s); break;
+    case BinaryOp::mul: binary_numeric<Mul>(out, a, b, s); break;
+    case BinaryOp::div: binary_float<Div>(out, a, b, s); break;
+    case BinaryOp::pow: binary_numeric<Pow>(out, a, b, s); break;
+    case BinaryOp::maximum: binary_numeric<Maximum>(out, a, b, s); break;
+    case BinaryOp::minimum: binary_numeric<Minimum>(out, a, b, s); break;
+    case BinaryOp::eq: compare<Eq>(out, a, b, s); break;
+    case BinaryOp::ne: compare<Ne>(out, a, b, s); break;
+    case BinaryOp::lt: compare<Lt>(out, a, b, s); break;
+    case BinaryOp::le: compare<Le>(out, a, b, s); break;
+    case BinaryOp::gt: compare<Gt>(out, a, b, s); break;
+    case BinaryOp::ge: compare<Ge>(out, a, b, s); break;
+    case BinaryOp::gelu_backward: binary_float<GeluExactGrad>(out, a, b, s); break;
+    case BinaryOp::gelu_tanh_backward: binary_float<GeluTanhGrad>(out, a, b, s); break;
+  }
+  check_launch("binary");
+}
+
+void launch_where(const DevTensor& out, const EwOperand& cond, const EwOperand& a,
+                  const EwOperand& b, cudaStream_t s) {
+  TS_CUDA_DISPATCH_ALL(a.t.dtype, "where", [&] {
+    using T = scalar_t;
+    run_ew<T>(WhereFn<T>{}, out, {cond, a, b}, s, Types<bool, T, T>{});
+  });
+  check_launch("where");
+}
+
+}  // namespace tessera::cuda_kernels

@@ -1,0 +1,339 @@
+// CUDA matmul through cuBLASLt: f32 (CUBLAS_COMPUTE_32F, or 32F_FAST_TF32 when allow_tf32()),
+// f16/bf16 (f32 accumulation, one rounding to the input dtype), f64 (CUBLAS_COMPUTE_64F).
+//
+//   out [..., m, n] = a [..., m, k] @ b [..., k, n]      (batch dims broadcast; rank >= 2)
+//
+// Tessera is row-major and cuBLASLt column-major, so the product is computed as
+// out^T = b^T a^T: a row-major operand is already its own transpose in column-major terms
+// (CUBLAS_OP_N) and a column-major one (x.t(), k.transpose(-2, -1), nn::Linear's weight.t())
+// is read with CUBLAS_OP_T, so neither is copied. Batch dims become cuBLASLt's batch count
+// and strided batch offset (stride 0 for a broadcast operand); a batched `a` times an
+// unbatched `b` (x [B, T, C] @ W^T) is one GEMM with B*T rows. Layouts that fit none of this
+// are handled by looping over the outer batch dims or, past a few calls, by copying.
+//
+// The algorithm is cuBLASLt's first heuristic choice, cached with its descriptors per
+// (shape, strides, dtype, transposes, pointer alignment); the workspace is blas.h's.
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "kernels/cuda/blas.h"
+#include "kernels/cuda/runtime.h"
+#include "tensor/op.h"
+
+namespace tessera::cuda_kernels {
+namespace {
+
+// One operand as cuBLASLt stores it: op(stored) is the operand's transpose (see above).
+struct LtOperand {
+  bool trans = false;      // CUBLAS_OP_T
+  int64_t rows = 0, cols = 0, ld = 0;  // the stored column-major matrix
+};
+
+// cuBLASLt's view of a row-major-indexed matrix X [r, c] with strides (rs, cs), or false if
+// neither stride is 1 (then it must be copied). Strides of size-1 dims are arbitrary, so
+// they are normalised first (as kernels/cpu/matmul.cc does).
+bool lt_operand(int64_t r, int64_t c, int64_t rs, int64_t cs, LtOperand& op) {
+  if (c == 1) cs = 1;
+  if (r == 1) rs = std::max<int64_t>(c, 1);
+  if (cs == 1 && rs >= std::max<int64_t>(c, 1)) {  // row-major: X^T is column-major
+    op = {false, c, r, rs};
+    return true;
+  }
+  if (rs == 1 && cs >= std::max<int64_t>(r, 1)) {  // column-major: read X^T with OP_T
+    op = {true, r, c, cs};
+    return true;
+  }
+  return false;
+}
+
+// The single stride S with offset(i) = i * S for every flat index i over `sizes` (strides
+// `strides`), if there is one. Dims of size 1 do not matter; no dims at all give S = 0.
+bool collapse(const int64_t* sizes, const int64_t* strides, size_t n, int64_t& stride) {
+  int64_t inner = 1;
+  bool known = false;
+  stride = 0;
+  for (size_t d = n; d-- > 0;) {
+    if (sizes[d] == 1) continue;
+    if (!known) {
+      if (strides[d] % inner != 0) return false;
+      stride = strides[d] / inner;
+      known = true;
+    } else if (strides[d] != stride * inner) {
+      return false;
+    }
+    inner *= sizes[d];
+  }
+  return true;
+}
+
+int alignment_of(const void* p) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  int a = 1;
+  while (a < 256 && addr % (2 * a) == 0) a *= 2;
+  return a;
+}
+
+struct GemmKey {
+  int device, dtype, compute;
+  bool ta, tb;
+  int64_t m, n, k, lda, ldb, batch, sa, sb;
+  int align_a, align_b, align_c;
+  bool operator==(const GemmKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
+};
+struct GemmKeyHash {
+  size_t operator()(const GemmKey& k) const {
+    const auto* p = reinterpret_cast<const unsigned char*>(&k);
+    size_t h = 1469598103934665603ull;  // FNV-1a over the key's bytes (zero-initialised padding)
+    for (size_t i = 0; i < sizeof(k); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+  }
+};
+
+// A GEMM ready to run: its descriptors and chosen algorithm, built once and kept (the
+// descriptors hold no pointers, so any call of the same key may reuse them).
+struct GemmPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+cudaDataType_t cuda_dtype(DType dt) {
+  switch (dt) {
+    case DType::f64: return CUDA_R_64F;
+    case DType::f16: return CUDA_R_16F;
+    case DType::bf16: return CUDA_R_16BF;
+    default: return CUDA_R_32F;
+  }
+}
+
+cublasComputeType_t compute_type(DType dt) {
+  if (dt == DType::f64) return CUBLAS_COMPUTE_64F;
+  if (dt == DType::f32 && allow_tf32()) return CUBLAS_COMPUTE_32F_FAST_TF32;
+  return CUBLAS_COMPUTE_32F;
+}
+
+// The column-major problem D [m, n] = op(A) [m, k] op(B) [k, n] in cuBLASLt's own terms
+// (here m = the output's columns, n = its rows: see the header comment).
+struct LtProblem {
+  DType dtype;
+  int64_t m, n, k;
+  LtOperand a, b;
+  int64_t batch = 1, stride_a = 0, stride_b = 0;
+};
+
+cublasLtMatrixLayout_t make_layout(const LtProblem& p, cudaDataType_t dt, int64_t rows, int64_t cols,
+                                   int64_t ld, int64_t stride, Device d) {
+  cublasLtMatrixLayout_t l = nullptr;
+  cublas_check(cublasLtMatrixLayoutCreate(&l, dt, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), ld),
+               "matmul", "cublasLtMatrixLayoutCreate", d);
+  if (p.batch > 1) {
+    const int32_t count = static_cast<int32_t>(p.batch);
+    cublas_check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
+                 "matmul", "cublasLtMatrixLayoutSetAttribute", d);
+    cublas_check(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                  sizeof(stride)),
+                 "matmul", "cublasLtMatrixLayoutSetAttribute", d);
+  }
+  return l;
+}
+
+std::unique_ptr<GemmPlan> build_plan(const LtProblem& p, const GemmKey& key, Device d) {
+  auto plan = std::make_unique<GemmPlan>();
+  const cudaDataType_t dt = cuda_dtype(p.dtype);
+  const cudaDataType_t scale = p.dtype == DType::f64 ? CUDA_R_64F : CUDA_R_32F;
+  cublas_check(cublasLtMatmulDescCreate(&plan->desc, compute_type(p.dtype), scale), "matmul",
+               "cublasLtMatmulDescCreate", d);
+  const cublasOperation_t ta = p.a.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = p.b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublas_check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
+               "matmul", "cublasLtMatmulDescSetAttribute", d);
+  cublas_check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
+               "matmul", "cublasLtMatmulDescSetAttribute", d);
+  plan->a = make_layout(p, dt, p.a.rows, p.a.cols, p.a.ld, p.stride_a, d);
+  plan->b = make_layout(p, dt, p.b.rows, p.b.cols, p.b.ld, p.stride_b, d);
+  plan->c = make_layout(p, dt, p.m, p.n, p.m, p.m * p.n, d);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  cublas_check(cublasLtMatmulPreferenceCreate(&pref), "matmul", "cublasLtMatmulPreferenceCreate", d);
+  const uint64_t ws = lt_workspace(d).bytes;
+  const uint32_t al_a = key.align_a, al_b = key.align_b, al_c = key.align_c;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(d), plan->desc, plan->a, plan->b,
+                                                          plan->c, plan->c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublas_check(s, "matmul", "cublasLtMatmulAlgoGetHeuristic", d);
+  TS_CHECK(found > 0, "matmul: cuBLASLt has no algorithm for {} [{} x {} x {}], batch {}, transposes {}/{}",
+           dtype_name(p.dtype), p.n, p.m, p.k, p.batch, p.b.trans, p.a.trans);
+  plan->algo = result.algo;
+  return plan;
+}
+
+const GemmPlan& plan_for(const LtProblem& p, const void* a, const void* b, void* c, Device d) {
+  GemmKey key;
+  std::memset(&key, 0, sizeof(key));  // padding bytes take part in == and the hash
+  key.device = d.index;
+  key.dtype = static_cast<int>(p.dtype);
+  key.compute = static_cast<int>(compute_type(p.dtype));
+  key.ta = p.a.trans;
+  key.tb = p.b.trans;
+  key.m = p.m;
+  key.n = p.n;
+  key.k = p.k;
+  key.lda = p.a.ld;
+  key.ldb = p.b.ld;
+  key.batch = p.batch;
+  key.sa = p.stride_a;
+  key.sb = p.stride_b;
+  key.align_a = alignment_of(a);
+  key.align_b = alignment_of(b);
+  key.align_c = alignment_of(c);
+  static std::mutex mu;
+  static auto* plans = new std::unordered_map<GemmKey, std::unique_ptr<GemmPlan>, GemmKeyHash>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = plans->find(key);
+  if (it == plans->end()) it = plans->emplace(key, build_plan(p, key, d)).first;
+  return *it->second;
+}
+
+void run_gemm(const LtProblem& p, const void* a, const void* b, void* c, Device d) {
+  const GemmPlan& plan = plan_for(p, a, b, c, d);
+  const Workspace ws = lt_workspace(d);
+  const double one_d = 1.0, zero_d = 0.0;
+  const float one_f = 1.0f, zero_f = 0.0f;
+  const bool f64 = p.dtype == DType::f64;
+  const void* alpha = f64 ? static_cast<const void*>(&one_d) : &one_f;
+  const void* beta = f64 ? static_cast<const void*>(&zero_d) : &zero_f;
+  cublas_check(cublasLtMatmul(cublaslt_handle(d), plan.desc, alpha, a, plan.a, b, plan.b, beta, c, plan.c, c,
+                              plan.c, &plan.algo, ws.ptr, ws.bytes, compute_stream(d)),
+               "matmul", "cublasLtMatmul", d);
+}
+
+// `t` broadcast to batch + its last two dims, as a view with stride 0 on expanded dims
+// (built directly from the storage: no op, no autograd).
+Tensor broadcast_view(const Tensor& t, const Shape& batch) {
+  Shape shape = batch;
+  shape.push_back(t.shape()[t.dim() - 2]);
+  shape.push_back(t.shape()[t.dim() - 1]);
+  return Tensor::from_storage(t.storage(), shape, broadcast_strides(t.shape(), t.strides(), shape), t.offset(),
+                              t.dtype());
+}
+
+// Calls fn(outer) for every index over batch dims [0, split), in row-major order.
+template <typename F>
+void for_each_outer(const Shape& batch, size_t split, F&& fn) {
+  int64_t count = 1;
+  for (size_t i = 0; i < split; ++i) count *= batch[i];
+  for (int64_t i = 0; i < count; ++i) fn(i);
+}
+
+// Offset in elements of outer batch index `outer` (over dims [0, split)) for strides `s`.
+int64_t outer_offset(const Shape& batch, const Strides& s, size_t split, int64_t outer) {
+  int64_t off = 0;
+  for (size_t d = split; d-- > 0;) {
+    off += (outer % batch[d]) * s[d];
+    outer /= batch[d];
+  }
+  return off;
+}
+
+// More separate GEMM calls than this over the outer batch dims and the operands that do not
+// collapse to one batch stride are copied instead.
+constexpr int64_t kMaxOuterCalls = 16;
+
+void matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out_span, const Attrs&) {
+  const Tensor& o = out_span[0];
+  const Device d = o.device();
+  if (o.numel() == 0) return;
+  DeviceGuard guard(d);
+  Tensor a = in[0], b = in[1];
+  const int64_t m = o.shape()[o.dim() - 2], n = o.shape()[o.dim() - 1];
+  const int64_t k = a.shape()[a.dim() - 1];
+  if (k == 0) {
+    cuda_check(cudaMemsetAsync(o.raw_data(), 0, static_cast<size_t>(o.nbytes()), compute_stream(d)),
+               "matmul (zero fill)", d);
+    return;
+  }
+  const Shape batch(o.shape().begin(), o.shape().end() - 2);
+  const size_t nbd = batch.size();
+
+  LtOperand la, lb;  // a [m, k] and b [k, n] in cuBLASLt's terms
+  auto layout = [&](Tensor& t, int64_t r, int64_t c, LtOperand& op) {
+    const int64_t nd = t.dim();
+    if (!lt_operand(r, c, t.strides()[nd - 2], t.strides()[nd - 1], op)) {
+      t = contiguous_cuda(t);
+      lt_operand(r, c, t.strides()[nd - 2], t.strides()[nd - 1], op);
+    }
+  };
+  layout(a, m, k, la);
+  layout(b, k, n, lb);
+
+  // Batch strides of each operand broadcast to the output's batch dims.
+  auto batch_strides = [&](const Tensor& t) {
+    const Shape tb(t.shape().begin(), t.shape().end() - 2);
+    const Strides ts(t.strides().begin(), t.strides().end() - 2);
+    return broadcast_strides(tb, ts, batch);
+  };
+  Strides sa = batch_strides(a), sb = batch_strides(b);
+  int64_t stride_a = 0, stride_b = 0;
+  // The fewest outer dims to loop over so that the rest collapse to one stride per operand.
+  size_t split = 0;
+  while (split < nbd && !(collapse(batch.data() + split, sa.data() + split, nbd - split, stride_a) &&
+                          collapse(batch.data() + split, sb.data() + split, nbd - split, stride_b))) {
+    ++split;
+  }
+  if (split == nbd) stride_a = stride_b = 0;  // one product per call
+  int64_t outer_calls = 1;
+  for (size_t i = 0; i < split; ++i) outer_calls *= batch[i];
+  if (outer_calls > kMaxOuterCalls) {
+    // Copy the operand(s) that do not collapse into [batch..., r, c] (contiguous).
+    for (Tensor* t : {&a, &b}) {
+      Strides s = batch_strides(*t);
+      int64_t unused = 0;
+      if (!collapse(batch.data(), s.data(), nbd, unused)) *t = contiguous_cuda(broadcast_view(*t, batch));
+    }
+    layout(a, m, k, la);
+    layout(b, k, n, lb);
+    sa = batch_strides(a);
+    sb = batch_strides(b);
+    split = 0;
+    collapse(batch.data(), sa.data(), nbd, stride_a);
+    collapse(batch.data(), sb.data(), nbd, stride_b);
+  }
+  int64_t inner_batch = 1;
+  for (size_t i = split; i < nbd; ++i) inner_batch *= batch[i];
+
+  // out^T [n, m] = b^T [n, k] @ a^T [k, m]: cuBLASLt's A is our b, its B our a.
+  LtProblem p{a.dtype(), n, m, k, lb, la, inner_batch, stride_b, stride_a};
+  if (inner_batch > 1 && stride_b == 0 && !la.trans && stride_a == m * la.ld) {
+    // A batched row-major a times a shared b: the batches' rows follow each other at a
+    // constant stride, so they are one [inner_batch * m, k] operand and one GEMM.
+    p.n = inner_batch * m;
+    p.b.cols = p.n;
+    p.batch = 1;
+    p.stride_a = p.stride_b = 0;
+  }
+  TS_CHECK(p.batch <= INT32_MAX, "matmul: batch of {} products is more than cuBLASLt takes", p.batch);
+  const size_t es = static_cast<size_t>(dtype_size(a.dtype()));
+  const char* ap = static_cast<const char*>(a.raw_data());
+  const char* bp = static_cast<const char*>(b.raw_data());
+  char* op = static_cast<char*>(o.raw_data());
+  for_each_outer(batch, split, [&](int64_t outer) {
+    run_gemm(p, bp + outer_offset(batch, sb, split, outer) * es, ap + outer_offset(batch, sa, split, outer) * es,
+             op + outer * inner_batch * m * n * es, d);
+  });
+}
+
+TS_REGISTER_KERNEL(cuda, matmul, matmul_kernel);
+
+}  // namespace
+}  // namespace tessera::cuda_kernels
