@@ -47,21 +47,101 @@ class ModeGuard {
   bool was_;
 };
 
-// The mean loss over the first `max_batches` (0: all) evaluation batches of `windows`; all
-// batches have one shape, so the mean of their means is the mean over every scored byte.
-double evaluate(Gpt& model, const data::TextWindows& windows, int64_t batch, int64_t context,
-                int64_t max_batches, DType low) {
+// The device the model's parameters are on (every model here has parameters).
+Device device_of(const nn::Module& model) { return model.parameters().front().device(); }
+
+// Uniform random tokens in [0, vocab) for --synthetic_data: global row r of batch `index` of
+// `stream` (0: training, 1: validation) is Philox (seed, counter) over counters
+// stream << 62 | (index * batch + r) * (context + 1) + t; targets are the next token, as in
+// text windows. Rows [part * batch / parts, (part + 1) * batch / parts) make this part.
+data::TextBatch synthetic_batch(uint64_t seed, uint64_t stream, int64_t index, int64_t batch,
+                                int64_t context, int64_t vocab, int part, int parts) {
+  const int64_t rows = batch / parts, first = part * rows, width = context + 1;
+  std::vector<int64_t> idx(static_cast<size_t>(rows * context)),
+      targets(static_cast<size_t>(rows * context));
+  std::vector<int64_t> window(static_cast<size_t>(width));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint64_t base = stream << 62 | static_cast<uint64_t>((index * batch + first + r) * width);
+    for (int64_t t = 0; t < width; ++t) {
+      const double u = philox::uniform_f64(seed, base + static_cast<uint64_t>(t));
+      window[t] = std::min(static_cast<int64_t>(u * static_cast<double>(vocab)), vocab - 1);
+    }
+    std::copy(window.begin(), window.end() - 1, idx.begin() + r * context);
+    std::copy(window.begin() + 1, window.end(), targets.begin() + r * context);
+  }
+  return {Tensor::from_vector(idx, {rows, context}), Tensor::from_vector(targets, {rows, context})};
+}
+
+// Where batches come from: the corpus's training and validation windows, checked to hold a
+// context, or random tokens (--synthetic_data). Batches are built on the CPU.
+class GptData {
+ public:
+  explicit GptData(const GptTrainConfig& config) : c_(config) {
+    if (c_.synthetic_data) return;
+    TS_CHECK(c_.vocab >= data::kByteVocab,
+             "gpt: --vocab {} is smaller than the {} byte values of text; use --synthetic_data "
+             "for other vocabularies",
+             c_.vocab, data::kByteVocab);
+    source_ = c_.data.empty() ? data::kFortunesDir : c_.data;
+    const data::TextCorpus corpus = data::load_text(source_);
+    const uint64_t seed = static_cast<uint64_t>(c_.seed);
+    train_.emplace(corpus, data::TextSplit::train, seed);
+    val_.emplace(corpus, data::TextSplit::val, seed);
+    TS_CHECK(c_.context < train_->size() && c_.context < val_->size(),
+             "gpt: --context {} needs more bytes than the {} training / {} validation bytes of {}",
+             c_.context, train_->size(), val_->size(), source_);
+  }
+
+  // This part's rows of the training batch at `step` (as TextWindows::get).
+  data::TextBatch train(int64_t step, int part = 0, int parts = 1) const {
+    if (!train_) {
+      TS_CHECK(c_.batch % parts == 0, "gpt: batch {} does not split into {} parts", c_.batch,
+               parts);
+      return synthetic_batch(static_cast<uint64_t>(c_.seed), 0, step, c_.batch, c_.context,
+                             c_.vocab, part, parts);
+    }
+    return train_->get(step, c_.batch, c_.context, part, parts);
+  }
+  // Validation batches, at least one.
+  int64_t num_eval_batches() const {
+    if (!val_) return kSyntheticEvalBatches;
+    const int64_t n = val_->num_eval_batches(c_.batch, c_.context);
+    TS_CHECK(n > 0, "gpt: the validation split ({} bytes) holds no batch of {} x {} bytes",
+             val_->size(), c_.batch, c_.context);
+    return n;
+  }
+  data::TextBatch eval(int64_t i) const {
+    if (!val_) {
+      return synthetic_batch(static_cast<uint64_t>(c_.seed), 1, i, c_.batch, c_.context,
+                             c_.vocab, 0, 1);
+    }
+    return val_->eval_batch(i, c_.batch, c_.context);
+  }
+  std::string str() const {
+    if (!train_) return fmt::format("random tokens in [0, {})", c_.vocab);
+    return fmt::format("{} train / {} val bytes", train_->size(), val_->size());
+  }
+
+ private:
+  const GptTrainConfig& c_;
+  std::string source_;
+  std::optional<data::TextWindows> train_, val_;
+};
+
+// The mean loss over the first `max_batches` (0: all) validation batches, on the model's
+// device; all batches have one shape, so the mean of their means is the mean over every
+// scored token.
+double evaluate(Gpt& model, const GptData& batches, int64_t max_batches, DType low) {
   NoGradGuard no_grad;
   ModeGuard mode(model, /*training=*/false);
   AutocastGuard amp(low);
-  int64_t n = windows.num_eval_batches(batch, context);
-  TS_CHECK(n > 0, "gpt: the validation split ({} bytes) holds no batch of {} x {} bytes",
-           windows.size(), batch, context);
+  const Device device = device_of(model);
+  int64_t n = batches.num_eval_batches();
   if (max_batches > 0) n = std::min(n, max_batches);
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    const data::TextBatch b = windows.eval_batch(i, batch, context);
-    total += Gpt::loss(model(b.idx), b.targets).item<double>();
+    const data::TextBatch b = batches.eval(i);
+    total += Gpt::loss(model(b.idx.to(device)), b.targets.to(device)).item<double>();
   }
   return total / static_cast<double>(n);
 }
@@ -80,20 +160,11 @@ void check_same_model(const std::string& path, const models::TrainingState& s,
   }
 }
 
-// The corpus split into training and validation windows, checked to hold a context.
-struct GptData {
-  data::TextWindows train, val;
-};
-GptData load_data(const GptTrainConfig& config) {
-  const std::string source = config.data.empty() ? data::kFortunesDir : config.data;
-  const data::TextCorpus corpus = data::load_text(source);
-  const uint64_t seed = static_cast<uint64_t>(config.seed);
-  GptData d{data::TextWindows(corpus, data::TextSplit::train, seed),
-            data::TextWindows(corpus, data::TextSplit::val, seed)};
-  TS_CHECK(config.context < d.train.size() && config.context < d.val.size(),
-           "gpt: --context {} needs more bytes than the {} training / {} validation bytes of {}",
-           config.context, d.train.size(), d.val.size(), source);
-  return d;
+// A state dict with every tensor on the CPU (checkpoints are written from host memory).
+template <typename Dict>
+Dict on_cpu(Dict dict) {
+  for (auto& [name, t] : dict) t = t.to(kCPU);
+  return dict;
 }
 
 }  // namespace
@@ -104,7 +175,7 @@ GptConfig GptTrainConfig::model_config() const {
   m.heads = heads;
   m.width = width;
   m.context = context;
-  m.vocab = data::kByteVocab;
+  m.vocab = vocab;
   m.dropout = dropout;
   return m;
 }
@@ -119,6 +190,7 @@ std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& o
   NoGradGuard no_grad;
   ModeGuard mode(model, /*training=*/false);
   AutocastGuard amp(options.precision);
+  const Device device = device_of(model);
   const int64_t context = model.config().context, vocab = model.config().vocab;
   std::vector<int64_t> tokens(prompt.begin(), prompt.end());
   for (int64_t& t : tokens) t = static_cast<uint8_t>(t);  // char may be signed
@@ -129,7 +201,7 @@ std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& o
   for (int64_t i = 0; i < options.length; ++i) {
     const int64_t T = std::min<int64_t>(static_cast<int64_t>(tokens.size()), context);
     const std::vector<int64_t> window(tokens.end() - T, tokens.end());
-    const Tensor logits = model(Tensor::from_vector(window, {1, T}));
+    const Tensor logits = model(Tensor::from_vector(window, {1, T}).to(device));
     const std::vector<float> last = narrow(logits, 1, T - 1, 1).to_vector<float>();
     // Candidates by logit, highest first; equal logits keep the lower byte first.
     std::iota(order.begin(), order.end(), 0);
@@ -193,12 +265,14 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   };
 
   const uint64_t seed = static_cast<uint64_t>(config.seed);
-  const GptData gd = load_data(config);
-  const data::TextWindows& train = gd.train;
-  const data::TextWindows& val = gd.val;
+  const GptData batches(config);
+  const Device device = Device::parse(config.device);
 
   manual_seed(seed);
   Gpt model(mconfig);
+  // Initialised on the CPU (the same values everywhere), then moved before the optimizer
+  // sees the parameters.
+  if (!device.is_cpu()) model.to(device);
   std::unique_ptr<parallel::ZeroDataParallel> zero;
   if (comm != nullptr) {
     parallel::ZeroOptions zopt;
@@ -244,11 +318,14 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
     metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
   }
   const int64_t tokens_per_step = config.batch * config.context;
-  say(fmt::format("gpt: {} layers, {} heads, width {}, context {} ({} parameters); {} train / {} "
-                  "val bytes; batch {} ({} tokens/step), {} steps, AdamW lr {}, precision {}",
+  say(fmt::format("gpt: {} layers, {} heads, width {}, context {}{} ({} parameters); {}; batch {} "
+                  "({} tokens/step), {} steps, AdamW lr {}, precision {}{}",
                   config.layers, config.heads, config.width, config.context,
-                  model.num_parameters(), train.size(), val.size(), config.batch,
-                  tokens_per_step, config.steps, config.lr, config.precision));
+                  config.vocab != data::kByteVocab ? fmt::format(", vocab {}", config.vocab)
+                                                   : std::string(),
+                  model.num_parameters(), batches.str(), config.batch, tokens_per_step,
+                  config.steps, config.lr, config.precision,
+                  device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
   if (comm != nullptr) {
     say(fmt::format("data parallel: {} ranks ({} backend), ZeRO stage {}, {} micro-batch(es) of "
                     "{} sequences per rank per step",
@@ -267,8 +344,13 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
               {"width", std::to_string(config.width)},
               {"context", std::to_string(config.context)},
               {"precision", config.precision}};
-    if (!zero) {
+    if (!zero && device.is_cpu()) {
       models::save_checkpoint(config.save, model, opt, scaler, s);
+      return;
+    }
+    if (!zero) {  // from host copies (load_checkpoint copies back onto the device)
+      models::save_checkpoint(config.save, on_cpu(model.state_dict()), on_cpu(opt.state_dict()),
+                              scaler, s);
       return;
     }
     // Every rank gathers (collective); rank 0 writes the single-device layout.
@@ -278,7 +360,7 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
     comm->barrier();  // nobody reads the files before they exist
   };
   auto validate = [&] {
-    const double loss = evaluate(model, val, config.batch, config.context, config.val_batches, low);
+    const double loss = evaluate(model, batches, config.val_batches, low);
     metrics.write({{"step", step}, {"val_loss", loss}});
     return loss;
   };
@@ -286,8 +368,10 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   GptResult result;
   const std::vector<Tensor> params = model.parameters();
   const Clock::time_point run_start = Clock::now();
-  double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0;
+  double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0, timed_seconds = 0.0;
   int64_t window_steps = 0, run_steps = 0;
+  // Losses read after the update on a device (see below).
+  std::vector<Tensor> pending_losses;
 
   model.train();
   while (step < stop_at) {
@@ -307,13 +391,17 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
     double local_loss = 0.0;
     for (int64_t micro = 0; micro < config.accum; ++micro) {
       const int part = static_cast<int>(rank * config.accum + micro);
-      const data::TextBatch batch = train.get(step, config.batch, config.context, part, parts);
+      const data::TextBatch batch = batches.train(step, part, parts);
       Tensor loss;
       {
         AutocastGuard amp(low);
-        loss = Gpt::loss(model(batch.idx), batch.targets);
+        loss = Gpt::loss(model(batch.idx.to(device)), batch.targets.to(device));
       }
-      local_loss += loss.item<double>();
+      if (device.is_cpu()) {
+        local_loss += loss.item<double>();
+      } else {
+        pending_losses.push_back(loss.detach());
+      }
       Tensor scaled = scaler.scale(config.accum > 1 ? loss / static_cast<double>(config.accum)
                                                     : loss);
       if (!zero) {
@@ -336,6 +424,11 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
       scaler.step(opt);
     }
     scaler.update();
+    // On a device the losses are read only now: the queue is not drained mid-step, and the
+    // read waits for the whole step (the legacy default stream orders it after the
+    // update), so each step's time is the device's.
+    for (const Tensor& l : pending_losses) local_loss += l.item<double>();
+    pending_losses.clear();
     double loss_value = local_loss / static_cast<double>(config.accum);
     if (comm != nullptr) {  // the global batch's mean: the ranks' slices are equal
       Tensor t = Tensor::from_vector<double>({loss_value}, {1});
@@ -367,6 +460,7 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
     ++step;
     const double dt = models::seconds_since(t0);
     train_seconds += dt;
+    if (run_steps >= config.timing_skip) timed_seconds += dt;
     window_seconds += dt;
     ++window_steps;
     ++run_steps;
@@ -421,16 +515,30 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   result.val_losses.emplace_back(step, result.val_loss);
   result.steps = step;
   result.skipped_steps = scaler.skipped_steps();
-  result.tokens_per_s = run_steps > 0 ? run_steps * tokens_per_step / train_seconds : 0.0;
+  if (config.timing_skip == 0) {
+    result.tokens_per_s = run_steps > 0 ? run_steps * tokens_per_step / train_seconds : 0.0;
+  } else if (run_steps > config.timing_skip) {
+    result.tokens_per_s = (run_steps - config.timing_skip) * tokens_per_step / timed_seconds;
+  }
+  if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
   if (verbose) {
     say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
-                    "tokens/s; {} in all{}",
+                    "tokens/s{}; {} in all{}",
                     result.val_loss, result.train_loss, step, result.tokens_per_s,
+                    config.timing_skip > 0
+                        ? fmt::format(" (steps after the first {})", config.timing_skip)
+                        : std::string(),
                     models::format_duration(models::seconds_since(run_start)),
                     scaler.enabled() ? fmt::format("; {} f16 steps skipped", scaler.skipped_steps())
                                      : std::string()));
+    if (!device.is_cpu()) {
+      say(fmt::format("{}: peak allocated {:.1f} MiB", device,
+                      static_cast<double>(result.peak_device_bytes) / (1 << 20)));
+    }
   }
-  if (config.sample_length > 0) {
+  if (config.sample_length > 0 && config.synthetic_data) {
+    say("no sample: the model was trained on random tokens");
+  } else if (config.sample_length > 0) {
     SampleOptions so;
     so.length = config.sample_length;
     so.temperature = config.temperature;
@@ -465,9 +573,7 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
     if (verbose) progress.print(line);
   };
   const uint64_t seed = static_cast<uint64_t>(config.seed);
-  const GptData gd = load_data(config);
-  const data::TextWindows& train = gd.train;
-  const data::TextWindows& val = gd.val;
+  const GptData batches(config);
   manual_seed(seed);
   Gpt model(mconfig);
   Gpt3dOptions o;
@@ -507,8 +613,7 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   auto validate = [&](int64_t step) {
     gathered();
     if (!lead) return 0.0;
-    const double loss =
-        evaluate(eval_model, val, config.batch, config.context, config.val_batches, DType::f32);
+    const double loss = evaluate(eval_model, batches, config.val_batches, DType::f32);
     metrics.write({{"step", step}, {"val_loss", loss}});
     return loss;
   };
@@ -518,7 +623,7 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   while (step < stop_at) {
     const Clock::time_point t0 = Clock::now();
     const double lr = schedule.lr(step);
-    const data::TextBatch batch = train.get(step, config.batch, config.context);
+    const data::TextBatch batch = batches.train(step);
     const double loss = g.train_step(batch.idx, batch.targets, lr);
     ++step;
     const double dt = models::seconds_since(t0);
@@ -554,7 +659,7 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   result.tokens_per_s = step > 0 ? step * tokens_per_step / train_seconds : 0.0;
   say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training tokens/s",
                   result.val_loss, result.train_loss, step, result.tokens_per_s));
-  if (config.sample_length > 0 && lead) {
+  if (config.sample_length > 0 && lead && !config.synthetic_data) {
     SampleOptions so;
     so.length = config.sample_length;
     so.temperature = config.temperature;
@@ -572,6 +677,16 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
 
 GptResult train_gpt(const GptTrainConfig& config) {
   TS_CHECK(config.dp >= 1, "gpt: --dp must be at least 1, got {}", config.dp);
+  TS_CHECK(config.vocab > 0, "gpt: --vocab must be positive, got {}", config.vocab);
+  TS_CHECK(config.timing_skip >= 0, "gpt: --timing_skip must not be negative, got {}",
+           config.timing_skip);
+  if (!Device::parse(config.device).is_cpu()) {
+    TS_CHECK(config.dp == 1 && config.zero == 0 && config.pp == 1 && config.tp == 1 &&
+                 !parallel::mpi_launched(),
+             "gpt: --device={} runs a single rank for now; it cannot be combined with --dp {}, "
+             "--zero {}, --pp {}, --tp {} or mpirun",
+             config.device, config.dp, config.zero, config.pp, config.tp);
+  }
   TS_CHECK(config.zero >= 0 && config.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}",
            config.zero);
   TS_CHECK(!config.sp || config.tp > 1, "gpt: --sp splits the sequence over tensor-parallel "

@@ -1,5 +1,6 @@
 // bazel run //models:mnist -- [--model=mlp|cnn] [--epochs=E] [--batch=B] [--lr=LR]
 //     [--precision=f32|bf16|f16] [--save=PATH] [--resume=PATH] [--metrics=PATH] ...
+//   bazel run --config=cuda //models:mnist -- --model=cnn --device=cuda
 // Trains a Fashion-MNIST classifier and prints the final test accuracy (--help lists all).
 #include <cstdio>
 #include <string>
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
   f.bind("metrics", c.metrics, "append JSON-lines metrics here (for tools/plot_metrics.py)");
   f.bind("seed", c.seed, "seed of initialisation and shuffling");
   f.bind("threads", c.threads, "kernel threads (0: all cores)");
+  f.bind("device", c.device, "cpu, cuda or cuda:N (needs a --config=cuda build)");
   f.bind("max_steps", c.max_steps, "stop after this many steps in all (0: run every epoch)");
   f.bind("train_limit", c.train_limit, "use only the first N training images (0: all)");
   f.bind("test_limit", c.test_limit, "evaluate on the first N test images (0: all)");

@@ -16,6 +16,7 @@
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
+#include "tensor/allocator.h"
 #include "tensor/autocast.h"
 
 namespace tessera::mnist {
@@ -27,6 +28,7 @@ struct Eval {
   double accuracy = 0.0, loss = 0.0;
 };
 
+// On the test split's device (the model's).
 Eval evaluate(nn::Module& model, const data::MnistSplit& test, DType low) {
   NoGradGuard no_grad;
   AutocastGuard amp(low);
@@ -50,6 +52,7 @@ Eval evaluate(nn::Module& model, const data::MnistSplit& test, DType low) {
 
 MnistResult train_mnist(const MnistConfig& config) {
   const DType low = models::precision_dtype(config.precision, "mnist");
+  const Device device = Device::parse(config.device);
   TS_CHECK(config.batch > 0, "mnist: --batch must be positive, got {}", config.batch);
   TS_CHECK(config.lr > 0, "mnist: --lr must be positive, got {}", config.lr);
   TS_CHECK(config.log_every > 0, "mnist: --log_every must be positive, got {}", config.log_every);
@@ -66,12 +69,19 @@ MnistResult train_mnist(const MnistConfig& config) {
   const data::MnistSplit train = data::load_mnist(dir, true, data::kFashionMnistMean,
                                                   data::kFashionMnistStd,
                                                   config.train_limit > 0 ? config.train_limit : -1);
-  const data::MnistSplit test = data::load_mnist(dir, false, data::kFashionMnistMean,
-                                                 data::kFashionMnistStd,
-                                                 config.test_limit > 0 ? config.test_limit : -1);
+  data::MnistSplit test = data::load_mnist(dir, false, data::kFashionMnistMean,
+                                           data::kFashionMnistStd,
+                                           config.test_limit > 0 ? config.test_limit : -1);
+  if (!device.is_cpu()) {  // evaluated on the device: copied there once
+    test.images = test.images.to(device);
+    test.labels = test.labels.to(device);
+  }
 
   manual_seed(static_cast<uint64_t>(config.seed));
   auto model = make_model(config.model);
+  // Initialised on the CPU (the same values everywhere), then moved before the optimizer
+  // sees the parameters.
+  if (!device.is_cpu()) model->to(device);
   const int64_t epochs = config.epochs > 0 ? config.epochs
                          : config.model == "cnn" ? kDefaultEpochs.cnn
                                                  : kDefaultEpochs.mlp;
@@ -113,10 +123,11 @@ MnistResult train_mnist(const MnistConfig& config) {
   models::MetricsWriter metrics;
   if (!config.metrics.empty()) metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
   say(fmt::format("mnist: {} ({} parameters), {} train / {} test images, batch {}, {} epochs "
-                  "({} steps), AdamW lr {}, precision {}",
+                  "({} steps), AdamW lr {}, precision {}{}",
                   config.model, model->num_parameters(), loader.num_samples(),
                   test.labels.numel(), config.batch, epochs, total_steps, config.lr,
-                  config.precision));
+                  config.precision,
+                  device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
 
   MnistResult result;
   const std::vector<Tensor> params = model->parameters();
@@ -164,7 +175,7 @@ MnistResult train_mnist(const MnistConfig& config) {
     Tensor loss;
     {
       AutocastGuard amp(low);
-      loss = cross_entropy(model->forward(batch.inputs), batch.targets);
+      loss = cross_entropy(model->forward(batch.inputs.to(device)), batch.targets.to(device));
     }
     scaler.scale(loss).backward();
     if (config.clip > 0) {
@@ -215,7 +226,15 @@ MnistResult train_mnist(const MnistConfig& config) {
     s.rng_seed = default_generator().seed();
     s.rng_offset = default_generator().offset();
     s.info = {{"model", config.model}, {"precision", config.precision}};
-    models::save_checkpoint(config.save, *model, opt, scaler, s);
+    if (device.is_cpu()) {
+      models::save_checkpoint(config.save, *model, opt, scaler, s);
+    } else {  // from host copies (load_checkpoint copies back onto the device)
+      nn::StateDict weights = model->state_dict();
+      optim::Optimizer::StateDict state = opt.state_dict();
+      for (auto& [name, t] : weights) t = t.to(kCPU);
+      for (auto& [name, t] : state) t = t.to(kCPU);
+      models::save_checkpoint(config.save, weights, state, scaler, s);
+    }
     say(fmt::format("saved {} and {}", config.save, models::state_path(config.save)));
   }
 
@@ -225,6 +244,7 @@ MnistResult train_mnist(const MnistConfig& config) {
   result.steps = step;
   result.skipped_steps = scaler.skipped_steps();
   result.samples_per_s = run_steps > 0 ? run_steps * config.batch / train_seconds : 0.0;
+  if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
   if (config.verbose) {
     say(fmt::format("final test accuracy {:.2f}% (loss {:.4f}) after {} steps; {:.0f} training "
                     "samples/s; {} in all{}",
@@ -232,6 +252,10 @@ MnistResult train_mnist(const MnistConfig& config) {
                     models::format_duration(models::seconds_since(run_start)),
                     scaler.enabled() ? fmt::format("; {} f16 steps skipped", scaler.skipped_steps())
                                      : std::string()));
+    if (!device.is_cpu()) {
+      say(fmt::format("{}: peak allocated {:.1f} MiB", device,
+                      static_cast<double>(result.peak_device_bytes) / (1 << 20)));
+    }
   }
   return result;
 }

@@ -2,7 +2,7 @@
 // behind `bazel run //models:mnist`, callable from tests. AdamW with decoupled weight decay
 // (none on biases), linear warmup + cosine decay, optional gradient clipping, f32 / bf16 /
 // f16 mixed precision (f16 with dynamic loss scaling), safetensors checkpoints with exact
-// resume, JSON-lines metrics and a progress line.
+// resume, JSON-lines metrics and a progress line; on the CPU or a GPU (--device=cuda).
 //
 //   MnistConfig config;  config.model = "cnn";  config.epochs = 2;
 //   MnistResult r = train_mnist(config);       // r.test_accuracy in [0, 1]
@@ -30,6 +30,10 @@ struct MnistConfig {
   std::string metrics;            // JSON-lines file (appended to when resuming)
   int64_t seed = 0;               // initialisation, shuffling, dropout
   int64_t threads = 0;            // kernel threads; 0: all cores
+  // cpu, cuda or cuda:N (a --config=cuda build): the model is moved there after
+  // initialisation, batches are built on the CPU and copied over, the test set is copied
+  // once, checkpoints are written from CPU copies.
+  std::string device = "cpu";
   int64_t max_steps = 0;          // stop after this many steps in total (0: all epochs)
   int64_t train_limit = 0;        // use the first N training images (0: all)
   int64_t test_limit = 0;         // evaluate on the first N test images (0: all)
@@ -52,6 +56,7 @@ struct MnistResult {
   std::vector<double> losses;          // each step's loss, in this run
   std::vector<double> epoch_samples_per_s;  // training throughput per (full) epoch
   double samples_per_s = 0.0;          // over all training steps of this run
+  int64_t peak_device_bytes = 0;       // the device allocator's high-water mark (--device)
 };
 
 MnistResult train_mnist(const MnistConfig& config);

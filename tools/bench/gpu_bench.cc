@@ -1,0 +1,350 @@
+// GPU throughput of Tessera's CUDA backend beside the hardware's own ceilings, timed with CUDA
+// events on the compute stream (warm-up calls, then the median of --reps timed calls; inputs
+// rotated over enough copies, or large enough, to defeat the 50 MB L2):
+//   copy        cudaMemcpyAsync device-to-device (the bandwidth ceiling; read + write bytes)
+//   matmul      f32 (TF32 off / on), bf16, f16 at 4096^3, 8192^3 and GPT-2 124M's shapes
+//   elementwise add of two 256 MiB f32 tensors, gelu, bf16 add, clone
+//   adamw       optim::AdamW::step over GPT-2 124M's 148 parameter tensors (28 B/param)
+//   attention   causal bf16 forward and forward + backward, B=8 H=12 T=1024 D=64
+// Prints a markdown table and, with --json=PATH, one JSON line per row.
+//
+//   bazel run --config=cuda //tools/bench:gpu_bench -- --json=/tmp/gpu.jsonl
+//   bin/gpu_bench --only=matmul --reps=10            (tools/bench/run_gpu_bench.sh)
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/runtime.h"
+#include "models/common/flags.h"
+#include "optim/adamw.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+
+namespace tessera::bench {
+namespace {
+
+using cuda_kernels::compute_stream;
+using cuda_kernels::cuda_check;
+
+struct Options {
+  Device device = cuda(0);
+  int reps = 20;
+  int warmup = 3;
+  std::string only;  // run the groups whose name contains this
+};
+
+struct Row {
+  std::string group, name, shape, dtype;
+  double ms = 0.0;
+  double tflops = 0.0;  // 0: not a FLOP count
+  double gbps = 0.0;    // 0: not a byte count
+  std::string note;
+};
+
+// Median time (ms) of one call of op(i), i counting calls (for rotating inputs), measured
+// by events around each timed call after o.warmup untimed ones.
+double median_ms(const Options& o, const std::function<void(int)>& op) {
+  const Device d = o.device;
+  const cudaStream_t s = compute_stream(d);
+  int call = 0;
+  for (int i = 0; i < o.warmup; ++i) op(call++);
+  cuda_kernels::synchronize(d);
+  cudaEvent_t start, stop;
+  cuda_check(cudaEventCreate(&start), "cudaEventCreate", d);
+  cuda_check(cudaEventCreate(&stop), "cudaEventCreate", d);
+  std::vector<float> times;
+  for (int r = 0; r < o.reps; ++r) {
+    cuda_check(cudaEventRecord(start, s), "cudaEventRecord", d);
+    op(call++);
+    cuda_check(cudaEventRecord(stop, s), "cudaEventRecord", d);
+    cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize", d);
+    float ms = 0.0f;
+    cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime", d);
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  const size_t n = times.size();
+  return n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+}
+
+// Normal values on the device (random data: GEMM clocks and power depend on the bits).
+Tensor random_on(const Shape& shape, DType dtype, Device d, double scale = 1.0) {
+  Tensor x = randn(shape, DType::f32, d);
+  if (scale != 1.0) x = mul(x, full({}, scale, DType::f32, d));
+  return dtype == DType::f32 ? x : cast(x, dtype);
+}
+
+// Copies of one input enough to pass 2x the L2 (at most 8): call i uses copy i % n.
+int rotation(int64_t bytes_per_set) {
+  const int64_t l2x2 = 100ll << 20;
+  return static_cast<int>(std::clamp<int64_t>((l2x2 + bytes_per_set - 1) / bytes_per_set, 1, 8));
+}
+
+std::string dims(const Shape& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i > 0) out.push_back('x');
+    out.append(std::to_string(s[i]));
+  }
+  return out;
+}
+
+class Bench {
+ public:
+  explicit Bench(Options o) : o_(std::move(o)) {}
+
+  bool wanted(const std::string& group) const {
+    return o_.only.empty() || group.find(o_.only) != std::string::npos;
+  }
+
+  // Runs one row; an Error (an op missing on CUDA, out of memory) becomes a row noting it.
+  void run(std::string group, std::string name, std::string shape, std::string dtype,
+           const std::function<void(Row&)>& body) {
+    Row row;
+    row.group = std::move(group);
+    row.name = std::move(name);
+    row.shape = std::move(shape);
+    row.dtype = std::move(dtype);
+    try {
+      body(row);
+    } catch (const std::exception& e) {
+      row.note = fmt::format("error: {}", e.what());
+      if (row.note.size() > 160) row.note = row.note.substr(0, 157) + "...";
+      cudaGetLastError();  // a sticky launch error stays; the next rows will say so
+    }
+    rows_.push_back(row);
+    std::fprintf(stderr, "%-12s %-34s %-6s %9.3f ms %s\n", row.group.c_str(), row.name.c_str(),
+                 row.dtype.c_str(), row.ms, row.note.c_str());
+  }
+
+  // Always run: the other rows quote it.
+  void copy_ceiling() {
+    run("copy", "cudaMemcpyAsync D2D", "1 GiB", "bytes", [&](Row& r) {
+      const int64_t bytes = 1ll << 30;
+      Tensor a = zeros({bytes / 4}, DType::f32, o_.device);
+      Tensor b = zeros({bytes / 4}, DType::f32, o_.device);
+      const cudaStream_t s = compute_stream(o_.device);
+      r.ms = median_ms(o_, [&](int) {
+        cuda_check(cudaMemcpyAsync(b.raw_data(), a.raw_data(), bytes, cudaMemcpyDeviceToDevice, s),
+                   "cudaMemcpyAsync", o_.device);
+      });
+      r.gbps = 2.0 * bytes / (r.ms * 1e6);
+      ceiling_gbps_ = r.gbps;
+    });
+  }
+
+  void matmuls() {
+    if (!wanted("matmul")) return;
+    const std::vector<std::pair<Shape, Shape>> shapes = {
+        {{4096, 4096}, {4096, 4096}},   {{8192, 8192}, {8192, 8192}},
+        {{8192, 768}, {768, 2304}},     {{8192, 768}, {768, 3072}},
+        {{8192, 3072}, {3072, 768}},    {{8192, 768}, {768, 50257}}};
+    struct Kind {
+      DType dtype;
+      bool tf32;
+      const char* label;
+    };
+    const Kind kinds[] = {{DType::f32, false, "f32"}, {DType::f32, true, "tf32"},
+                          {DType::bf16, false, "bf16"}, {DType::f16, false, "f16"}};
+    for (const Kind& k : kinds) {
+      for (const auto& [as, bs] : shapes) {
+        run("matmul", fmt::format("[{}]x[{}]", dims(as), dims(bs)), "", k.label, [&](Row& r) {
+          cuda_kernels::set_allow_tf32(k.tf32);
+          const int64_t set_bytes = (numel_of(as) + numel_of(bs)) * dtype_size(k.dtype);
+          const int n = rotation(set_bytes);
+          std::vector<Tensor> a, b;
+          for (int i = 0; i < n; ++i) {
+            a.push_back(random_on(as, k.dtype, o_.device));
+            b.push_back(random_on(bs, k.dtype, o_.device, 0.05));
+          }
+          r.shape = fmt::format("{} set(s)", n);
+          r.ms = median_ms(o_, [&](int i) { (void)matmul(a[i % n], b[i % n]); });
+          r.tflops = 2.0 * as[0] * as[1] * bs[1] / (r.ms * 1e9);
+        });
+        cuda_kernels::set_allow_tf32(false);
+      }
+    }
+  }
+
+  void elementwise() {
+    if (!wanted("elementwise")) return;
+    const int64_t n = (256ll << 20) / 4;  // 256 MiB of f32
+    auto bytes_row = [&](const std::string& name, DType dt, int tensors,
+                         const std::function<std::function<void(int)>()>& make) {
+      run("elementwise", name, fmt::format("{} elems", n), std::string(dtype_name(dt)),
+          [&](Row& r) {
+        const std::function<void(int)> op = make();
+        r.ms = median_ms(o_, op);
+        r.gbps = static_cast<double>(tensors) * n * dtype_size(dt) / (r.ms * 1e6);
+        if (ceiling_gbps_ > 0) {
+          r.note = fmt::format("{:.0f}% of copy", 100 * r.gbps / ceiling_gbps_);
+        }
+      });
+    };
+    {
+      Tensor a = random_on({n}, DType::f32, o_.device), b = random_on({n}, DType::f32, o_.device);
+      bytes_row("add(a, b)", DType::f32, 3, [&] { return [&](int) { (void)add(a, b); }; });
+      bytes_row("gelu(a) tanh", DType::f32, 2, [&] { return [&](int) { (void)gelu(a, true); }; });
+      bytes_row("clone(a)", DType::f32, 2, [&] { return [&](int) { (void)clone(a); }; });
+    }
+    {
+      Tensor a = random_on({n}, DType::bf16, o_.device), b = random_on({n}, DType::bf16, o_.device);
+      bytes_row("add(a, b)", DType::bf16, 3, [&] { return [&](int) { (void)add(a, b); }; });
+    }
+  }
+
+  // GPT-2 124M's parameters in state-dict order (148 tensors, 124,439,808 values).
+  static std::vector<Shape> gpt2_shapes() {
+    const int64_t C = 768, V = 50257, T = 1024;
+    std::vector<Shape> s = {{V, C}, {T, C}};
+    for (int l = 0; l < 12; ++l) {
+      const std::vector<Shape> block = {{C}, {C}, {3 * C, C}, {3 * C}, {C, C}, {C},
+                                        {C}, {C}, {4 * C, C}, {4 * C}, {C, 4 * C}, {C}};
+      s.insert(s.end(), block.begin(), block.end());
+    }
+    s.push_back({C});
+    s.push_back({C});
+    return s;
+  }
+
+  void adamw() {
+    if (!wanted("adamw")) return;
+    run("adamw", "optim::AdamW::step, 148 tensors", "GPT-2 124M", "f32", [&](Row& r) {
+      std::vector<Tensor> params;
+      int64_t count = 0;
+      for (const Shape& s : gpt2_shapes()) {
+        Tensor p = random_on(s, DType::f32, o_.device, 0.02);
+        p.requires_grad_();
+        p.set_grad(random_on(s, DType::f32, o_.device, 1e-3));
+        params.push_back(p);
+        count += numel_of(s);
+      }
+      optim::AdamWOptions ao;
+      ao.lr = 1e-4;
+      ao.betas = {0.9, 0.95};
+      ao.weight_decay = 0.1;
+      optim::AdamW opt(params, ao);
+      r.shape = fmt::format("{} tensors, {} params", params.size(), count);
+      r.ms = median_ms(o_, [&](int) { opt.step(); });
+      // Read: param, grad, exp_avg, exp_avg_sq; written: param, exp_avg, exp_avg_sq.
+      r.gbps = 28.0 * static_cast<double>(count) / (r.ms * 1e6);
+      if (ceiling_gbps_ > 0) r.note = fmt::format("{:.0f}% of copy", 100 * r.gbps / ceiling_gbps_);
+    });
+  }
+
+  void attention_fwd_bwd() {
+    if (!wanted("attention")) return;
+    const int64_t B = 8, H = 12, T = 1024, D = 64;
+    // FlashAttention's convention: forward 4 B H T^2 D (halved when causal), backward 2.5x.
+    const double fwd_flops = 4.0 * B * H * T * T * D / 2.0;
+    auto make = [&](bool grad) {
+      Tensor t = random_on({B, H, T, D}, DType::bf16, o_.device);
+      if (grad) t.requires_grad_();
+      return t;
+    };
+    run("attention", "forward, causal", fmt::format("B{} H{} T{} D{}", B, H, T, D), "bf16",
+        [&](Row& r) {
+          NoGradGuard no_grad;
+          Tensor q = make(false), k = make(false), v = make(false);
+          r.ms = median_ms(o_, [&](int) { (void)attention(q, k, v, true); });
+          r.tflops = fwd_flops / (r.ms * 1e9);
+        });
+    run("attention", "forward + backward, causal", fmt::format("B{} H{} T{} D{}", B, H, T, D),
+         "bf16",
+        [&](Row& r) {
+          Tensor q = make(true), k = make(true), v = make(true);
+          Tensor dout = random_on({B, H, T, D}, DType::bf16, o_.device);
+          r.ms = median_ms(o_, [&](int) {
+            for (const Tensor* t : {&q, &k, &v}) t->set_grad(Tensor());  // no accumulation
+            attention(q, k, v, true).backward(dout);
+          });
+          r.tflops = 3.5 * fwd_flops / (r.ms * 1e9);
+        });
+  }
+
+  void report(const std::string& json_path) const {
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, o_.device.index);
+    std::printf("Tessera CUDA backend on %s (%s), CUDA events, median of %d calls after %d "
+                "warm-up calls.\n\n",
+                prop.name, fmt::format("{}", o_.device).c_str(), o_.reps, o_.warmup);
+    std::printf("| group | op | shape | dtype | ms | TFLOP/s | GB/s | note |\n");
+    std::printf("|---|---|---|---|---:|---:|---:|---|\n");
+    auto num = [](double v, int digits) {
+      return v > 0 ? fmt::format("{:.{}f}", v, digits) : std::string();
+    };
+    for (const Row& r : rows_) {
+      std::printf("| %s | %s | %s | %s | %s | %s | %s | %s |\n", r.group.c_str(), r.name.c_str(),
+                  r.shape.c_str(), r.dtype.c_str(), num(r.ms, 3).c_str(),
+                  num(r.tflops, 1).c_str(), num(r.gbps, 0).c_str(), r.note.c_str());
+    }
+    if (json_path.empty()) return;
+    std::ofstream out(json_path, std::ios::app);
+    TS_CHECK(out.good(), "gpu_bench: cannot write {}", json_path);
+    for (const Row& r : rows_) {
+      auto quoted = [](const std::string& s) {
+        std::string q = "\"";
+        for (char c : s) {
+          if (c == '"' || c == '\\') q += '\\';
+          q += (c == '\n' ? ' ' : c);
+        }
+        return q + "\"";
+      };
+      out << fmt::format(
+          "{{\"framework\": \"tessera\", \"device\": {}, \"group\": {}, \"op\": {}, "
+          "\"shape\": {}, \"dtype\": {}, \"ms\": {}, \"tflops\": {}, \"gbps\": {}, "
+          "\"note\": {}}}\n",
+          quoted(prop.name), quoted(r.group), quoted(r.name), quoted(r.shape), quoted(r.dtype),
+          r.ms, r.tflops, r.gbps, quoted(r.note));
+    }
+  }
+
+ private:
+  Options o_;
+  std::vector<Row> rows_;
+  double ceiling_gbps_ = 0.0;
+};
+
+}  // namespace
+}  // namespace tessera::bench
+
+int main(int argc, char** argv) {
+  using namespace tessera;
+  bench::Options o;
+  std::string device = "cuda";
+  int64_t reps = o.reps, warmup = o.warmup;
+  std::string json;
+  models::Flags f("gpu_bench", "GPU throughput of Tessera's CUDA kernels beside the copy ceiling.");
+  f.bind("device", device, "cuda or cuda:N");
+  f.bind("reps", reps, "timed calls per row (the median is reported)");
+  f.bind("warmup", warmup, "untimed calls first");
+  f.bind("only", o.only, "only the groups whose name contains this (copy, matmul, ...)");
+  f.bind("json", json, "append one JSON line per row here");
+  try {
+    f.parse(argc, argv);
+    o.device = Device::parse(device);
+    TS_CHECK(o.device.is_cuda(), "gpu_bench: --device must be cuda or cuda:N, got {}", device);
+    TS_CHECK(reps > 0 && warmup >= 0, "gpu_bench: --reps must be positive and --warmup >= 0");
+    o.reps = static_cast<int>(reps);
+    o.warmup = static_cast<int>(warmup);
+    bench::Bench b(o);
+    b.copy_ceiling();
+    b.matmuls();
+    b.elementwise();
+    b.adamw();
+    b.attention_fwd_bwd();
+    b.report(json);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
