@@ -29,6 +29,26 @@ double project(const Tensor& out, const Tensor& v) {
   return sum(cast(out, DType::f64) * v).item<double>();
 }
 
+// Sets one element of x's storage: through the host pointer on the CPU; on a device, by
+// copying a host scalar into a one-element view of the storage (ordered with the device's
+// work like any op, so the next fn(inputs) sees it).
+class Perturber {
+ public:
+  explicit Perturber(const Tensor& x) : x_(x), host_(x.device().is_cpu()) {}
+  void set(int64_t storage_offset, double value) const {
+    if (host_) {
+      static_cast<double*>(x_.storage()->data())[storage_offset] = value;
+      return;
+    }
+    const Tensor element = Tensor::from_storage(x_.storage(), {}, {}, storage_offset, DType::f64);
+    element.copy_(Tensor::from_vector<double>({value}, {}));
+  }
+
+ private:
+  Tensor x_;
+  bool host_;
+};
+
 }  // namespace
 
 GradcheckResult gradcheck(const GradcheckFn& fn, const std::vector<Tensor>& inputs,
@@ -37,8 +57,8 @@ GradcheckResult gradcheck(const GradcheckFn& fn, const std::vector<Tensor>& inpu
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& t = inputs[i];
     if (!t.defined() || !t.requires_grad()) continue;
-    TS_CHECK(t.dtype() == DType::f64 && t.device().is_cpu(),
-             "gradcheck: input {} must be an f64 CPU tensor, got {} on {}", i, t.dtype(), t.device());
+    TS_CHECK(t.dtype() == DType::f64, "gradcheck: input {} must be an f64 tensor, got {} on {}",
+             i, t.dtype(), t.device());
     wrt.push_back(t);
   }
   TS_CHECK(!wrt.empty(), "gradcheck: no input requires grad");
@@ -47,7 +67,8 @@ GradcheckResult gradcheck(const GradcheckFn& fn, const std::vector<Tensor>& inpu
   const Tensor out = fn(inputs);
   TS_CHECK(out.defined() && is_floating(out.dtype()), "gradcheck: fn must return a floating tensor");
   Generator g(12345);
-  const Tensor v = randn(out.shape(), DType::f64, kCPU, &g);
+  // Drawn on the CPU and copied, so the projection is the same on every device.
+  const Tensor v = randn(out.shape(), DType::f64, kCPU, &g).to(out.device());
   const Tensor loss = sum(cast(out, DType::f64) * v);
   const std::vector<Tensor> analytical = grad({loss}, wrt);
 
@@ -57,16 +78,16 @@ GradcheckResult gradcheck(const GradcheckFn& fn, const std::vector<Tensor>& inpu
     const std::vector<double> a = analytical[w].defined()
                                       ? analytical[w].to_vector<double>()
                                       : std::vector<double>(x.numel(), 0.0);
-    double* base = static_cast<double*>(x.storage()->data());
+    const std::vector<double> values = x.to_vector<double>();  // logical order, as offsets
     const std::vector<int64_t> offsets = element_offsets(x);
+    const Perturber element(x);
     for (int64_t k = 0; k < x.numel(); ++k) {
-      double& e = base[offsets[k]];
-      const double orig = e;
-      e = orig + options.eps;
+      const double orig = values[k];
+      element.set(offsets[k], orig + options.eps);
       const double plus = project(fn(inputs), v);
-      e = orig - options.eps;
+      element.set(offsets[k], orig - options.eps);
       const double minus = project(fn(inputs), v);
-      e = orig;
+      element.set(offsets[k], orig);
       const double numerical = (plus - minus) / (2 * options.eps);
       const double err = std::abs(a[k] - numerical);
       result.max_abs_error = std::max(result.max_abs_error, err);

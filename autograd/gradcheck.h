@@ -5,7 +5,9 @@
 //                                {randn({3, 4}, DType::f64).requires_grad_()});
 //   CHECK_MESSAGE(r.ok, r.message);
 //
-// Inputs may be non-contiguous views (perturbations go to the viewed storage element).
+// Inputs may be non-contiguous views (perturbations go to the viewed storage element), on
+// any device (a device input is perturbed by a one-element copy into its storage; the
+// projection v is drawn on the CPU and copied, so it is the same everywhere).
 // Inputs that do not require grad are held fixed.
 #pragma once
 

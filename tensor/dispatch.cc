@@ -2,6 +2,7 @@
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
+#include "tensor/profile.h"
 
 namespace tessera {
 namespace {
@@ -19,6 +20,7 @@ struct Tables {
   ViewFn view[kNumOps] = {};
   KernelFn kernel[kNumDeviceTypes][kNumOps] = {};
   GraphRecorder recorder = nullptr;
+  KernelObserver observer = nullptr;
 };
 
 // Filled during static initialisation (registrars in kernels/, tensor/, autograd/), read-only
@@ -123,6 +125,8 @@ void register_kernel(DeviceType device, OpId op, KernelFn fn) {
 }
 void register_view(OpId op, ViewFn fn) { tables().view[index_of(op)] = fn; }
 void set_graph_recorder(GraphRecorder recorder) { tables().recorder = recorder; }
+void set_kernel_observer(KernelObserver observer) { tables().observer = observer; }
+KernelObserver kernel_observer() { return tables().observer; }
 
 MetaFn meta_fn(OpId op) { return tables().meta[index_of(op)]; }
 KernelFn kernel_fn(DeviceType device, OpId op) {
@@ -149,7 +153,13 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
   for (const TensorSpec& s : out_specs) {
     outputs.push_back(s.defined ? Tensor::empty(s.shape, s.dtype, s.device) : Tensor());
   }
-  kernel(inputs, outputs, attrs);
+  if (KernelObserver obs = tables().observer) [[unlikely]] {
+    obs(op, device, true);
+    kernel(inputs, outputs, attrs);
+    obs(op, device, false);
+  } else {
+    kernel(inputs, outputs, attrs);
+  }
   maybe_record(op, inputs, outputs, attrs);
   return outputs;
 }
@@ -180,7 +190,10 @@ void call_copy_(const Tensor& dst, const Tensor& src) {
   const Device device = dispatch_device(OpId::copy_, inputs, Attrs{});
   infer(OpId::copy_, inputs, Attrs{});
   std::vector<Tensor> out = {dst};
+  KernelObserver obs = tables().observer;
+  if (obs) obs(OpId::copy_, device, true);
   find_kernel(OpId::copy_, device)(inputs, out, Attrs{});
+  if (obs) obs(OpId::copy_, device, false);
   dst.storage()->bump_version();
 }
 
@@ -206,7 +219,10 @@ void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
   const std::vector<TensorSpec> out_specs = infer(op, inputs, attrs);
   TS_CHECK(out_specs.empty(), "{}: an in-place op's shape inference returned {} outputs",
            info.name, out_specs.size());
+  KernelObserver obs = tables().observer;
+  if (obs) obs(op, device, true);
   find_kernel(op, device)(inputs, std::span<Tensor>(), attrs);
+  if (obs) obs(op, device, false);
   for (size_t i : written) {
     if (i < inputs.size() && inputs[i].defined()) inputs[i].storage()->bump_version();
   }

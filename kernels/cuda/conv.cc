@@ -12,9 +12,9 @@
 // algorithms are required for the backward passes (so BWD_DATA_ALGO_0 and
 // BWD_FILTER_ALGO_0/3, which accumulate with atomics, are never used) and preferred forward.
 //
-// Differences from the CPU kernel (kernels/cpu/conv.cc): with a bias, f16/bf16 results are
-// rounded twice (cuDNN rounds the convolution, then the bias add rounds again), and sums
-// run in cuDNN's order, so results agree to rounding, not bit for bit.
+// f16/bf16 with a bias run in f32 (inputs widened, bias added in f32, one rounding at the
+// end), as the CPU does: cuDNN would round the convolution and the bias add would round
+// again. Sums run in cuDNN's order, so results agree to rounding, not bit for bit.
 #include <climits>
 #include <cstring>
 #include <memory>
@@ -240,6 +240,18 @@ void conv2d_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
   const Device d = y.device();
   DeviceGuard guard(d);
   const DType dt = y.dtype();
+  if ((dt == DType::f16 || dt == DType::bf16) && in[2].defined()) {
+    auto widened = [&](const Tensor& t) {
+      Tensor w = Tensor::empty(t.shape(), DType::f32, d);
+      copy_cuda(w, t);
+      return w;
+    };
+    const Tensor in32[3] = {widened(in[0]), widened(in[1]), widened(in[2])};
+    Tensor out32[1] = {Tensor::empty(y.shape(), DType::f32, d)};
+    conv2d_kernel(in32, out32, a);
+    copy_cuda(y, out32[0]);
+    return;
+  }
   if (in[0].numel() == 0) {
     zero_fill(y, op);  // no input channels (an empty shard): the bias alone
   } else {

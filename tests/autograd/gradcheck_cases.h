@@ -1,9 +1,14 @@
-// The gradcheck case table shared by gradcheck_test.cc: inputs with a chosen memory layout
-// (Maker) and, per differentiable op, the cases to check (Table, keyed by OpId).
+// The gradcheck case table shared by gradcheck_test.cc and tests/cuda/cuda_gradcheck_test.cc:
+// inputs with a chosen memory layout (Maker) and, per differentiable op, the cases to check
+// (Table, keyed by OpId), and the checks run on each case (check_op_cases).
 //
 //   Table t;
 //   add_elementwise_cases(t);                       // gradcheck_cases_elementwise.cc
 //   for (const Case& c : t.at(OpId::exp).make(mk)) autograd::gradcheck(c.fn, c.inputs);
+//
+// Device: cases are made on case_device() (the CPU unless a suite sets another): leaves are
+// written through the same memory layout into device memory, and fixed tensors (indices,
+// conditions) are copied there (on_device).
 #pragma once
 
 #include <doctest/doctest.h>
@@ -34,6 +39,14 @@ inline const char* layout_name(Layout l) {
   }
   return "?";
 }
+
+// The device the cases' tensors are made on (set before calling OpCases::make).
+inline Device& case_device() {
+  static Device device = kCPU;
+  return device;
+}
+// A fixed (not differentiated) tensor made on the CPU, on case_device().
+inline Tensor on_device(const Tensor& t) { return t.to(case_device()); }
 
 struct Case {
   Layout layout;
@@ -100,15 +113,16 @@ class Maker {
   static Tensor leaf(const Shape& shape, const std::vector<double>& values, Memory m,
                      bool requires_grad = true) {
     NoGradGuard no_grad;
+    const Device d = case_device();
     Tensor view;
     const int64_t nd = static_cast<int64_t>(shape.size());
     switch (m) {
-      case Memory::contiguous: view = Tensor::empty(shape, DType::f64); break;
+      case Memory::contiguous: view = Tensor::empty(shape, DType::f64, d); break;
       case Memory::transposed: {
         REQUIRE(nd >= 2);
         Shape st = shape;
         std::swap(st[nd - 1], st[nd - 2]);
-        view = transpose(Tensor::empty(st, DType::f64), -1, -2);
+        view = transpose(Tensor::empty(st, DType::f64, d), -1, -2);
         break;
       }
       case Memory::permuted: {
@@ -116,19 +130,19 @@ class Maker {
         Shape st(shape.rbegin(), shape.rend());
         std::vector<int64_t> order(nd);
         for (int64_t i = 0; i < nd; ++i) order[i] = nd - 1 - i;
-        view = permute(Tensor::empty(st, DType::f64), order);
+        view = permute(Tensor::empty(st, DType::f64, d), order);
         break;
       }
       case Memory::strided: {
         REQUIRE(nd >= 1);
         Shape st = shape;
         st.back() = 2 * shape.back() + 1;
-        view = slice(full(st, std::nan(""), DType::f64), -1, 1, st.back(), 2);
+        view = slice(full(st, std::nan(""), DType::f64, d), -1, 1, st.back(), 2);
         break;
       }
     }
     REQUIRE(view.shape() == shape);
-    view.copy_(Tensor::from_vector<double>(values, shape));
+    view.copy_(Tensor::from_vector<double>(values, shape).to(d));
     if (requires_grad) view.requires_grad_();
     return view;
   }
@@ -141,7 +155,7 @@ class Maker {
 };
 
 inline Tensor index(const std::vector<int64_t>& values, const Shape& shape) {
-  return Tensor::from_vector<int64_t>(values, shape);
+  return on_device(Tensor::from_vector<int64_t>(values, shape));
 }
 
 struct OpCases {
@@ -164,5 +178,16 @@ inline GradcheckFn on2(Binary f) {
 // indexing, joining and splitting.
 void add_elementwise_cases(Table& t);
 void add_nn_cases(Table& t);
+
+// Runs every case of one op (made on case_device() from Maker(seed)) through its checks:
+// differentiable leaves are f64 leaves, a non-contiguous case has a non-contiguous input,
+// the graph contains the op's node, a non-contiguous forward equals the forward on
+// contiguous copies (within 1e-12), and autograd::gradcheck passes. Failures are doctest
+// FAIL_CHECKs naming op, layout and case; an exception fails its case only.
+struct OpResult {
+  int checked = 0, failed = 0;
+  std::string first_failure;
+};
+OpResult check_op_cases(const OpInfo& info, const OpCases& cases, uint64_t seed);
 
 }  // namespace tessera::gradcheck_cases

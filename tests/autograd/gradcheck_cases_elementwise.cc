@@ -173,14 +173,14 @@ void add_elementwise_cases(Table& t) {
         auto fn = [](const Tensor& cond) {
           return GradcheckFn([cond](const Tensors& in) { return where(cond, in[0], in[1]); });
         };
-        const Tensor c34 = Tensor::from_vector<bool>(
-            {true, false, false, true, false, true, true, false, true, true, false, false}, {3, 4});
-        const Tensor c4 = Tensor::from_vector<bool>({true, false, true, false}, {4});
-        const Tensor c31 = Tensor::from_vector<bool>({false, true, true}, {3, 1, 1});
+        const Tensor c34 = on_device(Tensor::from_vector<bool>(
+            {true, false, false, true, false, true, true, false, true, true, false, false}, {3, 4}));
+        const Tensor c4 = on_device(Tensor::from_vector<bool>({true, false, true, false}, {4}));
+        const Tensor c31 = on_device(Tensor::from_vector<bool>({false, true, true}, {3, 1, 1}));
         const Tensor c43t = transpose(
-            Tensor::from_vector<bool>(
+            on_device(Tensor::from_vector<bool>(
                 {true, true, false, false, true, false, true, false, false, true, false, true},
-                {4, 3}),
+                {4, 3})),
             0, 1);
         return CaseList{
             {Layout::contiguous,
@@ -264,10 +264,11 @@ void add_elementwise_cases(Table& t) {
       ""};
   t[OpId::to_device] = {
       [](Maker& mk) {
-        // to() returns its input when the device already matches; call the op itself (cpu -> cpu).
+        // to() returns its input when the device already matches; call the op itself (cpu ->
+        // cpu, or within the device the case runs on).
         auto fn = on1([](const Tensor& x) {
           Attrs a;
-          a.device = kCPU;
+          a.device = x.device();
           return call1(OpId::to_device, {x}, a) * x;
         });
         return CaseList{

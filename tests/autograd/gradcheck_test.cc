@@ -11,7 +11,8 @@
 // Inputs stay inside each op's domain and away from kinks and ties (see Maker): positive
 // bases for log/sqrt/pow, |x| bounded away from 0 for abs/relu, distinct values on a grid for
 // max/maximum/minimum/max_pool2d. Tolerances are gradcheck's defaults unless a case says why.
-// The cases live in gradcheck_cases_*.cc (Maker and the Table type in gradcheck_cases.h).
+// The cases live in gradcheck_cases_*.cc (Maker and the Table type in gradcheck_cases.h), the
+// per-case checks in gradcheck_cases_check.cc (shared with tests/cuda/cuda_gradcheck_test.cc).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -32,37 +33,6 @@ const Table& table() {
     return table;
   }();
   return *t;
-}
-
-// ---- checks ---------------------------------------------------------------------------------
-
-bool graph_contains(const Tensor& out, std::string_view name) {
-  std::vector<autograd::Node*> stack;
-  std::set<autograd::Node*> seen;
-  if (out.grad_fn()) stack.push_back(out.grad_fn().get());
-  while (!stack.empty()) {
-    autograd::Node* n = stack.back();
-    stack.pop_back();
-    if (!seen.insert(n).second) continue;
-    if (n->name() == name) return true;
-    for (const autograd::Edge& e : n->next_edges()) {
-      if (e.valid()) stack.push_back(e.fn.get());
-    }
-  }
-  return false;
-}
-
-// Max |a - b| over elements; infinity when shapes differ or a value is NaN.
-double max_diff(const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape()) return INFINITY;
-  const std::vector<double> x = a.to_vector<double>(), y = b.to_vector<double>();
-  double m = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double d = std::abs(x[i] - y[i]);
-    if (std::isnan(d)) return INFINITY;  // e.g. a kernel that read the NaN gaps of a strided leaf
-    m = std::max(m, d);
-  }
-  return m;
 }
 
 TEST_CASE("every differentiable op has gradcheck cases for each layout it must cover") {
@@ -98,39 +68,7 @@ TEST_CASE("gradcheck: analytical gradients match central differences for every D
     if (!info.differentiable) continue;
     const auto it = table().find(info.id);
     if (it == table().end()) continue;  // reported by the coverage test
-    Maker mk(1000 + static_cast<uint64_t>(info.id));
-    const std::string node = it->second.node.empty() ? std::string(info.name) : it->second.node;
-    for (const Case& c : it->second.make(mk)) {
-      const std::string where =
-          fmt::format("{} [{}: {}]", info.name, layout_name(c.layout), c.label);
-      CAPTURE(where);
-      for (const Tensor& in : c.inputs) {
-        if (in.requires_grad()) {
-          REQUIRE(in.is_leaf());
-          REQUIRE(in.dtype() == DType::f64);
-        }
-      }
-      if (c.layout == Layout::noncontiguous) {
-        bool any = false;
-        for (const Tensor& in : c.inputs) any = any || (in.requires_grad() && !in.is_contiguous());
-        CHECK_MESSAGE(any, where, ": no input is non-contiguous");
-      }
-      const Tensor out = c.fn(c.inputs);
-      CHECK_MESSAGE(graph_contains(out, node), where, ": the graph has no ", node, " node");
-
-      if (c.layout == Layout::noncontiguous) {
-        // The op must compute the same values as on contiguous copies of its inputs.
-        NoGradGuard no_grad;
-        Tensors copies;
-        for (const Tensor& in : c.inputs) copies.push_back(in.requires_grad() ? clone(in) : in);
-        const double d = max_diff(out.detach(), c.fn(copies));
-        CHECK_MESSAGE(d <= 1e-12, where, ": non-contiguous forward differs from contiguous by ", d);
-      }
-
-      const autograd::GradcheckResult r = autograd::gradcheck(c.fn, c.inputs, c.options);
-      CHECK_MESSAGE(r.ok, where, ": ", r.message);
-      ++checked;
-    }
+    checked += check_op_cases(info, it->second, 1000 + static_cast<uint64_t>(info.id)).checked;
   }
   MESSAGE("gradchecked ", checked, " cases");
   CHECK(checked > 100);

@@ -32,10 +32,21 @@
 //   allows its smallest normal, 2^-126: its vectorised exp flushes subnormal results to 0.
 //   exact ops (copies, views, indexing, comparisons, casts, max): bitwise equality.
 //   Integer and bool outputs are always compared exactly.
+//
+// Devices: the sweep runs on sweep_device() (the CPU unless a suite sets another, as
+// tests/cuda/cuda_op_sweep_test.cc sets cuda:0). Values are still drawn and laid out on the
+// CPU; build() then copies the whole backing buffer (gaps and all) to the device and takes
+// the same view of it, so the device kernel sees the same strides, offset and NaN-filled
+// gaps. Outputs are read back through read_tensor(), which copies a device tensor's
+// storage to the CPU first, and compared with the same reference and bounds (the bounds
+// above are at least as strict as "CUDA f32 within 1e-5 relative of the CPU"). Where a
+// device needs another bound, device_bounds() in op_sweep_harness.cc states it per op with
+// the reason. 16-bit twins run on the same device.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -133,7 +144,8 @@ std::vector<OpSweep> optim_sweeps();        // op_sweep_optim.cc
 // A contiguous tensor holding `a` (values must be representable in dt), written directly
 // into memory: no Tessera kernel takes part.
 Tensor make_tensor(const NdArray& a, DType dt);
-// The logical values of any (strided) CPU tensor, read directly from memory.
+// The logical values of any (strided) tensor, read directly from memory (a device tensor's
+// storage is copied to the CPU first).
 NdArray read_tensor(const Tensor& t);
 // The value stored at flat storage position `i` of t's storage (for gap checks).
 double read_storage(const Tensor& t, int64_t i);
@@ -145,16 +157,36 @@ struct Built {
   NdArray seen;           // the values the tensor holds (expanded layouts repeat a slice)
   bool laid_out = false;  // the layout changed something
 };
-// `values` laid out as `layout` (see the header) in dtype dt.
+// `values` laid out as `layout` (see the header) in dtype dt, on sweep_device().
 Built build(const NdArray& values, DType dt, Layout layout, size_t arg_index,
             bool expandable = true);
+
+// Per op: table runs (one op x case x dtype x layout, or one rejected dtype, or the
+// extra checks) that passed and failed, and the first failure's message.
+struct OpTally {
+  int64_t passed = 0, failed = 0;
+  std::string first_failure;
+};
 
 struct Coverage {
   std::set<std::tuple<int, int, int>> combos;  // (op, dtype, layout) that ran
   int64_t runs = 0, outputs_checked = 0, rejections_checked = 0;
+  std::map<OpId, OpTally> per_op;
+  // Failure messages printed per op (the rest are counted in per_op only); -1: all. A
+  // device suite sets a few, so one missing kernel does not print thousands of lines.
+  int64_t print_limit_per_op = -1;
 };
 
+// The device the sweep's tensors live on (kCPU by default).
+Device sweep_device();
+void set_sweep_device(Device device);
+// `t` (contiguous, on the CPU) on sweep_device(); t itself when that is the CPU.
+Tensor on_sweep_device(const Tensor& t);
+
 void run_sweep(const OpSweep& sweep, Coverage& coverage);
+// Reports a failure (doctest FAIL_CHECK, within Coverage::print_limit_per_op) and counts it
+// against the op being swept.
+void report_failure(const std::string& message);
 
 // For extra checks: compare with a message naming `what`; bound = rel * mag + abs (mag
 // defaults to |want|). Returns whether it passed (failures are reported).

@@ -336,10 +336,11 @@ std::vector<OpSweep> copy_sweeps() {
   OpSweep cl{OpId::clone, kAll, {}, {}, {}};
   for (const Shape& shape : {Shape{4, 6}, Shape{2, 3, 4}, Shape{}, Shape{0, 3}}) {
     Case c = exact_case(shape_str(shape), {arg(shape, normal(2), ints(-9, 9))}, identity);
-    c.attrs.device = kCPU;
+    // The op itself, to the device its input is on (to() would return the input): a copy
+    // within the sweep's device.
     c.run = [](const Tensors& in, DType) {
       Attrs a;
-      a.device = kCPU;
+      a.device = sweep_device();
       Tensor y = call1(OpId::to_device, {in[0]}, a);
       if (y.storage() == in[0].storage())
         FAIL_CHECK("to_device: the copy shares its input's storage");

@@ -183,7 +183,8 @@ OpSweep fill_composite(OpId op, double value) {
     Case c = factory_case(shape_str(shape),
                           [shape, value](DType dt) { return Arrays{ref::full(shape, value, dt)}; });
     c.run = [shape, op](const Tensors&, DType dt) {
-      return Tensors{op == OpId::zeros ? zeros(shape, dt) : ones(shape, dt)};
+      const Device d = sweep_device();
+      return Tensors{op == OpId::zeros ? zeros(shape, dt, d) : ones(shape, dt, d)};
     };
     s.cases.push_back(std::move(c));
   }

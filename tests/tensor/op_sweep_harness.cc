@@ -1,5 +1,6 @@
-// The op sweep harness: input drawing and layouts, the run over dtypes x layouts x cases,
-// and comparisons that name the op, dtype, layout, shapes and the worst element.
+// The op sweep harness: input drawing and layouts (on the sweep's device), the run over
+// dtypes x layouts x cases, comparisons that name the op, dtype, layout, shapes and the
+// worst element, and the per-op tally of passed and failed runs.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -64,9 +65,50 @@ Arg absent_arg() {
   return a;
 }
 
+// ---- the sweep's device and failure accounting ---------------------------------------------
+
+namespace {
+
+Device g_device = kCPU;
+
+struct FailureLog {
+  OpTally* tally = nullptr;  // the op being swept
+  int64_t count = 0;         // failures reported so far (all ops)
+  int64_t printed = 0;       // printed for the current op
+  int64_t limit = -1;        // Coverage::print_limit_per_op of the current sweep
+};
+FailureLog g_failures;
+
+}  // namespace
+
+Device sweep_device() { return g_device; }
+void set_sweep_device(Device device) { g_device = device; }
+
+Tensor on_sweep_device(const Tensor& t) { return g_device.is_cpu() ? t : t.to(g_device); }
+
+void report_failure(const std::string& message) {
+  ++g_failures.count;
+  if (g_failures.tally != nullptr && g_failures.tally->first_failure.empty()) {
+    g_failures.tally->first_failure = message;
+  }
+  if (g_failures.limit < 0 || g_failures.printed < g_failures.limit) {
+    ++g_failures.printed;
+    FAIL_CHECK(message);
+  }
+}
+
 // ---- memory access without kernels ----------------------------------------------------------
 
 namespace {
+
+// A CPU tensor with t's shape, strides and offset over a host copy of t's whole storage
+// (t itself on the CPU): gaps and all, so read_storage sees what a kernel wrote there too.
+Tensor host_view(const Tensor& t) {
+  if (t.device().is_cpu()) return t;
+  const int64_t n = t.storage()->nbytes() / dtype_size(t.dtype());
+  const Tensor whole = Tensor::from_storage(t.storage(), {n}, {1}, 0, t.dtype()).to(kCPU);
+  return Tensor::from_storage(whole.storage(), t.shape(), t.strides(), t.offset(), t.dtype());
+}
 
 template <typename T>
 T to_storage(double v) {
@@ -119,7 +161,8 @@ Tensor make_tensor(const NdArray& a, DType dt) {
   return t;
 }
 
-NdArray read_tensor(const Tensor& t) {
+NdArray read_tensor(const Tensor& device_tensor) {
+  const Tensor t = host_view(device_tensor);
   NdArray out = NdArray::zeros(t.shape());
   visit_dtype(t.dtype(), [&]<typename T>() {
     const T* base = static_cast<const T*>(t.raw_data());
@@ -140,7 +183,8 @@ NdArray read_tensor(const Tensor& t) {
   return out;
 }
 
-double read_storage(const Tensor& t, int64_t i) {
+double read_storage(const Tensor& device_tensor, int64_t i) {
+  const Tensor t = host_view(device_tensor);
   return visit_dtype(t.dtype(), [&]<typename T>() {
     return from_storage(static_cast<const T*>(t.storage()->data())[i]);
   });
@@ -202,7 +246,7 @@ Built build(const NdArray& values, DType dt, Layout layout, size_t arg_index, bo
       if (nd < 2) break;
       std::vector<int64_t> order(nd);  // storage dim i holds logical dim order[i]
       for (int64_t i = 0; i < nd; ++i) order[i] = nd - 1 - i;
-      const Tensor base = make_tensor(ref::permute(values, order), dt);
+      const Tensor base = on_sweep_device(make_tensor(ref::permute(values, order), dt));
       Strides strides(nd);
       for (int64_t i = 0; i < nd; ++i) strides[order[i]] = base.strides()[i];
       return {Tensor::from_storage(base.storage(), values.shape, strides, 0, dt), values, true};
@@ -220,7 +264,7 @@ Built build(const NdArray& values, DType dt, Layout layout, size_t arg_index, bo
         for (int64_t j = 0; j < inner; ++j)
           buf.data[skip + r * row_len + 2 * j + 1] = values.data[r * inner + j];
       }
-      const Tensor base = make_tensor(buf, dt);
+      const Tensor base = on_sweep_device(make_tensor(buf, dt));
       Strides strides = base.strides();
       strides.back() *= 2;
       const int64_t offset = (nd >= 2 ? base.strides()[0] : 0) + 1;
@@ -233,7 +277,7 @@ Built build(const NdArray& values, DType dt, Layout layout, size_t arg_index, bo
         const int64_t d = (static_cast<int64_t>(arg_index) + k) % nd;
         if (values.shape[d] <= 1) continue;
         const NdArray one = ref::slice(values, d, 0, 1, 1);
-        const Tensor base = make_tensor(one, dt);
+        const Tensor base = on_sweep_device(make_tensor(one, dt));
         Strides strides = base.strides();
         strides[d] = 0;
         return {Tensor::from_storage(base.storage(), values.shape, strides, 0, dt),
@@ -242,7 +286,7 @@ Built build(const NdArray& values, DType dt, Layout layout, size_t arg_index, bo
       break;
     }
   }
-  return {make_tensor(values, dt), values, false};
+  return {on_sweep_device(make_tensor(values, dt)), values, false};
 }
 
 // ---- comparisons ----------------------------------------------------------------------------
@@ -254,7 +298,7 @@ namespace {
 bool compare(const std::string& what, const NdArray& got, const NdArray& want,
              const std::function<double(int64_t)>& bound, const char* against) {
   if (got.shape != want.shape) {
-    FAIL_CHECK(fmt::format("{}: shape {}, expected {}", what, shape_str(got.shape),
+    report_failure(fmt::format("{}: shape {}, expected {}", what, shape_str(got.shape),
                            shape_str(want.shape)));
     return false;
   }
@@ -282,7 +326,7 @@ bool compare(const std::string& what, const NdArray& got, const NdArray& want,
   }
   if (bad == 0) return true;
   const double g = got.data[worst], w = want.data[worst];
-  FAIL_CHECK(fmt::format(
+  report_failure(fmt::format(
       "{}: {} of {} elements off; worst at {}: got {:.10g}, want {:.10g} ({}), |diff| {:.3g} "
       "> bound {:.3g}",
       what, bad, got.numel(), shape_str(ref::unravel(worst, got.shape)), g, w, against,
@@ -375,7 +419,10 @@ Prepared lay_out(const Case& c, const Arrays& vals, DType dt, DType compute_dt, 
 Tensors run_case(const OpSweep& s, const Case& c, const Tensors& in, DType dt) {
   if (c.run) return c.run(in, dt);
   Attrs a = c.attrs;
-  if (op_info(s.op).kind == OpKind::Factory) a.dtype = dt;
+  if (op_info(s.op).kind == OpKind::Factory) {
+    a.dtype = dt;
+    a.device = g_device;
+  }
   return call(s.op, in, a);
 }
 
@@ -385,51 +432,52 @@ void run_one(const OpSweep& s, const Case& c, size_t ci, DType dt, Layout layout
   if (layout != Layout::contiguous && !p.laid_out) return;  // nothing to lay out
   cov.combos.insert({static_cast<int>(s.op), static_cast<int>(dt), static_cast<int>(layout)});
   ++cov.runs;
-  const std::string ctx = fmt::format("{} [{}, {}] case '{}' ({})", op_name(s.op), dtype_name(dt),
-                                      layout_name(layout), c.label, p.text);
+  const std::string on = g_device.is_cpu() ? "" : fmt::format(" on {}", g_device);
+  const std::string ctx = fmt::format("{}{} [{}, {}] case '{}' ({})", op_name(s.op), on,
+                                      dtype_name(dt), layout_name(layout), c.label, p.text);
   Arrays want, mags;
   try {
     want = c.ref(p.seen, dt);
     if (c.mag) mags = c.mag(p.seen, dt);
   } catch (const std::exception& e) {
-    FAIL_CHECK(fmt::format("{}: the reference threw: {}", ctx, e.what()));
+    report_failure(fmt::format("{}: the reference threw: {}", ctx, e.what()));
     return;
   }
   Tensors got;
   try {
     got = run_case(s, c, p.tensors, dt);
   } catch (const Error& e) {
-    FAIL_CHECK(fmt::format("{}: threw tessera::Error: {}", ctx, e.what()));
+    report_failure(fmt::format("{}: threw tessera::Error: {}", ctx, e.what()));
     return;
   } catch (const std::exception& e) {
-    FAIL_CHECK(fmt::format("{}: threw: {}", ctx, e.what()));
+    report_failure(fmt::format("{}: threw: {}", ctx, e.what()));
     return;
   }
   if (got.size() != want.size()) {
-    FAIL_CHECK(fmt::format("{}: {} outputs, expected {}", ctx, got.size(), want.size()));
+    report_failure(fmt::format("{}: {} outputs, expected {}", ctx, got.size(), want.size()));
     return;
   }
   std::optional<Tensors> twin;
   for (size_t k = 0; k < got.size(); ++k) {
     const std::string what = fmt::format("{}: output {}", ctx, k);
     if (!want[k].defined) {
-      if (got[k].defined()) FAIL_CHECK(fmt::format("{} should be undefined", what));
+      if (got[k].defined()) report_failure(fmt::format("{} should be undefined", what));
       continue;
     }
     if (!got[k].defined()) {
-      FAIL_CHECK(fmt::format("{} is undefined", what));
+      report_failure(fmt::format("{} is undefined", what));
       continue;
     }
     ++cov.outputs_checked;
     const DType od = got[k].dtype();
     const DType want_dt = c.out_dtype ? c.out_dtype(dt, k) : dt;
     if (od != want_dt) {
-      FAIL_CHECK(
+      report_failure(
           fmt::format("{} has dtype {}, expected {}", what, dtype_name(od), dtype_name(want_dt)));
       continue;
     }
     if (c.views_input0 && got[k].storage() != p.tensors[0].storage()) {
-      FAIL_CHECK(fmt::format("{} is not a view of input 0 (it has its own storage)", what));
+      report_failure(fmt::format("{} is not a view of input 0 (it has its own storage)", what));
     }
     const NdArray g = read_tensor(got[k]);
     const NdArray mag = k < mags.size() && mags[k].defined ? mags[k] : abs_of(want[k]);
@@ -451,7 +499,7 @@ void run_one(const OpSweep& s, const Case& c, size_t ci, DType dt, Layout layout
         try {
           twin = run_case(s, c, p32.tensors, DType::f32);
         } catch (const std::exception& e) {
-          FAIL_CHECK(fmt::format("{}: the f32 twin threw: {}", ctx, e.what()));
+          report_failure(fmt::format("{}: the f32 twin threw: {}", ctx, e.what()));
           return;
         }
       }
@@ -478,47 +526,104 @@ void check_rejected(const OpSweep& s, DType dt, Coverage& cov) {
   const Prepared p = lay_out(c, vals, dt, dt, Layout::contiguous);
   try {
     run_case(s, c, p.tensors, dt);
-    FAIL_CHECK(
+    report_failure(
         fmt::format("{} [{}] case '{}' ({}): accepted an unsupported dtype; expected "
                     "tessera::Error",
                     op_name(s.op), dtype_name(dt), c.label, p.text));
   } catch (const Error&) {
     ++cov.rejections_checked;
   } catch (const std::exception& e) {
-    FAIL_CHECK(fmt::format("{} [{}]: threw a non-tessera exception for an unsupported dtype: {}",
-                           op_name(s.op), dtype_name(dt), e.what()));
+    report_failure(fmt::format("{} [{}]: threw a non-tessera exception for an unsupported dtype: {}",
+                               op_name(s.op), dtype_name(dt), e.what()));
+  }
+}
+
+// Bounds that differ on a device other than the CPU, per op, with the reason. Everything
+// not listed here keeps the CPU's bounds: they are error bounds of the evaluation (u times
+// the magnitude of the terms), which hold for any summation order, tree or atomic, and allow
+// flushing subnormal f32 results to zero (underflow() above). TF32 is off by default
+// (kernels/cuda/runtime.h allow_tf32), so matmul and conv2d keep their f32 bounds; 16-bit
+// index_add / scatter_add already allow one rounding per accumulated term, in any order.
+void device_bounds(OpId op, Case& c) {
+  switch (op) {
+    case OpId::randn:
+      // The CPU evaluates Box-Muller in f64 with glibc's log/cos and rounds once (within
+      // u = 2^-24 of the exact normal). The device's f64 log/sincos (libdevice) may differ
+      // from glibc by a few f64 ulps, and a kernel may evaluate the f32 draw with f32
+      // intrinsics: allow a few f32 ulps, 2^-22 relative (the "within a few ulps");
+      // f64 keeps rel64 = 1e-12 (~4500 ulps of 2^-53); f16/bf16 compare with their f32 twin.
+      if (!c.exact) c.rel32 = 0x1p-22;
+      break;
+    default:
+      break;
   }
 }
 
 }  // namespace
 
 void run_sweep(const OpSweep& s, Coverage& cov) {
+  OpTally& tally = cov.per_op[s.op];
+  g_failures.tally = &tally;
+  g_failures.printed = 0;
+  g_failures.limit = cov.print_limit_per_op;
+  // Counts one run as passed or failed by whether it reported a failure.
+  auto account = [&](int64_t failures_before) {
+    if (g_failures.count > failures_before) {
+      ++tally.failed;
+    } else {
+      ++tally.passed;
+    }
+  };
   for (size_t ci = 0; ci < s.cases.size(); ++ci) {
-    const Case& c = s.cases[ci];
+    Case c = s.cases[ci];
+    if (!g_device.is_cpu()) device_bounds(s.op, c);
     for (DType dt : s.dtypes) {
       if (!c.dtypes.empty() && std::find(c.dtypes.begin(), c.dtypes.end(), dt) == c.dtypes.end()) {
         continue;
       }
       for (Layout layout : c.layouts) {
+        const int64_t failures = g_failures.count, runs = cov.runs;
         try {
           run_one(s, c, ci, dt, layout, cov);
         } catch (const std::exception& e) {
-          FAIL_CHECK(fmt::format("{} [{}, {}] case '{}': harness error: {}", op_name(s.op),
-                                 dtype_name(dt), layout_name(layout), c.label, e.what()));
+          report_failure(fmt::format("{} [{}, {}] case '{}': harness error: {}", op_name(s.op),
+                                     dtype_name(dt), layout_name(layout), c.label, e.what()));
         }
+        if (cov.runs > runs || g_failures.count > failures) account(failures);
       }
     }
   }
   if (!s.cases.empty()) {
-    for (DType dt : s.rejected) check_rejected(s, dt, cov);
+    for (DType dt : s.rejected) {
+      const int64_t failures = g_failures.count;
+      try {
+        check_rejected(s, dt, cov);
+      } catch (const std::exception& e) {
+        report_failure(fmt::format("{} [{}]: harness error checking the rejection: {}",
+                                   op_name(s.op), dtype_name(dt), e.what()));
+      }
+      account(failures);
+    }
   }
-  if (s.extra) s.extra();
+  if (s.extra) {
+    // The extra checks build their tensors on the CPU, except through build() (on the
+    // sweep's device); an exception must not end the whole sweep.
+    const int64_t failures = g_failures.count;
+    try {
+      s.extra();
+    } catch (const std::exception& e) {
+      report_failure(fmt::format("{}: extra checks threw: {}", op_name(s.op), e.what()));
+    }
+    account(failures);
+  }
+  g_failures.tally = nullptr;
+  g_failures.limit = -1;
 }
 
 bool expect_close(const std::string& what, const Tensor& got, const NdArray& want, double rel,
                   double abs, const NdArray* mag) {
   if (!got.defined()) {
-    FAIL_CHECK(fmt::format("{}: undefined result", what));
+    report_failure(fmt::format("{}: undefined result", what));
     return false;
   }
   const NdArray m = mag ? *mag : abs_of(want);
@@ -530,10 +635,10 @@ bool expect_close(const std::string& what, const Tensor& got, const NdArray& wan
 void expect_error(const std::string& what, const std::function<void()>& f) {
   try {
     f();
-    FAIL_CHECK(fmt::format("{}: expected tessera::Error, nothing was thrown", what));
+    report_failure(fmt::format("{}: expected tessera::Error, nothing was thrown", what));
   } catch (const Error&) {
   } catch (const std::exception& e) {
-    FAIL_CHECK(
+    report_failure(
         fmt::format("{}: expected tessera::Error, got another exception: {}", what, e.what()));
   }
 }
