@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "tensor/grad_mode.h"
+#include "tensor/op.h"
 #include "tensor/ops.h"
 
 namespace tessera::optim {
@@ -51,9 +52,11 @@ void AdamW::set_hyperparameters(const std::map<std::string, double>& values) {
   options_ = checked(o);
 }
 
+// One multi-tensor adamw_ call per bucket of like parameters (see
+// for_each_bucket_with_grad): each tensor is updated exactly as a call of its own would.
 void AdamW::step() {
   NoGradGuard no_grad;
-  for_each_param_with_grad(
+  for_each_bucket_with_grad(
       [&](const Tensor& p) {
         std::map<std::string, Tensor> s;
         for (const StateSpec& spec : state_specs(p)) {
@@ -62,12 +65,24 @@ void AdamW::step() {
         }
         return s;
       },
-      [&](const ParamGroup& group, const Tensor& p, const Tensor& grad, ParamState& s) {
-        const auto master = s.tensors.find("master");
-        adamw_(p, grad, s.tensors.at("exp_avg"), s.tensors.at("exp_avg_sq"), s.step + 1,
-               group.lr, options_.betas.first, options_.betas.second, options_.eps,
-               group.weight_decay, master == s.tensors.end() ? Tensor() : master->second);
-        ++s.step;
+      [&](const ParamGroup& group, std::span<const Pending> bucket) {
+        std::vector<Tensor> in;
+        in.reserve(5 * bucket.size());
+        for (const Pending& item : bucket) {
+          const std::map<std::string, Tensor>& s = item.state->tensors;
+          const auto master = s.find("master");
+          in.insert(in.end(), {item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq"),
+                               master == s.end() ? Tensor() : master->second});
+        }
+        Attrs a;
+        a.step_count = bucket.front().state->step + 1;
+        a.lr = group.lr;
+        a.beta1 = options_.betas.first;
+        a.beta2 = options_.betas.second;
+        a.eps = options_.eps;
+        a.weight_decay = group.weight_decay;
+        call_update(OpId::adamw_, std::move(in), a, 5, {0, 2, 3, 4});
+        for (const Pending& item : bucket) ++item.state->step;
       });
 }
 

@@ -1,5 +1,6 @@
 // AdamW (Loshchilov & Hutter, decoupled weight decay) with PyTorch's torch.optim.AdamW
-// semantics and defaults, one fused update per parameter (the adamw_ op in tensor/ops.h).
+// semantics and defaults. step() issues one fused multi-tensor adamw_ call (tensor/ops.h,
+// tensor/meta_optim.cc) per bucket of parameters sharing group, step count, device and dtype.
 //
 //   AdamW opt(model.parameters(), {.lr = 3e-4, .weight_decay = 0.1});
 //   loss.backward();

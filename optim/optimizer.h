@@ -10,14 +10,22 @@
 //   }
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <map>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tensor/tensor.h"
+
+namespace tessera {
+enum class OpId : uint16_t;  // tensor/op.h
+struct Attrs;
+}  // namespace tessera
 
 namespace tessera::optim {
 
@@ -116,11 +124,31 @@ class Optimizer {
   // Checks one group's lr and weight decay (Error naming the optimizer and the value).
   void check_group_values(double lr, double weight_decay) const;
 
-  // Runs fn(group, param, grad, state) for every parameter that has a gradient, with
-  // its state created by init(param) before its first step. An Error from fn gets the
-  // parameter's index and name prepended.
-  template <typename Init, typename Fn>
-  void for_each_param_with_grad(Init&& init, Fn&& fn);
+  // One parameter due for an update: its global index, group, gradient and state.
+  struct Pending {
+    int64_t index;
+    const ParamGroup* group;
+    Tensor param, grad;
+    ParamState* state;
+  };
+  // The most tuples one multi-tensor update call takes (call_update's limit).
+  static constexpr size_t kMaxTuplesPerCall = 256;
+
+  // Multi-tensor stepping: the parameters that have a gradient (state created by
+  // init(param) before their first step) are bucketed by (group, step count, device, dtype,
+  // state names), at most kMaxTuplesPerCall per bucket, and update(group, bucket) runs once
+  // per bucket: it issues one fused call for the whole bucket and advances their steps.
+  // The fused calls validate everything before writing anything, so when one throws Error
+  // the bucket is retried one parameter at a time and the error names the parameter (index
+  // and name) that fails, as a per-parameter loop would.
+  template <typename Init, typename Update>
+  void for_each_bucket_with_grad(Init&& init, Update&& update);
+
+  // Runs the in-place update `op` (adamw_, sgd_) in its multi-tensor form on `inputs`:
+  // consecutive tuples of `width` tensors (at most kMaxTuplesPerCall), the tensors at
+  // positions `written` of every tuple being written (their storage versions are bumped).
+  static void call_update(OpId op, std::vector<Tensor> inputs, const Attrs& attrs, size_t width,
+                          std::initializer_list<size_t> written);
 
   const std::string kind_;
   std::vector<ParamGroup> groups_;
@@ -130,22 +158,65 @@ class Optimizer {
   std::string describe_param(int64_t i) const;
 };
 
-template <typename Init, typename Fn>
-void Optimizer::for_each_param_with_grad(Init&& init, Fn&& fn) {
+template <typename Init, typename Update>
+void Optimizer::for_each_bucket_with_grad(Init&& init, Update&& update) {
+  struct Bucket {
+    size_t group;
+    std::vector<Pending> items;
+  };
+  auto same_names = [](const std::map<std::string, Tensor>& a,
+                       const std::map<std::string, Tensor>& b) {
+    return a.size() == b.size() &&
+           std::equal(a.begin(), a.end(), b.begin(),
+                      [](const auto& x, const auto& y) { return x.first == y.first; });
+  };
+  std::vector<Bucket> buckets;
+  std::vector<size_t> open;  // buckets that can take more items
   int64_t i = 0;
-  for (const ParamGroup& group : groups_) {
-    for (const Tensor& p : group.params) {
-      const Tensor grad = p.grad();
-      ParamState& s = state_[i];
-      if (grad.defined()) {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (const Tensor& p : groups_[g].params) {
+      Pending item{i, &groups_[g], p, p.grad(), &state_[i]};
+      ++i;
+      if (!item.grad.defined()) continue;
+      if (item.state->step == 0) {
         try {
-          if (s.step == 0) s.tensors = init(p);
-          fn(group, p, grad, s);
+          item.state->tensors = init(p);
         } catch (const Error& e) {
-          fail("{}.step: {}: {}", kind_, describe_param(i), e.what());
+          fail("{}.step: {}: {}", kind_, describe_param(item.index), e.what());
         }
       }
-      ++i;
+      auto fits = [&](size_t b) {
+        const Pending& first = buckets[b].items.front();
+        return buckets[b].group == g && first.state->step == item.state->step &&
+               first.param.device() == p.device() && first.param.dtype() == p.dtype() &&
+               same_names(first.state->tensors, item.state->tensors);
+      };
+      size_t k = 0;
+      while (k < open.size() && !fits(open[k])) ++k;
+      if (k == open.size()) {
+        open.push_back(buckets.size());
+        buckets.push_back({g, {}});
+      }
+      std::vector<Pending>& items = buckets[open[k]].items;
+      items.push_back(std::move(item));
+      if (items.size() == kMaxTuplesPerCall) open.erase(open.begin() + static_cast<ptrdiff_t>(k));
+    }
+  }
+  for (const Bucket& b : buckets) {
+    const ParamGroup& group = groups_[b.group];
+    try {
+      update(group, std::span<const Pending>(b.items));
+    } catch (const Error& e) {
+      if (b.items.size() == 1) {
+        fail("{}.step: {}: {}", kind_, describe_param(b.items[0].index), e.what());
+      }
+      for (const Pending& item : b.items) {
+        try {
+          update(group, std::span<const Pending>(&item, 1));
+        } catch (const Error& e1) {
+          fail("{}.step: {}: {}", kind_, describe_param(item.index), e1.what());
+        }
+      }
     }
   }
 }

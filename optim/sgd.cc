@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "tensor/grad_mode.h"
+#include "tensor/op.h"
 #include "tensor/ops.h"
 
 namespace tessera::optim {
@@ -59,9 +60,11 @@ void SGD::set_hyperparameters(const std::map<std::string, double>& values) {
   options_ = checked(o);
 }
 
+// One multi-tensor sgd_ call per bucket of like parameters (see for_each_bucket_with_grad):
+// each tensor is updated exactly as a call of its own would.
 void SGD::step() {
   NoGradGuard no_grad;
-  for_each_param_with_grad(
+  for_each_bucket_with_grad(
       [&](const Tensor& p) {
         std::map<std::string, Tensor> s;
         for (const StateSpec& spec : state_specs(p)) {
@@ -71,13 +74,26 @@ void SGD::step() {
         }
         return s;
       },
-      [&](const ParamGroup& group, const Tensor& p, const Tensor& grad, ParamState& s) {
-        const auto buffer = s.tensors.find("momentum_buffer");
-        const auto master = s.tensors.find("master");
-        sgd_(p, grad, buffer == s.tensors.end() ? Tensor() : buffer->second, s.step + 1, group.lr,
-             options_.momentum, options_.dampening, group.weight_decay, options_.nesterov,
-             master == s.tensors.end() ? Tensor() : master->second);
-        ++s.step;
+      [&](const ParamGroup& group, std::span<const Pending> bucket) {
+        std::vector<Tensor> in;
+        in.reserve(4 * bucket.size());
+        for (const Pending& item : bucket) {
+          const std::map<std::string, Tensor>& s = item.state->tensors;
+          const auto buffer = s.find("momentum_buffer");
+          const auto master = s.find("master");
+          in.insert(in.end(), {item.param, item.grad,
+                               buffer == s.end() ? Tensor() : buffer->second,
+                               master == s.end() ? Tensor() : master->second});
+        }
+        Attrs a;
+        a.step_count = bucket.front().state->step + 1;
+        a.lr = group.lr;
+        a.momentum = options_.momentum;
+        a.dampening = options_.dampening;
+        a.weight_decay = group.weight_decay;
+        a.nesterov = options_.nesterov;
+        call_update(OpId::sgd_, std::move(in), a, 4, {0, 2, 3});
+        for (const Pending& item : bucket) ++item.state->step;
       });
 }
 

@@ -1,6 +1,6 @@
 // Stochastic gradient descent with momentum, dampening, Nesterov momentum and (coupled, L2)
-// weight decay, with PyTorch's torch.optim.SGD semantics, one fused update per parameter
-// (the sgd_ op in tensor/ops.h).
+// weight decay, with PyTorch's torch.optim.SGD semantics. step() issues one fused
+// multi-tensor sgd_ call (tensor/ops.h) per bucket of like parameters.
 //
 //   SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9, .nesterov = true});
 //   loss.backward();

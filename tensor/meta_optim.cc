@@ -1,6 +1,14 @@
 // Shape inference for the fused optimizer updates (adamw_, sgd_). They write into their
 // inputs, so these only validate and return no outputs (see call_inplace in tensor/op.h).
+//
+// Multi-tensor form (what optim/ issues, one call per bucket of like parameters): the inputs
+// are k consecutive tuples, adamw_ (param, grad, exp_avg, exp_avg_sq, master-or-undefined)
+// and sgd_ (param, grad, momentum_buffer-or-undefined, master-or-undefined), all sharing
+// the Attrs. Each tuple is checked as a single call would be; errors name the tuple. The
+// short single-tensor forms (4/5 and 3/4 inputs) stay as they were. Tuples must not share
+// memory with each other (not checked here; optim/ never passes a tensor twice).
 #include <cmath>
+#include <string>
 
 #include "tensor/internal/meta_util.h"
 
@@ -9,21 +17,35 @@ namespace {
 
 using namespace internal;
 
+// Names the op in errors: "adamw_", or "adamw_ tuple 3 of 8" in the multi-tensor form.
+// Formatted only when a check fails (TS_CHECK's arguments are), as calls may carry
+// thousands of tuples.
+struct Label {
+  OpId op;
+  size_t j = 0, k = 0;  // tuple j of k; k == 0: the single-tensor form
+  std::string str() const {
+    return k == 0 ? std::string(name_of(op)) : fmt::format("{} tuple {} of {}", name_of(op), j, k);
+  }
+};
+
 // param, grad: same float dtype and shape. `state` tensors: the param's shape in the
 // state dtype (f64 for f64 params, else f32). An optional f32 master for f32/f16/bf16
 // params. Everything on the param's device.
-void check_update_operands(OpId op, std::span<const TensorSpec> in,
+void check_update_operands(const Label& label, std::span<const TensorSpec> in,
                            std::initializer_list<std::pair<size_t, const char*>> state,
                            size_t master_index) {
-  const TensorSpec& param = required(op, in, 0, "param");
-  require_float(op, param, "param");
-  const TensorSpec& grad = required(op, in, 1, "grad");
+  TS_CHECK(in[0].defined, "{}: param (input 0) is an undefined tensor", label.str());
+  const TensorSpec& param = in[0];
+  TS_CHECK(is_floating(param.dtype), "{}: param must be floating (f32, f64, f16, bf16), got {} {}",
+           label.str(), param.dtype, shape_str(param.shape));
+  TS_CHECK(in[1].defined, "{}: grad (input 1) is an undefined tensor", label.str());
+  const TensorSpec& grad = in[1];
   TS_CHECK(grad.dtype == param.dtype && grad.shape == param.shape,
-           "{}: grad {} {} does not match param {} {}", name_of(op), grad.dtype,
+           "{}: grad {} {} does not match param {} {}", label.str(), grad.dtype,
            shape_str(grad.shape), param.dtype, shape_str(param.shape));
   auto same_device = [&](const TensorSpec& t, const char* what) {
-    TS_CHECK(t.device == param.device, "{}: {} is on {} but param {} is on {}", name_of(op),
-             what, t.device, shape_str(param.shape), param.device);
+    TS_CHECK(t.device == param.device, "{}: {} is on {} but param {} is on {}", label.str(), what,
+             t.device, shape_str(param.shape), param.device);
   };
   same_device(grad, "grad");
   const DType state_dt = stats_dtype(param.dtype);
@@ -31,35 +53,48 @@ void check_update_operands(OpId op, std::span<const TensorSpec> in,
     if (i >= in.size() || !in[i].defined) continue;  // the caller checks presence
     const TensorSpec& s = in[i];
     TS_CHECK(s.dtype == state_dt && s.shape == param.shape,
-             "{}: {} must be {} {} (the state dtype of a {} param), got {} {}", name_of(op),
-             what, state_dt, shape_str(param.shape), param.dtype, s.dtype, shape_str(s.shape));
+             "{}: {} must be {} {} (the state dtype of a {} param), got {} {}", label.str(), what,
+             state_dt, shape_str(param.shape), param.dtype, s.dtype, shape_str(s.shape));
     same_device(s, what);
   }
   if (master_index < in.size() && in[master_index].defined) {
     const TensorSpec& m = in[master_index];
     TS_CHECK(param.dtype != DType::f64,
              "{}: an f32 master copy of an f64 param {} would lose precision; pass none",
-             name_of(op), shape_str(param.shape));
+             label.str(), shape_str(param.shape));
     TS_CHECK(m.dtype == DType::f32 && m.shape == param.shape,
-             "{}: master must be f32 {}, got {} {}", name_of(op), shape_str(param.shape),
-             m.dtype, shape_str(m.shape));
+             "{}: master must be f32 {}, got {} {}", label.str(), shape_str(param.shape), m.dtype,
+             shape_str(m.shape));
     same_device(m, "master");
   }
+}
+
+// Runs check(label, tuple) on each tuple of `width` inputs: the single-tensor form (fewer
+// than 2 * width inputs) is one tuple labelled with the op's name.
+template <typename Check>
+void for_each_tuple(OpId op, std::span<const TensorSpec> in, size_t width, Check&& check) {
+  if (in.size() < 2 * width) return check(Label{op}, in);
+  const size_t k = in.size() / width;
+  for (size_t j = 0; j < k; ++j) check(Label{op, j, k}, in.subspan(j * width, width));
 }
 
 void check_finite(OpId op, double v, const char* what) {
   TS_CHECK(std::isfinite(v), "{}: {} must be finite, got {}", name_of(op), what, v);
 }
 
-// Inputs: param, grad, exp_avg, exp_avg_sq, [master].
+// Inputs: param, grad, exp_avg, exp_avg_sq, [master]; or k such tuples of 5 (master
+// undefined where there is none).
 std::vector<TensorSpec> adamw_meta(std::span<const TensorSpec> in, const Attrs& a) {
   constexpr OpId op = OpId::adamw_;
-  TS_CHECK(in.size() == 4 || in.size() == 5,
-           "adamw_: expected 4 or 5 inputs (param, grad, exp_avg, exp_avg_sq[, master]), got {}",
+  TS_CHECK(in.size() == 4 || (in.size() >= 5 && in.size() % 5 == 0),
+           "adamw_: expected 4 or 5 inputs (param, grad, exp_avg, exp_avg_sq[, master]), or "
+           "5k for k such tuples, got {}",
            in.size());
-  required(op, in, 2, "exp_avg");
-  required(op, in, 3, "exp_avg_sq");
-  check_update_operands(op, in, {{2, "exp_avg"}, {3, "exp_avg_sq"}}, 4);
+  for_each_tuple(op, in, 5, [&](const Label& label, std::span<const TensorSpec> t) {
+    TS_CHECK(t[2].defined, "{}: exp_avg (input 2) is an undefined tensor", label.str());
+    TS_CHECK(t[3].defined, "{}: exp_avg_sq (input 3) is an undefined tensor", label.str());
+    check_update_operands(label, t, {{2, "exp_avg"}, {3, "exp_avg_sq"}}, 4);
+  });
   TS_CHECK(a.step_count >= 1, "adamw_: step_count must be >= 1 (1-based), got {}", a.step_count);
   // beta == 1 makes the bias correction 1 - beta^t zero.
   TS_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
@@ -70,17 +105,21 @@ std::vector<TensorSpec> adamw_meta(std::span<const TensorSpec> in, const Attrs& 
   return {};
 }
 
-// Inputs: param, grad, momentum_buffer (undefined iff momentum == 0), [master].
+// Inputs: param, grad, momentum_buffer (undefined iff momentum == 0), [master]; or k tuples
+// of 4 (master undefined where there is none).
 std::vector<TensorSpec> sgd_meta(std::span<const TensorSpec> in, const Attrs& a) {
   constexpr OpId op = OpId::sgd_;
-  TS_CHECK(in.size() == 3 || in.size() == 4,
-           "sgd_: expected 3 or 4 inputs (param, grad, momentum_buffer[, master]), got {}",
+  TS_CHECK(in.size() == 3 || (in.size() >= 4 && in.size() % 4 == 0),
+           "sgd_: expected 3 or 4 inputs (param, grad, momentum_buffer[, master]), or 4k for "
+           "k such tuples, got {}",
            in.size());
-  const bool has_buffer = in[2].defined;
-  TS_CHECK(has_buffer == (a.momentum != 0.0),
-           "sgd_: momentum {} {} a momentum_buffer, but it is {}", a.momentum,
-           a.momentum != 0.0 ? "needs" : "takes no", has_buffer ? "defined" : "undefined");
-  check_update_operands(op, in, {{2, "momentum_buffer"}}, 3);
+  for_each_tuple(op, in, 4, [&](const Label& label, std::span<const TensorSpec> t) {
+    const bool has_buffer = t[2].defined;
+    TS_CHECK(has_buffer == (a.momentum != 0.0),
+             "{}: momentum {} {} a momentum_buffer, but it is {}", label.str(), a.momentum,
+             a.momentum != 0.0 ? "needs" : "takes no", has_buffer ? "defined" : "undefined");
+    check_update_operands(label, t, {{2, "momentum_buffer"}}, 3);
+  });
   TS_CHECK(a.step_count >= 1, "sgd_: step_count must be >= 1 (1-based), got {}", a.step_count);
   TS_CHECK(!a.nesterov || (a.momentum > 0 && a.dampening == 0),
            "sgd_: nesterov needs momentum > 0 and dampening 0, got momentum {} dampening {}",

@@ -15,9 +15,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-flags=(--config=cuda --config=portable)
+# GPU_BUNDLE_FLAGS overrides the build flags (e.g. "--config=cuda" alone, when the GPU
+# machine's CPU is known to run this machine's -march=native code).
+read -r -a flags <<< "${GPU_BUNDLE_FLAGS:---config=cuda --config=portable}"
 mapfile -t tests < <(bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null)
-targets=("${tests[@]}" //models:gpt //models:mnist //tools/bench:gpu_bench "$@")
+targets=("${tests[@]}" //models/gpt:gpt //models/mnist:mnist //tools/bench:gpu_bench "$@")
 echo "gpu_bundle: building ${#targets[@]} targets"
 bazel build "${flags[@]}" "${targets[@]}"
 bin_root=$(bazel info "${flags[@]}" bazel-bin 2>/dev/null)

@@ -1,12 +1,16 @@
 // CPU optimizer updates, fused: adamw_ and sgd_ read the gradient and write param, moments
 // and the optional f32 master copy in one pass (PyTorch's single-tensor semantics, see
 // tensor/ops.h). f16/bf16 params are updated in f32 (on the master when there is one) and
-// written back rounded once; the moments are f32 (f64 for f64 params).
+// written back rounded once; the moments are f32 (f64 for f64 params). Both also take the
+// multi-tensor form (k tuples of inputs, see tensor/meta_optim.cc): each tuple is updated
+// exactly as a single-tensor call would update it.
 //
 // Built with -fno-math-errno (kernels/cpu/BUILD): otherwise GCC keeps sqrt as a call that
 // may set errno and does not vectorise the AdamW loop.
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "kernels/cpu/loops.h"
 #include "tensor/op.h"
@@ -31,8 +35,10 @@ std::pair<int64_t, int64_t> byte_extent(const Tensor& t) {
 
 // The loops read and write through restrict pointers, so operands must not overlap (views
 // of one flat buffer are fine when they are disjoint).
-void check_no_overlap(std::string_view op, std::span<const Tensor> in,
-                      std::initializer_list<const char*> names) {
+// `tuple` of `tuples` names the tuple of a multi-tensor call in the error (tuples == 0: the
+// single-tensor form).
+void check_no_overlap(std::string_view op, size_t tuple, size_t tuples,
+                      std::span<const Tensor> in, std::initializer_list<const char*> names) {
   std::vector<const char*> name(names);
   for (size_t i = 0; i < in.size(); ++i) {
     for (size_t j = i + 1; j < in.size(); ++j) {
@@ -43,11 +49,22 @@ void check_no_overlap(std::string_view op, std::span<const Tensor> in,
       const auto [alo, ahi] = byte_extent(a);
       const auto [blo, bhi] = byte_extent(b);
       if (alo < bhi && blo < ahi) {
-        fail("{}: {} {} and {} {} overlap in memory; each needs its own buffer", op, name[i],
+        const std::string where =
+            tuples == 0 ? std::string(op) : fmt::format("{} tuple {} of {}", op, tuple, tuples);
+        fail("{}: {} {} and {} {} overlap in memory; each needs its own buffer", where, name[i],
              shape_str(a.shape()), name[j], shape_str(b.shape()));
       }
     }
   }
+}
+
+// The tuples of `width` inputs of a multi-tensor call; the short single-tensor form is one
+// tuple.
+std::vector<std::span<const Tensor>> tuples_of(std::span<const Tensor> in, size_t width) {
+  if (in.size() < 2 * width) return {in};
+  std::vector<std::span<const Tensor>> out;
+  for (size_t j = 0; j < in.size() / width; ++j) out.push_back(in.subspan(j * width, width));
+  return out;
 }
 
 template <typename T>
@@ -139,9 +156,8 @@ void adamw_typed(std::span<const Tensor> in, const Attrs& a) {
       kUpdateGrain);
 }
 
-void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+void adamw_one(std::span<const Tensor> in, const Attrs& a) {
   const bool master = in.size() > 4 && in[4].defined();
-  check_no_overlap("adamw_", in, {"param", "grad", "exp_avg", "exp_avg_sq", "master"});
   visit_float_dtype(in[0].dtype(), "adamw_", [&]<typename P>() {
     if constexpr (std::is_same_v<P, double>) {
       adamw_typed<P, false>(in, a);  // the meta function rejects an f64 param's master
@@ -150,6 +166,17 @@ void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a)
       else adamw_typed<P, false>(in, a);
     }
   });
+}
+
+void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  const auto tuples = tuples_of(in, 5);
+  const size_t count = in.size() < 10 ? 0 : tuples.size();  // 0: the single-tensor form
+  // Every tuple is checked before any is written: an error leaves all of them untouched.
+  for (size_t j = 0; j < tuples.size(); ++j) {
+    check_no_overlap("adamw_", j, count, tuples[j],
+                     {"param", "grad", "exp_avg", "exp_avg_sq", "master"});
+  }
+  for (std::span<const Tensor> t : tuples) adamw_one(t, a);
 }
 
 // ---- SGD -----------------------------------------------------------------------------------
@@ -229,10 +256,9 @@ void sgd_typed(std::span<const Tensor> in, const Attrs& a) {
       kUpdateGrain);
 }
 
-void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+void sgd_one(std::span<const Tensor> in, const Attrs& a) {
   const bool buffer = in[2].defined();
   const bool master = in.size() > 3 && in[3].defined();
-  check_no_overlap("sgd_", in, {"param", "grad", "momentum_buffer", "master"});
   visit_float_dtype(in[0].dtype(), "sgd_", [&]<typename P>() {
     auto with_master = [&]<bool kMaster>() {
       if (buffer) sgd_typed<P, true, kMaster>(in, a);
@@ -245,6 +271,15 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
       else with_master.template operator()<false>();
     }
   });
+}
+
+void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  const auto tuples = tuples_of(in, 4);
+  const size_t count = in.size() < 8 ? 0 : tuples.size();  // 0: the single-tensor form
+  for (size_t j = 0; j < tuples.size(); ++j) {
+    check_no_overlap("sgd_", j, count, tuples[j], {"param", "grad", "momentum_buffer", "master"});
+  }
+  for (std::span<const Tensor> t : tuples) sgd_one(t, a);
 }
 
 TS_REGISTER_KERNEL(cpu, adamw_, adamw_kernel);

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/comm/staging.h"
 #include "tensor/error.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -258,11 +259,6 @@ class MpiComm final : public Communicator, public std::enable_shared_from_this<M
   WorkHandle do_barrier() override;
 
  private:
-  void check_cpu(const char* op, const Tensor& t) const {
-    TS_CHECK(t.device().is_cpu(),
-             "mpi: {} on group '{}': tensor {} is on {}; the MPI backend moves CPU tensors "
-             "(use nccl_world for CUDA)", op, name(), shape_str(t.shape()), t.device());
-  }
   void check_tag(const char* op, int tag) const;
   // Queues a collective as the deferred work (posting the previous one).
   WorkHandle issue(std::shared_ptr<MpiWork> work) const;
@@ -598,8 +594,13 @@ std::shared_ptr<Communicator> MpiComm::do_split(int color, int key, const std::s
   return wrap(sub, name);
 }
 
+// Device tensors are staged through host copies (staging.h): each do_* calls itself with
+// the host buffers, so only the CPU path talks to MPI.
 WorkHandle MpiComm::do_all_reduce(const Tensor& tensor, ReduceOp op) {
-  check_cpu("all_reduce", tensor);
+  if (internal::off_host(tensor)) [[unlikely]] {
+    const Tensor h = internal::host_copy(tensor);
+    return internal::copy_back(do_all_reduce(h, op), tensor, h);
+  }
   AllReduce s{tensor, reduction_for(tensor.dtype(), op), {}};
   if (s.red.widen) s.wide = widen(tensor);
   return issue(make_work(*this, std::move(s)));
@@ -607,8 +608,10 @@ WorkHandle MpiComm::do_all_reduce(const Tensor& tensor, ReduceOp op) {
 
 WorkHandle MpiComm::do_all_gather(const Tensor& output, const Tensor& input,
                                   const std::vector<int64_t>& counts) {
-  check_cpu("all_gather", input);
-  check_cpu("all_gather", output);
+  if (internal::off_host(output)) [[unlikely]] {
+    const Tensor h = internal::host_buffer(output);
+    return internal::copy_back(do_all_gather(h, internal::host_copy(input), counts), output, h);
+  }
   AllGather s{output, input, {}, {}};
   if (!equal_counts("all_gather", counts)) to_ints(counts, s.counts, &s.displs);
   return issue(make_work(*this, std::move(s)));
@@ -616,8 +619,11 @@ WorkHandle MpiComm::do_all_gather(const Tensor& output, const Tensor& input,
 
 WorkHandle MpiComm::do_reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op,
                                       const std::vector<int64_t>& counts) {
-  check_cpu("reduce_scatter", input);
-  check_cpu("reduce_scatter", output);
+  if (internal::off_host(output)) [[unlikely]] {
+    const Tensor h = internal::host_buffer(output);
+    return internal::copy_back(do_reduce_scatter(h, internal::host_copy(input), op, counts),
+                               output, h);
+  }
   ReduceScatter s{output, input, reduction_for(input.dtype(), op), {}, {}, {}};
   if (!equal_counts("reduce_scatter", counts)) to_ints(counts, s.counts, nullptr);
   if (s.red.widen) {
@@ -628,15 +634,22 @@ WorkHandle MpiComm::do_reduce_scatter(const Tensor& output, const Tensor& input,
 }
 
 WorkHandle MpiComm::do_broadcast(const Tensor& tensor, int root) {
-  check_cpu("broadcast", tensor);
+  if (internal::off_host(tensor)) [[unlikely]] {
+    const bool root_here = rank() == root;  // the root's tensor is only read
+    const Tensor h = root_here ? internal::host_copy(tensor) : internal::host_buffer(tensor);
+    return internal::copy_back(do_broadcast(h, root), root_here ? Tensor() : tensor, h);
+  }
   return issue(make_work(*this, Broadcast{tensor, root}));
 }
 
 WorkHandle MpiComm::do_all_to_all(const Tensor& output, const Tensor& input,
                                   const std::vector<int64_t>& send_counts,
                                   const std::vector<int64_t>& recv_counts) {
-  check_cpu("all_to_all", input);
-  check_cpu("all_to_all", output);
+  if (internal::off_host(output)) [[unlikely]] {
+    const Tensor h = internal::host_buffer(output);
+    return internal::copy_back(
+        do_all_to_all(h, internal::host_copy(input), send_counts, recv_counts), output, h);
+  }
   AllToAll s{output, input, {}, {}, {}, {}};
   const bool equal_send = equal_counts("all_to_all", send_counts);
   const bool equal_recv = equal_counts("all_to_all", recv_counts);
@@ -648,7 +661,9 @@ WorkHandle MpiComm::do_all_to_all(const Tensor& output, const Tensor& input,
 }
 
 WorkHandle MpiComm::do_send(const Tensor& tensor, int dst, int tag) {
-  check_cpu("send", tensor);
+  if (internal::off_host(tensor)) [[unlikely]] {
+    return do_send(internal::host_copy(tensor), dst, tag);
+  }
   check_tag("send", tag);
   reap_sends();
   // Sent from a private copy, so the handle is complete at once and a send posted before the
@@ -677,7 +692,10 @@ WorkHandle MpiComm::do_send(const Tensor& tensor, int dst, int tag) {
 }
 
 WorkHandle MpiComm::do_recv(const Tensor& tensor, int src, int tag) {
-  check_cpu("recv", tensor);
+  if (internal::off_host(tensor)) [[unlikely]] {
+    const Tensor h = internal::host_buffer(tensor);
+    return internal::copy_back(do_recv(h, src, tag), tensor, h);
+  }
   check_tag("recv", tag);
   reap_sends();
   std::shared_ptr<MpiWork> work = make_work(*this, Recv{tensor, src, tag});

@@ -1,4 +1,6 @@
-// The MPI backend: one process per rank, launched by mpirun, CPU tensors of any dtype.
+// The MPI backend: one process per rank, launched by mpirun, tensors of any dtype. CUDA
+// tensors are staged through host copies (parallel/comm/staging.h), so several ranks can
+// share one GPU; with one GPU per rank, nccl_world (nccl.h) avoids the copies.
 //
 //   // mpirun -np 4 bazel-bin/models/gpt/train ...
 //   CommPtr world = mpi_launched() ? mpi_world() : nullptr;   // else run_threads(...)

@@ -1,4 +1,7 @@
-// Built only under --config=cuda (parallel/comm/BUILD selects it).
+// The NCCL backend (see nccl.h). Built only under --config=cuda (parallel/comm/BUILD selects
+// it). Every launch runs on the device's communication stream (kernels/cuda/runtime.h) after
+// an event on the compute stream; its handle holds the buffers until the host has seen the
+// collective's `done` event, so the caching allocator never reuses them early.
 #include "parallel/comm/nccl.h"
 
 #include <cuda_runtime.h>
@@ -12,10 +15,15 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/runtime.h"
 #include "tensor/error.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
 
 namespace tessera::parallel {
 namespace {
+
+using cuda_kernels::DeviceGuard;
 
 ncclDataType_t nccl_type(DType dt) {
   switch (dt) {
@@ -43,6 +51,12 @@ ncclRedOp_t nccl_op(DType dt, ReduceOp op) {
 }
 
 bool is_half(DType dt) { return dt == DType::f16 || dt == DType::bf16; }
+
+// An f32 copy of an f16/bf16 buffer (on the compute stream, before the launch's event).
+Tensor widened(const Tensor& t) {
+  NoGradGuard no_grad;
+  return t.cast(DType::f32);
+}
 
 char* at(const Tensor& t, int64_t elements) {
   return static_cast<char*>(t.raw_data()) + elements * dtype_size(t.dtype());
@@ -78,27 +92,24 @@ class NcclWork final : public Work {
 
 class NcclComm final : public Communicator, public std::enable_shared_from_this<NcclComm> {
  public:
+  // The communication stream is the device's shared one (runtime.h): communicators of one
+  // device run their collectives in issue order, which is also NCCL's requirement.
   NcclComm(ncclComm_t comm, int rank, int size, const std::string& name, int device)
-      : Communicator(rank, size, name), comm_(comm), device_(device) {
-    check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-    scratch_ = Tensor::empty({1}, DType::f32, cuda(device_));
-  }
+      : Communicator(rank, size, name), comm_(comm), device_(device),
+        stream_(cuda_kernels::comm_stream(cuda(device))),
+        scratch_(zeros({1}, DType::f32, cuda(device))) {}
   ~NcclComm() override {
+    DeviceGuard guard(cuda(device_));
+    std::vector<Tensor> keep;  // alive until the stream finished with them
     // Staged sends never matched by a later call go out now, so the peer's recv completes.
     try {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!staged_.empty()) {
-        std::vector<Tensor> keep;
-        cudaEventDestroy(enqueue_locked("ncclSend", [] {}, keep, Staged::join));
-      }
+      if (!staged_.empty()) cudaEventDestroy(enqueue_locked("ncclSend", [] {}, keep, Staged::join));
     } catch (const std::exception&) {
       // Tearing down: nothing left to report to.
     }
-    cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     ncclCommDestroy(comm_);
-    cudaStreamDestroy(stream_);
   }
   std::string_view backend() const override { return "nccl"; }
   int device() const { return device_; }
@@ -174,7 +185,7 @@ class NcclComm final : public Communicator, public std::enable_shared_from_this<
 
   ncclComm_t comm_;
   int device_;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_;  // the device's communication stream (not ours to destroy)
   std::mutex mu_;  // one launch at a time: NCCL calls on a communicator must be ordered
   std::vector<StagedSend> staged_;  // guarded by mu_
   Tensor scratch_;                  // barrier's one element
@@ -193,13 +204,18 @@ void NcclWork::wait() {
   if (!completed_) {
     completed_ = true;
     try {
-      comm_->check_cuda(cudaSetDevice(comm_->device()), "cudaSetDevice");
+      const Device d = cuda(comm_->device());
+      DeviceGuard guard(d);
       comm_->check_cuda(cudaEventSynchronize(done_), "cudaEventSynchronize");
       comm_->check_async();
       // Kernels queued later on the compute stream see the result (a no-op for the host,
       // which already waited, but not for work queued from other threads).
-      comm_->check_cuda(cudaStreamWaitEvent(cudaStreamLegacy, done_, 0), "cudaStreamWaitEvent");
-      if (finish_) finish_();
+      comm_->check_cuda(cudaStreamWaitEvent(cuda_kernels::compute_stream(d), done_, 0),
+                        "cudaStreamWaitEvent");
+      if (finish_) {
+        NoGradGuard no_grad;  // f16/bf16 rounding back: buffer copies, never a graph
+        finish_();
+      }
     } catch (...) {
       error_ = std::current_exception();
     }
@@ -213,9 +229,16 @@ bool NcclWork::is_completed() {
     std::lock_guard<std::mutex> lock(mu_);
     if (completed_) return true;
     const cudaError_t e = cudaEventQuery(done_);
-    if (e == cudaErrorNotReady) return false;
+    if (e == cudaErrorNotReady) {
+      cudaGetLastError();  // not an error: keep it from failing the next kernel launch check
+      return false;
+    }
   }
-  wait();  // done (or failed: wait() throws)
+  try {
+    wait();  // done: finish it here
+  } catch (...) {
+    // Failed: kept for wait(), which rethrows it (is_completed never throws, as elsewhere).
+  }
   return true;
 }
 
@@ -223,13 +246,11 @@ bool NcclWork::is_completed() {
 
 cudaEvent_t NcclComm::enqueue_locked(const char* call, const std::function<void()>& issue,
                                      std::vector<Tensor>& keep, Staged staged) {
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  const Device d = cuda(device_);
+  DeviceGuard guard(d);
   // The communication stream starts after everything already queued for compute.
-  cudaEvent_t ready = nullptr, done = nullptr;
-  check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
-  check_cuda(cudaEventRecord(ready, cudaStreamLegacy), "cudaEventRecord");
-  check_cuda(cudaStreamWaitEvent(stream_, ready, 0), "cudaStreamWaitEvent");
-  cudaEventDestroy(ready);  // released once the wait is satisfied
+  cuda_kernels::stream_wait(stream_, cuda_kernels::compute_stream(d), d);
+  cudaEvent_t done = nullptr;
 
   std::vector<StagedSend> sends;
   if (staged != Staged::keep) sends.swap(staged_);
@@ -263,7 +284,7 @@ cudaEvent_t NcclComm::enqueue_locked(const char* call, const std::function<void(
 std::shared_ptr<Communicator> NcclComm::do_split(int color, int key, const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!staged_.empty()) launch_locked("ncclSend", [] {}, {}, nullptr, Staged::join)->wait();
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  DeviceGuard guard(cuda(device_));
   ncclComm_t sub = nullptr;
   check(ncclCommSplit(comm_, color, key, &sub, nullptr), "ncclCommSplit");
   int rank = 0, size = 0;
@@ -274,8 +295,10 @@ std::shared_ptr<Communicator> NcclComm::do_split(int color, int key, const std::
 
 WorkHandle NcclComm::do_all_reduce(const Tensor& tensor, ReduceOp op) {
   check_device("all_reduce", tensor);
+  // Every member has the same count, so all of them skip together.
+  if (tensor.numel() == 0) return completed_work();
   // f16/bf16: reduce a widened copy, round back once in wait().
-  const Tensor buf = is_half(tensor.dtype()) ? tensor.cast(DType::f32) : tensor;
+  const Tensor buf = is_half(tensor.dtype()) ? widened(tensor) : tensor;
   const ncclRedOp_t rop = nccl_op(tensor.dtype(), op);
   auto issue = [&] {
     check(ncclAllReduce(buf.raw_data(), buf.raw_data(), static_cast<size_t>(buf.numel()),
@@ -290,6 +313,7 @@ WorkHandle NcclComm::do_all_gather(const Tensor& output, const Tensor& input,
                                    const std::vector<int64_t>& counts) {
   check_device("all_gather", input);
   check_device("all_gather", output);
+  if (output.numel() == 0) return completed_work();  // sum(counts): the same on every member
   const bool equal = std::all_of(counts.begin(), counts.end(),
                                  [&](int64_t k) { return k == counts[0]; });
   const ncclDataType_t type = nccl_type(input.dtype());
@@ -302,6 +326,7 @@ WorkHandle NcclComm::do_all_gather(const Tensor& output, const Tensor& input,
     // Uneven blocks: one broadcast per member, fused by the enclosing group.
     const std::vector<int64_t> offsets = offsets_of(counts);
     for (int r = 0; r < size(); ++r) {
+      if (counts[r] == 0) continue;  // every member skips it alike
       void* slot = at(output, offsets[r]);
       const void* send = r == rank() ? input.raw_data() : slot;
       check(ncclBroadcast(send, slot, static_cast<size_t>(counts[r]), type, r, comm_, stream_),
@@ -316,8 +341,9 @@ WorkHandle NcclComm::do_reduce_scatter(const Tensor& output, const Tensor& input
                                        const std::vector<int64_t>& counts) {
   check_device("reduce_scatter", input);
   check_device("reduce_scatter", output);
+  if (input.numel() == 0) return completed_work();  // sum(counts): the same on every member
   const bool widen = is_half(input.dtype());
-  const Tensor in = widen ? input.cast(DType::f32) : input;
+  const Tensor in = widen ? widened(input) : input;
   const Tensor out = widen ? Tensor::empty(output.shape(), DType::f32, output.device()) : output;
   const bool equal = std::all_of(counts.begin(), counts.end(),
                                  [&](int64_t k) { return k == counts[0]; });
@@ -332,6 +358,7 @@ WorkHandle NcclComm::do_reduce_scatter(const Tensor& output, const Tensor& input
     // Uneven blocks: block r reduced onto member r; recvbuff matters only at the root.
     const std::vector<int64_t> offsets = offsets_of(counts);
     for (int r = 0; r < size(); ++r) {
+      if (counts[r] == 0) continue;  // every member skips it alike
       check(ncclReduce(at(in, offsets[r]), r == rank() ? out.raw_data() : nullptr,
                        static_cast<size_t>(counts[r]), type, rop, r, comm_, stream_),
             "ncclReduce (uneven reduce_scatter)");
@@ -345,6 +372,7 @@ WorkHandle NcclComm::do_reduce_scatter(const Tensor& output, const Tensor& input
 
 WorkHandle NcclComm::do_broadcast(const Tensor& tensor, int root) {
   check_device("broadcast", tensor);
+  if (tensor.numel() == 0) return completed_work();  // the same count on every member
   auto issue = [&] {
     check(ncclBroadcast(tensor.raw_data(), tensor.raw_data(), static_cast<size_t>(tensor.numel()),
                         nccl_type(tensor.dtype()), root, comm_, stream_), "ncclBroadcast");
@@ -363,15 +391,21 @@ WorkHandle NcclComm::do_all_to_all(const Tensor& output, const Tensor& input,
     const std::vector<int64_t> soff = offsets_of(send_counts), roff = offsets_of(recv_counts);
     for (int j = 0; j < size(); ++j) {
       if (j == rank()) {  // our own block: a device copy, no NCCL peer
+        if (send_counts[j] == 0) continue;
         check_cuda(cudaMemcpyAsync(at(output, roff[j]), at(input, soff[j]),
                                    static_cast<size_t>(send_counts[j] * esize),
                                    cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
         continue;
       }
-      check(ncclSend(at(input, soff[j]), static_cast<size_t>(send_counts[j]), type, j, comm_,
-                     stream_), "ncclSend (all_to_all)");
-      check(ncclRecv(at(output, roff[j]), static_cast<size_t>(recv_counts[j]), type, j, comm_,
-                     stream_), "ncclRecv (all_to_all)");
+      // Our send count to j is j's receive count from us: both sides skip an empty block.
+      if (send_counts[j] > 0) {
+        check(ncclSend(at(input, soff[j]), static_cast<size_t>(send_counts[j]), type, j, comm_,
+                       stream_), "ncclSend (all_to_all)");
+      }
+      if (recv_counts[j] > 0) {
+        check(ncclRecv(at(output, roff[j]), static_cast<size_t>(recv_counts[j]), type, j, comm_,
+                       stream_), "ncclRecv (all_to_all)");
+      }
     }
   };
   return launch("ncclSend/ncclRecv (all_to_all)", issue, {output, input});
@@ -379,10 +413,14 @@ WorkHandle NcclComm::do_all_to_all(const Tensor& output, const Tensor& input,
 
 WorkHandle NcclComm::do_send(const Tensor& tensor, int dst, int tag) {
   check_device("send", tensor);
+  if (tensor.numel() == 0) return completed_work();  // the matching recv skips it too
   std::lock_guard<std::mutex> lock(mu_);
   // The copy runs on the communication stream after the compute stream's work; the handle
   // completes with it. The NCCL send itself joins the next launch (see nccl.h).
   Tensor copy = Tensor::empty(tensor.shape(), tensor.dtype(), tensor.device());
+  // Its block is not reused before the communication stream's work queued by the time it
+  // is freed has finished, whichever handle or teardown path drops it.
+  cuda_kernels::record_stream(tensor.device(), copy.raw_data(), stream_);
   auto issue = [&] {
     check_cuda(cudaMemcpyAsync(copy.raw_data(), tensor.raw_data(),
                                static_cast<size_t>(tensor.nbytes()), cudaMemcpyDeviceToDevice,
@@ -396,6 +434,7 @@ WorkHandle NcclComm::do_send(const Tensor& tensor, int dst, int tag) {
 
 WorkHandle NcclComm::do_recv(const Tensor& tensor, int src, int tag) {
   check_device("recv", tensor);
+  if (tensor.numel() == 0) return completed_work();  // the matching send skips it too
   std::lock_guard<std::mutex> lock(mu_);
   auto issue = [&] {
     check(ncclRecv(tensor.raw_data(), static_cast<size_t>(tensor.numel()),
@@ -459,7 +498,7 @@ CommPtr nccl_world(const CommPtr& bootstrap, int device) {
   bootstrap->broadcast(id_bytes, 0);
   std::memcpy(&id, id_bytes.raw_data(), sizeof(id));
 
-  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  cuda_kernels::DeviceGuard guard(cuda(device));  // NCCL binds the communicator to it
   ncclComm_t comm = nullptr;
   const ncclResult_t r = ncclCommInitRank(&comm, size, id, rank);
   if (r != ncclSuccess) {

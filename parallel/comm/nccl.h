@@ -8,11 +8,19 @@
 //   ... compute on the default stream ...
 //   h->wait();                                      // host waits; later kernels see g
 //
-// Streams: collectives run on the communicator's own non-blocking stream, after the work
-// already queued on the compute (legacy default) stream; wait() synchronises the host with
-// the collective's event and makes the compute stream wait for it too. Handles keep their
-// temporaries alive. f16/bf16 reductions widen to f32 on the device, reduce, and round once
-// (the shared semantics of communicator.h). Bool reductions use max (or) and min (and).
+// Streams: collectives run on the device's communication stream (cuda_kernels::comm_stream,
+// shared by the device's communicators), after the work already queued on its compute
+// stream (the legacy default stream); wait() synchronises the host with the collective's
+// event and makes the compute stream wait for it too. Handles keep their buffers and
+// temporaries alive until then. f16/bf16 reductions widen to f32 on the device, reduce, and
+// round once (the shared semantics of communicator.h); avg is NCCL's ncclAvg, which for
+// floating types scales each member's value by 1/n before summing (equal to sum / n up to
+// rounding; exact for one rank). Bool reductions use max (or) and min (and). Collectives of
+// zero elements return a completed handle without calling NCCL.
+//
+// One rank per GPU: NCCL refuses two ranks on one device. Ranks sharing a GPU (tests, a
+// one-GPU machine) use the threads or MPI communicator instead, which stage CUDA tensors
+// through host copies.
 //
 // send/recv: NCCL has no tags and its send completes only with the matching recv, so a send
 // is staged (copied into a private device buffer; its handle completes with the copy) and

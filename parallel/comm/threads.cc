@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "kernels/cpu/parallel.h"
+#include "parallel/comm/staging.h"
 #include "parallel/comm/threads_reduce.h"
 #include "tensor/error.h"
 
@@ -698,8 +699,13 @@ class ThreadsComm final : public Communicator {
     return result;
   }
 
+  // Device tensors are staged through host copies (staging.h); each do_* below then calls
+  // itself with the host buffers, so the CPU path is the only one that exchanges data.
   WorkHandle do_all_reduce(const Tensor& t, ReduceOp op) override {
-    check_cpu(OpKind::all_reduce, t);
+    if (internal::off_host(t)) [[unlikely]] {
+      const Tensor h = internal::host_copy(t);
+      return internal::copy_back(do_all_reduce(h, op), t, h);
+    }
     return submit(OpKind::all_reduce, [g = group_, me = rank(), t, op] {
       run_all_reduce(*g, me, t, op);
     });
@@ -707,7 +713,10 @@ class ThreadsComm final : public Communicator {
 
   WorkHandle do_all_gather(const Tensor& out, const Tensor& in,
                            const std::vector<int64_t>& counts) override {
-    check_cpu(OpKind::all_gather, in);
+    if (internal::off_host(out)) [[unlikely]] {
+      const Tensor h = internal::host_buffer(out);
+      return internal::copy_back(do_all_gather(h, internal::host_copy(in), counts), out, h);
+    }
     return submit(OpKind::all_gather, [g = group_, me = rank(), out, in, counts] {
       run_all_gather(*g, me, out, in, counts);
     });
@@ -715,14 +724,22 @@ class ThreadsComm final : public Communicator {
 
   WorkHandle do_reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op,
                                const std::vector<int64_t>& counts) override {
-    check_cpu(OpKind::reduce_scatter, in);
+    if (internal::off_host(out)) [[unlikely]] {
+      const Tensor h = internal::host_buffer(out);
+      return internal::copy_back(do_reduce_scatter(h, internal::host_copy(in), op, counts), out,
+                                 h);
+    }
     return submit(OpKind::reduce_scatter, [g = group_, me = rank(), out, in, op, counts] {
       run_reduce_scatter(*g, me, out, in, op, counts);
     });
   }
 
   WorkHandle do_broadcast(const Tensor& t, int root) override {
-    check_cpu(OpKind::broadcast, t);
+    if (internal::off_host(t)) [[unlikely]] {
+      const bool root_here = rank() == root;  // the root's tensor is only read
+      const Tensor h = root_here ? internal::host_copy(t) : internal::host_buffer(t);
+      return internal::copy_back(do_broadcast(h, root), root_here ? Tensor() : t, h);
+    }
     return submit(OpKind::broadcast,
                   [g = group_, me = rank(), t, root] { run_broadcast(*g, me, t, root); });
   }
@@ -730,7 +747,11 @@ class ThreadsComm final : public Communicator {
   WorkHandle do_all_to_all(const Tensor& out, const Tensor& in,
                            const std::vector<int64_t>& send_counts,
                            const std::vector<int64_t>& recv_counts) override {
-    check_cpu(OpKind::all_to_all, in);
+    if (internal::off_host(out)) [[unlikely]] {
+      const Tensor h = internal::host_buffer(out);
+      return internal::copy_back(
+          do_all_to_all(h, internal::host_copy(in), send_counts, recv_counts), out, h);
+    }
     const char* o = static_cast<const char*>(out.raw_data());
     const char* i = static_cast<const char*>(in.raw_data());
     // Peers read our input while we write our output, so they must not overlap.
@@ -745,13 +766,16 @@ class ThreadsComm final : public Communicator {
   }
 
   WorkHandle do_send(const Tensor& t, int dst, int tag) override {
-    check_cpu(OpKind::send, t);
+    if (internal::off_host(t)) [[unlikely]] return do_send(internal::host_copy(t), dst, tag);
     return submit(OpKind::send,
                   [g = group_, me = rank(), t, dst, tag] { g->send(me, dst, tag, t); });
   }
 
   WorkHandle do_recv(const Tensor& t, int src, int tag) override {
-    check_cpu(OpKind::recv, t);
+    if (internal::off_host(t)) [[unlikely]] {
+      const Tensor h = internal::host_buffer(t);
+      return internal::copy_back(do_recv(h, src, tag), t, h);
+    }
     auto recv = std::make_shared<PostedRecv>();
     recv->buffer = t;
     recv->src = src;
@@ -768,11 +792,6 @@ class ThreadsComm final : public Communicator {
  private:
   WorkHandle submit(OpKind op, std::function<void()> fn) {
     return std::make_shared<ThreadsWork>(worker_, worker_->submit(op, std::move(fn)));
-  }
-
-  void check_cpu(OpKind op, const Tensor& t) const {
-    TS_CHECK(t.device().is_cpu(), "{} on group '{}': the threads backend needs CPU tensors, got "
-             "one on {}", op_name(op), name(), t.device());
   }
 
   // Members publish (color, key); the first member of each color (by key, then rank) creates

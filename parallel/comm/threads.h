@@ -7,10 +7,13 @@
 //     CommPtr row = world->split(world->rank() / 2, world->rank(), "row");
 //   });
 //
-// Collectives read peers' buffers directly (no staging copies); reductions run in member
+// CPU collectives read peers' buffers directly (no copies in between); reductions run in member
 // order with one rank reducing each block, so every member ends with bitwise equal results.
 // Each (rank, communicator) owns a worker thread that runs its operations in program order;
 // *_async returns as soon as the operation is queued.
+//
+// CUDA tensors are accepted: they are staged through host copies (parallel/comm/staging.h),
+// so several ranks can share one GPU; the comm log counts the same bytes as for CPU tensors.
 #pragma once
 
 #include <functional>

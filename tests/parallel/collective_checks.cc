@@ -35,12 +35,26 @@ std::vector<double> values(DType dt, int rank, int64_t len, int salt) {
   return v;
 }
 
-Tensor make(DType dt, const std::vector<double>& v) {
+// The device every buffer of this rank's checks lives on (check_collectives' argument; one
+// value per rank thread, so the helpers below need no extra parameter).
+thread_local Device t_device = kCPU;
+
+Tensor host_values(DType dt, const std::vector<double>& v) {
   return Tensor::from_vector<double>(v, {static_cast<int64_t>(v.size())}).cast(dt);
 }
 
+// Values in dt, and an uninitialised buffer, on the checks' device.
+Tensor make(DType dt, const std::vector<double>& v) { return host_values(dt, v).to(t_device); }
+Tensor buffer(const Shape& shape, DType dt = DType::f32) {
+  return Tensor::empty(shape, dt, t_device);
+}
+Tensor i64s(std::vector<int64_t> v) {
+  const int64_t n = static_cast<int64_t>(v.size());
+  return Tensor::from_vector<int64_t>(v, {n}).to(t_device);
+}
+
 // x rounded to dt the way the library rounds (through a cast).
-double round_to(DType dt, double x) { return make(dt, {x}).to_vector<double>()[0]; }
+double round_to(DType dt, double x) { return host_values(dt, {x}).to_vector<double>()[0]; }
 
 double combine(DType dt, ReduceOp op, double a, double b) {
   if (dt == DType::b8) {
@@ -122,7 +136,7 @@ void check_all_reduce(Communicator& c, std::span<const DType> dtypes, int& salt)
       }
     }
   }
-  Tensor empty = Tensor::empty({0}, DType::f32);
+  Tensor empty = buffer({0}, DType::f32);
   c.all_reduce(empty, ReduceOp::sum);
   CHECK(empty.numel() == 0);
 }
@@ -136,7 +150,7 @@ void check_all_gather(Communicator& c, std::span<const DType> dtypes, int& salt)
         const std::vector<int64_t> counts =
             uneven ? uneven_counts(n, salt) : std::vector<int64_t>(n, 5);
         Tensor in = make(dt, values(dt, c.rank(), counts[c.rank()], salt));
-        Tensor out = Tensor::empty({sum_of(counts)}, dt);
+        Tensor out = buffer({sum_of(counts)}, dt);
         const std::vector<int64_t> arg = uneven ? counts : std::vector<int64_t>{};
         if (async) finish(c.all_gather_async(out, in, arg));
         else c.all_gather(out, in, arg);
@@ -161,7 +175,7 @@ void check_reduce_scatter(Communicator& c, std::span<const DType> dtypes, int& s
           const std::vector<int64_t> counts =
               uneven ? uneven_counts(n, salt) : std::vector<int64_t>(n, 6);
           Tensor in = make(dt, values(dt, me, sum_of(counts), salt));
-          Tensor out = Tensor::empty({counts[me]}, dt);
+          Tensor out = buffer({counts[me]}, dt);
           const std::vector<int64_t> arg = uneven ? counts : std::vector<int64_t>{};
           if (async) finish(c.reduce_scatter_async(out, in, op, arg));
           else c.reduce_scatter(out, in, op, arg);
@@ -205,7 +219,7 @@ void check_all_to_all(Communicator& c, std::span<const DType> dtypes, int& salt)
           recv[j] = amount(j, me);
         }
         Tensor in = make(dt, values(dt, me, sum_of(send), salt));
-        Tensor out = Tensor::empty({sum_of(recv)}, dt);
+        Tensor out = buffer({sum_of(recv)}, dt);
         const std::vector<int64_t> send_arg = uneven ? send : std::vector<int64_t>{};
         const std::vector<int64_t> recv_arg = uneven ? recv : std::vector<int64_t>{};
         if (async) finish(c.all_to_all_async(out, in, send_arg, recv_arg));
@@ -237,8 +251,8 @@ void check_send_recv(Communicator& c, std::span<const DType> dtypes, int& salt) 
     c.send(make(dt, values(dt, me, 9, salt + 1)), next, 7);
     c.send(make(dt, values(dt, me, 3, salt + 2)), next, 9);
     c.send(make(dt, values(dt, me, 3, salt + 3)), next, 9);
-    Tensor b = Tensor::empty({9}, dt), a = Tensor::empty({7}, dt);
-    Tensor first = Tensor::empty({3}, dt), second = Tensor::empty({3}, dt);
+    Tensor b = buffer({9}, dt), a = buffer({7}, dt);
+    Tensor first = buffer({3}, dt), second = buffer({3}, dt);
     c.recv(b, prev, 7);
     c.recv(a, prev, 5);
     c.recv(first, prev, 9);
@@ -249,7 +263,7 @@ void check_send_recv(Communicator& c, std::span<const DType> dtypes, int& salt) 
     check_equal(second, values(dt, prev, 3, salt + 3), what + " tag 9, second");
 
     // Receive posted before the send on every member, both async.
-    Tensor in = Tensor::empty({5}, dt);
+    Tensor in = buffer({5}, dt);
     WorkHandle r = c.recv_async(in, prev, 11);
     WorkHandle s = c.send_async(make(dt, values(dt, me, 5, salt + 4)), next, 11);
     finish(s);
@@ -263,7 +277,7 @@ void check_send_recv(Communicator& c, std::span<const DType> dtypes, int& salt) 
 void check_barrier(Communicator& c) {
   c.barrier();
   finish(c.barrier_async());
-  Tensor ones = Tensor::from_vector<int64_t>({1, 1}, {2});
+  Tensor ones = i64s({1, 1});
   c.all_reduce(ones, ReduceOp::sum);
   c.barrier();
   check_equal(ones, {double(c.size()), double(c.size())},
@@ -276,12 +290,12 @@ void check_async_in_flight(Communicator& c, int& salt) {
   salt += 5;
   Tensor reduce = make(DType::f32, values(DType::f32, me, 100, salt));
   Tensor gather_in = make(DType::f64, values(DType::f64, me, 4, salt + 1));
-  Tensor gather_out = Tensor::empty({4 * n}, DType::f64);
+  Tensor gather_out = buffer({4 * n}, DType::f64);
   Tensor bcast = make(DType::i32, values(DType::i32, me, 6, salt + 2));
   Tensor rs_in = make(DType::bf16, values(DType::bf16, me, 3 * n, salt + 3));
-  Tensor rs_out = Tensor::empty({3}, DType::bf16);
+  Tensor rs_out = buffer({3}, DType::bf16);
   Tensor a2a_in = make(DType::i64, values(DType::i64, me, 2 * n, salt + 4));
-  Tensor a2a_out = Tensor::empty({2 * n}, DType::i64);
+  Tensor a2a_out = buffer({2 * n}, DType::i64);
   std::vector<WorkHandle> handles = {
       c.all_reduce_async(reduce, ReduceOp::sum),
       c.all_gather_async(gather_out, gather_in),
@@ -318,8 +332,8 @@ void check_all(Communicator& c, std::span<const DType> dtypes) {
 
 // Every member's `id` in member order (all_gather of one i64 each).
 std::vector<int64_t> gather_ids(Communicator& c, int64_t id) {
-  Tensor out = Tensor::empty({c.size()}, DType::i64);
-  c.all_gather(out, Tensor::from_vector<int64_t>({id}, {1}));
+  Tensor out = buffer({c.size()}, DType::i64);
+  c.all_gather(out, i64s({id}));
   return out.to_vector<int64_t>();
 }
 
@@ -357,9 +371,9 @@ void check_split(Communicator& world) {
     for (int r = 0; r < 2; ++r) col_members.push_back(r * cols + col);
     check_group(*rows, "row", me, row_members);
     check_group(*columns, "col", me, col_members);
-    Tensor row_sum = Tensor::from_vector<int64_t>({me}, {1});
-    Tensor col_sum = Tensor::from_vector<int64_t>({me}, {1});
-    Tensor world_sum = Tensor::from_vector<int64_t>({me}, {1});
+    Tensor row_sum = i64s({me});
+    Tensor col_sum = i64s({me});
+    Tensor world_sum = i64s({me});
     WorkHandle h = rows->all_reduce_async(row_sum, ReduceOp::sum);
     world.all_reduce(world_sum, ReduceOp::sum);
     columns->all_reduce(col_sum, ReduceOp::sum);
@@ -383,45 +397,46 @@ void check_split(Communicator& world) {
 // usable (checked at the end).
 void check_argument_errors(Communicator& c) {
   const int n = c.size(), me = c.rank();
-  Tensor x = Tensor::empty({4}, DType::f32);
+  Tensor x = buffer({4}, DType::f32);
   // Counts that do not add up to the buffers.
-  CHECK(contains(error_of([&] { c.all_gather(Tensor::empty({4 * n + 1}), x); }), "all_gather"));
+  CHECK(contains(error_of([&] { c.all_gather(buffer({4 * n + 1}), x); }), "all_gather"));
   std::vector<int64_t> counts(n, 4);
   counts[0] = 5;  // rank 0: not its input's size; the others: does not sum to the output
-  CHECK_THROWS_AS(c.all_gather(Tensor::empty({4 * n}), x, counts), Error);
-  CHECK(contains(error_of([&] { c.reduce_scatter(x, Tensor::empty({4 * n + 1}), ReduceOp::sum); }),
+  CHECK_THROWS_AS(c.all_gather(buffer({4 * n}), x, counts), Error);
+  CHECK(contains(error_of([&] { c.reduce_scatter(x, buffer({4 * n + 1}), ReduceOp::sum); }),
                  "reduce_scatter"));
-  CHECK_THROWS_AS(c.reduce_scatter(x, Tensor::empty({4 * n}), ReduceOp::sum, counts), Error);
+  CHECK_THROWS_AS(c.reduce_scatter(x, buffer({4 * n}), ReduceOp::sum, counts), Error);
   CHECK(contains(error_of([&] {
-                   c.all_to_all(Tensor::empty({n}), Tensor::empty({n + 1}),
+                   c.all_to_all(buffer({n}), buffer({n + 1}),
                                 std::vector<int64_t>(n, 1), std::vector<int64_t>(n, 1));
                  }),
                  "all_to_all"));
   // Non-contiguous buffers.
-  Tensor strided = Tensor::empty({3, 4}, DType::f32).t();
+  Tensor strided = buffer({3, 4}, DType::f32).t();
   CHECK(contains(error_of([&] { c.all_reduce(strided, ReduceOp::sum); }), "contiguous"));
   CHECK_THROWS_AS(c.broadcast(strided, 0), Error);
   // avg is only defined for floating dtypes.
-  CHECK(contains(error_of([&] { c.all_reduce(Tensor::empty({3}, DType::i32), ReduceOp::avg); }),
+  CHECK(contains(error_of([&] { c.all_reduce(buffer({3}, DType::i32), ReduceOp::avg); }),
                  "avg"));
-  CHECK_THROWS_AS(c.all_reduce(Tensor::empty({3}, DType::b8), ReduceOp::avg), Error);
-  CHECK_THROWS_AS(c.reduce_scatter(Tensor::empty({1}, DType::i64),
-                                   Tensor::empty({n}, DType::i64), ReduceOp::avg),
+  CHECK_THROWS_AS(c.all_reduce(buffer({3}, DType::b8), ReduceOp::avg), Error);
+  CHECK_THROWS_AS(c.reduce_scatter(buffer({1}, DType::i64),
+                                   buffer({n}, DType::i64), ReduceOp::avg),
                   Error);
   // Peers and roots out of range.
   CHECK_THROWS_AS(c.broadcast(x, n), Error);
   CHECK_THROWS_AS(c.send(x, me), Error);
   CHECK_THROWS_AS(c.recv(x, n), Error);
   // Nothing was started, so the group still pairs up.
-  Tensor ones = Tensor::from_vector<float>({1.f}, {1});
+  Tensor ones = make(DType::f32, {1.0});
   c.all_reduce(ones, ReduceOp::sum);
   CHECK(ones.item<float>() == float(n));
 }
 
 }  // namespace
 
-void check_collectives(const CommPtr& world) {
+void check_collectives(const CommPtr& world, Device device) {
   REQUIRE(world);
+  t_device = device;
   CHECK(world->name() == "world");
   CHECK(world->rank() >= 0);
   CHECK(world->rank() < world->size());

@@ -6,12 +6,14 @@
 // sizes x blocking/async is compared with the result computed locally from the
 // deterministic inputs of all ranks (small integers, exact in every dtype, so comparisons are
 // exact). Uses only the Communicator interface and doctest's (thread-safe) assertions.
+// `device`: where every buffer lives (CUDA: the NCCL backend, or the CPU backends staging
+// device tensors through host copies).
 #pragma once
 
 #include "parallel/comm/communicator.h"
 
 namespace tessera::parallel::testing {
 
-void check_collectives(const CommPtr& world);
+void check_collectives(const CommPtr& world, Device device = kCPU);
 
 }  // namespace tessera::parallel::testing

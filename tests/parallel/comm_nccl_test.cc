@@ -1,7 +1,9 @@
 // GPU-tagged: the NCCL backend with one rank on cuda:0 (the threads backend, one rank, is
-// the bootstrap). Every collective x dtype, blocking and async, against the CPU result; with
-// one member each collective's result is its input (avg: divided by 1), which checks the
-// plumbing: types, widening of f16/bf16, offsets, streams and events. Needs a GPU:
+// the bootstrap; NCCL refuses two ranks on one GPU, so one GPU means one rank). The shared
+// collective checks (collective_checks.h) with every buffer on cuda:0 - every collective x
+// dtype x even/uneven x blocking/async, empty blocks, splits, argument errors - plus what
+// only this backend does: ordering against the compute stream, f16/bf16 widening, handles
+// dropped or polled, the comm log. Needs a GPU:
 //   bazel test --config=cuda --test_tag_filters=gpu //tests/parallel:comm_nccl_test
 // Without --config=cuda this file compiles to an empty suite (nccl.cc is not built).
 #include <doctest/doctest.h>
@@ -10,9 +12,11 @@
 
 #include <vector>
 
+#include "parallel/comm/comm_log.h"
 #include "parallel/comm/nccl.h"
 #include "parallel/comm/threads.h"
 #include "tensor/ops.h"
+#include "tests/parallel/collective_checks.h"
 #include "tests/testing.h"
 
 namespace tessera::parallel {
@@ -41,6 +45,10 @@ Tensor values(int64_t n, DType dt) {
 }
 
 std::vector<double> host(const Tensor& t) { return t.to(kCPU).to_vector<double>(); }
+
+TEST_CASE("nccl: the shared collective checks on one rank, buffers on cuda:0") {
+  with_nccl([](const CommPtr& world) { testing::check_collectives(world, cuda(0)); });
+}
 
 TEST_CASE("nccl: one-rank collectives return their input, every dtype, blocking and async") {
   with_nccl([](const CommPtr& world) {
@@ -81,14 +89,83 @@ TEST_CASE("nccl: one-rank collectives return their input, every dtype, blocking 
   });
 }
 
+TEST_CASE("nccl: collectives run after the compute stream's queued work") {
+  with_nccl([](const CommPtr& world) {
+    // 64 MiB copied host -> device on the compute stream, then an async all_reduce issued at
+    // once: without the event between the streams NCCL would read the buffer mid-copy.
+    constexpr int64_t n = int64_t{16} << 20;
+    const Tensor src = full({n}, 3.0, DType::f32);
+    for (int round = 0; round < 3; ++round) {
+      Tensor d = zeros({n}, DType::f32, cuda(0));
+      d.copy_(src);
+      WorkHandle h = world->all_reduce_async(d, ReduceOp::sum);
+      Tensor out = Tensor::empty({4}, DType::f32, cuda(0));
+      WorkHandle g = world->all_gather_async(out, d.narrow(0, n - 4, 4));
+      h->wait();
+      g->wait();
+      // Read back on the compute stream: it waited for the collectives' events.
+      const std::vector<float> v = d.to(kCPU).to_vector<float>();
+      CHECK(v.front() == 3.0f);
+      CHECK(v[n / 2] == 3.0f);
+      CHECK(v.back() == 3.0f);
+      CHECK(out.to(kCPU).to_vector<float>() == std::vector<float>(4, 3.0f));
+    }
+  });
+}
+
 TEST_CASE("nccl: f16/bf16 averages go through an f32 copy and back") {
   with_nccl([](const CommPtr& world) {
     // The widened copy (f32 on the device) is reduced and copied back: values survive exactly.
     for (DType dt : {DType::f16, DType::bf16}) {
       Tensor t = Tensor::from_vector<float>({0.5f, 1.0f, 3.0f}, {3}).cast(dt).to(cuda(0));
       world->all_reduce(t, ReduceOp::avg);
+      CHECK(t.dtype() == dt);
       CHECK(t.to(kCPU).to_vector<float>() == std::vector<float>{0.5f, 1.0f, 3.0f});
+      Tensor in = Tensor::from_vector<float>({-2.0f, 0.25f}, {2}).cast(dt).to(cuda(0));
+      Tensor out = Tensor::empty({2}, dt, cuda(0));
+      world->reduce_scatter_async(out, in, ReduceOp::sum)->wait();
+      CHECK(out.to(kCPU).to_vector<float>() == std::vector<float>{-2.0f, 0.25f});
     }
+  });
+}
+
+TEST_CASE("nccl: handles polled, dropped unwaited, and empty collectives") {
+  with_nccl([](const CommPtr& world) {
+    Tensor t = full({1 << 20}, 2.0, DType::f32, cuda(0));
+    WorkHandle h = world->all_reduce_async(t, ReduceOp::max);
+    while (!h->is_completed()) {
+    }
+    h->wait();  // again: returns at once
+    CHECK(t.to(kCPU).to_vector<float>()[12345] == 2.0f);
+    // Dropped before wait(): its destructor waits, so the buffer may be freed after it.
+    for (int i = 0; i < 4; ++i) {
+      Tensor tmp = full({1 << 16}, 1.0, DType::f64, cuda(0));
+      world->all_reduce_async(tmp, ReduceOp::sum);
+    }
+    // Zero elements: completed at once, NCCL never called.
+    Tensor none = Tensor::empty({0}, DType::bf16, cuda(0));
+    WorkHandle e = world->all_reduce_async(none, ReduceOp::avg);
+    CHECK(e->is_completed());
+    world->broadcast(none, 0);
+    world->all_gather(Tensor::empty({0}, DType::bf16, cuda(0)), none);
+    world->barrier();
+  });
+}
+
+TEST_CASE("nccl: the comm log counts the same bytes as the CPU backends") {
+  with_nccl([](const CommPtr& world) {
+    CommLog log;
+    {
+      CommLogScope scope(log);
+      world->all_reduce(zeros({8}, DType::f32, cuda(0)), ReduceOp::sum);
+      world->all_gather(Tensor::empty({8}, DType::f64, cuda(0)), zeros({8}, DType::f64, cuda(0)));
+    }
+    REQUIRE(log.records.size() == 2);
+    CHECK(log.records[0].op == "all_reduce");
+    CHECK(log.records[0].elements == 8);
+    CHECK(log.records[0].bytes == 0);  // a group of one sends nothing
+    CHECK(log.records[1].op == "all_gather");
+    CHECK(log.records[1].dtype == DType::f64);
   });
 }
 
@@ -101,6 +178,12 @@ TEST_CASE("nccl: split gives a working sub-communicator") {
     Tensor t = Tensor::from_vector<float>({2.0f, -1.0f}, {2}).to(cuda(0));
     solo->all_reduce(t, ReduceOp::sum);
     CHECK(t.to(kCPU).to_vector<float>() == std::vector<float>{2.0f, -1.0f});
+    // Interleaved with the parent (one communication stream per device).
+    Tensor u = Tensor::from_vector<float>({4.0f}, {1}).to(cuda(0));
+    WorkHandle a = world->all_reduce_async(u, ReduceOp::max);
+    solo->all_reduce(t, ReduceOp::min);
+    a->wait();
+    CHECK(u.to(kCPU).item<float>() == 4.0f);
   });
 }
 
@@ -108,6 +191,10 @@ TEST_CASE("nccl: CPU tensors are rejected naming the op, group and device") {
   with_nccl([](const CommPtr& world) {
     const std::string msg = error_of([&] { world->all_reduce(Tensor::empty({4}), ReduceOp::sum); });
     CHECK(contains(msg, "nccl: all_reduce on group 'world' (rank 0): tensor [4] is on cpu"));
+    // Nothing was started: the communicator still works.
+    Tensor t = full({2}, 1.0, DType::f32, cuda(0));
+    world->all_reduce(t, ReduceOp::sum);
+    CHECK(t.to(kCPU).to_vector<float>() == std::vector<float>{1.0f, 1.0f});
   });
 }
 

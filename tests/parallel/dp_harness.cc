@@ -17,23 +17,25 @@
 
 namespace tessera::parallel::testing_dp {
 
-Task mlp_task() {
+Task mlp_task(Device device) {
   constexpr int64_t kBatch = 32;
   Task task;
   task.name = "mnist mlp";
+  task.device = device;
   task.units = {"1"};  // the 784 x 256 layer; the output layer stays in the root
   task.make = [] {
     manual_seed(0);
     return std::shared_ptr<nn::Module>(mnist::make_mlp());
   };
-  task.loss = [](nn::Module& model, DType dtype, int64_t step, int part, int parts) {
+  task.loss = [device](nn::Module& model, DType dtype, int64_t step, int part, int parts) {
     // The global batch of `step` is drawn whole from its own seed, on every rank alike.
     manual_seed(1000 + static_cast<uint64_t>(step));
     const Tensor x = randn({kBatch, 1, 28, 28});
     const Tensor y = argmax(x.flatten(1).narrow(1, 0, 10), 1);
     const int64_t rows = kBatch / parts;
-    return cross_entropy(model(x.narrow(0, part * rows, rows).cast(dtype)),
-                         y.narrow(0, part * rows, rows));
+    // to(): the tensor itself when already there (the CPU runs).
+    return cross_entropy(model(x.narrow(0, part * rows, rows).cast(dtype).to(device)),
+                         y.narrow(0, part * rows, rows).to(device));
   };
   return task;
 }
@@ -55,19 +57,20 @@ const data::TextWindows& text_windows() {
   return windows;
 }
 
-Task gpt_task() {
+Task gpt_task(Device device) {
   constexpr int64_t kBatch = 8, kContext = 16;
   Task task;
   task.name = "gpt-mini";
+  task.device = device;
   task.units = {"h.0", "h.1"};  // the transformer blocks
   task.make = [] {
     manual_seed(0);
     return std::shared_ptr<nn::Module>(std::make_shared<gpt::Gpt>(gpt::GptConfig{
         .layers = 2, .heads = 2, .width = 32, .context = kContext, .vocab = 256}));
   };
-  task.loss = [](nn::Module& model, DType, int64_t step, int part, int parts) {
+  task.loss = [device](nn::Module& model, DType, int64_t step, int part, int parts) {
     const data::TextBatch b = text_windows().get(step, kBatch, kContext, part, parts);
-    return gpt::Gpt::loss(model(b.idx), b.targets);
+    return gpt::Gpt::loss(model(b.idx.to(device)), b.targets.to(device));
   };
   task.lr = 1e-2;
   // Adding a constant to every key of a head shifts all of a query's scores equally, which
@@ -135,9 +138,15 @@ bool check_close(const Task& task, DType dtype, const Run& got, const Run& refer
   return bitwise;
 }
 
-Run train_reference(const Task& task, DType dtype) {
+std::shared_ptr<nn::Module> make_model(const Task& task, DType dtype) {
   std::shared_ptr<nn::Module> model = task.make();
   model->to(dtype);
+  if (!task.device.is_cpu()) model->to(task.device);
+  return model;
+}
+
+Run train_reference(const Task& task, DType dtype) {
+  std::shared_ptr<nn::Module> model = make_model(task, dtype);
   optim::AdamW opt(optim::decay_groups(model->named_parameters(), task.lr, kWeightDecay),
                    {.lr = task.lr, .weight_decay = kWeightDecay});
   const std::vector<Tensor> params = model->parameters();
@@ -156,8 +165,7 @@ Run train_reference(const Task& task, DType dtype) {
 }
 
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec) {
-  std::shared_ptr<nn::Module> model = task.make();
-  model->to(dtype);
+  std::shared_ptr<nn::Module> model = make_model(task, dtype);
   ZeroDataParallel zero(*model, world, {.stage = spec.stage, .units = task.units});
   optim::AdamW opt(zero.param_groups(task.lr, kWeightDecay),
                    {.lr = task.lr, .weight_decay = kWeightDecay});

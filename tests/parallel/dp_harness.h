@@ -29,10 +29,13 @@ struct Task {
   std::function<bool(const std::string& name, size_t index)> zero_gradient =
       [](const std::string&, size_t) { return false; };
   std::vector<std::string> units;  // ZeRO units (submodule paths, forward order)
+  // Where the model and its batches live: the parameters are initialised on the CPU (the
+  // same values everywhere), cast, then moved; loss() moves each batch there.
+  Device device = kCPU;
 };
 
-Task mlp_task();
-Task gpt_task();
+Task mlp_task(Device device = kCPU);
+Task gpt_task(Device device = kCPU);
 
 struct Run {
   std::vector<double> losses;                  // global loss per step
@@ -67,6 +70,9 @@ bool check_close(const Task& task, DType dtype, const Run& got, const Run& refer
 // with the global gradient norm clipped to kClip.
 inline constexpr double kWeightDecay = 0.1;
 inline constexpr double kClip = 1.0;
+
+// task.make() cast to `dtype` and moved to task.device.
+std::shared_ptr<nn::Module> make_model(const Task& task, DType dtype);
 
 // The single-device run: one rank, one micro-batch, no wrapper.
 Run train_reference(const Task& task, DType dtype);

@@ -1,0 +1,161 @@
+// The fused optimizer updates on CUDA (adamw_, sgd_), single- and multi-tensor forms (see
+// tensor/meta_optim.cc): host glue around optim.cu's multi-tensor apply. Same semantics and
+// errors as kernels/cpu/optim.cc (the spec): operands of one tuple must not overlap; every
+// tuple is checked before any is written. One launch sequence per (param dtype, master)
+// among the tuples; non-contiguous operands are packed into temporaries and, when written,
+// copied back after the update.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/optim.cuh"
+#include "kernels/cuda/runtime.h"
+#include "tensor/op.h"
+
+namespace tessera::cuda_kernels {
+namespace {
+
+// The element span [lo, hi) in bytes of storage that t touches.
+std::pair<int64_t, int64_t> byte_extent(const Tensor& t) {
+  const int64_t size = dtype_size(t.dtype());
+  int64_t lo = t.offset() * size, hi = lo + size;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.shape()[d] - 1) * t.strides()[d] * size;
+    if (reach < 0) lo += reach;
+    else hi += reach;
+  }
+  return {lo, hi};
+}
+
+// As the CPU kernel: operands of a tuple must not overlap (each update reads an element of
+// every operand once and writes them after; an overlap would make the result order-bound).
+// `tuple` of `tuples` names the tuple of a multi-tensor call in the error (tuples == 0: the
+// single-tensor form).
+void check_no_overlap(std::string_view op, size_t tuple, size_t tuples,
+                      std::span<const Tensor> in, std::initializer_list<const char*> names) {
+  std::vector<const char*> name(names);
+  for (size_t i = 0; i < in.size(); ++i) {
+    for (size_t j = i + 1; j < in.size(); ++j) {
+      const Tensor& a = in[i];
+      const Tensor& b = in[j];
+      if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) continue;
+      if (a.storage() != b.storage()) continue;
+      const auto [alo, ahi] = byte_extent(a);
+      const auto [blo, bhi] = byte_extent(b);
+      if (alo < bhi && blo < ahi) {
+        const std::string where =
+            tuples == 0 ? std::string(op) : fmt::format("{} tuple {} of {}", op, tuple, tuples);
+        fail("{}: {} {} and {} {} overlap in memory; each needs its own buffer", where, name[i],
+             shape_str(a.shape()), name[j], shape_str(b.shape()));
+      }
+    }
+  }
+}
+
+// The tuples of `width` inputs of a multi-tensor call; the short single-tensor form is one
+// tuple.
+std::vector<std::span<const Tensor>> tuples_of(std::span<const Tensor> in, size_t width) {
+  if (in.size() < 2 * width) return {in};
+  std::vector<std::span<const Tensor>> out;
+  for (size_t j = 0; j < in.size() / width; ++j) out.push_back(in.subspan(j * width, width));
+  return out;
+}
+
+// Calls launch(dtype, master, tuples, count) once per (param dtype, has master) found among
+// the tuples, each OptimTuple holding the defined operands' contiguous device pointers in
+// order. Non-contiguous operands go through temporaries; the written ones are copied back
+// after every launch (all on the compute stream, so in order).
+template <typename Launch>
+void run_grouped(const std::vector<std::span<const Tensor>>& tuples, size_t master_index,
+                 std::initializer_list<size_t> written, Launch&& launch) {
+  struct Group {
+    DType dtype;
+    bool master;
+    std::vector<OptimTuple> tuples;
+  };
+  std::vector<Group> groups;
+  std::vector<std::pair<Tensor, Tensor>> copy_back;  // (operand, its packed temporary)
+  std::vector<Tensor> packed_inputs;                 // alive until the launches are queued
+  for (std::span<const Tensor> t : tuples) {
+    if (t[0].numel() == 0) continue;
+    const bool master = t.size() > master_index && t[master_index].defined();
+    OptimTuple ot;
+    ot.numel = t[0].numel();
+    int slot = 0;
+    for (size_t i = 0; i < t.size(); ++i) {
+      if (!t[i].defined()) continue;
+      Tensor c = t[i];
+      if (!c.is_contiguous()) {
+        c = contiguous_cuda(t[i]);
+        const bool is_written = std::find(written.begin(), written.end(), i) != written.end();
+        if (is_written) copy_back.emplace_back(t[i], c);
+        else packed_inputs.push_back(c);
+      }
+      ot.ptr[slot++] = c.raw_data();
+    }
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const Group& x) {
+      return x.dtype == t[0].dtype() && x.master == master;
+    });
+    if (g == groups.end()) g = groups.insert(groups.end(), Group{t[0].dtype(), master, {}});
+    g->tuples.push_back(ot);
+  }
+  for (const Group& g : groups) {
+    launch(static_cast<int>(g.dtype), g.master, g.tuples.data(),
+           static_cast<int64_t>(g.tuples.size()));
+  }
+  for (const auto& [dst, src] : copy_back) copy_cuda(dst, src);
+}
+
+// Inputs: (param, grad, exp_avg, exp_avg_sq[, master]), or k tuples of 5.
+void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  const auto tuples = tuples_of(in, 5);
+  const size_t count = in.size() < 10 ? 0 : tuples.size();  // 0: the single-tensor form
+  for (size_t j = 0; j < tuples.size(); ++j) {
+    check_no_overlap("adamw_", j, count, tuples[j],
+                     {"param", "grad", "exp_avg", "exp_avg_sq", "master"});
+  }
+  // The constants exactly as the CPU computes them (in f64, rounded to the state type).
+  const double t = static_cast<double>(a.step_count);
+  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
+  const AdamWConsts k{1.0 - a.lr * a.weight_decay, 1.0 - a.beta1, a.beta2, 1.0 - a.beta2,
+                      std::sqrt(bc2), a.eps, a.lr / bc1};
+  const Device d = in[0].device();
+  DeviceGuard guard(d);
+  const cudaStream_t stream = compute_stream(d);
+  run_launch("adamw_", d, [&] {
+    run_grouped(tuples, 4, {0, 2, 3, 4},
+                [&](int dtype, bool master, const OptimTuple* ts, int64_t count) {
+                  launch_adamw(dtype, master, ts, count, k, stream);
+                });
+  });
+}
+
+// Inputs: (param, grad, momentum_buffer[, master]), or k tuples of 4; the buffer is defined
+// in every tuple or in none (momentum != 0).
+void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  const auto tuples = tuples_of(in, 4);
+  const size_t count = in.size() < 8 ? 0 : tuples.size();  // 0: the single-tensor form
+  for (size_t j = 0; j < tuples.size(); ++j) {
+    check_no_overlap("sgd_", j, count, tuples[j], {"param", "grad", "momentum_buffer", "master"});
+  }
+  const bool buffer = in[2].defined();
+  const SgdConsts k{a.lr,       a.weight_decay,         a.momentum,
+                    1.0 - a.dampening, a.weight_decay != 0.0, a.nesterov,
+                    a.step_count == 1};
+  const Device d = in[0].device();
+  DeviceGuard guard(d);
+  const cudaStream_t stream = compute_stream(d);
+  run_launch("sgd_", d, [&] {
+    run_grouped(tuples, 3, {0, 2, 3},
+                [&](int dtype, bool master, const OptimTuple* ts, int64_t count) {
+                  launch_sgd(dtype, buffer, master, ts, count, k, stream);
+                });
+  });
+}
+
+TS_REGISTER_KERNEL(cuda, adamw_, adamw_kernel);
+TS_REGISTER_KERNEL(cuda, sgd_, sgd_kernel);
+
+}  // namespace
+}  // namespace tessera::cuda_kernels

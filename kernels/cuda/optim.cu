@@ -1,0 +1,333 @@
+// Fused optimizer updates (adamw_, sgd_) on CUDA as multi-tensor apply (apex / PyTorch's
+// fused _foreach kernels): the tensors of a call are cut into chunks of kChunk elements and
+// each block of a launch updates one chunk of one tensor; the pointers, sizes and first
+// block of each tensor are the kernel's parameters (under 4 KB, the classic limit: ~76
+// tensors a launch), so a list of any length costs a few launches and no host-to-device
+// copy. Unlike apex's block table, a launch is not limited in blocks, so big tensors run
+// many even waves.
+//
+// Per element the math is kernels/cpu/optim.cc's, in the same order: f32 for f32/f16/bf16
+// params (moments and master f32), f64 for f64; a 16-bit param is written as the update
+// rounded once (from_acc, the CPU's rounding). Contiguous operands only (optim.cc packs any
+// others); 16-byte vector loads where all of a tensor's operands are aligned.
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/optim.cuh"
+
+namespace tessera::cuda_kernels {
+namespace {
+
+constexpr int kChunk = 16384;  // elements per block: many blocks, so launches end evenly
+constexpr int kThreads = 256;
+constexpr int kParamBytes = 4096;
+constexpr int kOpBytes = 64;  // the update's constants (static_assert below)
+
+// A launch's tensors: block b updates chunk b - first_block[t] of the tensor t whose blocks
+// hold b. Tensors per launch by operand count D: what fits kParamBytes.
+template <int D>
+constexpr int kMaxTensors = (kParamBytes - kOpBytes - 8) / (D * 8 + 8 + 4);
+
+template <int D, int T>
+struct TensorList {
+  void* ptr[D][T];
+  int64_t numel[T];
+  int32_t first_block[T];
+  int32_t count;
+};
+
+template <int D, int T, typename Op>
+__global__ void __launch_bounds__(kThreads)
+    multi_tensor_kernel(const __grid_constant__ TensorList<D, T> list, const Op op) {
+  // The last tensor whose first block is <= b (binary search, the same for the whole block).
+  const int32_t b = static_cast<int32_t>(blockIdx.x);
+  int lo = 0, hi = list.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (list.first_block[mid] <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  const int t = lo;
+  const int64_t start = static_cast<int64_t>(b - list.first_block[t]) * kChunk;
+  const int64_t left = list.numel[t] - start;
+  const int n = left < kChunk ? static_cast<int>(left) : kChunk;
+  void* ptr[D];
+#pragma unroll
+  for (int d = 0; d < D; ++d) ptr[d] = list.ptr[d][t];
+  op(ptr, start, n);
+}
+
+// Four consecutive elements, loaded and stored as one 8/16/32-byte access.
+template <typename T>
+struct alignas(4 * sizeof(T)) Pack4 {
+  T v[4];
+};
+template <typename T>
+__device__ __forceinline__ bool aligned4(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+}
+template <typename T>
+__device__ __forceinline__ Pack4<T> load4(const T* p) {
+  return *reinterpret_cast<const Pack4<T>*>(p);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const Pack4<T>& x) {
+  *reinterpret_cast<Pack4<T>*>(p) = x;
+}
+
+__device__ __forceinline__ float sqrt_of(float x) { return sqrtf(x); }  // IEEE (no fast math)
+__device__ __forceinline__ double sqrt_of(double x) { return sqrt(x); }
+
+// Runs one(i) over the chunk's n elements, or four(i) on aligned groups of four and one(i)
+// on the tail when `vector` holds (chunk starts are multiples of 4 elements).
+template <typename One, typename Four>
+__device__ __forceinline__ void chunk_loop(int n, bool vector, One&& one, Four&& four) {
+  if (vector) {
+    const int n4 = n & ~3;
+    for (int i = threadIdx.x * 4; i < n4; i += blockDim.x * 4) four(i);
+    for (int i = n4 + threadIdx.x; i < n; i += blockDim.x) one(i);
+  } else {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) one(i);
+  }
+}
+
+// ---- AdamW ---------------------------------------------------------------------------------
+
+// P: param/grad type; S: moment (and compute) type; master: f32 when kMaster.
+template <typename P, typename S, bool kMaster>
+struct AdamWOp {
+  static constexpr int kDepth = kMaster ? 5 : 4;
+  S decay, w1, beta2, w2, bc2_sqrt, eps, step_size;
+
+  // kernels/cpu/optim.cc's adamw_run, statement for statement.
+  __device__ __forceinline__ void update(S& x, S g, S& m, S& v) const {
+    x *= decay;
+    m += w1 * (g - m);
+    v = v * beta2 + w2 * (g * g);
+    const S denom = sqrt_of(v) / bc2_sqrt + eps;
+    x -= step_size * (m / denom);
+  }
+
+  __device__ __forceinline__ void operator()(void* const* ptr, int64_t start, int n) const {
+    P* p = static_cast<P*>(ptr[0]) + start;
+    const P* g = static_cast<const P*>(ptr[1]) + start;
+    S* m = static_cast<S*>(ptr[2]) + start;
+    S* v = static_cast<S*>(ptr[3]) + start;
+    float* w = kMaster ? static_cast<float*>(ptr[kDepth - 1]) + start : nullptr;
+    const bool vector =
+        aligned4(p) && aligned4(g) && aligned4(m) && aligned4(v) && (!kMaster || aligned4(w));
+    chunk_loop(
+        n, vector,
+        [&](int i) {
+          // With a master the param's old value is not read (as on the CPU).
+          S x;
+          if constexpr (kMaster) x = w[i];
+          else x = static_cast<S>(to_acc(p[i]));
+          S mi = m[i], vi = v[i];
+          update(x, static_cast<S>(to_acc(g[i])), mi, vi);
+          m[i] = mi;
+          v[i] = vi;
+          if constexpr (kMaster) w[i] = x;
+          p[i] = from_acc<P>(x);
+        },
+        [&](int i) {
+          const Pack4<P> gp = load4(g + i);
+          Pack4<S> mp = load4(m + i), vp = load4(v + i);
+          Pack4<S> xp;
+          if constexpr (kMaster) {
+            const Pack4<float> wp = load4(w + i);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xp.v[j] = wp.v[j];
+          } else {
+            const Pack4<P> pp = load4(p + i);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xp.v[j] = static_cast<S>(to_acc(pp.v[j]));
+          }
+          Pack4<P> out;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            update(xp.v[j], static_cast<S>(to_acc(gp.v[j])), mp.v[j], vp.v[j]);
+            out.v[j] = from_acc<P>(xp.v[j]);
+          }
+          store4(m + i, mp);
+          store4(v + i, vp);
+          if constexpr (kMaster) {
+            Pack4<float> wp;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) wp.v[j] = xp.v[j];
+            store4(w + i, wp);
+          }
+          store4(p + i, out);
+        });
+  }
+};
+
+// ---- SGD -----------------------------------------------------------------------------------
+
+template <typename P, typename S, bool kBuffer, bool kMaster>
+struct SgdOp {
+  static constexpr int kDepth = 2 + (kBuffer ? 1 : 0) + (kMaster ? 1 : 0);
+  S lr, weight_decay, momentum, one_minus_dampening;
+  bool decay, nesterov, first;
+
+  // kernels/cpu/optim.cc's sgd_run, statement for statement; b is read only after step 1.
+  __device__ __forceinline__ void update(S& x, S d, S& b) const {
+    // Skipped, not multiplied by 0, when weight_decay == 0: 0 * inf would be NaN.
+    if (decay) d += weight_decay * x;
+    if constexpr (kBuffer) {
+      b = first ? d : b * momentum + one_minus_dampening * d;
+      d = nesterov ? d + momentum * b : b;
+    }
+    x -= lr * d;
+  }
+
+  __device__ __forceinline__ void operator()(void* const* ptr, int64_t start, int n) const {
+    P* p = static_cast<P*>(ptr[0]) + start;
+    const P* g = static_cast<const P*>(ptr[1]) + start;
+    S* b = kBuffer ? static_cast<S*>(ptr[2]) + start : nullptr;
+    float* w = kMaster ? static_cast<float*>(ptr[kDepth - 1]) + start : nullptr;
+    const bool vector = aligned4(p) && aligned4(g) && (!kBuffer || aligned4(b)) &&
+                        (!kMaster || aligned4(w));
+    chunk_loop(
+        n, vector,
+        [&](int i) {
+          S x;
+          if constexpr (kMaster) x = w[i];
+          else x = static_cast<S>(to_acc(p[i]));
+          S bi = S(0);
+          if constexpr (kBuffer) {
+            if (!first) bi = b[i];
+          }
+          update(x, static_cast<S>(to_acc(g[i])), bi);
+          if constexpr (kBuffer) b[i] = bi;
+          if constexpr (kMaster) w[i] = x;
+          p[i] = from_acc<P>(x);
+        },
+        [&](int i) {
+          const Pack4<P> gp = load4(g + i);
+          Pack4<S> xp, bp;
+          if constexpr (kMaster) {
+            const Pack4<float> wp = load4(w + i);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xp.v[j] = wp.v[j];
+          } else {
+            const Pack4<P> pp = load4(p + i);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xp.v[j] = static_cast<S>(to_acc(pp.v[j]));
+          }
+          if constexpr (kBuffer) {
+            if (!first) bp = load4(b + i);
+          }
+          Pack4<P> out;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            update(xp.v[j], static_cast<S>(to_acc(gp.v[j])), bp.v[j]);
+            out.v[j] = from_acc<P>(xp.v[j]);
+          }
+          if constexpr (kBuffer) store4(b + i, bp);
+          if constexpr (kMaster) {
+            Pack4<float> wp;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) wp.v[j] = xp.v[j];
+            store4(w + i, wp);
+          }
+          store4(p + i, out);
+        });
+  }
+};
+
+// ---- the launch loop -----------------------------------------------------------------------
+
+// Puts up to kMaxTensors tensors in each launch, one block per chunk of each (empty tensors
+// skipped), so a launch covers whole tensors and may run many waves of blocks.
+template <typename Op>
+void multi_tensor_apply(const OptimTuple* tuples, int64_t count, const Op& op,
+                        cudaStream_t stream, const char* what) {
+  constexpr int D = Op::kDepth;
+  constexpr int T = kMaxTensors<D>;
+  using List = TensorList<D, T>;
+  static_assert(sizeof(Op) <= kOpBytes && sizeof(List) + sizeof(Op) <= kParamBytes,
+                "kernel parameters over 4 KB");
+  constexpr int64_t kMaxGrid = (int64_t(1) << 31) - 1;
+  List list;
+  list.count = 0;
+  int64_t blocks = 0;
+  auto launch = [&] {
+    if (list.count == 0) return;
+    multi_tensor_kernel<D, T, Op>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(list, op);
+    check_launch(what);
+    list.count = 0;
+    blocks = 0;
+  };
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = tuples[i].numel;
+    if (n == 0) continue;
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+    if (chunks > kMaxGrid) throw CudaLaunchError(std::string(what) + ": tensor too large");
+    if (list.count == T || blocks + chunks > kMaxGrid) launch();
+    const int t = list.count++;
+    for (int d = 0; d < D; ++d) list.ptr[d][t] = tuples[i].ptr[d];
+    list.numel[t] = n;
+    list.first_block[t] = static_cast<int32_t>(blocks);
+    blocks += chunks;
+  }
+  launch();
+}
+
+template <typename P, typename S>
+void adamw_typed(bool master, const OptimTuple* tuples, int64_t count, const AdamWConsts& k,
+                 cudaStream_t stream) {
+  auto run = [&]<bool kMaster>() {
+    const AdamWOp<P, S, kMaster> op{S(k.decay), S(k.w1),  S(k.beta2),    S(k.w2),
+                                    S(k.bc2_sqrt), S(k.eps), S(k.step_size)};
+    multi_tensor_apply(tuples, count, op, stream, "adamw_");
+  };
+  if (master) run.template operator()<true>();
+  else run.template operator()<false>();
+}
+
+template <typename P, typename S>
+void sgd_typed(bool buffer, bool master, const OptimTuple* tuples, int64_t count,
+               const SgdConsts& k, cudaStream_t stream) {
+  auto run = [&]<bool kBuffer, bool kMaster>() {
+    const SgdOp<P, S, kBuffer, kMaster> op{S(k.lr), S(k.weight_decay), S(k.momentum),
+                                           S(k.one_minus_dampening), k.decay, k.nesterov,
+                                           k.first};
+    multi_tensor_apply(tuples, count, op, stream, "sgd_");
+  };
+  if (buffer && master) run.template operator()<true, true>();
+  else if (buffer) run.template operator()<true, false>();
+  else if (master) run.template operator()<false, true>();
+  else run.template operator()<false, false>();
+}
+
+}  // namespace
+
+void launch_adamw(int dtype, bool master, const OptimTuple* tuples, int64_t count,
+                  const AdamWConsts& k, cudaStream_t stream) {
+  switch (dtype) {
+    case kF32: return adamw_typed<float, float>(master, tuples, count, k, stream);
+    case kF64:  // the shape inference rejects an f64 param's master
+      if (master) throw CudaLaunchError("adamw_: an f64 param takes no master");
+      return adamw_typed<double, double>(false, tuples, count, k, stream);
+    case kF16: return adamw_typed<__half, float>(master, tuples, count, k, stream);
+    case kBF16: return adamw_typed<__nv_bfloat16, float>(master, tuples, count, k, stream);
+    default: throw CudaLaunchError("adamw_: unsupported dtype " + std::to_string(dtype));
+  }
+}
+
+void launch_sgd(int dtype, bool buffer, bool master, const OptimTuple* tuples, int64_t count,
+                const SgdConsts& k, cudaStream_t stream) {
+  switch (dtype) {
+    case kF32: return sgd_typed<float, float>(buffer, master, tuples, count, k, stream);
+    case kF64:
+      if (master) throw CudaLaunchError("sgd_: an f64 param takes no master");
+      return sgd_typed<double, double>(buffer, false, tuples, count, k, stream);
+    case kF16: return sgd_typed<__half, float>(buffer, master, tuples, count, k, stream);
+    case kBF16: return sgd_typed<__nv_bfloat16, float>(buffer, master, tuples, count, k, stream);
+    default: throw CudaLaunchError("sgd_: unsupported dtype " + std::to_string(dtype));
+  }
+}
+
+}  // namespace tessera::cuda_kernels

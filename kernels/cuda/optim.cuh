@@ -1,0 +1,45 @@
+// Launchers of the fused optimizer updates on CUDA (adamw_, sgd_), multi-tensor apply: one
+// launch updates many chunks of many tensors, the tensor pointers and the chunk table
+// travelling in the kernel's parameters (no host-to-device copy).
+//
+//   std::vector<OptimTuple> t = {{{p, g, m, v}, n}, ...};   // contiguous device pointers
+//   launch_adamw(kF32, /*master=*/false, t.data(), t.size(), consts, stream);
+//
+// Pointer order in OptimTuple::ptr: adamw_ (param, grad, exp_avg, exp_avg_sq[, master]);
+// sgd_ (param, grad[, momentum_buffer][, master]). Every tuple of one launch has the same
+// param dtype and the same optional operands.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace tessera::cuda_kernels {
+
+struct OptimTuple {
+  void* ptr[5] = {};
+  int64_t numel = 0;
+};
+
+// The AdamW constants as the CPU computes them (in f64; kernels/cpu/optim.cc), rounded to
+// the state type by the launcher.
+struct AdamWConsts {
+  double decay;      // 1 - lr * weight_decay
+  double w1;         // 1 - beta1
+  double beta2, w2;  // beta2, 1 - beta2
+  double bc2_sqrt;   // sqrt(1 - beta2^t)
+  double eps;
+  double step_size;  // lr / (1 - beta1^t)
+};
+
+struct SgdConsts {
+  double lr, weight_decay, momentum, one_minus_dampening;
+  bool decay, nesterov, first;
+};
+
+void launch_adamw(int dtype, bool master, const OptimTuple* tuples, int64_t count,
+                  const AdamWConsts& k, cudaStream_t stream);
+void launch_sgd(int dtype, bool buffer, bool master, const OptimTuple* tuples, int64_t count,
+                const SgdConsts& k, cudaStream_t stream);
+
+}  // namespace tessera::cuda_kernels

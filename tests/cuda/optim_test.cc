@@ -1,0 +1,460 @@
+// GPU-tagged: the fused optimizer updates (adamw_, sgd_) on CUDA, single- and multi-tensor
+// forms, and optim::AdamW / optim::SGD stepping CUDA parameters, against the CPU kernels
+// (the spec). Needs a GPU and --config=cuda:
+//   bazel test --config=cuda --test_tag_filters=gpu //tests/cuda:optim_test
+//
+// Tolerances: the CUDA kernels do the CPU's operations in the CPU's order, but either
+// compiler may fuse a multiply and an add (FMA), so results may differ by an ulp or two of
+// the operands: f32 |got - want| <= 1e-6 (|want| + max|want|), f64 the same with 1e-12; a
+// bf16 param within one bf16 ulp (2^-7 relative) of the CPU's and exactly its own master
+// rounded. The max|want| term covers cancellation in exp_avg += (1 - b1) (g - exp_avg).
+#include <doctest/doctest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "optim/adamw.h"
+#include "optim/sgd.h"
+#include "tensor/grad_mode.h"
+#include "tensor/op.h"
+#include "tensor/ops.h"
+
+using namespace tessera;
+
+namespace {
+
+// |got - want| <= rel * (|want| + scaled * max|want|) everywhere, failing once with the
+// worst element.
+void check_close(const Tensor& got, const Tensor& want, double rel, const std::string& what,
+                 double scaled = 1.0) {
+  REQUIRE(got.shape() == want.shape());
+  const std::vector<double> g = got.to(kCPU).to_vector<double>();
+  const std::vector<double> w = want.to(kCPU).to_vector<double>();
+  double scale = 0;
+  for (double x : w) scale = std::max(scale, std::fabs(x));
+  scale *= scaled;
+  size_t bad = 0, worst = 0;
+  double worst_excess = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double diff = std::fabs(g[i] - w[i]);
+    const double bound = rel * (std::fabs(w[i]) + scale);
+    if (!(diff <= bound)) {
+      ++bad;
+      const double excess = std::isnan(diff) ? INFINITY : diff / bound;
+      if (excess >= worst_excess) worst_excess = excess, worst = i;
+    }
+  }
+  CHECK_MESSAGE(bad == 0, what, ": ", bad, " of ", g.size(), " elements off; worst [", worst,
+                "] got ", g.empty() ? 0 : g[worst], " want ", w.empty() ? 0 : w[worst]);
+}
+
+// call_inplace takes the written inputs as an initializer_list (of a length fixed at compile
+// time; indices past the inputs are skipped).
+template <size_t... I>
+void call_written(OpId op, std::vector<Tensor> in, const Attrs& a,
+                  const std::array<size_t, sizeof...(I)>& w, std::index_sequence<I...>) {
+  call_inplace(op, std::move(in), a, {w[I]...});
+}
+void call_tuples(OpId op, std::vector<Tensor> in, const Attrs& a, size_t width,
+                 std::vector<size_t> written) {
+  std::array<size_t, 1024> w;
+  w.fill(SIZE_MAX);
+  size_t n = 0;
+  for (size_t j = 0; j < in.size() / width; ++j) {
+    for (size_t k : written) w.at(n++) = j * width + k;
+  }
+  NoGradGuard no_grad;
+  call_written(op, std::move(in), a, w, std::make_index_sequence<1024>());
+}
+
+// Tensors of `sizes` as views into one flat buffer per role: even tensors start at a
+// multiple of 4 elements, odd ones one element later, so their operands are not 16-byte
+// aligned (the kernel's scalar path). Returns the starts and the buffer's size.
+std::pair<std::vector<int64_t>, int64_t> layout(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> starts;
+  int64_t at = 0;
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    at += static_cast<int64_t>(j % 2);
+    starts.push_back(at);
+    at = (at + sizes[j] + 3) / 4 * 4;
+  }
+  return {starts, at + 4};
+}
+struct Views {
+  Tensor flat;
+  std::vector<Tensor> views;
+};
+Views views_into(const Tensor& flat, const std::vector<int64_t>& sizes) {
+  Views v{flat, {}};
+  const std::vector<int64_t> starts = layout(sizes).first;
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    v.views.push_back(flat.slice(0, starts[j], starts[j] + sizes[j]));
+  }
+  return v;
+}
+int64_t flat_size(const std::vector<int64_t>& sizes) { return layout(sizes).second; }
+
+DType state_dtype(DType dt) { return dt == DType::f64 ? DType::f64 : DType::f32; }
+double rel_for(DType dt) { return dt == DType::f64 ? 1e-12 : 1e-6; }
+
+// One optimizer's operands on one device: views into flat buffers, role by role.
+struct Operands {
+  std::vector<Views> roles;  // param, grad, state..., master
+  Tensor at(size_t role, size_t j) const { return roles[role].views[j]; }
+};
+
+Operands make_operands(const std::vector<int64_t>& sizes, const std::vector<DType>& role_dtypes,
+                       uint64_t seed) {
+  Operands o;
+  const int64_t n = flat_size(sizes);
+  Generator gen(seed);
+  for (DType dt : role_dtypes) {
+    // Positive second moments keep sqrt defined; the rest standard normal.
+    Tensor flat = cast(randn({n}, DType::f64, kCPU, &gen), dt);
+    o.roles.push_back(views_into(flat, sizes));
+  }
+  return o;
+}
+
+Operands to_cuda(const Operands& cpu, const std::vector<int64_t>& sizes) {
+  Operands o;
+  for (const Views& v : cpu.roles) o.roles.push_back(views_into(v.flat.to(cuda(0)), sizes));
+  return o;
+}
+
+// ---- adamw_ --------------------------------------------------------------------------------
+
+void adamw_against_cpu(DType dt, bool master, double weight_decay,
+                       const std::vector<int64_t>& sizes) {
+  CAPTURE(dt);
+  CAPTURE(master);
+  CAPTURE(weight_decay);
+  const DType st = state_dtype(dt);
+  std::vector<DType> roles = {dt, dt, st, st};
+  if (master) roles.push_back(DType::f32);
+  Operands cpu = make_operands(sizes, roles, 7);
+  cpu.roles[3].flat = abs(cpu.roles[3].flat);  // exp_avg_sq >= 0
+  cpu.roles[3] = views_into(cpu.roles[3].flat, sizes);
+  if (master) {  // the master holds the param's value, the param its rounding
+    cpu.roles[4].flat.copy_(cast(cast(cpu.roles[4].flat, dt), DType::f32));
+    cpu.roles[0].flat.copy_(cast(cpu.roles[4].flat, dt));
+  }
+  Operands gpu = to_cuda(cpu, sizes);
+  const size_t k = sizes.size();
+  for (int64_t step = 1; step <= 3; ++step) {
+    Attrs a;
+    a.step_count = step;
+    a.lr = 1e-2;
+    a.beta1 = 0.9;
+    a.beta2 = 0.99;
+    a.eps = 1e-8;
+    a.weight_decay = weight_decay;
+    Generator gen(100 + step);
+    for (size_t j = 0; j < k; ++j) {  // fresh gradients each step, same on both devices
+      Tensor g = cast(randn({sizes[j]}, DType::f32, kCPU, &gen), dt);
+      cpu.at(1, j).copy_(g);
+      gpu.at(1, j).copy_(g);
+    }
+    for (Operands* o : {&cpu, &gpu}) {
+      std::vector<Tensor> in;
+      for (size_t j = 0; j < k; ++j) {
+        in.insert(in.end(), {o->at(0, j), o->at(1, j), o->at(2, j), o->at(3, j),
+                             master ? o->at(4, j) : Tensor()});
+      }
+      call_tuples(OpId::adamw_, std::move(in), a, 5, {0, 2, 3, 4});
+    }
+  }
+  const double rel = rel_for(dt);
+  for (size_t j = 0; j < k; ++j) {
+    const std::string at = "tensor " + std::to_string(j) + " of " + std::to_string(sizes[j]);
+    check_close(gpu.at(2, j), cpu.at(2, j), rel, "exp_avg " + at);
+    check_close(gpu.at(3, j), cpu.at(3, j), rel, "exp_avg_sq " + at);
+    if (dt == DType::f32 || dt == DType::f64) {
+      check_close(gpu.at(0, j), cpu.at(0, j), rel, "param " + at);
+    } else {
+      check_close(gpu.at(0, j), cpu.at(0, j), 1.0 / 128, "16-bit param " + at, 0.0);
+    }
+    if (master) {
+      check_close(gpu.at(4, j), cpu.at(4, j), rel, "master " + at);
+      const Tensor rounded = cast(gpu.at(4, j), dt).to(kCPU);
+      CHECK_MESSAGE(rounded.to_vector<float>() == gpu.at(0, j).to(kCPU).to_vector<float>(),
+                    "param is not its master rounded, ", at);
+    }
+  }
+}
+
+const std::vector<int64_t> kOddSizes = {1, 3, 1000003, 4096, 17, 2 * 16384 + 5, 4, 0, 16384};
+
+TEST_CASE("adamw_ multi-tensor on CUDA matches the CPU: f32, f64, decay on and off") {
+  for (DType dt : {DType::f32, DType::f64}) {
+    for (double wd : {0.0, 0.1}) adamw_against_cpu(dt, false, wd, kOddSizes);
+  }
+}
+
+TEST_CASE("adamw_ on CUDA: bf16 and f16 params with f32 master weights, and without") {
+  adamw_against_cpu(DType::bf16, true, 0.1, kOddSizes);
+  adamw_against_cpu(DType::f16, true, 0.0, {5, 1000, 33});
+  adamw_against_cpu(DType::bf16, false, 0.1, {5, 1000, 33});
+}
+
+TEST_CASE("adamw_ single-tensor form on CUDA matches the CPU") {
+  adamw_against_cpu(DType::f32, false, 0.05, {1000});
+}
+
+TEST_CASE("adamw_ on CUDA: lists longer than one launch (tensor slots and block table)") {
+  // 200 tensors (a launch takes at most 90 with 4 operands), one of them 4M + 5 elements.
+  std::vector<int64_t> sizes;
+  for (int64_t j = 0; j < 200; ++j) sizes.push_back(j * 977 % 5003 + 1);
+  sizes.insert(sizes.begin() + 50, (int64_t(1) << 22) + 5);
+  adamw_against_cpu(DType::f32, false, 0.1, sizes);
+}
+
+TEST_CASE("adamw_ on CUDA with non-contiguous operands (packed and written back)") {
+  Generator gen(3);
+  auto rnd = [&](Shape s) { return randn(s, DType::f32, kCPU, &gen); };
+  // param and exp_avg transposed views, grad a strided slice, exp_avg_sq contiguous.
+  Tensor p = rnd({5, 7}), m = rnd({5, 7}), v = abs(rnd({7, 5})), g = rnd({7, 10});
+  Tensor pd = p.to(cuda(0)), md = m.to(cuda(0)), vd = v.to(cuda(0)), gd = g.to(cuda(0));
+  Tensor other = rnd({64}), otherd = other.to(cuda(0));
+  Tensor og = rnd({64}), ogd = og.to(cuda(0));
+  Tensor om = zeros({64}), omd = om.to(cuda(0)), ov = zeros({64}), ovd = ov.to(cuda(0));
+  Attrs a;
+  a.step_count = 4;
+  a.lr = 1e-3;
+  a.weight_decay = 0.01;
+  call_tuples(OpId::adamw_, {p.permute({1, 0}), g.slice(1, 0, 10, 2), m.permute({1, 0}), v,
+                             Tensor(), other, og, om, ov, Tensor()},
+              a, 5, {0, 2, 3, 4});
+  call_tuples(OpId::adamw_, {pd.permute({1, 0}), gd.slice(1, 0, 10, 2), md.permute({1, 0}), vd,
+                             Tensor(), otherd, ogd, omd, ovd, Tensor()},
+              a, 5, {0, 2, 3, 4});
+  check_close(pd, p, 1e-6, "transposed param");
+  check_close(md, m, 1e-6, "transposed exp_avg");
+  check_close(vd, v, 1e-6, "exp_avg_sq");
+  check_close(otherd, other, 1e-6, "second tuple's param");
+}
+
+TEST_CASE("adamw_ on CUDA: an overlap in one tuple names it and writes nothing") {
+  Tensor p = ones({8}, DType::f32, cuda(0)), g = ones({8}, DType::f32, cuda(0));
+  Tensor q = ones({8}, DType::f32, cuda(0)), v = zeros({8}, DType::f32, cuda(0));
+  Attrs a;
+  a.lr = 0.1;
+  try {
+    call_tuples(OpId::adamw_, {p, g, zeros({8}, DType::f32, cuda(0)), zeros_like(v), Tensor(),
+                               q, g, q, v, Tensor()},
+                a, 5, {0, 2, 3, 4});
+    FAIL("no error");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK_MESSAGE(msg.find("tuple 1 of 2") != std::string::npos, msg);
+    CHECK_MESSAGE(msg.find("overlap") != std::string::npos, msg);
+  }
+  CHECK(p.to(kCPU).to_vector<float>() == std::vector<float>(8, 1.0f));
+}
+
+// ---- sgd_ ----------------------------------------------------------------------------------
+
+void sgd_against_cpu(DType dt, bool master, double momentum, double dampening, bool nesterov,
+                     double weight_decay) {
+  CAPTURE(dt);
+  CAPTURE(master);
+  CAPTURE(momentum);
+  CAPTURE(nesterov);
+  CAPTURE(weight_decay);
+  const std::vector<int64_t> sizes = {1, 3, 1000003, 17, 65536 + 1};
+  const bool buffer = momentum != 0.0;
+  Operands cpu = make_operands(sizes, {dt, dt, state_dtype(dt), DType::f32}, 11);
+  if (master) {
+    cpu.roles[3].flat.copy_(cast(cast(cpu.roles[3].flat, dt), DType::f32));
+    cpu.roles[0].flat.copy_(cast(cpu.roles[3].flat, dt));
+  }
+  Operands gpu = to_cuda(cpu, sizes);
+  for (int64_t step = 1; step <= 3; ++step) {
+    Attrs a;
+    a.step_count = step;
+    a.lr = 0.05;
+    a.momentum = momentum;
+    a.dampening = dampening;
+    a.nesterov = nesterov;
+    a.weight_decay = weight_decay;
+    Generator gen(200 + step);
+    for (size_t j = 0; j < sizes.size(); ++j) {
+      Tensor g = cast(randn({sizes[j]}, DType::f32, kCPU, &gen), dt);
+      cpu.at(1, j).copy_(g);
+      gpu.at(1, j).copy_(g);
+    }
+    for (Operands* o : {&cpu, &gpu}) {
+      std::vector<Tensor> in;
+      for (size_t j = 0; j < sizes.size(); ++j) {
+        in.insert(in.end(), {o->at(0, j), o->at(1, j), buffer ? o->at(2, j) : Tensor(),
+                             master ? o->at(3, j) : Tensor()});
+      }
+      call_tuples(OpId::sgd_, std::move(in), a, 4, {0, 2, 3});
+    }
+  }
+  const double rel = rel_for(dt);
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    const std::string at = "tensor " + std::to_string(j);
+    if (buffer) check_close(gpu.at(2, j), cpu.at(2, j), rel, "momentum_buffer " + at);
+    if (master) check_close(gpu.at(3, j), cpu.at(3, j), rel, "master " + at);
+    if (dt == DType::f32 || dt == DType::f64) {
+      check_close(gpu.at(0, j), cpu.at(0, j), rel, "param " + at);
+    } else {
+      check_close(gpu.at(0, j), cpu.at(0, j), 1.0 / 128, "16-bit param " + at, 0.0);
+    }
+  }
+}
+
+TEST_CASE("sgd_ multi-tensor on CUDA matches the CPU: plain, momentum, dampening, nesterov") {
+  for (DType dt : {DType::f32, DType::f64}) {
+    sgd_against_cpu(dt, false, 0.0, 0.0, false, 0.0);
+    sgd_against_cpu(dt, false, 0.0, 0.0, false, 1e-2);
+    sgd_against_cpu(dt, false, 0.9, 0.1, false, 1e-2);
+    sgd_against_cpu(dt, false, 0.9, 0.0, true, 0.0);
+  }
+  sgd_against_cpu(DType::bf16, true, 0.9, 0.0, true, 1e-2);
+  sgd_against_cpu(DType::bf16, true, 0.0, 0.0, false, 0.0);
+}
+
+// ---- the multi-tensor form on the CPU ------------------------------------------------------
+
+TEST_CASE("CPU: a multi-tensor adamw_ / sgd_ call equals one call per tensor, bit for bit") {
+  const std::vector<int64_t> sizes = {1, 3, 1001, 17};
+  for (bool adam : {true, false}) {
+    CAPTURE(adam);
+    Operands multi = make_operands(sizes, {DType::bf16, DType::bf16, DType::f32, DType::f32,
+                                           DType::f32}, 9);
+    multi.roles[3].flat = abs(multi.roles[3].flat);
+    multi.roles[3] = views_into(multi.roles[3].flat, sizes);
+    Operands single;
+    for (const Views& v : multi.roles) single.roles.push_back(views_into(v.flat.clone(), sizes));
+    Attrs a;
+    a.step_count = 3;
+    a.lr = 0.01;
+    a.weight_decay = 0.1;
+    a.momentum = adam ? 0.0 : 0.9;
+    const size_t width = adam ? 5 : 4;
+    std::vector<Tensor> in;
+    for (size_t j = 0; j < sizes.size(); ++j) {
+      const Operands& o = multi;
+      if (adam) in.insert(in.end(), {o.at(0, j), o.at(1, j), o.at(2, j), o.at(3, j), o.at(4, j)});
+      else in.insert(in.end(), {o.at(0, j), o.at(1, j), o.at(2, j), o.at(4, j)});
+      const Operands& t = single;
+      if (adam) {
+        call_tuples(OpId::adamw_, {t.at(0, j), t.at(1, j), t.at(2, j), t.at(3, j), t.at(4, j)},
+                    a, 5, {0, 2, 3, 4});
+      } else {
+        call_tuples(OpId::sgd_, {t.at(0, j), t.at(1, j), t.at(2, j), t.at(4, j)}, a, 4,
+                    {0, 2, 3});
+      }
+    }
+    call_tuples(adam ? OpId::adamw_ : OpId::sgd_, in, a, width,
+                adam ? std::vector<size_t>{0, 2, 3, 4} : std::vector<size_t>{0, 2, 3});
+    for (size_t r = 0; r < multi.roles.size(); ++r) {
+      CHECK(multi.roles[r].flat.to_vector<float>() == single.roles[r].flat.to_vector<float>());
+    }
+  }
+}
+
+TEST_CASE("CPU: multi-tensor shape errors name the tuple; AdamW.step names the param") {
+  Tensor p = zeros({2, 3}), m = zeros({2, 3}), v = zeros({2, 3});
+  Attrs a;
+  a.lr = 0.1;
+  try {
+    call_tuples(OpId::adamw_, {p, p, m, v, Tensor(), zeros({4}), zeros({3}), zeros({4}),
+                               zeros({4}), Tensor()},
+                a, 5, {0, 2, 3, 4});
+    FAIL("no error");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK_MESSAGE(msg.find("adamw_ tuple 1 of 2") != std::string::npos, msg);
+    CHECK_MESSAGE(msg.find("[3]") != std::string::npos, msg);
+  }
+  // One bucket of three params, the middle one's gradient the wrong shape: the bucket is
+  // retried param by param, so the first steps, the error names the second, the third waits.
+  Tensor w0 = zeros({4}).requires_grad_(), w1 = zeros({4}).requires_grad_();
+  Tensor w2 = zeros({4}).requires_grad_();
+  optim::AdamW opt({optim::ParamGroup{{w0, w1, w2}, {"a", "b", "c"}}});
+  w0.set_grad(ones({4}));
+  w1.ensure_autograd_meta().grad = ones({2});
+  w2.set_grad(ones({4}));
+  try {
+    opt.step();
+    FAIL("no error");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK_MESSAGE(msg.find("AdamW.step: param 1 (b)") != std::string::npos, msg);
+  }
+  CHECK(opt.step_count(0) == 1);
+  CHECK(opt.step_count(1) == 0);
+  CHECK(opt.step_count(2) == 0);
+}
+
+// ---- optim::AdamW / optim::SGD -------------------------------------------------------------
+
+// A small model's worth of params: matrices (decayed) and vectors (not), f32 and bf16.
+std::vector<Tensor> make_params(Device d) {
+  Generator gen(5);
+  std::vector<Tensor> ps;
+  for (Shape s : {Shape{64, 33}, Shape{33}, Shape{1}, Shape{129, 7}, Shape{1000}}) {
+    ps.push_back(randn(s, DType::f32, kCPU, &gen).to(d).requires_grad_());
+  }
+  ps.push_back(cast(randn({17, 5}, DType::f32, kCPU, &gen), DType::bf16).to(d).requires_grad_());
+  ps.push_back(cast(randn({3}, DType::f32, kCPU, &gen), DType::bf16).to(d).requires_grad_());
+  return ps;
+}
+
+template <typename Opt, typename Options>
+void optimizer_against_cpu(Options options) {
+  std::vector<Tensor> cpu = make_params(kCPU), gpu = make_params(cuda(0));
+  auto groups = [](const std::vector<Tensor>& ps) {
+    std::vector<optim::ParamGroup> g(2);
+    for (size_t i = 0; i < ps.size(); ++i) g[ps[i].dim() >= 2 ? 0 : 1].params.push_back(ps[i]);
+    g[1].weight_decay = 0.0;
+    return g;
+  };
+  Opt ocpu(groups(cpu), options), ogpu(groups(gpu), options);
+  for (int step = 0; step < 4; ++step) {
+    Generator gen(300 + step);
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      // Param 2 skips step 1: its step count then differs from the others' (its own bucket).
+      if (i == 2 && step == 1) {
+        cpu[i].set_grad(Tensor());
+        gpu[i].set_grad(Tensor());
+        continue;
+      }
+      Tensor g = cast(randn(cpu[i].shape(), DType::f32, kCPU, &gen), cpu[i].dtype());
+      cpu[i].set_grad(g);
+      gpu[i].set_grad(g.to(cuda(0)));
+    }
+    const uint64_t version = gpu[0].storage()->version();
+    ocpu.step();
+    ogpu.step();
+    CHECK(gpu[0].storage()->version() > version);
+  }
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    CAPTURE(i);
+    CHECK(ogpu.step_count(int64_t(i)) == ocpu.step_count(int64_t(i)));
+    const bool half = cpu[i].dtype() == DType::bf16;
+    check_close(gpu[i], cpu[i], half ? 1.0 / 128 : 1e-6, "param " + std::to_string(i),
+                half ? 0.0 : 1.0);
+    for (const auto& [name, t] : ocpu.state(int64_t(i))) {
+      check_close(ogpu.state(int64_t(i)).at(name), t, 1e-6, name + " of " + std::to_string(i));
+    }
+  }
+}
+
+TEST_CASE("optim::AdamW steps CUDA params as it steps CPU params (buckets, masters)") {
+  optimizer_against_cpu<optim::AdamW>(optim::AdamWOptions{.lr = 1e-2, .weight_decay = 0.1});
+}
+
+TEST_CASE("optim::SGD steps CUDA params as it steps CPU params") {
+  optimizer_against_cpu<optim::SGD>(
+      optim::SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true});
+}
+
+}  // namespace
