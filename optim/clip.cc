@@ -9,15 +9,19 @@ namespace tessera::optim {
 
 double grad_norm(const std::vector<Tensor>& params) {
   NoGradGuard no_grad;
-  double sum_sq = 0.0;
+  // Each gradient's sum of squares (in f64) is added to a 0-d f64 tensor on the gradients'
+  // device, in parameter order, and read once at the end: the same additions as summing
+  // item()s on the host, without one device synchronisation per parameter on a GPU.
+  Tensor sum_sq;
   for (const Tensor& p : params) {
     TS_CHECK(p.defined(), "grad_norm: a parameter is an undefined tensor");
     const Tensor g = p.grad();
     if (!g.defined() || g.numel() == 0) continue;
     const Tensor g64 = cast(g, DType::f64);
-    sum_sq += sum(g64 * g64).item<double>();
+    const Tensor s = sum(g64 * g64);
+    sum_sq = sum_sq.defined() ? sum_sq + s.to(sum_sq.device()) : s;
   }
-  return std::sqrt(sum_sq);
+  return sum_sq.defined() ? std::sqrt(sum_sq.item<double>()) : 0.0;
 }
 
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
