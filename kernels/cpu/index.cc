@@ -18,18 +18,6 @@ void check_range(const char* op, int64_t idx, int64_t size, int64_t dim) {
   }
 }
 
-// Views a contiguous tensor as [outer, size(dim), inner].
-struct Split3 {
-  int64_t outer = 1, mid = 1, inner = 1;
-};
-Split3 split3(const Shape& s, int64_t dim) {
-  Split3 r;
-  for (int64_t i = 0; i < dim; ++i) r.outer *= s[i];
-  r.mid = s[dim];
-  for (size_t i = dim + 1; i < s.size(); ++i) r.inner *= s[i];
-  return r;
-}
-
 void embedding_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
   const Tensor w = contiguous_cpu(in[0]);
   const std::vector<int64_t> idx = load_indices(in[1]);

@@ -12,6 +12,18 @@ Tensor contiguous_cpu(const Tensor& t);
 // Copies src (broadcast to dst's shape, any dtype) into dst (any strides, any dtype).
 void copy_cpu(const Tensor& dst, const Tensor& src);
 
+// A contiguous tensor viewed as [outer, size(dim), inner].
+struct Split3 {
+  int64_t outer = 1, mid = 1, inner = 1;
+};
+inline Split3 split3(const Shape& s, int64_t dim) {
+  Split3 r;
+  for (int64_t i = 0; i < dim; ++i) r.outer *= s[i];
+  r.mid = s[dim];
+  for (size_t i = dim + 1; i < s.size(); ++i) r.inner *= s[i];
+  return r;
+}
+
 // A contiguous f32 copy of a 16-bit float tensor (f32/f64 tensors are returned contiguous).
 Tensor to_compute_cpu(const Tensor& t);
 

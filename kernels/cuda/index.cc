@@ -7,6 +7,7 @@
 #include <array>
 #include <mutex>
 
+#include "kernels/cpu/util.h"
 #include "kernels/cuda/index.cuh"
 #include "kernels/cuda/runtime.h"
 #include "tensor/op.h"
@@ -105,16 +106,8 @@ void queue_device_error_check(int device, cudaStream_t stream) {
 
 namespace {
 
-struct Split3 {
-  int64_t outer = 1, mid = 1, inner = 1;
-};
-Split3 split3(const Shape& s, int64_t dim) {
-  Split3 r;
-  for (int64_t i = 0; i < dim; ++i) r.outer *= s[i];
-  r.mid = s[dim];
-  for (size_t i = dim + 1; i < s.size(); ++i) r.inner *= s[i];
-  return r;
-}
+using cpu::Split3;
+using cpu::split3;
 
 void embedding_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
   const Device d = in[0].device();

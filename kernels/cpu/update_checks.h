@@ -1,0 +1,31 @@
+// Operand checks shared by the CPU and CUDA kernels of the fused optimizer updates
+// (adamw_, sgd_): the multi-tensor form's tuples, and no overlap between a tuple's operands.
+//
+//   for (size_t j = 0; auto t : tuples_of(in, 5)) check_no_overlap("adamw_", j++, n, t, names);
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <span>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace tessera::cpu {
+
+// The element span [lo, hi) in bytes of storage that t touches.
+std::pair<int64_t, int64_t> byte_extent(const Tensor& t);
+
+// The update loops read and write each element of every operand once, so operands must not
+// overlap (views of one flat buffer are fine when they are disjoint). `tuple` of `tuples`
+// names the tuple of a multi-tensor call in the error (tuples == 0: the single-tensor form).
+void check_no_overlap(std::string_view op, size_t tuple, size_t tuples,
+                      std::span<const Tensor> in, std::initializer_list<const char*> names);
+
+// The tuples of `width` inputs of a multi-tensor call; the short single-tensor form is one
+// tuple.
+std::vector<std::span<const Tensor>> tuples_of(std::span<const Tensor> in, size_t width);
+
+}  // namespace tessera::cpu
