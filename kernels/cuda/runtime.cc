@@ -52,9 +52,10 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
+// Checked on every allocation, so the device count is read from CUDA once.
 void check_index(Device d) {
+  static const int n = device_count();
   TS_CHECK(d.is_cuda() && d.index >= 0 && d.index < kMaxDevices, "cuda: bad device {}", d);
-  const int n = device_count();
   TS_CHECK(d.index < n, "cuda: {} requested but {} CUDA device(s) are visible", d, n);
 }
 
@@ -275,12 +276,13 @@ class CachingAllocator final : public Allocator {
 };
 
 CachingAllocator& caching_allocator(Device d) {
-  static std::array<CachingAllocator*, kMaxDevices> allocators{};
+  static std::array<std::atomic<CachingAllocator*>, kMaxDevices> allocators{};
   static std::mutex mu;
   check_index(d);
+  if (CachingAllocator* a = allocators[d.index].load(std::memory_order_acquire)) return *a;
   std::lock_guard<std::mutex> lock(mu);
-  if (allocators[d.index] == nullptr) allocators[d.index] = new CachingAllocator(d);
-  return *allocators[d.index];
+  if (allocators[d.index].load() == nullptr) allocators[d.index].store(new CachingAllocator(d));
+  return *allocators[d.index].load();
 }
 
 const bool kAllocatorRegistered =
@@ -296,7 +298,7 @@ void record_stream(Device d, void* ptr, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Pinned staging: two 4 MiB page-locked buffers per process, used alternately so that the
+// Pinned staging: two 4 MiB page-locked buffers per device, used alternately so that the
 // host copy into one overlaps the DMA out of the other.
 namespace {
 
@@ -310,10 +312,13 @@ struct Staging {
 };
 
 Staging& staging(Device d) {
-  static Staging s;
-  if (s.buf[0] == nullptr) {
+  static std::array<Staging, kMaxDevices> all;
+  check_index(d);
+  Staging& s = all[d.index];
+  {
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.buf[0] == nullptr) {
+      DeviceGuard g(d);  // the events belong to d
       for (int i = 0; i < 2; ++i) {
         cuda_check(cudaEventCreateWithFlags(&s.done[i], cudaEventDisableTiming), "cudaEventCreate", d);
         void* p = nullptr;
