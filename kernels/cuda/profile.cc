@@ -1,5 +1,5 @@
 // Per-op profile of a CUDA run: with TESSERA_PROFILE=K set, every kernel call after the K-th
-// optimizer step (adamw_/sgd_ call) is bracketed by CUDA events on the compute stream, and at
+// optimizer step (a run of adamw_/sgd_ calls) is bracketed by CUDA events on the compute stream, and at
 // exit a table prints, per op, the calls, the device time between the events and the host
 // time spent inside the call (dispatch + launch), sorted by device time. Host time outside
 // kernels (autograd bookkeeping, Python-free but not free) is the wall time minus these.
@@ -30,6 +30,7 @@ struct Profile {
   std::mutex mu;
   long skip_steps = 0;
   long steps = 0;
+  bool in_update = false;
   std::vector<Record> records;
   std::vector<cudaEvent_t> open;  // stack of begin events (ops call ops)
   std::vector<std::chrono::steady_clock::time_point> open_host;
@@ -80,9 +81,11 @@ void observe(OpId op, Device device, bool begin) {
   if (!device.is_cuda()) return;
   Profile& p = profile();
   std::lock_guard<std::mutex> lock(p.mu);
-  if (op == OpId::adamw_ || op == OpId::sgd_) {
-    if (!begin) ++p.steps;
-  }
+  // An optimizer step is a run of update calls (AdamW issues one per bucket of parameters);
+  // it counts as done when the next other op begins.
+  const bool update = op == OpId::adamw_ || op == OpId::sgd_;
+  if (begin && !update && p.in_update) ++p.steps;
+  if (begin) p.in_update = update;
   if (p.steps < p.skip_steps) return;
   if (!p.started) {
     if (!begin) return;  // start on a clean bracket
