@@ -19,10 +19,11 @@ passed=0 failed=0
 for t in "$dir"/bin/*_test; do
   name=$(basename "$t")
   [[ $name =~ $filter ]] || continue
-  start=$(date +%s.%N)
+  start=$(date +%s%N)
   timeout "${TEST_TIMEOUT:-300}" "$t" >"/tmp/$name.out" 2>&1
   rc=$?
-  secs=$(echo "$(date +%s.%N) - $start" | bc)
+  ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  secs=$(printf "%d.%03d" $((ms / 1000)) $((ms % 1000)))
   { echo "===== $name rc=$rc ${secs}s"; cat "/tmp/$name.out"; } >>"$log"
   if [[ $rc -eq 0 ]]; then
     passed=$((passed + 1)); printf 'PASS %-28s %6.1fs  %s\n' "$name" "$secs" "$(grep -E '^\[doctest\] (test cases|assertions)' "/tmp/$name.out" | tr -s ' ' | tr '\n' ' ')"
