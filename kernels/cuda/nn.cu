@@ -1,5 +1,5 @@
-// Device code of the fused nn ops: softmax / log_softmax, layer_norm forward and backward,
-// cross_entropy forward and backward. The spec is the CPU (kernels/cpu/softmax.cc, norm.cc,
+// Device code of the fused nn ops: softmax / log_softmax, layer_norm forward and backward
+// (cross_entropy: loss.cu; shared helpers: nn_common.cuh). The spec is the CPU (kernels/cpu/softmax.cc, norm.cc,
 // loss.cc): 16-bit floats computed in f32 and rounded once, f64 in f64, layer_norm's row
 // statistics summed in f64, the same operation order (no FMA contraction where the CPU
 // rounds twice), so most results equal the CPU's to the last bit or within a few ulps.
@@ -7,123 +7,15 @@
 // Rows over the contiguous last dim that fit in registers (<= 32 lanes x 8 vectors of 16
 // bytes) take one warp per row with 16-byte loads and warp shuffles, reading the data once;
 // longer or misaligned rows take one block per row; other dims a strided thread-per-column
-// loop. cross_entropy takes one block per row with an online (max, sum) logsumexp.
+// loop.
 #include <algorithm>
 #include <type_traits>
 
-#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/nn.cuh"
+#include "kernels/cuda/nn_common.cuh"
 
 namespace tessera::cuda_kernels {
 namespace {
-
-constexpr unsigned kFull = 0xffffffffu;
-
-template <typename A> __device__ __forceinline__ A neg_inf();
-template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
-template <> __device__ __forceinline__ double neg_inf<double>() {
-  return -__longlong_as_double(0x7ff0000000000000LL);
-}
-__device__ __forceinline__ float dexp(float v) { return expf(v); }
-__device__ __forceinline__ double dexp(double v) { return exp(v); }
-__device__ __forceinline__ float dlog(float v) { return logf(v); }
-__device__ __forceinline__ double dlog(double v) { return log(v); }
-// Rounded operations the compiler may not fuse into FMAs (the CPU rounds each one).
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-
-template <typename T> using stats_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
-template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
-template <typename T> inline constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-
-template <typename A> __device__ __forceinline__ A warp_sum(A v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-template <typename A> __device__ __forceinline__ A warp_max(A v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const A u = __shfl_xor_sync(kFull, v, o);
-    v = u > v ? u : v;
-  }
-  return v;
-}
-
-// A block-wide sum, the same value returned to every thread (fixed order: deterministic).
-template <typename A> __device__ A block_sum(A v) {
-  __shared__ A smem[32];
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  v = warp_sum(v);
-  if (lane == 0) smem[wid] = v;
-  __syncthreads();
-  A r = threadIdx.x < nw ? smem[threadIdx.x] : A(0);
-  if (wid == 0) r = warp_sum(r);
-  if (threadIdx.x == 0) smem[0] = r;
-  __syncthreads();
-  r = smem[0];
-  __syncthreads();
-  return r;
-}
-
-// Online softmax statistics: the running max m and sum s of exp(x - m).
-template <typename A> struct MaxSum { A m, s; };
-template <typename A> __device__ __forceinline__ void ms_add(MaxSum<A>& t, A v) {
-  if (v > t.m) {
-    t.s = t.s * dexp(t.m - v) + A(1);
-    t.m = v;
-  } else if (v != neg_inf<A>()) {
-    t.s += dexp(v - t.m);  // NaN inputs make s NaN, as on the CPU
-  }
-}
-template <typename A> __device__ __forceinline__ MaxSum<A> ms_merge(MaxSum<A> a, MaxSum<A> b) {
-  const A m = b.m > a.m ? b.m : a.m;
-  const A s = (a.s == A(0) ? A(0) : a.s * dexp(a.m - m)) + (b.s == A(0) ? A(0) : b.s * dexp(b.m - m));
-  return {m, s};
-}
-template <typename A> __device__ MaxSum<A> block_max_sum(MaxSum<A> t) {
-  __shared__ A sm[32], ss[32];
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    t = ms_merge(t, MaxSum<A>{__shfl_xor_sync(kFull, t.m, o), __shfl_xor_sync(kFull, t.s, o)});
-  }
-  if (lane == 0) { sm[wid] = t.m; ss[wid] = t.s; }
-  __syncthreads();
-  if (wid == 0) {
-    t = lane < nw ? MaxSum<A>{sm[lane], ss[lane]} : MaxSum<A>{neg_inf<A>(), A(0)};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      t = ms_merge(t, MaxSum<A>{__shfl_xor_sync(kFull, t.m, o), __shfl_xor_sync(kFull, t.s, o)});
-    }
-    if (lane == 0) { sm[0] = t.m; ss[0] = t.s; }
-  }
-  __syncthreads();
-  t = {sm[0], ss[0]};
-  __syncthreads();
-  return t;
-}
-
-bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Runs f with the compile-time number of 16-byte vectors per lane a row of nvec vectors needs.
-template <typename F> void with_nv(int64_t nvec, F&& f) {
-  const int64_t per_lane = (nvec + 31) / 32;
-  if (per_lane <= 1) f(std::integral_constant<int, 1>{});
-  else if (per_lane <= 2) f(std::integral_constant<int, 2>{});
-  else if (per_lane <= 4) f(std::integral_constant<int, 4>{});
-  else if (per_lane <= 6) f(std::integral_constant<int, 6>{});
-  else f(std::integral_constant<int, 8>{});
-}
-constexpr int kMaxNv = 8;
-constexpr int kWarpsPerBlock = 4;
-
-int64_t blocks_for_rows(int64_t rows, int warps) { return (rows + warps - 1) / warps; }
 
 // ---- softmax / log_softmax ----------------------------------------------------------------
 
@@ -522,138 +414,6 @@ __global__ void ln_col_reduce_kernel(const P* __restrict__ part, int64_t parts, 
   }
 }
 
-// ---- cross_entropy ------------------------------------------------------------------------
-
-__device__ __forceinline__ int64_t load_target(const void* t, bool i64, int64_t r) {
-  return i64 ? static_cast<const int64_t*>(t)[r] : static_cast<const int32_t*>(t)[r];
-}
-
-// One block per row: online logsumexp over the row (16-byte loads after a scalar head that
-// reaches alignment: rows of 50257 logits start anywhere), then the row's loss.
-template <typename T>
-__global__ void ce_forward_kernel(const T* __restrict__ x, const void* target, bool t64,
-                                  int64_t c, int64_t ignore_index, stats_t<T>* __restrict__ lse,
-                                  double* __restrict__ row_loss, T* __restrict__ loss_none,
-                                  DeviceErrorRecord* err) {
-  using A = acc_type<T>;
-  constexpr int VEC = kVec<T>;
-  using V = Vec<T, VEC>;
-  const int64_t r = blockIdx.x;
-  const T* xr = x + r * c;
-  MaxSum<A> t{neg_inf<A>(), A(0)};
-  int64_t head = ((16 - reinterpret_cast<uintptr_t>(xr) % 16) % 16) / sizeof(T);
-  if (reinterpret_cast<uintptr_t>(xr) % sizeof(T) != 0 || head > c) head = c;
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) ms_add(t, to_acc(xr[i]));
-  const int64_t nvec = (c - head) / VEC;
-  const V* xv = reinterpret_cast<const V*>(xr + head);
-  for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
-    const V p = xv[j];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) ms_add(t, to_acc(p.v[e]));
-  }
-  for (int64_t i = head + nvec * VEC + threadIdx.x; i < c; i += blockDim.x) ms_add(t, to_acc(xr[i]));
-  t = block_max_sum(t);
-  if (threadIdx.x != 0) return;
-  const double l = static_cast<double>(t.m) + log(static_cast<double>(t.s));
-  lse[r] = static_cast<stats_t<T>>(l);
-  const int64_t tg = load_target(target, t64, r);
-  double rl = 0.0;
-  if (tg != ignore_index) {
-    if (tg < 0 || tg >= c) {
-      report_bad_index(err, kErrCrossEntropy, tg, c, r);
-      rl = __longlong_as_double(0x7ff8000000000000LL);  // NaN: the loss is unusable
-    } else {
-      rl = l - static_cast<double>(to_acc(xr[tg]));
-    }
-  }
-  if (loss_none) loss_none[r] = from_acc<T>(static_cast<A>(rl));
-  else row_loss[r] = rl;
-}
-
-// mean / sum of the row losses in a fixed order (one block).
-template <typename T>
-__global__ void ce_reduce_kernel(const double* __restrict__ row_loss, const void* target, bool t64,
-                                 int64_t n, int64_t ignore_index, bool mean, T* __restrict__ out) {
-  double s = 0, cnt = 0;
-  for (int64_t r = threadIdx.x; r < n; r += blockDim.x) {
-    s += row_loss[r];
-    cnt += load_target(target, t64, r) != ignore_index ? 1.0 : 0.0;  // exact below 2^53
-  }
-  s = block_sum(s);
-  cnt = block_sum(cnt);
-  if (threadIdx.x == 0) {
-    const double v = mean ? s / cnt : s;  // no counted targets: 0/0 = NaN, as on the CPU
-    out[0] = from_acc<T>(static_cast<acc_type<T>>(v));
-  }
-}
-
-// The mean/sum scale: grad * (1 / count for mean), in f64 (one block).
-template <typename T>
-__global__ void ce_scale_kernel(const T* __restrict__ grad, const void* target, bool t64, int64_t n,
-                                int64_t ignore_index, bool mean, double* __restrict__ scale) {
-  double cnt = 0;
-  if (mean) {
-    for (int64_t r = threadIdx.x; r < n; r += blockDim.x) {
-      cnt += load_target(target, t64, r) != ignore_index ? 1.0 : 0.0;
-    }
-    cnt = block_sum(cnt);
-  }
-  if (threadIdx.x == 0) {
-    const double g = static_cast<double>(to_acc(grad[0]));
-    scale[0] = mean ? g / cnt : g;
-  }
-}
-
-// dx = exp(x - lse) * s, minus s at the target before the one rounding (the CPU's order).
-template <typename T>
-__global__ void ce_backward_kernel(const T* __restrict__ x, const void* target, bool t64,
-                                   const stats_t<T>* __restrict__ lse, const T* __restrict__ grad,
-                                   const double* __restrict__ scale, int64_t c,
-                                   int64_t ignore_index, bool vec_ok, T* __restrict__ dx,
-                                   DeviceErrorRecord* err) {
-  using A = acc_type<T>;
-  constexpr int VEC = kVec<T>;
-  using V = Vec<T, VEC>;
-  const int64_t r = blockIdx.x;
-  const T* xr = x + r * c;
-  T* dr = dx + r * c;
-  const int64_t tg = load_target(target, t64, r);
-  bool zero = tg == ignore_index;
-  if (!zero && (tg < 0 || tg >= c)) {
-    if (threadIdx.x == 0) report_bad_index(err, kErrCrossEntropyBackward, tg, c, r);
-    zero = true;
-  }
-  if (zero) {
-    for (int64_t i = threadIdx.x; i < c; i += blockDim.x) dr[i] = from_acc<T>(A(0));
-    return;
-  }
-  const A s = static_cast<A>(grad ? static_cast<double>(to_acc(grad[r])) : scale[0]);
-  const A l = static_cast<A>(lse[r]);
-  auto one = [&](int64_t i, T xv) {
-    const A v = mul_rn(dexp(sub_rn(to_acc(xv), l)), s);
-    return from_acc<T>(i == tg ? sub_rn(v, s) : v);
-  };
-  int64_t head = c;
-  if (vec_ok) {
-    head = ((16 - reinterpret_cast<uintptr_t>(xr) % 16) % 16) / sizeof(T);
-    if (head > c) head = c;
-  }
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) dr[i] = one(i, xr[i]);
-  const int64_t nvec = (c - head) / VEC;
-  const V* xv = reinterpret_cast<const V*>(xr + head);
-  V* dv = reinterpret_cast<V*>(dr + head);
-  for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
-    const V p = xv[j];
-    V o;
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) o.v[e] = one(head + j * VEC + e, p.v[e]);
-    dv[j] = o;
-  }
-  for (int64_t i = head + nvec * VEC + threadIdx.x; i < c; i += blockDim.x) dr[i] = one(i, xr[i]);
-}
-
-int ce_threads(int64_t c) { return c >= 16384 ? 512 : c >= 2048 ? 256 : 128; }
-
 }  // namespace
 
 void launch_softmax(const DevTensor& y, const DevTensor& x, int64_t outer, int64_t d,
@@ -755,57 +515,6 @@ void launch_layer_norm_backward(const DevTensor& dx, const DevTensor& dw, const 
     }
   });
   check_launch("layer_norm_backward");
-}
-
-int64_t cross_entropy_workspace_bytes(int64_t n) {
-  return (n + 1) * static_cast<int64_t>(sizeof(double));
-}
-
-void launch_cross_entropy(const DevTensor& loss, const DevTensor& lse, const DevTensor& logits,
-                          const DevTensor& target, int reduction, int64_t ignore_index,
-                          void* workspace, DeviceErrorRecord* err, cudaStream_t stream) {
-  const int64_t n = logits.sizes[0], c = logits.sizes[1];
-  const bool t64 = target.dtype == kI64;
-  TS_CUDA_DISPATCH_FLOATS(logits.dtype, "cross_entropy", [&] {
-    using T = scalar_t;
-    using S = stats_t<T>;
-    double* row_loss = static_cast<double*>(workspace);
-    if (n > 0) {
-      ce_forward_kernel<T><<<n, ce_threads(c), 0, stream>>>(
-          typed<T>(logits), target.data, t64, c, ignore_index, typed<S>(lse), row_loss,
-          reduction == 2 ? typed<T>(loss) : nullptr, err);
-    }
-    if (reduction != 2) {
-      ce_reduce_kernel<T><<<1, 1024, 0, stream>>>(row_loss, target.data, t64, n, ignore_index,
-                                                  reduction == 0, typed<T>(loss));
-    }
-  });
-  check_launch("cross_entropy");
-}
-
-void launch_cross_entropy_backward(const DevTensor& dx, const DevTensor& grad,
-                                   const DevTensor& logits, const DevTensor& target,
-                                   const DevTensor& lse, int reduction, int64_t ignore_index,
-                                   void* workspace, DeviceErrorRecord* err, cudaStream_t stream) {
-  const int64_t n = logits.sizes[0], c = logits.sizes[1];
-  if (n == 0) return;
-  const bool t64 = target.dtype == kI64;
-  TS_CUDA_DISPATCH_FLOATS(logits.dtype, "cross_entropy_backward", [&] {
-    using T = scalar_t;
-    using S = stats_t<T>;
-    double* scale = static_cast<double*>(workspace);
-    if (reduction != 2) {
-      ce_scale_kernel<T><<<1, 1024, 0, stream>>>(typed<T>(grad), target.data, t64, n,
-                                                 ignore_index, reduction == 0, scale);
-    }
-    // 16-byte vectors need x and dx at the same offset from a 16-byte boundary.
-    const bool vec_ok = (reinterpret_cast<uintptr_t>(logits.data) - reinterpret_cast<uintptr_t>(dx.data)) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(logits.data) % sizeof(T) == 0;
-    ce_backward_kernel<T><<<n, ce_threads(c), 0, stream>>>(
-        typed<T>(logits), target.data, t64, typed<S>(lse), reduction == 2 ? typed<T>(grad) : nullptr,
-        scale, c, ignore_index, vec_ok, typed<T>(dx), err);
-  });
-  check_launch("cross_entropy_backward");
 }
 
 }  // namespace tessera::cuda_kernels

@@ -14,17 +14,15 @@
 #include <vector>
 
 #include "tensor/ops.h"
+#include "tests/cuda/device_compare.h"
 #include "tensor/random.h"
 
 using namespace tessera;
+using tessera::cuda_testing::check_close;
+using tessera::cuda_testing::kGpu;
+using tessera::cuda_testing::Tol;
 
 namespace {
-
-const Device kGpu = cuda(0);
-
-struct Tol {
-  double rel, abs;
-};
 
 Tol tol_for(DType dt) {
   switch (dt) {
@@ -36,25 +34,8 @@ Tol tol_for(DType dt) {
   }
 }
 
-// `got` (on the GPU) equals `want` (on the CPU) within dtype tolerances.
-void check_close(const Tensor& got, const Tensor& want, const std::string& what, Tol tol) {
-  INFO(what);
-  REQUIRE(got.device() == kGpu);
-  REQUIRE(got.dtype() == want.dtype());
-  REQUIRE(got.shape() == want.shape());
-  const std::vector<double> g = got.to(kCPU).to_vector<double>();
-  const std::vector<double> w = want.to_vector<double>();
-  int64_t bad = 0, first = -1;
-  for (size_t i = 0; i < g.size(); ++i) {
-    if (std::isnan(g[i]) && std::isnan(w[i])) continue;
-    const bool ok = std::isinf(w[i]) ? g[i] == w[i]
-                                     : std::fabs(g[i] - w[i]) <= tol.rel * std::fabs(w[i]) + tol.abs;
-    if (!ok && bad++ == 0) first = static_cast<int64_t>(i);
-  }
-  CHECK_MESSAGE(bad == 0, bad << " of " << g.size() << " differ; first at " << first << ": got "
-                                << (first >= 0 ? g[first] : 0.0) << ", want "
-                                << (first >= 0 ? w[first] : 0.0));
-}
+using cuda_testing::check_close;
+// `got` (on the GPU) equals `want` (on the CPU) within the dtype's tolerances.
 void check_close(const Tensor& got, const Tensor& want, const std::string& what) {
   check_close(got, want, what, tol_for(want.dtype()));
 }

@@ -18,20 +18,19 @@
 
 #include "tensor/op.h"
 #include "tensor/ops.h"
+#include "tests/cuda/device_compare.h"
 #include "tests/testing.h"
 
 using namespace tessera;
+using tessera::cuda_testing::check_close;
+using tessera::cuda_testing::kGpu;
+using tessera::cuda_testing::Tol;
 using tessera::testing::contains;
 using tessera::testing::error_of;
 
 namespace {
 
-const Device kGpu = cuda(0);
 constexpr DType kFloats[] = {DType::f32, DType::f64, DType::f16, DType::bf16};
-
-struct Tol {
-  double rel, abs;
-};
 
 Tol tol_for(DType dt, double abs = 1e-6) {
   switch (dt) {
@@ -46,24 +45,6 @@ const Tol kExact{0, 0};
 
 std::string name(const char* what, DType dt) { return std::string(what) + " " + std::string(dtype_name(dt)); }
 
-void check_close(const Tensor& got, const Tensor& want, const std::string& what, Tol tol) {
-  INFO(what);
-  REQUIRE(got.device() == kGpu);
-  REQUIRE(got.dtype() == want.dtype());
-  REQUIRE(got.shape() == want.shape());
-  const std::vector<double> g = got.to(kCPU).to_vector<double>();
-  const std::vector<double> w = want.to_vector<double>();
-  int64_t bad = 0, first = -1;
-  for (size_t i = 0; i < g.size(); ++i) {
-    if (std::isnan(g[i]) && std::isnan(w[i])) continue;
-    const bool ok = std::isinf(w[i]) ? g[i] == w[i]
-                                     : std::fabs(g[i] - w[i]) <= tol.rel * std::fabs(w[i]) + tol.abs;
-    if (!ok && bad++ == 0) first = static_cast<int64_t>(i);
-  }
-  CHECK_MESSAGE(bad == 0, bad << " of " << g.size() << " differ; first at " << first << ": got "
-                                << (first >= 0 ? g[first] : 0.0) << ", want "
-                                << (first >= 0 ? w[first] : 0.0));
-}
 
 // Random values in dtype `dt` on the CPU (the same values go to the device).
 Tensor rnd(const Shape& s, DType dt, double scale = 1.0, uint64_t seed = 1) {
