@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <system_error>
 #include <vector>
@@ -194,6 +195,13 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   TS_CHECK(!__builtin_mul_overflow(numel, dtype_size(e.dtype), &nbytes),
            "load_safetensors: '{}': tensor '{}' shape {} overflows int64", path, name,
            shape.dump());
+  // A zero dim beside huge ones holds no bytes but would wrap the tensor's strides.
+  try {
+    storage_bytes("load_safetensors", e.shape, dtype_size(e.dtype));
+  } catch (const Error& err) {
+    fail("load_safetensors: '{}': tensor '{}' shape {} cannot be a tensor: {}", path, name,
+         shape.dump(), err.what());
+  }
 
   const json& offsets = info["data_offsets"];
   TS_CHECK(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
@@ -270,20 +278,20 @@ std::string safetensors_dtype_name(DType dtype) {
   fail("safetensors_dtype_name: invalid dtype {}", static_cast<int>(dtype));
 }
 
-void save_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+void write_safetensors_file(const std::string& tmp_path,
+                            const std::map<std::string, Tensor>& tensors,
+                            const std::map<std::string, std::string>& metadata) {
   // Validate before touching the disk so bad input never leaves a temp file behind.
   for (const auto& [name, t] : tensors) {
     TS_CHECK(name != "__metadata__",
-             "save_safetensors: '{}': '__metadata__' is reserved and cannot name a tensor", path);
-    TS_CHECK(t.defined(), "save_safetensors: '{}': tensor '{}' is undefined", path, name);
+             "save_safetensors: '{}': '__metadata__' is reserved and cannot name a tensor",
+             tmp_path);
+    TS_CHECK(t.defined(), "save_safetensors: '{}': tensor '{}' is undefined", tmp_path, name);
   }
   const std::string header = header_json(tensors, metadata);
-  const std::string tmp_path = fmt::format("{}.tmp.{}", path, ::getpid());
-
   Fd fd(::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  TS_CHECK(fd.get() >= 0, "save_safetensors: cannot create '{}' (to write '{}'): {}", tmp_path,
-           path, errno_text(errno));
+  TS_CHECK(fd.get() >= 0, "save_safetensors: cannot create '{}': {}", tmp_path,
+           errno_text(errno));
   try {
     unsigned char length[8];
     const uint64_t n = header.size();
@@ -296,20 +304,39 @@ void save_safetensors(const std::string& path, const std::map<std::string, Tenso
     const int close_err = fd.close();
     TS_CHECK(close_err == 0, "save_safetensors: closing '{}' failed: {}", tmp_path,
              errno_text(close_err));
-    TS_CHECK(::rename(tmp_path.c_str(), path.c_str()) == 0,
-             "save_safetensors: cannot rename '{}' to '{}': {}", tmp_path, path, errno_text(errno));
+  } catch (const std::bad_alloc&) {
+    ::unlink(tmp_path.c_str());
+    fail("save_safetensors: out of memory writing '{}'", tmp_path);
   } catch (...) {
     ::unlink(tmp_path.c_str());
     throw;
   }
+}
+
+void save_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  const std::string tmp_path = fmt::format("{}.tmp.{}", path, ::getpid());
+  write_safetensors_file(tmp_path, tensors, metadata);
+  if (::rename(tmp_path.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp_path.c_str());
+    fail("save_safetensors: cannot rename '{}' to '{}': {}", tmp_path, path, errno_text(err));
+  }
   sync_parent_directory(path);
 }
 
-SafetensorsFile load_safetensors(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  TS_CHECK(fd.get() >= 0, "load_safetensors: cannot open '{}': {}", path, errno_text(errno));
+namespace {
+
+// The validated header of an open file: metadata, entries and where the data starts.
+struct Header {
+  std::map<std::string, std::string> metadata;
+  std::vector<Entry> entries;
+  uint64_t data_start = 0;
+};
+
+Header read_header(int fd, const std::string& path) {
   struct stat st;
-  TS_CHECK(::fstat(fd.get(), &st) == 0, "load_safetensors: cannot stat '{}': {}", path,
+  TS_CHECK(::fstat(fd, &st) == 0, "load_safetensors: cannot stat '{}': {}", path,
            errno_text(errno));
   TS_CHECK(S_ISREG(st.st_mode), "load_safetensors: '{}' is not a regular file", path);
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
@@ -318,7 +345,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
            file_bytes);
 
   unsigned char length[8];
-  read_all(fd.get(), length, 8, 0, path);
+  read_all(fd, length, 8, 0, path);
   uint64_t header_bytes = 0;
   for (int i = 0; i < 8; ++i) header_bytes |= static_cast<uint64_t>(length[i]) << (8 * i);
   TS_CHECK(header_bytes <= file_bytes - 8,
@@ -330,7 +357,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
            header_bytes, kMaxHeaderBytes);
 
   std::string text(header_bytes, '\0');
-  read_all(fd.get(), text.data(), text.size(), 8, path);
+  read_all(fd, text.data(), text.size(), 8, path);
   json header;
   try {
     header = json::parse(text);
@@ -340,22 +367,37 @@ SafetensorsFile load_safetensors(const std::string& path) {
   TS_CHECK(header.is_object(), "load_safetensors: '{}': header must be a JSON object, got {}", path,
            header.type_name());
 
-  SafetensorsFile out;
-  std::vector<Entry> entries;
+  Header out;
   for (const auto& [name, info] : header.items()) {
     if (name == "__metadata__") {
       out.metadata = parse_metadata(path, info);
     } else {
-      entries.push_back(parse_entry(path, name, info));
+      out.entries.push_back(parse_entry(path, name, info));
     }
   }
-  const uint64_t data_start = 8 + header_bytes;
-  check_layout(path, entries, file_bytes - data_start);
+  out.data_start = 8 + header_bytes;
+  check_layout(path, out.entries, file_bytes - out.data_start);
+  return out;
+}
 
-  for (const Entry& e : entries) {
-    Tensor t = Tensor::empty(e.shape, e.dtype, kCPU);
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path) try {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  TS_CHECK(fd.get() >= 0, "load_safetensors: cannot open '{}': {}", path, errno_text(errno));
+  Header header = read_header(fd.get(), path);
+  SafetensorsFile out;
+  out.metadata = std::move(header.metadata);
+  for (const Entry& e : header.entries) {
+    Tensor t;
+    try {
+      t = Tensor::empty(e.shape, e.dtype, kCPU);
+    } catch (const Error& err) {
+      fail("load_safetensors: '{}': tensor '{}' ({} {}) cannot be allocated: {}", path, e.name,
+           safetensors_dtype_name(e.dtype), shape_str(e.shape), err.what());
+    }
     const size_t nbytes = static_cast<size_t>(e.end - e.begin);
-    if (nbytes > 0) read_all(fd.get(), t.raw_data(), nbytes, data_start + e.begin, path);
+    if (nbytes > 0) read_all(fd.get(), t.raw_data(), nbytes, header.data_start + e.begin, path);
     if (e.dtype == DType::b8) {
       // Tessera's bool kernels assume 0/1 bytes; anything else would compare unequal to true.
       const auto* bytes = static_cast<const unsigned char*>(t.raw_data());
@@ -369,6 +411,16 @@ SafetensorsFile load_safetensors(const std::string& path) {
     out.tensors.emplace(e.name, std::move(t));
   }
   return out;
+} catch (const std::bad_alloc&) {
+  fail("load_safetensors: out of memory reading '{}'", path);
+}
+
+std::map<std::string, std::string> read_safetensors_metadata(const std::string& path) try {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  TS_CHECK(fd.get() >= 0, "load_safetensors: cannot open '{}': {}", path, errno_text(errno));
+  return read_header(fd.get(), path).metadata;
+} catch (const std::bad_alloc&) {
+  fail("load_safetensors: out of memory reading the header of '{}'", path);
 }
 
 }  // namespace tessera::nn

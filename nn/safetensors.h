@@ -24,6 +24,13 @@ namespace tessera::nn {
 void save_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 
+// The first half of save_safetensors: the whole file written to `tmp_path` and fsync'd, not
+// renamed; for callers that commit several files together (models/common/checkpoint.h). On
+// failure nothing is left at tmp_path.
+void write_safetensors_file(const std::string& tmp_path,
+                            const std::map<std::string, Tensor>& tensors,
+                            const std::map<std::string, std::string>& metadata = {});
+
 struct SafetensorsFile {
   std::map<std::string, Tensor> tensors;  // contiguous CPU tensors
   std::map<std::string, std::string> metadata;
@@ -32,6 +39,10 @@ struct SafetensorsFile {
 // Reads and validates a whole file: header length, JSON, dtypes, shapes against byte ranges,
 // ranges that tile the data section exactly (no overlap, gap, truncation or trailing bytes).
 SafetensorsFile load_safetensors(const std::string& path);
+
+// Only the header's __metadata__, after validating the header and the layout as
+// load_safetensors does (no tensor data is read): cheap enough to inspect many files.
+std::map<std::string, std::string> read_safetensors_metadata(const std::string& path);
 
 // "F32" <-> DType::f32, ...; the names the format uses for Tessera's dtypes.
 std::string safetensors_dtype_name(DType dtype);

@@ -226,7 +226,10 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, Communicato
   st.options = options;
 
   // Parameters once each (a tied weight registered twice is one tensor, one gradient).
-  for (auto& [name, param] : module.named_parameters()) {
+  // Plain variables, not a structured binding: lambdas capture them (clang < 16 rejects that).
+  for (auto& entry : module.named_parameters()) {
+    const std::string& name = entry.first;
+    Tensor& param = entry.second;
     if (!param.requires_grad()) continue;
     const bool seen = std::any_of(st.slots.begin(), st.slots.end(),
                                   [&](const State::Slot& s) { return s.param.is_same(param); });

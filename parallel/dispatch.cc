@@ -9,6 +9,7 @@
 #include "parallel/ops.h"
 #include "parallel/redistribute.h"
 #include "parallel/sharding_rule.h"
+#include "tensor/allocator.h"
 #include "tensor/error.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -85,14 +86,14 @@ Tensor replicated_use(const Tensor& local, const MeshPtr& mesh, std::vector<std:
 
 // A tensor of `shape` with no data, for running view functions on global shapes.
 Tensor shape_probe(const TensorSpec& s) {
-  Strides strides(s.shape.size(), 0);
-  int64_t st = 1;
-  for (int64_t d = static_cast<int64_t>(s.shape.size()) - 1; d >= 0; --d) {
-    strides[d] = st;
-    st *= std::max<int64_t>(s.shape[d], 1);
-  }
-  static const Storage empty_storage = Tensor::empty({0}).storage();
-  return Tensor::from_storage(empty_storage, s.shape, strides, 0, s.dtype);
+  // Charged to no MemoryScope: it lives until exit, longer than any rank's tracker (the
+  // first caller may be a threads-backend rank with one), which its destructor would
+  // otherwise update after that tracker is gone.
+  static const Storage empty_storage = [] {
+    MemoryScope no_tracker(nullptr);
+    return Tensor::empty({0}).storage();
+  }();
+  return Tensor::from_storage(empty_storage, s.shape, contiguous_strides(s.shape), 0, s.dtype);
 }
 
 std::vector<TensorSpec> global_outputs(OpId op, const std::vector<TensorSpec>& in, const Attrs& attrs) {

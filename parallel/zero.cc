@@ -35,7 +35,10 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   st.options = options;
 
   // Parameters once each (a tied weight is one tensor).
-  for (auto& [name, param] : module.named_parameters()) {
+  // Plain variables, not a structured binding: lambdas capture them (clang < 16 rejects that).
+  for (auto& entry : module.named_parameters()) {
+    const std::string& name = entry.first;
+    Tensor& param = entry.second;
     if (!param.requires_grad()) continue;
     const bool seen = std::any_of(st.params.begin(), st.params.end(),
                                   [&](const State::Param& p) { return p.tensor.is_same(param); });

@@ -75,6 +75,20 @@ MemoryTagScope::MemoryTagScope(MemoryTag tag) : previous_(t_tag) { t_tag = tag; 
 MemoryTagScope::~MemoryTagScope() { t_tag = previous_; }
 MemoryTag MemoryTagScope::current() { return t_tag; }
 
+void Allocator::set_limit(int64_t bytes) {
+  TS_CHECK(bytes >= 0, "Allocator::set_limit: the budget must be >= 0 bytes (0: none), got {}",
+           bytes);
+  limit_.store(bytes, std::memory_order_relaxed);
+}
+
+void Allocator::exceed_limit(Device device, int64_t nbytes, int64_t in_use, int64_t cap) {
+  auto mib = [](int64_t b) { return static_cast<double>(b) / (1 << 20); };
+  fail("{} allocator: allocating {} bytes ({:.1f} MiB) of {} would exceed the memory budget of "
+       "{:.1f} MiB ({:.1f} MiB in use)",
+       device, nbytes, mib(nbytes), memory_tag_name(MemoryTagScope::current()), mib(cap),
+       mib(in_use));
+}
+
 namespace {
 
 // The CPU allocator. Small blocks come from malloc (its bins already recycle them). Blocks
@@ -106,6 +120,12 @@ class CpuAllocator final : public Allocator {
   }
 
   void* allocate(int64_t nbytes) override {
+    check_limit(kCPU, nbytes, tracker_.current());
+    // Far above any machine's memory; rounding it up to a size class would overflow.
+    if (nbytes > (int64_t{1} << 56)) [[unlikely]] {
+      fail("cpu allocator: out of memory allocating {} bytes of {} (more than any machine has)",
+           nbytes, memory_tag_name(MemoryTagScope::current()));
+    }
     const int64_t cls = size_class(nbytes);
     void* p = nullptr;
     if (cls >= kCacheMin) {
@@ -123,7 +143,13 @@ class CpuAllocator final : public Allocator {
         empty_cache();
         p = std::aligned_alloc(cls >= kCacheMin ? kHugePage : 64, static_cast<size_t>(cls));
       }
-      if (p == nullptr) fail("cpu allocator: out of memory allocating {} bytes", nbytes);
+      if (p == nullptr) {
+        fail("cpu allocator: out of memory allocating {} bytes ({:.1f} MiB) of {} ({:.1f} MiB "
+             "in use)",
+             nbytes, static_cast<double>(nbytes) / (1 << 20),
+             memory_tag_name(MemoryTagScope::current()),
+             static_cast<double>(tracker_.current()) / (1 << 20));
+      }
       if (cls >= kCacheMin) madvise(p, static_cast<size_t>(cls), MADV_HUGEPAGE);
       reserved_.fetch_add(cls, std::memory_order_relaxed);
     }

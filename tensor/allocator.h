@@ -90,13 +90,33 @@ class MemoryTagScope {
 class Allocator {
  public:
   virtual ~Allocator() = default;
-  // Returns memory for nbytes (64-byte aligned on the CPU); nbytes may be 0.
+  // Returns memory for nbytes (64-byte aligned on the CPU); nbytes may be 0. Throws Error
+  // when the system has no memory left or the request would exceed the budget.
   virtual void* allocate(int64_t nbytes) = 0;
   virtual void deallocate(void* ptr, int64_t nbytes) = 0;
   virtual MemoryStats stats() const = 0;
   virtual void reset_peak() = 0;
   // Returns cached blocks to the system (no-op for allocators that do not cache).
   virtual void empty_cache() {}
+
+  // A budget for the bytes in use (0: none, the default). A request that would take the
+  // bytes in use above it throws Error naming the request, the caller's MemoryTag and the
+  // budget, before asking the system: a run that does not fit fails cleanly instead of
+  // meeting the kernel's OOM killer. `gpt/mnist --memory_limit` set it.
+  void set_limit(int64_t bytes);
+  int64_t limit() const { return limit_.load(std::memory_order_relaxed); }
+
+ protected:
+  // Throws the budget Error when in_use + nbytes > limit(); `device` names the allocator.
+  void check_limit(Device device, int64_t nbytes, int64_t in_use) const {
+    const int64_t cap = limit();
+    if (cap > 0 && nbytes > cap - in_use) [[unlikely]] exceed_limit(device, nbytes, in_use, cap);
+  }
+
+ private:
+  [[noreturn]] static void exceed_limit(Device device, int64_t nbytes, int64_t in_use,
+                                        int64_t cap);
+  std::atomic<int64_t> limit_{0};
 };
 
 // The allocator for a device; throws Error when no backend for its type is linked in.

@@ -1,4 +1,7 @@
 // The op tables and call(): the one path from an op name to a kernel and the graph.
+#include <new>
+#include <system_error>
+
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
@@ -113,6 +116,53 @@ void reject_expanded(std::string_view op, const std::string& what, const Tensor&
   }
 }
 
+// Inputs' shapes for an error message: "[2, 3] f32, [3] f32".
+std::string inputs_str(std::span<const Tensor> inputs) {
+  std::string out;
+  for (const Tensor& t : inputs) {
+    if (!out.empty()) out += ", ";
+    out += t.defined() ? fmt::format("{} {}", shape_str(t.shape()), t.dtype()) : "undefined";
+  }
+  return out;
+}
+
+std::vector<Tensor> allocate_outputs(OpId op, const std::vector<TensorSpec>& specs) {
+  std::vector<Tensor> outputs;
+  outputs.reserve(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const TensorSpec& s = specs[i];
+    if (!s.defined) {
+      outputs.emplace_back();
+      continue;
+    }
+    try {
+      outputs.push_back(Tensor::empty(s.shape, s.dtype, s.device));
+    } catch (const std::bad_alloc&) {
+      fail("{}: out of memory allocating output {} ({} {} on {})", op_name(op), i,
+           shape_str(s.shape), s.dtype, s.device);
+    } catch (const Error& e) {
+      fail("{}: cannot allocate output {} ({} {} on {}): {}", op_name(op), i, shape_str(s.shape),
+           s.dtype, s.device, e.what());
+    }
+  }
+  return outputs;
+}
+
+// Runs a kernel; scratch allocations and worker threads inside it fail as Errors naming the op
+// (a try block costs nothing on the path that does not throw).
+void run_kernel(KernelFn kernel, OpId op, Device device, std::span<const Tensor> inputs,
+                std::span<Tensor> outputs, const Attrs& attrs) {
+  try {
+    kernel(inputs, outputs, attrs);
+  } catch (const std::bad_alloc&) {
+    fail("{}: out of memory in the {} kernel (inputs {})", op_name(op), device,
+         inputs_str(inputs));
+  } catch (const std::system_error& e) {
+    fail("{}: the {} kernel failed: {} (inputs {})", op_name(op), device, e.what(),
+         inputs_str(inputs));
+  }
+}
+
 }  // namespace
 
 const OpInfo& op_info(OpId op) { return kOpInfos[index_of(op)]; }
@@ -148,17 +198,13 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
   const std::vector<TensorSpec> out_specs = infer(op, inputs, attrs);
   KernelFn kernel = find_kernel(op, device);
 
-  std::vector<Tensor> outputs;
-  outputs.reserve(out_specs.size());
-  for (const TensorSpec& s : out_specs) {
-    outputs.push_back(s.defined ? Tensor::empty(s.shape, s.dtype, s.device) : Tensor());
-  }
+  std::vector<Tensor> outputs = allocate_outputs(op, out_specs);
   if (KernelObserver obs = tables().observer) [[unlikely]] {
     obs(op, device, true);
-    kernel(inputs, outputs, attrs);
+    run_kernel(kernel, op, device, inputs, outputs, attrs);
     obs(op, device, false);
   } else {
-    kernel(inputs, outputs, attrs);
+    run_kernel(kernel, op, device, inputs, outputs, attrs);
   }
   maybe_record(op, inputs, outputs, attrs);
   return outputs;
@@ -192,7 +238,7 @@ void call_copy_(const Tensor& dst, const Tensor& src) {
   std::vector<Tensor> out = {dst};
   KernelObserver obs = tables().observer;
   if (obs) obs(OpId::copy_, device, true);
-  find_kernel(OpId::copy_, device)(inputs, out, Attrs{});
+  run_kernel(find_kernel(OpId::copy_, device), OpId::copy_, device, inputs, out, Attrs{});
   if (obs) obs(OpId::copy_, device, false);
   dst.storage()->bump_version();
 }
@@ -221,7 +267,7 @@ void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
            info.name, out_specs.size());
   KernelObserver obs = tables().observer;
   if (obs) obs(op, device, true);
-  find_kernel(op, device)(inputs, std::span<Tensor>(), attrs);
+  run_kernel(find_kernel(op, device), op, device, inputs, std::span<Tensor>(), attrs);
   if (obs) obs(op, device, false);
   for (size_t i : written) {
     if (i < inputs.size() && inputs[i].defined()) inputs[i].storage()->bump_version();

@@ -8,7 +8,14 @@ namespace tessera {
 
 int64_t numel_of(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  bool overflow = false;
+  for (int64_t s : shape) {
+    if (s == 0) return 0;  // empty, however large the other dims
+    overflow |= __builtin_mul_overflow(n, s, &n);
+  }
+  if (overflow) [[unlikely]] {
+    fail("shape {} has more elements than an int64 counts (2^63 - 1)", shape_str(shape));
+  }
   return n;
 }
 
@@ -17,9 +24,35 @@ Strides contiguous_strides(const Shape& shape) {
   int64_t s = 1;
   for (int64_t i = static_cast<int64_t>(shape.size()) - 1; i >= 0; --i) {
     strides[i] = s;
-    s *= std::max<int64_t>(shape[i], 1);
+    // A zero dim leaves the other dims' strides as if it were 1, so they can still wrap.
+    if (__builtin_mul_overflow(s, std::max<int64_t>(shape[i], 1), &s) && i > 0) [[unlikely]] {
+      fail("shape {}: the contiguous strides overflow int64 (the product of the dims other "
+           "than the first, zero dims counted as 1, must be below 2^63)",
+           shape_str(shape));
+    }
   }
   return strides;
+}
+
+int64_t storage_bytes(std::string_view op, const Shape& shape, int64_t itemsize) {
+  for (int64_t s : shape) {
+    TS_CHECK(s >= 0, "{}: negative size in shape {}", op, shape_str(shape));
+  }
+  int64_t span = 1;  // the product contiguous_strides needs, zero dims counted as 1
+  for (size_t i = 1; i < shape.size(); ++i) {
+    TS_CHECK(!__builtin_mul_overflow(span, std::max<int64_t>(shape[i], 1), &span),
+             "{}: shape {} is too large: its strides overflow int64", op, shape_str(shape));
+  }
+  int64_t numel = 0, bytes = 0;
+  try {
+    numel = numel_of(shape);
+  } catch (const Error&) {
+    fail("{}: shape {} has more elements than an int64 counts (2^63 - 1)", op, shape_str(shape));
+  }
+  TS_CHECK(!__builtin_mul_overflow(numel, itemsize, &bytes),
+           "{}: shape {} of {}-byte elements needs {} x {} bytes, more than an int64 counts", op,
+           shape_str(shape), itemsize, numel, itemsize);
+  return bytes;
 }
 
 std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }

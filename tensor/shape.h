@@ -17,8 +17,13 @@ namespace tessera {
 using Shape = std::vector<int64_t>;
 using Strides = std::vector<int64_t>;
 
+// Both throw Error when the product overflows int64 (a shape from a file or a flag can ask
+// for 2^62 x 2^62 elements; nothing may wrap around silently).
 int64_t numel_of(const Shape& shape);
 Strides contiguous_strides(const Shape& shape);
+// The bytes of a contiguous tensor of `shape` with `itemsize`-byte elements: Error naming `op`
+// on a negative dim, or when the element count, the strides or the bytes overflow int64.
+int64_t storage_bytes(std::string_view op, const Shape& shape, int64_t itemsize);
 std::string shape_str(const Shape& shape);  // "[2, 3]"
 
 // NumPy broadcasting; throws Error naming `op` and both shapes when incompatible.

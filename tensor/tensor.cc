@@ -8,11 +8,9 @@
 namespace tessera {
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
-  for (int64_t s : shape) {
-    TS_CHECK(s >= 0, "empty: negative size in shape {}", shape_str(shape));
-  }
+  const int64_t nbytes = storage_bytes("empty", shape, dtype_size(dtype));
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = make_storage(numel_of(shape) * dtype_size(dtype), device);
+  impl->storage = make_storage(nbytes, device);
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;
@@ -23,6 +21,12 @@ Tensor Tensor::from_storage(Storage storage, const Shape& shape, const Strides& 
                             int64_t offset, DType dtype) {
   TS_CHECK(shape.size() == strides.size(), "from_storage: shape {} and strides {} differ in rank",
            shape_str(shape), shape_str(strides));
+  // Views (expand, view, slices) build their shapes here: every dim is a size, and the
+  // element count must be countable (expand({1 << 40, 1 << 40}) is refused, not wrapped).
+  for (int64_t s : shape) {
+    TS_CHECK(s >= 0, "from_storage: negative size in shape {}", shape_str(shape));
+  }
+  numel_of(shape);
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::move(storage);
   impl->shape = shape;
@@ -113,7 +117,7 @@ Tensor Tensor::detach() const {
 
 namespace {
 Tensor wrap_host(const void* data, DType dt, const Shape& shape) {
-  const int64_t nbytes = numel_of(shape) * dtype_size(dt);
+  const int64_t nbytes = storage_bytes("copy to/from host", shape, dtype_size(dt));
   auto storage = std::make_shared<StorageImpl>(const_cast<void*>(data), nbytes, kCPU, nullptr);
   return Tensor::from_storage(std::move(storage), shape, contiguous_strides(shape), 0, dt);
 }

@@ -47,7 +47,8 @@ Shape infer_view_shape(std::string_view op, const Shape& from, const Shape& shap
       infer = static_cast<int64_t>(i);
     } else {
       TS_CHECK(out[i] >= 0, "{}: invalid size {} in shape {}", op, out[i], shape_str(shape));
-      known *= out[i];
+      TS_CHECK(!__builtin_mul_overflow(known, out[i], &known),
+               "{}: shape {} has more elements than an int64 counts", op, shape_str(shape));
     }
   }
   const int64_t n = numel_of(from);

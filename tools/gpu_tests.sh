@@ -5,6 +5,9 @@
 #   tools/gpu_tests.sh .gpu_bundle/tessera_gpu.tar.xz [name-filter-regex]
 #
 # Logs: every test's output goes to $OUT/gpu_tests.log when OUT is set (else /tmp).
+# Exit status: 0 only when every test passed and at least one ran (a filter matching no
+# binary checks nothing). Each binary itself fails when it runs no test case or finds no
+# CUDA device (tests/main.cc, tests/gpu_suite.cc).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 archive=${1:?usage: tools/gpu_tests.sh ARCHIVE [FILTER]}
@@ -33,3 +36,8 @@ for t in "$dir"/bin/*_test; do
   fi
 done
 echo "$passed passed, $failed failed"
+if [[ $passed -eq 0 && $failed -eq 0 ]]; then
+  echo "no test binary in $archive matches '$filter'"
+  exit 1
+fi
+[[ $failed -eq 0 ]]

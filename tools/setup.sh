@@ -9,6 +9,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist fortunes
   python3-torch libopenblas0-pthread python3-matplotlib
+  clang libclang-rt-14-dev libomp-14-dev
 )
 
 sudo=""

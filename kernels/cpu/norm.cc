@@ -31,7 +31,10 @@ void layer_norm_fwd(const Tensor& xt, const Tensor& wt, const Tensor& bt, const 
   const Tensor x = contiguous_cpu(xt);
   const Tensor w = wt.defined() ? contiguous_cpu(wt) : Tensor();
   const Tensor b = bt.defined() ? contiguous_cpu(bt) : Tensor();
-  const auto [rows, cols] = rows_cols(x, nd);
+  // Plain variables, not a structured binding: the lambdas below capture them, which
+  // clang before 16 rejects for bindings.
+  const RowsCols rc = rows_cols(x, nd);
+  const int64_t rows = rc.rows, cols = rc.cols;
   const T* xp = static_cast<const T*>(x.raw_data());
   const T* wp = w.defined() ? static_cast<const T*>(w.raw_data()) : nullptr;
   const T* bp = b.defined() ? static_cast<const T*>(b.raw_data()) : nullptr;
@@ -81,7 +84,10 @@ void layer_norm_bwd(std::span<const Tensor> in, std::span<Tensor> out, int64_t n
   const Tensor mean = contiguous_cpu(in[2]);
   const Tensor rstd = contiguous_cpu(in[3]);
   const Tensor w = in[4].defined() ? contiguous_cpu(in[4]) : Tensor();
-  const auto [rows, cols] = rows_cols(x, nd);
+  // Plain variables, not a structured binding: the lambdas below capture them, which
+  // clang before 16 rejects for bindings.
+  const RowsCols rc = rows_cols(x, nd);
+  const int64_t rows = rc.rows, cols = rc.cols;
   const T* gp = static_cast<const T*>(g.raw_data());
   const T* xp = static_cast<const T*>(x.raw_data());
   const S* mp = static_cast<const S*>(mean.raw_data());

@@ -128,6 +128,7 @@ class CachingAllocator final : public Allocator {
     const int64_t size = round_size(nbytes);
     const cudaStream_t stream = compute_stream(device_);
     std::lock_guard<std::mutex> lock(mu_);
+    check_limit(device_, size, stats_.allocated_bytes);
     ++stats_.num_allocs;
     process_pending_locked();
     auto& list = free_[{stream, size}];

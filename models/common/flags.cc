@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
@@ -45,6 +48,11 @@ Flags::Flag& Flags::find(const std::string& name) {
   fail("{}: unknown flag --{}\n{}", program_, name, usage());
 }
 
+void Flags::check_fits(const std::string& program, const std::string& name, int64_t value,
+                       bool fits, int64_t min, int64_t max) {
+  TS_CHECK(fits, "{}: --{}={} is out of range [{}, {}]", program, name, value, min, max);
+}
+
 bool Flags::given(const std::string& name) const {
   for (const Flag& f : flags_) {
     if (f.name == name) return f.given;
@@ -80,15 +88,24 @@ void Flags::parse(int argc, char** argv) {
     }
     const char* s = text.c_str();
     char* end = nullptr;
+    errno = 0;
     if (std::holds_alternative<int64_t>(f.value)) {
       const long long v = std::strtoll(s, &end, 10);
       TS_CHECK(!text.empty() && *end == '\0', "{}: --{} expects an integer, got '{}'", program_,
                name, text);
+      // strtoll clamps to INT64_MIN/MAX and sets ERANGE: a silent clamp is a wrong value.
+      TS_CHECK(errno != ERANGE, "{}: --{}={} is out of range (an integer must lie in [{}, {}])",
+               program_, name, text, INT64_MIN, INT64_MAX);
       f.value = static_cast<int64_t>(v);
     } else if (std::holds_alternative<double>(f.value)) {
       const double v = std::strtod(s, &end);
       TS_CHECK(!text.empty() && *end == '\0', "{}: --{} expects a number, got '{}'", program_,
                name, text);
+      // strtod returns +-HUGE_VAL on overflow and a zero or subnormal on underflow.
+      TS_CHECK(errno != ERANGE || std::fabs(v) < 1.0,
+               "{}: --{}={} is out of range for a double", program_, name, text);
+      TS_CHECK(errno != ERANGE, "{}: --{}={} is too small to represent (it would round to {})",
+               program_, name, text, v);
       f.value = v;
     } else if (std::holds_alternative<bool>(f.value)) {
       TS_CHECK(text == "true" || text == "false" || text == "1" || text == "0",
@@ -115,6 +132,32 @@ std::string Flags::usage() const {
     out += fmt::format("  --{:<14} {} (default {})\n", f.name, f.help, def);
   }
   return out;
+}
+
+void require_at_least(const char* program, const char* flag, int64_t value, int64_t min) {
+  TS_CHECK(value >= min, "{}: --{} must be >= {}, got {}", program, flag, min, value);
+}
+
+void require_finite_at_least(const char* program, const char* flag, double value, double min) {
+  TS_CHECK(std::isfinite(value) && value >= min, "{}: --{} must be a finite number >= {}, got {}",
+           program, flag, min, value);
+}
+
+void require_fraction(const char* program, const char* flag, double value, bool include_one) {
+  TS_CHECK(std::isfinite(value) && value >= 0 && (include_one ? value <= 1 : value < 1),
+           "{}: --{} must be in [0, 1{}, got {}", program, flag, include_one ? "]" : ")", value);
+}
+
+void require_one_of(const char* program, const char* flag, const std::string& value,
+                    const std::vector<std::string>& choices) {
+  for (const std::string& c : choices) {
+    if (value == c) return;
+  }
+  std::string list;
+  for (size_t i = 0; i < choices.size(); ++i) {
+    list += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + choices[i];
+  }
+  fail("{}: --{} must be {}, got '{}'", program, flag, list, value);
 }
 
 std::string from_user_dir(const std::string& path) {

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
+#include <utility>
 #include <string>
 #include <type_traits>
 #include <variant>
@@ -31,7 +33,9 @@ class Flags {
   std::string& add(const std::string& name, std::string value, const std::string& help);
 
   // A flag whose default is `target`'s value and whose parsed value parse() writes back
-  // into it (integers of any width, double, bool, std::string).
+  // into it (integers of any width, double, bool, std::string). The parser may be moved
+  // (its flags live in a deque, whose elements keep their addresses); `target` must outlive
+  // parse().
   template <typename T>
   void bind(const std::string& name, T& target, const std::string& help) {
     if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, double> ||
@@ -41,7 +45,14 @@ class Flags {
     } else {
       static_assert(std::is_integral_v<T>, "Flags::bind: unsupported type");
       int64_t& value = add(name, static_cast<int64_t>(target), help);
-      bindings_.push_back([&value, &target] { target = static_cast<T>(value); });
+      // Captures no `this`: a Flags may be moved (returned from a function that binds it).
+      bindings_.push_back([program = program_, name, &value, &target] {
+        // A narrower field must hold the value exactly (no truncation, no sign change).
+        check_fits(program, name, value, std::in_range<T>(value),
+                   static_cast<int64_t>(std::numeric_limits<T>::min()),
+                   static_cast<int64_t>(std::numeric_limits<T>::max()));
+        target = static_cast<T>(value);
+      });
     }
   }
 
@@ -59,12 +70,25 @@ class Flags {
     bool given = false;
   };
   Flag& find(const std::string& name);
+  static void check_fits(const std::string& program, const std::string& name, int64_t value,
+                         bool fits, int64_t min, int64_t max);
   Flag& add_flag(const std::string& name, const std::string& help);
 
   std::string program_, description_;
   std::deque<Flag> flags_;  // stable addresses for the references handed out
   std::vector<std::function<void()>> bindings_;
 };
+
+// Range checks for a program's configuration, each an Error naming the program and the
+// flag with the value ("gpt: --pp must be >= 1, got 0"): a value is refused, never clamped.
+void require_at_least(const char* program, const char* flag, int64_t value, int64_t min);
+// Finite and >= min (NaN and inf refused).
+void require_finite_at_least(const char* program, const char* flag, double value, double min);
+// In [0, 1) or, with include_one, [0, 1].
+void require_fraction(const char* program, const char* flag, double value, bool include_one);
+// One of `choices` ("gpipe, 1f1b or interleaved" in the message).
+void require_one_of(const char* program, const char* flag, const std::string& value,
+                    const std::vector<std::string>& choices);
 
 // `bazel run` starts a program in its runfiles tree: a relative path given on the command
 // line means the directory the user ran bazel from (BUILD_WORKING_DIRECTORY).

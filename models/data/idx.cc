@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <new>
+#include <stdexcept>
 #include <system_error>
 
 namespace tessera::data {
@@ -70,7 +72,8 @@ std::string find_file(const std::string& dir, const std::string& base) {
 
 }  // namespace
 
-IdxArray read_idx(const std::string& path) {
+// Function-try-blocks: a file larger than the memory left fails as an Error naming it.
+IdxArray read_idx(const std::string& path) try {
   GzReader in(path);
   unsigned char magic[4];
   const size_t got_magic = in.read(magic, 4);
@@ -102,6 +105,13 @@ IdxArray read_idx(const std::string& path) {
     TS_CHECK(!__builtin_mul_overflow(expected, dim, &expected),
              "read_idx: '{}' has dims {} whose product overflows", path, dims_str(out.dims));
   }
+  // A zero dim beside huge ones holds no data but would wrap a tensor's strides.
+  try {
+    storage_bytes("read_idx", out.dims, 1);
+  } catch (const Error& e) {
+    fail("read_idx: '{}' has dims {} that no tensor can hold: {}", path, dims_str(out.dims),
+         e.what());
+  }
 
   // Grow while reading, so a header claiming terabytes fails on truncation, not allocation.
   constexpr size_t kChunk = size_t{64} << 20;
@@ -126,9 +136,14 @@ IdxArray read_idx(const std::string& path) {
   TS_CHECK(trailing == 0, "read_idx: '{}' has {} extra bytes after the {} data bytes of dims {}",
            path, trailing, expected, dims_str(out.dims));
   return out;
+} catch (const std::bad_alloc&) {
+  fail("read_idx: out of memory reading '{}'", path);
+} catch (const std::length_error&) {
+  fail("read_idx: '{}' is too large to hold in memory", path);
 }
 
-MnistSplit load_mnist(const std::string& dir, bool train, double mean, double std, int64_t limit) {
+MnistSplit load_mnist(const std::string& dir, bool train, double mean, double std,
+                      int64_t limit) try {
   TS_CHECK(std > 0, "load_mnist: std must be positive, got {}", std);
   TS_CHECK(limit >= -1, "load_mnist: limit must be -1 (all) or >= 0, got {}", limit);
   const std::string prefix = train ? "train" : "t10k";
@@ -167,6 +182,9 @@ MnistSplit load_mnist(const std::string& dir, bool train, double mean, double st
   int64_t* label = out.labels.data<int64_t>();
   for (int64_t i = 0; i < n; ++i) label[i] = labels.data[i];
   return out;
+} catch (const std::bad_alloc&) {
+  fail("load_mnist: out of memory loading the {} split from '{}'", train ? "training" : "test",
+       dir);
 }
 
 }  // namespace tessera::data

@@ -3,6 +3,7 @@
 #include <cassert>
 #include <cstring>
 #include <numeric>
+#include <system_error>
 #include <utility>
 
 #include "tensor/random.h"
@@ -157,7 +158,11 @@ void Loader::set_position(int64_t epoch, int64_t batch_index) {
 
 void Loader::start_worker() {
   assert(queue_.empty() && !stop_);
-  worker_ = std::thread([this, epoch = epoch_, index = index_] { worker_loop(epoch, index); });
+  try {
+    worker_ = std::thread([this, epoch = epoch_, index = index_] { worker_loop(epoch, index); });
+  } catch (const std::system_error& e) {
+    fail("Loader: cannot start the thread that prepares batches: {}", e.what());
+  }
 }
 
 void Loader::stop_worker() {

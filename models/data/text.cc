@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <new>
+#include <stdexcept>
 #include <system_error>
 #include <utility>
 
@@ -60,7 +62,9 @@ std::vector<std::string> list_text_files(const std::string& dir) {
 
 }  // namespace
 
-TextCorpus load_text(const std::string& path) {
+// A function-try-block: a corpus larger than the memory left (or than a --memory_limit's
+// address space) fails as an Error naming the path, not as std::bad_alloc.
+TextCorpus load_text(const std::string& path) try {
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);  // follows a symlink named directly
   TS_CHECK(fs::exists(status), "load_text: {} does not exist{}", path,
@@ -91,6 +95,10 @@ TextCorpus load_text(const std::string& path) {
     TS_CHECK(!corpus.bytes.empty(), "load_text: {} is empty", path);
   }
   return corpus;
+} catch (const std::bad_alloc&) {
+  fail("load_text: out of memory reading {}", path);
+} catch (const std::length_error&) {
+  fail("load_text: {} is too large to hold in memory", path);
 }
 
 const char* split_name(TextSplit split) { return split == TextSplit::train ? "train" : "val"; }

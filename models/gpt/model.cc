@@ -17,11 +17,31 @@ void GptConfig::validate() const {
            heads);
   TS_CHECK(dropout >= 0.0 && dropout < 1.0, "GptConfig: dropout must be in [0, 1), got {}",
            dropout);
+  num_parameters();  // throws when the sizes overflow
 }
 
 int64_t GptConfig::num_parameters() const {
+  // Checked: sizes come from flags and files, and --vocab=2^62 must not wrap around.
+  int64_t total = 0;
+  bool overflow = false;
+  auto mul = [&](int64_t a, int64_t b) {
+    int64_t r = 0;
+    overflow |= __builtin_mul_overflow(a, b, &r);
+    return r;
+  };
+  auto add = [&](int64_t a, int64_t b) {
+    int64_t r = 0;
+    overflow |= __builtin_add_overflow(a, b, &r);
+    return r;
+  };
   const int64_t c = width;
-  return vocab * c + context * c + layers * (12 * c * c + 13 * c) + 2 * c;
+  const int64_t block = add(mul(12, mul(c, c)), mul(13, c));
+  total = add(add(add(mul(vocab, c), mul(context, c)), mul(layers, block)), mul(2, c));
+  TS_CHECK(!overflow,
+           "GptConfig: the parameter count of vocab {} x width {} with {} layers and context {} "
+           "overflows int64",
+           vocab, width, layers, context);
+  return total;
 }
 
 // ---- attention ------------------------------------------------------------------------------

@@ -2,18 +2,24 @@
 
 #include <fmt/format.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <functional>
+#include <new>
 #include <thread>
 
 #include "kernels/cpu/parallel.h"
 #include "models/common/checkpoint.h"
+#include "models/common/fault.h"
 #include "models/common/flags.h"
 #include "models/common/progress.h"
+#include "models/common/run_control.h"
 #include "models/data/text.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
@@ -24,6 +30,7 @@
 #include "parallel/comm/threads.h"
 #include "parallel/zero.h"
 #include "models/gpt/parallel3d.h"
+#include "models/gpt/run_checks.h"
 #include "tensor/allocator.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
@@ -167,6 +174,56 @@ Dict on_cpu(Dict dict) {
   return dict;
 }
 
+// The sample at the end of a run. It comes after the checkpoint and the final validation,
+// so a failure here (out of memory, say) must not lose them: it is kept in sample_error
+// (the program reports it after the result) instead of unwinding the run.
+void sample_into(GptResult& result, Gpt& model, const GptTrainConfig& config, DType low,
+                 const std::function<void(const std::string&)>& say) {
+  SampleOptions so;
+  so.length = config.sample_length;
+  so.temperature = config.temperature;
+  so.top_k = config.top_k;
+  so.seed = static_cast<uint64_t>(config.seed);
+  so.precision = low;
+  const std::string prompt = config.prompt.empty() ? std::string("\n") : config.prompt;
+  try {
+    result.sample = sample(model, prompt, so);
+  } catch (const Error& e) {
+    result.sample_error = fmt::format("gpt: sampling after training failed: {}", e.what());
+    return;
+  } catch (const std::bad_alloc&) {
+    result.sample_error = "gpt: sampling after training failed: out of memory";
+    return;
+  }
+  say(fmt::format("sample (temperature {:g}, top-k {}, seed {}):\n{}{}\n", config.temperature,
+                  config.top_k, config.seed, prompt, result.sample));
+}
+
+// clip_grad_norm's max_norm that never clips (it must be finite): --nonfinite=skip needs the
+// norm with clipping off.
+constexpr double kNoClip = std::numeric_limits<double>::max();
+
+// The global batch's mean loss (the ranks' slices are equal, so the mean of their means) and
+// whether any rank was asked to stop (its signal, else 0), in one all-reduce: every rank
+// then stops after the same step.
+std::pair<double, int> mean_over_ranks(parallel::Communicator* comm, double loss, int stop) {
+  if (comm == nullptr) return {loss, stop};
+  Tensor t = Tensor::from_vector<double>({loss, static_cast<double>(stop)}, {2});
+  {
+    parallel::CommCause cause("gpt loss");
+    comm->all_reduce(t, parallel::ReduceOp::sum);
+  }
+  const std::vector<double> v = t.to_vector<double>();
+  return {v[0] / comm->size(), v[1] == 0 ? 0 : (stop != 0 ? stop : SIGTERM)};
+}
+
+// This rank's tensor-memory high-water mark: its MemoryScope's (the threads backend's ranks
+// have one), else the process's (whose peak train_gpt resets when the run starts).
+int64_t rank_memory_peak() {
+  const MemoryTracker* t = MemoryScope::current();
+  return t != nullptr ? t->peak() : process_memory().peak();
+}
+
 }  // namespace
 
 GptConfig GptTrainConfig::model_config() const {
@@ -239,21 +296,10 @@ namespace {
 GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm) {
   const DType low = models::precision_dtype(config.precision, "gpt");
   const bool lead = comm == nullptr || comm->rank() == 0;  // prints, writes files
-  TS_CHECK(config.batch > 0, "gpt: --batch must be positive, got {}", config.batch);
-  TS_CHECK(config.steps > 0, "gpt: --steps must be positive, got {}", config.steps);
-  TS_CHECK(config.lr > 0, "gpt: --lr must be positive, got {}", config.lr);
-  TS_CHECK(config.log_every > 0, "gpt: --log_every must be positive, got {}", config.log_every);
-  TS_CHECK(config.max_steps >= 0 && config.warmup >= 0 && config.val_every >= 0 &&
-               config.val_batches >= 0 && config.save_every >= 0,
-           "gpt: --max_steps ({}), --warmup ({}), --val_every ({}), --val_batches ({}) and "
-           "--save_every ({}) must not be negative",
-           config.max_steps, config.warmup, config.val_every, config.val_batches,
-           config.save_every);
   const GptConfig mconfig = config.model_config();
   mconfig.validate();
   const int64_t rank = comm != nullptr ? comm->rank() : 0;
   const int64_t ranks = comm != nullptr ? comm->size() : 1;
-  TS_CHECK(config.accum > 0, "gpt: --accum must be positive, got {}", config.accum);
   TS_CHECK(config.batch % (ranks * config.accum) == 0,
            "gpt: --batch {} must divide into --dp {} x --accum {} equal micro-batches",
            config.batch, ranks, config.accum);
@@ -310,8 +356,15 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
              : models::load_checkpoint(config.resume, model, opt, scaler);
     check_same_model(config.resume, s, config);
     step = s.step;  // the data windows are a pure function of the step
+    TS_CHECK(step < stop_at,
+             "gpt: --resume={} is at step {}, at or past the end of this run (--steps {}, "
+             "--max_steps {}): nothing to train; raise --max_steps or --steps",
+             config.resume, step, config.steps, config.max_steps);
     default_generator().set_state(s.rng_seed, s.rng_offset);
-    say(fmt::format("resumed from {} at step {}", config.resume, step));
+    if (lead && !s.fallback_reason.empty()) {
+      std::fprintf(stderr, "gpt: warning: %s\n", s.fallback_reason.c_str());
+    }
+    say(fmt::format("resumed from {} at step {}", s.loaded_from, step));
   }
   models::MetricsWriter metrics;
   if (!config.metrics.empty() && lead) {
@@ -367,6 +420,7 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
 
   GptResult result;
   const std::vector<Tensor> params = model.parameters();
+  const bool skip_nonfinite = config.nonfinite == "skip";
   const Clock::time_point run_start = Clock::now();
   double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0, timed_seconds = 0.0;
   int64_t window_steps = 0, run_steps = 0;
@@ -413,28 +467,59 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
         zero->backward(scaled);
       }
     }
+    // This rank's mean loss over its micro-batches. On a device the losses are read only
+    // here, after the update in the default mode: the queue is not drained mid-step, and
+    // the read waits for the whole step (the legacy default stream orders it after the
+    // update), so each step's time is the device's.
+    auto rank_loss = [&] {
+      for (const Tensor& l : pending_losses) local_loss += l.item<double>();
+      pending_losses.clear();
+      return local_loss / static_cast<double>(config.accum);
+    };
     double norm = std::numeric_limits<double>::quiet_NaN();
-    if (zero) {
-      if (config.clip > 0) norm = zero->clip_grad_norm(config.clip);
+    bool skipped = false, norm_poisoned = false;  // poisoned: an inf/NaN norm was applied
+    if (skip_nonfinite) {
+      // Decided before the update, on values every rank shares: the global batch's loss
+      // and the gradients' global norm (which clipping computes anyway).
+      const double loss_now = mean_over_ranks(comm, rank_loss(), 0).first;
+      if (zero) {
+        norm = zero->clip_grad_norm(config.clip > 0 ? config.clip : kNoClip);
+      } else if (scaler.unscale_and_check(params)) {
+        norm = config.clip > 0 ? optim::clip_grad_norm(params, config.clip)
+                               : optim::grad_norm(params);
+      } else {
+        norm = std::numeric_limits<double>::infinity();  // f16: the scaler found inf/NaN
+      }
+      skipped = !std::isfinite(loss_now) || !std::isfinite(norm);
+    }
+    if (skipped) {
+      ++result.nonfinite_skipped;
+    } else if (zero) {
+      if (config.clip > 0 && !skip_nonfinite) {
+        norm = zero->clip_grad_norm(config.clip);
+        norm_poisoned = !std::isfinite(norm);
+      }
       zero->step(opt);
     } else {
-      if (config.clip > 0 && scaler.unscale_and_check(params)) {
+      // (An f16 overflow is not poison: the scaler skips that step and backs off.)
+      if (config.clip > 0 && !skip_nonfinite && scaler.unscale_and_check(params)) {
         norm = optim::clip_grad_norm(params, config.clip);
+        norm_poisoned = !std::isfinite(norm);
       }
       scaler.step(opt);
     }
     scaler.update();
-    // On a device the losses are read only now: the queue is not drained mid-step, and the
-    // read waits for the whole step (the legacy default stream orders it after the
-    // update), so each step's time is the device's.
-    for (const Tensor& l : pending_losses) local_loss += l.item<double>();
-    pending_losses.clear();
-    double loss_value = local_loss / static_cast<double>(config.accum);
-    if (comm != nullptr) {  // the global batch's mean: the ranks' slices are equal
-      Tensor t = Tensor::from_vector<double>({loss_value}, {1});
-      parallel::CommCause cause("gpt loss");
-      comm->all_reduce(t, parallel::ReduceOp::avg);
-      loss_value = t.item<double>();
+    models::fault_point("train.step", static_cast<int>(rank));
+    const auto [loss_value, stop] = mean_over_ranks(comm, rank_loss(), models::stop_signal());
+    // A diverged step stops the run before anything more is saved (--nonfinite=skip dropped
+    // it instead). With clipping the norm is known: an inf/NaN gradient poisoned the update.
+    if (!skip_nonfinite && (!std::isfinite(loss_value) || norm_poisoned)) {
+      fail("gpt: the {} is {} at step {} (the run diverged); stopped before saving anything "
+           "more{}. Lower --lr, keep --clip on, or pass --nonfinite=skip to drop such steps",
+           std::isfinite(loss_value) ? "gradient norm" : "loss",
+           std::isfinite(loss_value) ? norm : loss_value, step + 1,
+           config.save.empty() ? std::string()
+                               : fmt::format(": {} holds the last good checkpoint", config.save));
     }
     log_scope.reset();
     if (zero && run_steps == 0) {
@@ -489,6 +574,12 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
       window_steps = 0;
       window_loss = 0.0;
     }
+    if (stop != 0) {  // every rank saw the same flag: all save (collective) and stop together
+      if (!config.save.empty()) save();
+      if (verbose) progress.finish();
+      throw models::stop_requested("gpt", stop, step, stop_at, config.save,
+                                   "no --save was given");
+    }
     // The final step's validation is the result's, below.
     if (config.val_every > 0 && step % config.val_every == 0 && step < stop_at) {
       const double v = validate();
@@ -521,6 +612,7 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
     result.tokens_per_s = (run_steps - config.timing_skip) * tokens_per_step / timed_seconds;
   }
   if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
+  result.peak_host_bytes = rank_memory_peak();
   if (verbose) {
     say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
                     "tokens/s{}; {} in all{}",
@@ -534,23 +626,16 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
     if (!device.is_cpu()) {
       say(fmt::format("{}: peak allocated {:.1f} MiB", device,
                       static_cast<double>(result.peak_device_bytes) / (1 << 20)));
+    } else {
+      say(fmt::format("tensor memory: peak {} on rank 0 (predicted {})",
+                      models::format_bytes(static_cast<double>(result.peak_host_bytes)),
+                      models::format_bytes(estimate_gpt_memory(config, 1).per_rank())));
     }
   }
   if (config.sample_length > 0 && config.synthetic_data) {
     say("no sample: the model was trained on random tokens");
   } else if (config.sample_length > 0) {
-    SampleOptions so;
-    so.length = config.sample_length;
-    so.temperature = config.temperature;
-    so.top_k = config.top_k;
-    so.seed = seed;
-    so.precision = low;
-    const std::string prompt = config.prompt.empty() ? std::string("\n") : config.prompt;
-    result.sample = sample(model, prompt, so);
-    if (verbose) {
-      say(fmt::format("sample (temperature {:g}, top-k {}, seed {}):\n{}{}\n", config.temperature,
-                      config.top_k, config.seed, prompt, result.sample));
-    }
+    sample_into(result, model, config, low, say);
   }
   return result;
 }
@@ -626,6 +711,19 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
     const data::TextBatch batch = batches.train(step);
     const double loss = g.train_step(batch.idx, batch.targets, lr);
     ++step;
+    models::fault_point("train.step", world->rank());
+    // Every rank stops after the same step (one all-reduce of the flag); a diverged step
+    // stops the run (the loss is the global batch's, the same on every rank).
+    const int stop = mean_over_ranks(world.get(), 0.0, models::stop_signal()).second;
+    TS_CHECK(std::isfinite(loss),
+             "gpt: the loss is {} at step {} (the run diverged); stopped. Lower --lr or keep "
+             "--clip on",
+             loss, step);
+    if (stop != 0) {
+      if (verbose) progress.finish();
+      throw models::stop_requested("gpt", stop, step, stop_at, "",
+                                   "--pp/--tp runs do not write checkpoints yet");
+    }
     const double dt = models::seconds_since(t0);
     train_seconds += dt;
     window_seconds += dt;
@@ -657,29 +755,48 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   result.val_losses.emplace_back(step, result.val_loss);
   result.steps = step;
   result.tokens_per_s = step > 0 ? step * tokens_per_step / train_seconds : 0.0;
+  result.peak_host_bytes = rank_memory_peak();
   say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training tokens/s",
                   result.val_loss, result.train_loss, step, result.tokens_per_s));
+  say(fmt::format("tensor memory: peak {} on rank 0 (predicted {})",
+                  models::format_bytes(static_cast<double>(result.peak_host_bytes)),
+                  models::format_bytes(estimate_gpt_memory(config, 1).per_rank())));
   if (config.sample_length > 0 && lead && !config.synthetic_data) {
-    SampleOptions so;
-    so.length = config.sample_length;
-    so.temperature = config.temperature;
-    so.top_k = config.top_k;
-    so.seed = seed;
-    const std::string prompt = config.prompt.empty() ? std::string("\n") : config.prompt;
-    result.sample = sample(eval_model, prompt, so);
-    say(fmt::format("sample (temperature {:g}, top-k {}, seed {}):\n{}{}\n", config.temperature,
-                    config.top_k, config.seed, prompt, result.sample));
+    sample_into(result, eval_model, config, DType::f32, say);
   }
   return result;
+}
+
+// Everything that can be known to fail before any work: the output paths (on the process
+// that writes them: rank 0), and the memory the run will need against --memory_limit or
+// what the machine has available (processes of one node share it).
+GptMemoryEstimate preflight(const GptTrainConfig& config, bool mpi, int ranks_here) {
+  const bool writer = !mpi || parallel::mpi_world()->rank() == 0;
+  if (writer && !config.save.empty()) models::check_checkpoint_path(config.save, "gpt: --save");
+  if (writer && !config.metrics.empty()) {
+    models::check_output_file(config.metrics, "gpt: --metrics");
+  }
+  const GptMemoryEstimate m = estimate_gpt_memory(config, ranks_here);
+  // The prediction is of host memory; on a GPU the caching allocator refuses cleanly itself,
+  // with its own numbers.
+  if (!Device::parse(config.device).is_cpu()) return m;
+  double need = m.total();
+  if (config.memory_limit == 0 && mpi) {
+    if (const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
+      need *= std::max(1, std::atoi(local));  // this node's processes share its memory
+    }
+  }
+  models::check_memory_budget(
+      "gpt", need, m.str(), config.memory_limit,
+      "lower --batch, --context, --width or --vocab, or spread the run with --accum, --dp, "
+      "--zero, --pp or --tp");
+  return m;
 }
 
 }  // namespace
 
 GptResult train_gpt(const GptTrainConfig& config) {
-  TS_CHECK(config.dp >= 1, "gpt: --dp must be at least 1, got {}", config.dp);
-  TS_CHECK(config.vocab > 0, "gpt: --vocab must be positive, got {}", config.vocab);
-  TS_CHECK(config.timing_skip >= 0, "gpt: --timing_skip must not be negative, got {}",
-           config.timing_skip);
+  validate_train_config(config);
   if (!Device::parse(config.device).is_cpu()) {
     TS_CHECK(config.dp == 1 && config.zero == 0 && config.pp == 1 && config.tp == 1 &&
                  !parallel::mpi_launched(),
@@ -687,62 +804,57 @@ GptResult train_gpt(const GptTrainConfig& config) {
              "--zero {}, --pp {}, --tp {} or mpirun",
              config.device, config.dp, config.zero, config.pp, config.tp);
   }
-  TS_CHECK(config.zero >= 0 && config.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}",
-           config.zero);
-  TS_CHECK(!config.sp || config.tp > 1, "gpt: --sp splits the sequence over tensor-parallel "
-           "ranks; it needs --tp > 1");
-  if (config.pp > 1 || config.tp > 1) {
-    const int64_t ranks = config.pp * config.dp * config.tp;
-    if (parallel::mpi_launched()) {
-      parallel::CommPtr world = parallel::mpi_world();
-      TS_CHECK(world->size() == ranks,
-               "gpt: started by mpirun with {} processes but --pp {} x --dp {} x --tp {} = {}",
-               world->size(), config.pp, config.dp, config.tp, ranks);
-      if (config.threads <= 0) {
-        cpu::set_num_threads(
-            std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world->size()));
-      }
-      return train_rank_3d(config, world);
-    }
-    GptResult result;
-    parallel::ThreadsOptions topt;
-    topt.kernel_threads = static_cast<int>(config.threads);
-    parallel::run_threads(
-        static_cast<int>(ranks),
-        [&](parallel::CommPtr world) {
-          GptResult r = train_rank_3d(config, world);
-          if (world->rank() == 0) result = std::move(r);
-        },
-        topt);
-    return result;
-  }
-  TS_CHECK(config.precision != "f16" || (config.dp == 1 && config.zero == 0),
+  const bool three_d = config.pp > 1 || config.tp > 1;
+  TS_CHECK(!three_d || config.nonfinite == "error",
+           "gpt: --nonfinite=skip is not yet supported with --pp/--tp (a diverged step stops "
+           "the run there)");
+  TS_CHECK(three_d || config.precision != "f16" || (config.dp == 1 && config.zero == 0),
            "gpt: --precision=f16 runs on one rank only (the loss scaler's overflow check is "
            "not yet global); use bf16 with --dp > 1 or --zero > 0");
-  if (parallel::mpi_launched()) {
+  const bool mpi = parallel::mpi_launched();
+  const int64_t ranks = three_d ? config.pp * config.dp * config.tp : config.dp;
+  const GptMemoryEstimate estimate = preflight(config, mpi, mpi ? 1 : static_cast<int>(ranks));
+  const models::MemoryLimitScope memory_limit(config.memory_limit);
+  models::StopSignals signals;  // SIGTERM/SIGINT: finish the step, save, stop
+  if (mpi) parallel::set_comm_timeout(config.comm_timeout);  // the MPI watchdog
+  auto rank_main = [&](parallel::CommPtr world) {
+    return three_d ? train_rank_3d(config, world) : train_rank(config, world.get());
+  };
+  GptResult result;
+  if (mpi) {
     parallel::CommPtr world = parallel::mpi_world();
-    TS_CHECK(world->size() == config.dp,
-             "gpt: started by mpirun with {} processes but --dp is {}; they must be equal",
-             world->size(), config.dp);
+    TS_CHECK(world->size() == ranks,
+             "gpt: started by mpirun with {} processes but {}; they must be equal",
+             world->size(),
+             three_d ? fmt::format("--pp {} x --dp {} x --tp {} = {}", config.pp, config.dp,
+                                   config.tp, ranks)
+                     : fmt::format("--dp is {}", config.dp));
     if (config.threads <= 0) {  // the processes share the machine's cores
       cpu::set_num_threads(
           std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world->size()));
     }
-    return train_rank(config, world.get());
+    process_memory().reset_peak();  // this run's peak, not the process's whole history
+    result = rank_main(world);
+  } else if (!three_d && config.dp == 1 && config.zero == 0) {
+    // Not a MemoryScope of its own: a storage that outlives the run (a cache) would keep a
+    // pointer to a tracker gone out of scope.
+    process_memory().reset_peak();
+    result = train_rank(config, nullptr);
+  } else {
+    parallel::ThreadsOptions topt;
+    topt.kernel_threads = static_cast<int>(config.threads);
+    topt.timeout_seconds = config.comm_timeout > 0 ? config.comm_timeout : 1e9;
+    parallel::run_threads(
+        static_cast<int>(ranks),
+        [&](parallel::CommPtr world) {
+          MemoryTracker tracker;  // this rank's memory, for the report and the peak
+          MemoryScope scope(&tracker);
+          GptResult r = rank_main(world);
+          if (world->rank() == 0) result = std::move(r);
+        },
+        topt);
   }
-  if (config.dp == 1 && config.zero == 0) return train_rank(config, nullptr);
-  GptResult result;
-  parallel::ThreadsOptions topt;
-  topt.kernel_threads = static_cast<int>(config.threads);
-  parallel::run_threads(
-      static_cast<int>(config.dp),
-      [&](parallel::CommPtr world) {
-        MemoryTracker tracker;  // this rank's memory, for the report
-        MemoryScope scope(&tracker);
-        GptResult r = train_rank(config, world.get());
-        if (world->rank() == 0) result = std::move(r);
-      },
-      topt);
+  result.predicted_bytes = estimate.per_rank();
   return result;
 }
 

@@ -2,12 +2,14 @@
 //     [--precision=f32|bf16|f16] [--save=PATH] [--resume=PATH] [--metrics=PATH] ...
 //   bazel run --config=cuda //models:mnist -- --model=cnn --device=cuda
 // Trains a Fashion-MNIST classifier and prints the final test accuracy (--help lists all).
+// Any failure is one "error: ..." line and exit code 1; SIGTERM/SIGINT saves and exits
+// 128 + the signal.
 #include <cstdio>
 #include <string>
 
 #include "models/common/flags.h"
+#include "models/common/run_control.h"
 #include "models/mnist/train.h"
-#include "tensor/error.h"
 
 int main(int argc, char** argv) {
   tessera::mnist::MnistConfig c;
@@ -32,19 +34,20 @@ int main(int argc, char** argv) {
   f.bind("train_limit", c.train_limit, "use only the first N training images (0: all)");
   f.bind("test_limit", c.test_limit, "evaluate on the first N test images (0: all)");
   f.bind("log_every", c.log_every, "steps between metrics lines");
+  f.bind("nonfinite", c.nonfinite,
+         "a step with a NaN/inf loss: error (stop, keep the last checkpoint) or skip (drop it)");
+  std::string memory_limit = "0";
+  f.bind("memory_limit", memory_limit, "tensor memory this process may use, e.g. 2G (0: no cap)");
   bool quiet = false;
   f.bind("quiet", quiet, "no progress output");
-  try {
+  return tessera::models::run_main([&] {
     f.parse(argc, argv);
     c.verbose = !quiet;
+    c.memory_limit = tessera::models::parse_bytes(memory_limit, "mnist: --memory_limit");
     for (std::string* path : {&c.data_dir, &c.save, &c.resume, &c.metrics}) {
       *path = tessera::models::from_user_dir(*path);
     }
     const tessera::mnist::MnistResult r = tessera::mnist::train_mnist(c);
     if (quiet) std::printf("test accuracy %.4f\n", r.test_accuracy);
-  } catch (const tessera::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  });
 }

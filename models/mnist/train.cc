@@ -4,11 +4,14 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 
 #include "kernels/cpu/parallel.h"
 #include "models/common/checkpoint.h"
+#include "models/common/fault.h"
 #include "models/common/flags.h"
 #include "models/common/progress.h"
+#include "models/common/run_control.h"
 #include "models/data/idx.h"
 #include "models/data/loader.h"
 #include "models/mnist/model.h"
@@ -48,17 +51,41 @@ Eval evaluate(nn::Module& model, const data::MnistSplit& test, DType low) {
   return Eval{static_cast<double>(correct) / n, loss_sum / n};
 }
 
+// Every field, before any work: an Error naming the flag and the value.
+void validate(const MnistConfig& c) {
+  using models::require_at_least, models::require_finite_at_least, models::require_one_of;
+  constexpr const char* mnist = "mnist";
+  require_one_of(mnist, "model", c.model, {"mlp", "cnn"});
+  require_at_least(mnist, "epochs", c.epochs, 0);
+  require_at_least(mnist, "batch", c.batch, 1);
+  TS_CHECK(std::isfinite(c.lr) && c.lr > 0, "mnist: --lr must be a finite number > 0, got {}",
+           c.lr);
+  models::require_fraction(mnist, "min_lr_ratio", c.min_lr_ratio, /*include_one=*/true);
+  require_at_least(mnist, "warmup", c.warmup, 0);
+  require_finite_at_least(mnist, "weight_decay", c.weight_decay, 0);
+  TS_CHECK(std::isfinite(c.clip) && c.clip >= 0,
+           "mnist: --clip must be a finite number >= 0 (0: no clipping), got {}", c.clip);
+  models::precision_dtype(c.precision, mnist);
+  require_at_least(mnist, "seed", c.seed, 0);
+  require_at_least(mnist, "threads", c.threads, 0);
+  require_at_least(mnist, "max_steps", c.max_steps, 0);
+  require_at_least(mnist, "train_limit", c.train_limit, 0);
+  require_at_least(mnist, "test_limit", c.test_limit, 0);
+  require_at_least(mnist, "log_every", c.log_every, 1);
+  require_at_least(mnist, "memory_limit", c.memory_limit, 0);
+  require_one_of(mnist, "nonfinite", c.nonfinite, {"error", "skip"});
+}
+
 }  // namespace
 
 MnistResult train_mnist(const MnistConfig& config) {
+  validate(config);
   const DType low = models::precision_dtype(config.precision, "mnist");
   const Device device = Device::parse(config.device);
-  TS_CHECK(config.batch > 0, "mnist: --batch must be positive, got {}", config.batch);
-  TS_CHECK(config.lr > 0, "mnist: --lr must be positive, got {}", config.lr);
-  TS_CHECK(config.log_every > 0, "mnist: --log_every must be positive, got {}", config.log_every);
-  TS_CHECK(config.epochs >= 0 && config.max_steps >= 0 && config.warmup >= 0,
-           "mnist: --epochs ({}), --max_steps ({}) and --warmup ({}) must not be negative",
-           config.epochs, config.max_steps, config.warmup);
+  if (!config.save.empty()) models::check_checkpoint_path(config.save, "mnist: --save");
+  if (!config.metrics.empty()) models::check_output_file(config.metrics, "mnist: --metrics");
+  const models::MemoryLimitScope memory_limit(config.memory_limit);
+  models::StopSignals signals;  // SIGTERM/SIGINT: finish the step, save, stop
   if (config.threads > 0) cpu::set_num_threads(static_cast<int>(config.threads));
   models::Progress progress;
   auto say = [&](const std::string& line) {
@@ -115,6 +142,14 @@ MnistResult train_mnist(const MnistConfig& config) {
              "mnist: {} holds a '{}' model but --model is '{}'", config.resume, it->second,
              config.model);
     step = s.step;
+    TS_CHECK(step < stop_at,
+             "mnist: --resume={} is at step {}, at or past the end of this run ({} steps{}): "
+             "nothing to train; raise --epochs or --max_steps",
+             config.resume, step, stop_at,
+             config.max_steps > 0 ? fmt::format(", --max_steps {}", config.max_steps) : "");
+    if (!s.fallback_reason.empty()) {
+      std::fprintf(stderr, "mnist: warning: %s\n", s.fallback_reason.c_str());
+    }
     loader.set_position(s.epoch, s.batch_index);
     default_generator().set_state(s.rng_seed, s.rng_offset);
     say(fmt::format("resumed from {} at step {} (epoch {}, batch {})", config.resume, step,
@@ -128,6 +163,26 @@ MnistResult train_mnist(const MnistConfig& config) {
                   test.labels.numel(), config.batch, epochs, total_steps, config.lr,
                   config.precision,
                   device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
+
+  auto save = [&] {
+    models::TrainingState s;
+    s.step = step;
+    s.epoch = loader.epoch();
+    s.batch_index = loader.batch_index();
+    s.rng_seed = default_generator().seed();
+    s.rng_offset = default_generator().offset();
+    s.info = {{"model", config.model}, {"precision", config.precision}};
+    if (device.is_cpu()) {
+      models::save_checkpoint(config.save, *model, opt, scaler, s);
+    } else {  // from host copies (load_checkpoint copies back onto the device)
+      nn::StateDict weights = model->state_dict();
+      optim::Optimizer::StateDict state = opt.state_dict();
+      for (auto& [name, t] : weights) t = t.to(kCPU);
+      for (auto& [name, t] : state) t = t.to(kCPU);
+      models::save_checkpoint(config.save, weights, state, scaler, s);
+    }
+    say(fmt::format("saved {} and {}", config.save, models::state_path(config.save)));
+  };
 
   MnistResult result;
   const std::vector<Tensor> params = model->parameters();
@@ -178,13 +233,24 @@ MnistResult train_mnist(const MnistConfig& config) {
       loss = cross_entropy(model->forward(batch.inputs.to(device)), batch.targets.to(device));
     }
     scaler.scale(loss).backward();
-    if (config.clip > 0) {
-      if (scaler.unscale_and_check(params)) optim::clip_grad_norm(params, config.clip);
-    }
-    scaler.step(opt);
-    scaler.update();
-    ++step;
     const double loss_value = loss.item<double>();
+    if (!std::isfinite(loss_value)) {
+      TS_CHECK(config.nonfinite == "skip",
+               "mnist: the loss is {} at step {} (the run diverged); stopped before saving "
+               "anything{}. Lower --lr, set --clip, or pass --nonfinite=skip to drop such steps",
+               loss_value, step + 1,
+               config.resume.empty() ? std::string()
+                                     : fmt::format(" ({} is unchanged)", config.resume));
+      ++result.nonfinite_skipped;  // the update is dropped; the loader has moved on
+    } else {
+      if (config.clip > 0) {
+        if (scaler.unscale_and_check(params)) optim::clip_grad_norm(params, config.clip);
+      }
+      scaler.step(opt);
+      scaler.update();
+    }
+    ++step;
+    models::fault_point("train.step");
     const double dt = models::seconds_since(t0);
     train_seconds += dt;
     epoch_seconds += dt;
@@ -214,29 +280,17 @@ MnistResult train_mnist(const MnistConfig& config) {
       window_steps = 0;
       window_loss = 0.0;
     }
+    if (const int sig = models::stop_signal()) {
+      if (!config.save.empty()) save();
+      if (config.verbose) progress.finish();
+      throw models::stop_requested("mnist", sig, step, stop_at, config.save,
+                                   "no --save was given");
+    }
   }
   // A run that stopped on the last batch of an epoch closes that epoch too.
   if (stop_at == total_steps && epoch_steps > 0) end_of_epoch(epochs - 1);
 
-  if (!config.save.empty()) {
-    models::TrainingState s;
-    s.step = step;
-    s.epoch = loader.epoch();
-    s.batch_index = loader.batch_index();
-    s.rng_seed = default_generator().seed();
-    s.rng_offset = default_generator().offset();
-    s.info = {{"model", config.model}, {"precision", config.precision}};
-    if (device.is_cpu()) {
-      models::save_checkpoint(config.save, *model, opt, scaler, s);
-    } else {  // from host copies (load_checkpoint copies back onto the device)
-      nn::StateDict weights = model->state_dict();
-      optim::Optimizer::StateDict state = opt.state_dict();
-      for (auto& [name, t] : weights) t = t.to(kCPU);
-      for (auto& [name, t] : state) t = t.to(kCPU);
-      models::save_checkpoint(config.save, weights, state, scaler, s);
-    }
-    say(fmt::format("saved {} and {}", config.save, models::state_path(config.save)));
-  }
+  if (!config.save.empty()) save();
 
   const Eval final_eval = evaluate(*model, test, low);
   result.test_accuracy = final_eval.accuracy;

@@ -25,8 +25,10 @@ struct MnistConfig {
   double clip = 0.0;              // max global gradient norm; 0 = no clipping
   std::string precision = "f32";  // f32 | bf16 | f16
   std::string data_dir;           // empty: /usr/share/datasets/fashion-mnist
+  // Checkpoints are saved atomically (models/common/checkpoint.h: the previous one is kept
+  // until the new one is complete); SIGTERM/SIGINT finishes the step, saves, and stops.
   std::string save;               // checkpoint path written at the end (and on --max_steps)
-  std::string resume;             // checkpoint path to continue from
+  std::string resume;             // checkpoint path to continue from (the newest complete)
   std::string metrics;            // JSON-lines file (appended to when resuming)
   int64_t seed = 0;               // initialisation, shuffling, dropout
   int64_t threads = 0;            // kernel threads; 0: all cores
@@ -39,6 +41,10 @@ struct MnistConfig {
   int64_t test_limit = 0;         // evaluate on the first N test images (0: all)
   int64_t log_every = 50;         // steps between metrics lines
   bool eval_each_epoch = true;
+  // A step whose loss is NaN or inf: "error" stops the run before anything is saved;
+  // "skip" drops that step's update (MnistResult::nonfinite_skipped counts them).
+  std::string nonfinite = "error";
+  int64_t memory_limit = 0;       // bytes the CPU allocator may hand out (0: no cap)
   bool verbose = true;            // progress line and summary on stdout
 };
 
@@ -57,6 +63,7 @@ struct MnistResult {
   std::vector<double> epoch_samples_per_s;  // training throughput per (full) epoch
   double samples_per_s = 0.0;          // over all training steps of this run
   int64_t peak_device_bytes = 0;       // the device allocator's high-water mark (--device)
+  int64_t nonfinite_skipped = 0;       // steps skipped by --nonfinite=skip
 };
 
 MnistResult train_mnist(const MnistConfig& config);

@@ -4,13 +4,21 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "parallel/comm/staging.h"
@@ -35,6 +43,105 @@ bool mpi_finalized() {
   MPI_Finalized(&finalized);
   return finalized != 0;
 }
+
+// ---- the watchdog ---------------------------------------------------------------------------
+// MPI's blocking calls cannot be interrupted, and OpenMPI spins in them forever when a peer
+// stops, hangs or dies without taking the job down. Every blocking wait registers here; a
+// thread (started with the first) aborts the whole job with a message naming the call when
+// one has waited longer than the timeout, as NCCL's and PyTorch's watchdogs do.
+
+struct Watchdog {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<uint64_t, std::pair<std::string, std::chrono::steady_clock::time_point>> waits;
+  uint64_t next_id = 0;
+  bool started = false;
+  double timeout_seconds = 600;
+};
+
+Watchdog& watchdog() {
+  static Watchdog* w = [] {
+    auto* dog = new Watchdog;  // never destroyed: its thread outlives static destruction
+    if (const char* env = std::getenv("TESSERA_COMM_TIMEOUT")) {
+      char* end = nullptr;
+      const double v = std::strtod(env, &end);
+      if (end != env && *end == '\0' && v >= 0 && std::isfinite(v)) {
+        dog->timeout_seconds = v;
+      } else {
+        std::fprintf(stderr, "tessera: ignoring TESSERA_COMM_TIMEOUT='%s' (expected seconds "
+                     ">= 0; 0 turns the watchdog off)\n", env);
+      }
+    }
+    return dog;
+  }();
+  return *w;
+}
+
+[[noreturn]] void watchdog_abort(const std::string& what, double waited, double timeout) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  std::fprintf(stderr,
+               "error: tessera watchdog: rank %d of %d: %s has not completed after %.0f s (the "
+               "limit is %g s, TESSERA_COMM_TIMEOUT or --comm_timeout): a peer rank is stalled, "
+               "stopped or dead; aborting the job\n",
+               rank, size, what.c_str(), waited, timeout);
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);  // MPI_Abort does not return; in case it does
+}
+
+void watchdog_loop() {
+  Watchdog& w = watchdog();
+  std::unique_lock<std::mutex> lock(w.mu);
+  for (;;) {
+    const double timeout = w.timeout_seconds;
+    const auto now = std::chrono::steady_clock::now();
+    if (timeout > 0) {
+      for (const auto& [id, wait] : w.waits) {
+        const double waited = std::chrono::duration<double>(now - wait.second).count();
+        if (waited > timeout) {
+          const std::string what = wait.first;
+          lock.unlock();
+          watchdog_abort(what, waited, timeout);
+        }
+      }
+    }
+    // Polls at a quarter of the timeout (at most 1 s): a stall is seen within 1.25 x it.
+    const double poll = timeout > 0 ? std::min(1.0, timeout / 4) : 1.0;
+    w.cv.wait_for(lock, std::chrono::duration<double>(poll));
+  }
+}
+
+// Registers a blocking wait for its lifetime.
+class WatchedWait {
+ public:
+  explicit WatchedWait(std::string what) {
+    Watchdog& w = watchdog();
+    std::lock_guard<std::mutex> lock(w.mu);
+    id_ = w.next_id++;
+    w.waits.emplace(id_, std::make_pair(std::move(what), std::chrono::steady_clock::now()));
+    if (!w.started) {
+      w.started = true;
+      try {
+        std::thread(watchdog_loop).detach();
+      } catch (const std::system_error& e) {
+        w.started = false;  // no watchdog, but the collective itself still runs
+        std::fprintf(stderr, "tessera: cannot start the MPI watchdog thread: %s\n", e.what());
+      }
+    }
+  }
+  ~WatchedWait() {
+    Watchdog& w = watchdog();
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.waits.erase(id_);
+  }
+  WatchedWait(const WatchedWait&) = delete;
+  WatchedWait& operator=(const WatchedWait&) = delete;
+
+ private:
+  uint64_t id_ = 0;
+};
 
 class MpiComm;
 using Requests = std::vector<MPI_Request>;
@@ -63,6 +170,8 @@ class MpiWork : public Work {
   virtual void finish() {}
   // The nonblocking call's name, for errors that surface in MPI_Wait.
   virtual const char* posted_call() const = 0;
+  // The collective ("all_reduce"), for the watchdog's message.
+  virtual const char* op() const = 0;
   const MpiComm& comm() const { return *comm_; }
 
  private:
@@ -135,6 +244,7 @@ void finalize_mpi() {
     // Exiting: a failed last collective was never waited on; nobody is left to tell.
   }
   last.reset();
+  WatchedWait watched("MPI_Finalize (waiting for the other ranks to finish)");
   {
     std::lock_guard<std::mutex> lock(g_send_mu);
     for (PendingSend& s : g_sends) MPI_Wait(&s.request, MPI_STATUS_IGNORE);
@@ -339,6 +449,8 @@ void MpiWork::post_now() {
 
 void MpiWork::complete_locked() {
   if (state_ == State::done) return;
+  WatchedWait watched(fmt::format("{} on group '{}' (rank {} of {})", op(), comm().name(),
+                                  comm().rank(), comm().size()));
   try {
     if (state_ == State::deferred) {
       run(nullptr);
@@ -396,6 +508,7 @@ class StateWork final : public MpiWork {
   void run(Requests* requests) override { s_.run(comm(), requests); }
   void finish() override { s_.finish(comm()); }
   const char* posted_call() const override { return S::kPosted; }
+  const char* op() const override { return S::kOp; }
   S s_;
 };
 
@@ -407,6 +520,7 @@ std::shared_ptr<MpiWork> make_work(const MpiComm& comm, S state) {
 // ---- collectives -----------------------------------------------------------------------------
 
 struct AllReduce {
+  static constexpr const char* kOp = "all_reduce";
   static constexpr const char* kPosted = "MPI_Iallreduce";
   Tensor tensor;
   Reduction red;
@@ -434,6 +548,7 @@ struct AllReduce {
 };
 
 struct AllGather {
+  static constexpr const char* kOp = "all_gather";
   static constexpr const char* kPosted = "MPI_Iallgather(v)";
   Tensor output, input;
   std::vector<int> counts, displs;  // counts empty: equal blocks of input.numel()
@@ -464,6 +579,7 @@ struct AllGather {
 };
 
 struct ReduceScatter {
+  static constexpr const char* kOp = "reduce_scatter";
   static constexpr const char* kPosted = "MPI_Ireduce_scatter(_block)";
   Tensor output, input;
   Reduction red;
@@ -496,6 +612,7 @@ struct ReduceScatter {
 };
 
 struct Broadcast {
+  static constexpr const char* kOp = "broadcast";
   static constexpr const char* kPosted = "MPI_Ibcast";
   Tensor tensor;
   int root;
@@ -517,6 +634,7 @@ struct Broadcast {
 };
 
 struct AllToAll {
+  static constexpr const char* kOp = "all_to_all";
   static constexpr const char* kPosted = "MPI_Ialltoall(v)";
   Tensor output, input;
   // All empty: equal blocks.
@@ -548,6 +666,7 @@ struct AllToAll {
 };
 
 struct Barrier {
+  static constexpr const char* kOp = "barrier";
   static constexpr const char* kPosted = "MPI_Ibarrier";
   void run(const MpiComm& c, Requests* requests) {
     if (requests == nullptr) {
@@ -563,6 +682,7 @@ struct Barrier {
 
 // A recv is posted at once (never deferred): a peer's send may be waiting for it.
 struct Recv {
+  static constexpr const char* kOp = "recv";
   static constexpr const char* kPosted = "MPI_Irecv";
   Tensor tensor;
   int src, tag;
@@ -590,7 +710,11 @@ std::shared_ptr<Communicator> MpiComm::do_split(int color, int key, const std::s
     std::lock_guard<std::mutex> lock(g_issue_mu);
     prev = post_deferred_locked();
   }
-  check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
+  {
+    WatchedWait watched(fmt::format("split of group '{}' (rank {} of {})",
+                                    Communicator::name(), rank(), size()));
+    check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
+  }
   return wrap(sub, name);
 }
 
@@ -741,6 +865,39 @@ CommPtr mpi_world() {
 
 bool mpi_launched() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
+}
+
+double set_comm_timeout(double seconds) {
+  TS_CHECK(seconds >= 0 && std::isfinite(seconds),
+           "set_comm_timeout: seconds must be finite and >= 0 (0: no watchdog), got {}",
+           seconds);
+  Watchdog& w = watchdog();
+  std::lock_guard<std::mutex> lock(w.mu);
+  const double previous = w.timeout_seconds;
+  w.timeout_seconds = seconds;
+  w.cv.notify_all();
+  return previous;
+}
+
+double comm_timeout() {
+  Watchdog& w = watchdog();
+  std::lock_guard<std::mutex> lock(w.mu);
+  return w.timeout_seconds;
+}
+
+void mpi_abort_if_running(int code, const std::string& message) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return;
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size <= 1) return;
+  std::fprintf(stderr, "rank %d of %d failed; aborting the other ranks: %s\n", rank, size,
+               message.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, code == 0 ? 1 : code);
 }
 
 namespace internal {

@@ -19,9 +19,15 @@
 // send posted before the peer's recv never deadlocks (as with the threads backend).
 // MPI errors come back as tessera::Error("mpi: MPI_Allreduce on group 'tp' failed on rank 1
 // of 2: ..."): every communicator has MPI_ERRORS_RETURN.
+//
+// A watchdog bounds every blocking wait (collectives, recv, split, MPI_Finalize): one that
+// has not completed after comm_timeout() seconds (default 600; TESSERA_COMM_TIMEOUT or
+// set_comm_timeout(); 0: off) means a peer is stalled, stopped or dead, and the watchdog
+// prints which call waited and aborts the whole job (MPI_Abort), rather than spin forever.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "parallel/comm/communicator.h"
 
@@ -35,6 +41,15 @@ CommPtr mpi_world();
 // True when this process was started by mpirun (OMPI_COMM_WORLD_SIZE, or PMI_SIZE for other
 // launchers, is set), so examples can choose between mpi_world() and run_threads().
 bool mpi_launched();
+
+// The watchdog's limit in seconds (0: no watchdog); returns the previous value.
+double set_comm_timeout(double seconds);
+double comm_timeout();
+
+// After an error on this rank: when MPI is running with more than one process, prints the
+// message and brings every rank down (MPI_Abort with `code`), so no peer waits forever in a
+// collective for this one; otherwise returns and the caller exits as usual.
+void mpi_abort_if_running(int code, const std::string& message);
 
 namespace internal {
 // MPI counts and displacements are ints. all_reduce, broadcast, send and recv split longer

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <system_error>
 #include <thread>
 #include <tuple>
 
@@ -553,7 +554,15 @@ class Worker {
     TS_CHECK(!stopping_, "{} on {}: the communicator was used after its rank finished (after "
              "run_threads returned?)", op_name(op), label_);
     queue_.push_back(task);
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { loop(); });
+      } catch (const std::system_error& e) {
+        queue_.pop_back();
+        fail("{} on {}: cannot start the communicator's worker thread: {}", op_name(op), label_,
+             e.what());
+      }
+    }
     wake_.notify_one();
     return task;
   }
@@ -867,7 +876,22 @@ void run_threads(int n, const std::function<void(CommPtr world)>& fn, ThreadsOpt
   };
   std::vector<std::thread> threads;
   threads.reserve(n);
-  for (int r = 0; r < n; ++r) threads.emplace_back(rank_main, r);
+  for (int r = 0; r < n; ++r) {
+    try {
+      threads.emplace_back(rank_main, r);
+    } catch (const std::system_error& e) {
+      // The ranks already running would wait for this one in their first collective: fail
+      // them (as a rank that threw would), let them finish, and report why.
+      const std::string why = fmt::format(
+          "run_threads: cannot start the thread of rank {} of {}: {} (the system's limit on "
+          "threads or memory?)",
+          r, n, e.what());
+      world->fail(r, why);
+      for (int q = r; q < n; ++q) world->mark_exited(q);
+      for (auto& t : threads) t.join();
+      fail("{}", why);
+    }
+  }
   for (auto& t : threads) t.join();
 
   for (int r = 0; r < n; ++r) {

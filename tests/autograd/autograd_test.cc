@@ -156,7 +156,10 @@ TEST_CASE("post-accumulate hooks fire once per leaf, last layer first") {
   w2.set_grad(full({4, 4}, 100.0));  // accumulation adds to an existing .grad
   std::vector<std::string> order;
   std::vector<Tensor> grads_at_hook;
-  for (auto [name, w] : {std::pair{"w1", w1}, std::pair{"w2", w2}, std::pair{"w3", w3}}) {
+  // Plain variables, not a structured binding: lambdas capture them (clang < 16 rejects that).
+  for (auto entry : {std::pair{"w1", w1}, std::pair{"w2", w2}, std::pair{"w3", w3}}) {
+    const char* name = entry.first;
+    const Tensor& w = entry.second;
     w.register_post_accumulate_grad_hook([&order, &grads_at_hook, name](const Tensor& t) {
       order.push_back(name);
       grads_at_hook.push_back(t.grad().clone());

@@ -54,10 +54,13 @@ constexpr DType kFloatTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16
 // device copies of their bases by `view`, against the CPU.
 template <typename View>
 void check_matmul(const Tensor& a_base, const Tensor& b_base, View view, double tol) {
-  auto [a, b] = view(a_base, b_base);
-  auto [ga, gb] = view(a_base.to(kGpu), b_base.to(kGpu));
+  // Plain variables, not a structured binding: INFO captures them (clang < 16 rejects that).
+  const auto cpu = view(a_base, b_base);
+  const auto gpu = view(a_base.to(kGpu), b_base.to(kGpu));
+  const Tensor& a = cpu.first;
+  const Tensor& b = cpu.second;
   const Tensor ref = matmul(a, b);
-  const Tensor got = matmul(ga, gb);
+  const Tensor got = matmul(gpu.first, gpu.second);
   CHECK(got.device() == kGpu);
   CHECK(got.dtype() == ref.dtype());
   INFO("a ", a.str(), " b ", b.str());

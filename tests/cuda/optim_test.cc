@@ -8,13 +8,14 @@
 // the operands: f32 |got - want| <= 1e-6 (|want| + max|want|), f64 the same with 1e-12; a
 // bf16 param within one bf16 ulp (2^-7 relative) of the CPU's and exactly its own master
 // rounded. The max|want| term covers cancellation in exp_avg += (1 - b1) (g - exp_avg).
+//
+// The multi-tensor form against one call per tensor, its shape errors and AdamW's retry
+// param by param need no GPU: tests/optim/multi_tensor_test.cc.
 #include <doctest/doctest.h>
 
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "optim/adamw.h"
@@ -22,10 +23,17 @@
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
 #include "tensor/ops.h"
+#include "tests/optim/multi_tensor_util.h"
 
 using namespace tessera;
 
 namespace {
+
+using optim::testing::call_tuples;
+using optim::testing::make_operands;
+using optim::testing::Operands;
+using optim::testing::Views;
+using optim::testing::views_into;
 
 // |got - want| <= rel * (|want| + scaled * max|want|) everywhere, failing once with the
 // worst element.
@@ -52,73 +60,8 @@ void check_close(const Tensor& got, const Tensor& want, double rel, const std::s
                 "] got ", g.empty() ? 0 : g[worst], " want ", w.empty() ? 0 : w[worst]);
 }
 
-// call_inplace takes the written inputs as an initializer_list (of a length fixed at compile
-// time; indices past the inputs are skipped).
-template <size_t... I>
-void call_written(OpId op, std::vector<Tensor> in, const Attrs& a,
-                  const std::array<size_t, sizeof...(I)>& w, std::index_sequence<I...>) {
-  call_inplace(op, std::move(in), a, {w[I]...});
-}
-void call_tuples(OpId op, std::vector<Tensor> in, const Attrs& a, size_t width,
-                 std::vector<size_t> written) {
-  std::array<size_t, 1024> w;
-  w.fill(SIZE_MAX);
-  size_t n = 0;
-  for (size_t j = 0; j < in.size() / width; ++j) {
-    for (size_t k : written) w.at(n++) = j * width + k;
-  }
-  NoGradGuard no_grad;
-  call_written(op, std::move(in), a, w, std::make_index_sequence<1024>());
-}
-
-// Tensors of `sizes` as views into one flat buffer per role: even tensors start at a
-// multiple of 4 elements, odd ones one element later, so their operands are not 16-byte
-// aligned (the kernel's scalar path). Returns the starts and the buffer's size.
-std::pair<std::vector<int64_t>, int64_t> layout(const std::vector<int64_t>& sizes) {
-  std::vector<int64_t> starts;
-  int64_t at = 0;
-  for (size_t j = 0; j < sizes.size(); ++j) {
-    at += static_cast<int64_t>(j % 2);
-    starts.push_back(at);
-    at = (at + sizes[j] + 3) / 4 * 4;
-  }
-  return {starts, at + 4};
-}
-struct Views {
-  Tensor flat;
-  std::vector<Tensor> views;
-};
-Views views_into(const Tensor& flat, const std::vector<int64_t>& sizes) {
-  Views v{flat, {}};
-  const std::vector<int64_t> starts = layout(sizes).first;
-  for (size_t j = 0; j < sizes.size(); ++j) {
-    v.views.push_back(flat.slice(0, starts[j], starts[j] + sizes[j]));
-  }
-  return v;
-}
-int64_t flat_size(const std::vector<int64_t>& sizes) { return layout(sizes).second; }
-
 DType state_dtype(DType dt) { return dt == DType::f64 ? DType::f64 : DType::f32; }
 double rel_for(DType dt) { return dt == DType::f64 ? 1e-12 : 1e-6; }
-
-// One optimizer's operands on one device: views into flat buffers, role by role.
-struct Operands {
-  std::vector<Views> roles;  // param, grad, state..., master
-  Tensor at(size_t role, size_t j) const { return roles[role].views[j]; }
-};
-
-Operands make_operands(const std::vector<int64_t>& sizes, const std::vector<DType>& role_dtypes,
-                       uint64_t seed) {
-  Operands o;
-  const int64_t n = flat_size(sizes);
-  Generator gen(seed);
-  for (DType dt : role_dtypes) {
-    // Positive second moments keep sqrt defined; the rest standard normal.
-    Tensor flat = cast(randn({n}, DType::f64, kCPU, &gen), dt);
-    o.roles.push_back(views_into(flat, sizes));
-  }
-  return o;
-}
 
 Operands to_cuda(const Operands& cpu, const std::vector<int64_t>& sizes) {
   Operands o;
@@ -318,80 +261,6 @@ TEST_CASE("sgd_ multi-tensor on CUDA matches the CPU: plain, momentum, dampening
   }
   sgd_against_cpu(DType::bf16, true, 0.9, 0.0, true, 1e-2);
   sgd_against_cpu(DType::bf16, true, 0.0, 0.0, false, 0.0);
-}
-
-// ---- the multi-tensor form on the CPU ------------------------------------------------------
-
-TEST_CASE("CPU: a multi-tensor adamw_ / sgd_ call equals one call per tensor, bit for bit") {
-  const std::vector<int64_t> sizes = {1, 3, 1001, 17};
-  for (bool adam : {true, false}) {
-    CAPTURE(adam);
-    Operands multi = make_operands(sizes, {DType::bf16, DType::bf16, DType::f32, DType::f32,
-                                           DType::f32}, 9);
-    multi.roles[3].flat = abs(multi.roles[3].flat);
-    multi.roles[3] = views_into(multi.roles[3].flat, sizes);
-    Operands single;
-    for (const Views& v : multi.roles) single.roles.push_back(views_into(v.flat.clone(), sizes));
-    Attrs a;
-    a.step_count = 3;
-    a.lr = 0.01;
-    a.weight_decay = 0.1;
-    a.momentum = adam ? 0.0 : 0.9;
-    const size_t width = adam ? 5 : 4;
-    std::vector<Tensor> in;
-    for (size_t j = 0; j < sizes.size(); ++j) {
-      const Operands& o = multi;
-      if (adam) in.insert(in.end(), {o.at(0, j), o.at(1, j), o.at(2, j), o.at(3, j), o.at(4, j)});
-      else in.insert(in.end(), {o.at(0, j), o.at(1, j), o.at(2, j), o.at(4, j)});
-      const Operands& t = single;
-      if (adam) {
-        call_tuples(OpId::adamw_, {t.at(0, j), t.at(1, j), t.at(2, j), t.at(3, j), t.at(4, j)},
-                    a, 5, {0, 2, 3, 4});
-      } else {
-        call_tuples(OpId::sgd_, {t.at(0, j), t.at(1, j), t.at(2, j), t.at(4, j)}, a, 4,
-                    {0, 2, 3});
-      }
-    }
-    call_tuples(adam ? OpId::adamw_ : OpId::sgd_, in, a, width,
-                adam ? std::vector<size_t>{0, 2, 3, 4} : std::vector<size_t>{0, 2, 3});
-    for (size_t r = 0; r < multi.roles.size(); ++r) {
-      CHECK(multi.roles[r].flat.to_vector<float>() == single.roles[r].flat.to_vector<float>());
-    }
-  }
-}
-
-TEST_CASE("CPU: multi-tensor shape errors name the tuple; AdamW.step names the param") {
-  Tensor p = zeros({2, 3}), m = zeros({2, 3}), v = zeros({2, 3});
-  Attrs a;
-  a.lr = 0.1;
-  try {
-    call_tuples(OpId::adamw_, {p, p, m, v, Tensor(), zeros({4}), zeros({3}), zeros({4}),
-                               zeros({4}), Tensor()},
-                a, 5, {0, 2, 3, 4});
-    FAIL("no error");
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    CHECK_MESSAGE(msg.find("adamw_ tuple 1 of 2") != std::string::npos, msg);
-    CHECK_MESSAGE(msg.find("[3]") != std::string::npos, msg);
-  }
-  // One bucket of three params, the middle one's gradient the wrong shape: the bucket is
-  // retried param by param, so the first steps, the error names the second, the third waits.
-  Tensor w0 = zeros({4}).requires_grad_(), w1 = zeros({4}).requires_grad_();
-  Tensor w2 = zeros({4}).requires_grad_();
-  optim::AdamW opt({optim::ParamGroup{{w0, w1, w2}, {"a", "b", "c"}}});
-  w0.set_grad(ones({4}));
-  w1.ensure_autograd_meta().grad = ones({2});
-  w2.set_grad(ones({4}));
-  try {
-    opt.step();
-    FAIL("no error");
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    CHECK_MESSAGE(msg.find("AdamW.step: param 1 (b)") != std::string::npos, msg);
-  }
-  CHECK(opt.step_count(0) == 1);
-  CHECK(opt.step_count(1) == 0);
-  CHECK(opt.step_count(2) == 0);
 }
 
 // ---- optim::AdamW / optim::SGD -------------------------------------------------------------

@@ -45,7 +45,10 @@ TEST_CASE("the README's sharded snippet is the code the example runs") {
 
 TEST_CASE("the sharded MLP step equals the single-device step on every mesh shape") {
   const ShardedMlpResult ref = single_device_mlp_step();
-  for (auto [dp, tp] : {std::pair<int64_t, int64_t>{1, 1}, {2, 1}, {1, 2}, {2, 2}, {1, 4}, {4, 1}, {2, 4}}) {
+  // Plain variables, not a structured binding: lambdas capture them (clang < 16 rejects that).
+  for (const auto& mesh :
+       {std::pair<int64_t, int64_t>{1, 1}, {2, 1}, {1, 2}, {2, 2}, {1, 4}, {4, 1}, {2, 4}}) {
+    const int64_t dp = mesh.first, tp = mesh.second;
     parallel::run_threads(static_cast<int>(dp * tp), [&](CommPtr world) {
       const ShardedMlpResult r = sharded_mlp_step(world, dp, tp);
       check_close(r.loss, ref.loss, "loss");

@@ -133,7 +133,9 @@ TEST_CASE("sgemm matches a f64 triple loop for all layouts, shapes and accumulat
       {100, 513, 100}, {24, 1025, 50}, {3073, 20, 10}, {130, 300, 400},
   };
   uint64_t seed = 0;
-  for (const auto& [m, n, k] : shapes) {
+  // Plain variables, not a structured binding: CAPTURE captures them (clang < 16 rejects that).
+  for (const std::array<int64_t, 3>& shape : shapes) {
+    const int64_t m = shape[0], n = shape[1], k = shape[2];
     const std::vector<float> a = random_matrix(m, k, ++seed), b = random_matrix(k, n, ++seed);
     const std::vector<float> c0 = random_matrix(m, n, ++seed);
     const Reference ref = naive(a, b, m, n, k);
@@ -194,7 +196,8 @@ TEST_CASE("sgemm is bitwise identical for 1, 2, 3 and 4 threads") {
   const std::vector<std::array<int64_t, 3>> shapes = {
       {300, 300, 300}, {517, 130, 800}, {64, 1000, 77}, {1000, 40, 900}, {129, 257, 1025}};
   uint64_t seed = 100;
-  for (const auto& [m, n, k] : shapes) {
+  for (const std::array<int64_t, 3>& shape : shapes) {
+    const int64_t m = shape[0], n = shape[1], k = shape[2];
     const std::vector<float> a = random_matrix(m, k, ++seed), b = random_matrix(k, n, ++seed);
     const std::vector<float> c0 = random_matrix(m, n, ++seed);
     for (bool accumulate : {false, true}) {

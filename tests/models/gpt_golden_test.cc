@@ -105,10 +105,13 @@ TEST_CASE("golden: loss, logits and every gradient match PyTorch (tools/gpt_refe
   }
 
   const nn::SafetensorsFile golden = nn::load_safetensors(kGoldenPath);
-  for (const auto& [key, value] :
+  // Plain variables, not a structured binding: CAPTURE captures them (clang < 16 rejects that).
+  for (const auto& entry :
        {std::pair{"layers", config.layers}, std::pair{"heads", config.heads},
         std::pair{"width", config.width}, std::pair{"context", config.context},
         std::pair{"vocab", config.vocab}}) {
+    const char* key = entry.first;
+    const int64_t value = entry.second;
     CAPTURE(key);
     REQUIRE(golden.metadata.count(key) == 1);
     CHECK(golden.metadata.at(key) == std::to_string(value));
@@ -124,7 +127,9 @@ TEST_CASE("golden: loss, logits and every gradient match PyTorch (tools/gpt_refe
   size_t golden_params = 0;
   for (const auto& [name, t] : g) golden_params += name.rfind("param.", 0) == 0;
   CHECK(golden_params == params.size());
-  for (const auto& [name, p] : params) {
+  for (const auto& entry : params) {
+    const std::string& name = entry.first;
+    const Tensor& p = entry.second;
     CAPTURE(name);
     REQUIRE(g.count("param." + name) == 1);
     const Tensor& want = g.at("param." + name);
@@ -155,7 +160,9 @@ TEST_CASE("golden: loss, logits and every gradient match PyTorch (tools/gpt_refe
 
   double worst_grad = 0.0;
   std::string worst_name;
-  for (const auto& [name, p] : params) {
+  for (const auto& entry : params) {
+    const std::string& name = entry.first;
+    const Tensor& p = entry.second;
     CAPTURE(name);
     REQUIRE(g.count("grad." + name) == 1);
     REQUIRE(p.grad().defined());
@@ -212,7 +219,9 @@ TEST_CASE("GPT-2 initialisation: N(0, 0.02), residual projections / sqrt(2L), ze
   // With >= 4096 draws the sample std is within ~1.1% (1/sqrt(2n)) of the truth; 5% is ~4.5
   // sigma. The mean's sigma is std/sqrt(n) <= 3e-4 here.
   const double resid = 0.02 / std::sqrt(16.0);
-  for (const auto& [name, p] : model.named_parameters()) {
+  for (const auto& entry : model.named_parameters()) {
+    const std::string& name = entry.first;
+    const Tensor& p = entry.second;
     CAPTURE(name);
     const bool is_bias = name.size() > 5 && name.substr(name.size() - 5) == ".bias";
     if (name.find("ln_") != std::string::npos) {

@@ -43,7 +43,9 @@ TEST_CASE("tensor parallel GPT: loss and every gradient equal one device") {
   const auto ref = make_gpt();
   const Tensor ref_loss = Gpt::loss((*ref)(b.idx), b.targets);
   ref_loss.backward();
-  for (auto [dp, tp] : {std::pair<int64_t, int64_t>{1, 2}, {1, 4}, {2, 2}, {1, 1}}) {
+  // Plain variables, not a structured binding: lambdas capture them (clang < 16 rejects that).
+  for (const auto& shape : {std::pair<int64_t, int64_t>{1, 2}, {1, 4}, {2, 2}, {1, 1}}) {
+    const int64_t dp = shape.first, tp = shape.second;
     CAPTURE(dp);
     CAPTURE(tp);
     parallel::run_threads(static_cast<int>(dp * tp), [&](parallel::CommPtr world) {
@@ -58,7 +60,9 @@ TEST_CASE("tensor parallel GPT: loss and every gradient equal one device") {
         loss.backward();
       }
       CHECK(std::abs(loss.full_tensor().item<double>() - ref_loss.item<double>()) <= 1e-12);
-      for (const auto& [name, t] : ref->named_parameters()) {
+      for (const auto& entry : ref->named_parameters()) {
+        const std::string& name = entry.first;
+        const Tensor& t = entry.second;
         CAPTURE(name);
         CHECK(max(abs(tpg.full_grad(name) - t.grad())).item<double>() <= 1e-12);
       }
@@ -99,7 +103,8 @@ TEST_CASE("sequence parallel GPT: one device's gradients, all-gather in and redu
   const Tensor ref_loss = Gpt::loss((*ref)(b.idx), b.targets);
   ref_loss.backward();
   std::map<int64_t, int64_t> sp_bytes;  // tp -> rank 0's region bytes with SP (dp = 1)
-  for (auto [dp, tp] : {std::pair<int64_t, int64_t>{1, 2}, {1, 4}, {2, 2}}) {
+  for (const auto& shape : {std::pair<int64_t, int64_t>{1, 2}, {1, 4}, {2, 2}}) {
+    const int64_t dp = shape.first, tp = shape.second;
     CAPTURE(dp);
     CAPTURE(tp);
     parallel::run_threads(static_cast<int>(dp * tp), [&](parallel::CommPtr world) {
@@ -120,7 +125,9 @@ TEST_CASE("sequence parallel GPT: one device's gradients, all-gather in and redu
           loss.backward();
         }
         CHECK(std::abs(loss.full_tensor().item<double>() - ref_loss.item<double>()) <= 1e-12);
-        for (const auto& [name, t] : ref->named_parameters()) {
+        for (const auto& entry : ref->named_parameters()) {
+          const std::string& name = entry.first;
+          const Tensor& t = entry.second;
           CAPTURE(name);
           CHECK(max(abs(tpg.full_grad(name) - t.grad())).item<double>() <= 1e-12);
         }
@@ -164,8 +171,10 @@ TEST_CASE("dropout under TP and SP draws the single-device masks; uneven vocabul
   const data::TextBatch b = batch();
   // heads 3, width 24: tp = 3 splits whole heads, and the 256-row vocabulary unevenly (86, 85,
   // 85); dropout 0.2 everywhere the single-device model has it.
-  for (auto [tp, heads, width, p] : {std::tuple<int64_t, int64_t, int64_t, double>{2, 4, 16, 0.2},
-                                     {3, 3, 24, 0.2}, {3, 3, 24, 0.0}}) {
+  for (const auto& c : {std::tuple<int64_t, int64_t, int64_t, double>{2, 4, 16, 0.2},
+                        {3, 3, 24, 0.2}, {3, 3, 24, 0.0}}) {
+    const int64_t tp = std::get<0>(c), heads = std::get<1>(c), width = std::get<2>(c);
+    const double p = std::get<3>(c);
     CAPTURE(tp);
     CAPTURE(p);
     const auto ref = make_gpt(heads, p, width);
@@ -183,7 +192,9 @@ TEST_CASE("dropout under TP and SP draws the single-device masks; uneven vocabul
         const parallel::ShardedTensor loss = tpg.loss(b.idx, b.targets);
         loss.backward();
         CHECK(std::abs(loss.full_tensor().item<double>() - ref_loss.item<double>()) <= 1e-12);
-        for (const auto& [name, t] : ref->named_parameters()) {
+        for (const auto& entry : ref->named_parameters()) {
+          const std::string& name = entry.first;
+          const Tensor& t = entry.second;
           CAPTURE(name);
           CHECK(max(abs(tpg.full_grad(name) - t.grad())).item<double>() <= 1e-12);
         }

@@ -16,13 +16,9 @@ namespace tessera::mnist {
 namespace {
 
 using testing::error_of;
+using testing::temp_dir;
 
 namespace fs = std::filesystem;
-
-std::string temp_dir() {
-  const char* t = std::getenv("TEST_TMPDIR");
-  return t != nullptr ? t : fs::temp_directory_path().string();
-}
 
 MnistConfig small(const std::string& model = "mlp") {
   MnistConfig c;
@@ -90,14 +86,14 @@ TEST_CASE("bf16 mixed precision trains to within a point of f32 on the small run
 TEST_CASE("errors: bad flags, missing data, mismatched checkpoints") {
   MnistConfig c = small();
   c.model = "resnet";
-  CHECK(error_of([&] { train_mnist(c); }).find("unknown --model 'resnet'; expected mlp or cnn") !=
+  CHECK(error_of([&] { train_mnist(c); }).find("--model must be mlp or cnn, got 'resnet'") !=
         std::string::npos);
   c = small();
   c.precision = "f8";
   CHECK(error_of([&] { train_mnist(c); }).find("unknown --precision 'f8'") != std::string::npos);
   c = small();
   c.log_every = 0;
-  CHECK(error_of([&] { train_mnist(c); }).find("--log_every must be positive, got 0") !=
+  CHECK(error_of([&] { train_mnist(c); }).find("--log_every must be >= 1, got 0") !=
         std::string::npos);
   c = small();
   c.data_dir = temp_dir() + "/no_such_dir";
@@ -115,7 +111,8 @@ TEST_CASE("errors: bad flags, missing data, mismatched checkpoints") {
   const std::string msg = error_of([&] { train_mnist(c); });
   CHECK(msg.find(path) != std::string::npos);
   CHECK(msg.find("does not fit this model") != std::string::npos);
-  // A state file from another save is detected.
+  // A state file from another save is detected (and with no previous pair to fall back on,
+  // nothing is loaded).
   const std::string other = temp_dir() + "/mnist_other.safetensors";
   c = small();
   c.max_steps = 3;
@@ -127,7 +124,8 @@ TEST_CASE("errors: bad flags, missing data, mismatched checkpoints") {
   c = small();
   c.resume = path;
   c.max_steps = 4;
-  CHECK(error_of([&] { train_mnist(c); }).find("are not from the same save") != std::string::npos);
+  CHECK(error_of([&] { train_mnist(c); }).find("no complete checkpoint at " + path) !=
+        std::string::npos);
 }
 
 }  // namespace

@@ -243,7 +243,10 @@ TEST_CASE("gradients of a module flow to every parameter") {
   Tensor loss = cross_entropy(net.forward(randn({6, 4})),
                               Tensor::from_vector<int64_t>({0, 1, 1, 0, 1, 0}, {6}));
   loss.backward();
-  for (auto& [n, p] : net.named_parameters()) {
+  // Plain variables, not a structured binding: CAPTURE captures them (clang < 16 rejects that).
+  for (auto& entry : net.named_parameters()) {
+    const std::string& n = entry.first;
+    Tensor& p = entry.second;
     CAPTURE(n);
     REQUIRE(p.grad().defined());
     CHECK(p.grad().shape() == p.shape());
@@ -271,7 +274,7 @@ TEST_CASE("autocast: GEMMs in low precision, loss in f32, f32 gradients for f32 
     CHECK(softmax(y).dtype() == DType::f32);
     loss = cross_entropy(y, target);
     CHECK(loss.dtype() == DType::f32);
-    CHECK_THROWS_AS(AutocastGuard(DType::i32), Error);
+    CHECK_THROWS_AS(AutocastGuard{DType::i32}, Error);
   }
   CHECK_FALSE(autocast_enabled());
   loss.backward();

@@ -70,7 +70,11 @@ void check_exact_resume(Options options, Options resumed_options) {
   }
   const StateDict sa = a.state_dict(), sb = b.state_dict();
   REQUIRE(sa.size() == sb.size());
-  for (const auto& [key, t] : sa) {
+  // Plain variables, not a structured binding: the _MESSAGE macros capture them (clang < 16
+  // rejects that).
+  for (const auto& entry : sa) {
+    const std::string& key = entry.first;
+    const Tensor& t = entry.second;
     REQUIRE_MESSAGE(sb.count(key) == 1, key);
     CHECK_MESSAGE(bitwise_equal(t, sb.at(key)), key, " differs after resuming");
   }
@@ -175,7 +179,9 @@ TEST_CASE("load_state_dict errors name the key and both shapes, and change nothi
                     {"AdamW", "beta1", "1.5"});
   CHECK(opt.options().betas.first == 0.9);
   const StateDict after = opt.state_dict();
-  for (const auto& [key, t] : good) CHECK_MESSAGE(bitwise_equal(t, after.at(key)), key);
+  for (const auto& entry : good) {
+    CHECK_MESSAGE(bitwise_equal(entry.second, after.at(entry.first)), entry.first);
+  }
 
   // The same params grouped differently: the group layout is checked.
   std::vector<ParamGroup> regrouped = {ParamGroup{{params[0]}}, ParamGroup{{params[1], params[2]}}};

@@ -2,6 +2,11 @@
 // this backend promises (failure propagation, timeouts, bitwise equal results, kernel
 // threads per rank, progress without wait()).
 #include <doctest/doctest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
 #include <omp.h>
 
 #include <atomic>
@@ -105,6 +110,34 @@ TEST_CASE("threads: a rank that returns early does not hang the others") {
     recv_error = error_of([&] { world->recv(Tensor::empty({2}), 1, 3); });
   });
   CHECK(contains(recv_error, "rank 1 exited before sending the message with tag 3"));
+}
+
+TEST_CASE("threads: a rank whose thread cannot start is an Error, and the others stop") {
+  // In a child process with its address space capped just above what it uses: each rank's
+  // thread needs a stack mapping, and some of 64 cannot get one (as under a memory limit or
+  // a thread limit). Root ignores thread-count limits, so the address space is the lever.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    long pages = 0;
+    std::FILE* f = std::fopen("/proc/self/statm", "r");
+    if (f == nullptr || std::fscanf(f, "%ld", &pages) != 1) _exit(2);
+    std::fclose(f);
+    const rlim_t used = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE));
+    const struct rlimit cap = {used + (rlim_t{96} << 20), used + (rlim_t{96} << 20)};
+    if (setrlimit(RLIMIT_AS, &cap) != 0) _exit(3);
+    try {
+      run_threads(64, [](CommPtr world) { world->barrier(); });
+    } catch (const Error& e) {
+      _exit(contains(e.what(), "run_threads: cannot start the thread of rank") ? 0 : 4);
+    } catch (...) {
+      _exit(5);
+    }
+    _exit(6);  // every thread started: the cap was not low enough to test anything
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 TEST_CASE("threads: a collective waiting past the timeout throws") {

@@ -294,13 +294,18 @@ TEST_CASE("zero: resume under another (dp, stage) continues the same losses") {
       for (auto& [k, v] : plain.state_dict()) want.push_back(k);
       for (auto& [k, v] : ckpt.optimizer) got.push_back(k);
       CHECK(got == want);
-      for (auto& [k, v] : plain.state_dict()) {
+      // Plain variables, not a structured binding: CAPTURE captures them (clang < 16 rejects
+      // that).
+      for (auto& entry : plain.state_dict()) {
+        const std::string& k = entry.first;
+        Tensor& v = entry.second;
         CAPTURE(k);
         CHECK(ckpt.optimizer.at(k).shape() == v.shape());
       }
     }
     // ... and loaded under dp=1 stage 0, dp=4 stage 1 and dp=2 stage 2.
-    for (auto [dp, stage] : {std::pair{1, 0}, std::pair{4, 1}, std::pair{2, 2}}) {
+    for (const auto& layout : {std::pair{1, 0}, std::pair{4, 1}, std::pair{2, 2}}) {
+      const int dp = layout.first, stage = layout.second;
       CAPTURE(task.name);
       CAPTURE(dp);
       CAPTURE(stage);

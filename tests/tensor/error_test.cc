@@ -6,7 +6,9 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "tensor/allocator.h"
 #include "tensor/ops.h"
+#include "tensor/shape.h"
 
 using namespace tessera;
 
@@ -118,4 +120,52 @@ TEST_CASE("undefined tensors and misuse of autograd") {
   expect_error([&] { (w * 2.0).backward(); }, {"backward", "[3]", "one-element"});
   expect_error([&] { (w * 2.0).requires_grad_(); }, {"requires_grad_", "leaves"});
   expect_error([&] { f32({3}).copy_(w); }, {"copy_", "requires grad"});
+}
+
+// Sizes are checked: a shape from a flag or a file can ask for more than int64 counts, and
+// nothing may wrap around into a small allocation (under the sanitizer build a wrap shows as
+// a heap overflow; here the product itself is refused).
+TEST_CASE("sizes that overflow int64 are errors, not wrapped allocations") {
+  const int64_t big = int64_t{1} << 62;
+  expect_error([&] { ones({big}); }, {"empty", "[4611686018427387904]", "4-byte"});
+  expect_error([&] { zeros({big, 4}); }, {"[4611686018427387904, 4]", "int64"});
+  // A zero dim empties the tensor, but the other dims' strides would still wrap.
+  expect_error([&] { zeros({0, big, big}); }, {"[0, 4611686018427387904, 4611686018427387904]",
+                                              "strides"});
+  expect_error([&] { Tensor::empty({3, big, 8}, DType::b8); }, {"strides"});
+  expect_error([&] { f32({1}).expand({big, big}); },
+               {"[4611686018427387904, 4611686018427387904]"});
+  expect_error([&] { f32({0}).reshape({big, big, 0}); }, {"reshape", "int64"});
+  expect_error([] { numel_of({int64_t{1} << 32, int64_t{1} << 32}); }, {"int64"});
+  expect_error([] { contiguous_strides({2, int64_t{1} << 32, int64_t{1} << 32}); },
+               {"strides", "overflow"});
+  expect_error([] { storage_bytes("op", {int64_t{1} << 61}, 8); }, {"op", "8-byte"});
+  expect_error([] { storage_bytes("op", {2, -3}, 4); }, {"op", "negative", "[2, -3]"});
+  // The largest shapes that do fit are fine (no allocation: zero elements, or a view).
+  CHECK(numel_of({0, big}) == 0);
+  CHECK(contiguous_strides({big, 1}) == Strides{1, 1});
+  CHECK(storage_bytes("op", {0, big, 1}, 8) == 0);
+  CHECK(storage_bytes("op", {big / 2}, 2) == big);
+  CHECK(zeros({0, big}).numel() == 0);
+  CHECK(f32({1}).expand({big}).numel() == big);
+}
+
+// The CPU allocator's budget (Allocator::set_limit, gpt/mnist --memory_limit).
+TEST_CASE("the allocator budget refuses a request with the tag, the request and the budget") {
+  Allocator& cpu = allocator_for(kCPU);
+  const int64_t before = cpu.limit();
+  const int64_t in_use = cpu.stats().allocated_bytes;
+  cpu.set_limit(in_use + (int64_t{8} << 20));
+  {
+    MemoryTagScope tag(MemoryTag::optimizer_state);
+    expect_error([] { zeros({int64_t{4} << 20}); },  // 16 MiB of f32
+                 {"full", "cpu allocator", "16777216 bytes", "optimizer state",
+                  "memory budget"});
+  }
+  const Tensor fits = zeros({int64_t{1} << 20});  // 4 MiB: under the budget
+  CHECK(fits.sum().item<float>() == 0.0f);
+  cpu.set_limit(before);
+  expect_error([&] { cpu.set_limit(-1); }, {"set_limit", "-1"});
+  // Far beyond any machine: refused before rounding to a size class could overflow.
+  expect_error([] { allocator_for(kCPU).allocate(int64_t{1} << 60); }, {"out of memory"});
 }

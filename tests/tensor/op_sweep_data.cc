@@ -462,10 +462,13 @@ std::vector<OpSweep> view_sweeps() {
   out.push_back(std::move(v));
 
   OpSweep p{OpId::permute, kAll, {}, {}, {}};
-  for (auto [shape, order] : {std::pair{Shape{2, 3, 4}, std::vector<int64_t>{2, 0, 1}},
-                              std::pair{Shape{2, 3, 4}, std::vector<int64_t>{-1, 0, 1}},
-                              std::pair{Shape{4, 6}, std::vector<int64_t>{1, 0}},
-                              std::pair{Shape{}, std::vector<int64_t>{}}}) {
+  // Plain variables, not a structured binding: lambdas capture them (clang < 16 rejects that).
+  for (const auto& entry : {std::pair{Shape{2, 3, 4}, std::vector<int64_t>{2, 0, 1}},
+                            std::pair{Shape{2, 3, 4}, std::vector<int64_t>{-1, 0, 1}},
+                            std::pair{Shape{4, 6}, std::vector<int64_t>{1, 0}},
+                            std::pair{Shape{}, std::vector<int64_t>{}}}) {
+    const Shape& shape = entry.first;
+    const std::vector<int64_t>& order = entry.second;
     p.cases.push_back(view_case(
         fmt::format("{} order [{}]", shape_str(shape), fmt::join(order, ", ")), shape,
         [order](const Tensor& x) { return permute(x, order); },
@@ -495,10 +498,12 @@ std::vector<OpSweep> view_sweeps() {
   out.push_back(std::move(sl));
 
   OpSweep ex{OpId::expand, kAll, {}, {}, {}};
-  for (auto [from, to] :
+  for (const auto& entry :
        {std::pair{Shape{1, 5}, Shape{4, 5}}, std::pair{Shape{3, 1}, Shape{2, 3, 4}},
         std::pair{Shape{3, 1}, Shape{-1, 4}}, std::pair{Shape{}, Shape{2, 3}},
         std::pair{Shape{3, 1}, Shape{3, 0}}}) {
+    const Shape& from = entry.first;
+    const Shape& to = entry.second;
     ex.cases.push_back(view_case(
         fmt::format("{} to {}", shape_str(from), shape_str(to)), from,
         [to](const Tensor& x) { return expand(x, to); },
@@ -520,9 +525,12 @@ std::vector<OpSweep> view_sweeps() {
   out.push_back(std::move(sq));
 
   OpSweep un{OpId::unsqueeze, kAll, {}, {}, {}};
-  for (auto [shape, dim] : {std::pair{Shape{3, 4}, int64_t{0}}, std::pair{Shape{3, 4}, int64_t{2}},
-                            std::pair{Shape{3, 4}, int64_t{-1}}, std::pair{Shape{3, 4}, int64_t{1}},
-                            std::pair{Shape{}, int64_t{0}}, std::pair{Shape{}, int64_t{-1}}}) {
+  for (const auto& entry :
+       {std::pair{Shape{3, 4}, int64_t{0}}, std::pair{Shape{3, 4}, int64_t{2}},
+        std::pair{Shape{3, 4}, int64_t{-1}}, std::pair{Shape{3, 4}, int64_t{1}},
+        std::pair{Shape{}, int64_t{0}}, std::pair{Shape{}, int64_t{-1}}}) {
+    const Shape& shape = entry.first;
+    const int64_t dim = entry.second;
     un.cases.push_back(view_case(
         fmt::format("{} dim {}", shape_str(shape), dim), shape,
         [dim](const Tensor& x) { return unsqueeze(x, dim); },

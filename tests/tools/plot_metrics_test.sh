@@ -1,13 +1,19 @@
 #!/bin/bash
 # tools/plot_metrics.py turns two small metrics files into a PNG, and rejects bad input with
-# the file and line. Needs Debian's /usr/bin/python3 with matplotlib; says SKIPPED without it.
+# the file and line. Needs Debian's /usr/bin/python3 with matplotlib, which tools/setup.sh
+# installs (python3-matplotlib): without it the test fails, naming the package to install.
 set -euo pipefail
 
 PY=/usr/bin/python3
 SCRIPT=tools/plot_metrics.py  # runfiles-relative (data dependency)
-if [[ ! -x "$PY" ]] || ! "$PY" -c "import matplotlib" 2>/dev/null; then
-  echo "SKIPPED: $PY with matplotlib (python3-matplotlib) is not available; nothing was checked"
-  exit 0
+if [[ ! -x "$PY" ]]; then
+  echo "FAIL: $PY is missing; install Debian's python3-matplotlib (tools/setup.sh does)"
+  exit 1
+fi
+if ! err="$("$PY" -c "import matplotlib" 2>&1)"; then
+  echo "FAIL: $PY cannot import matplotlib; install Debian's python3-matplotlib" \
+    "(tools/setup.sh does): ${err##*$'\n'}"
+  exit 1
 fi
 [[ -f "$SCRIPT" ]] || { echo "FAIL: $SCRIPT is missing from the runfiles"; exit 1; }
 

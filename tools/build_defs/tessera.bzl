@@ -48,6 +48,38 @@ def ts_cc_test(name, copts = [], linkopts = [], deps = [], size = "small", **kwa
         **kwargs
     )
 
+def ts_fuzz_target(name, srcs, deps = [], corpus = None, size = "small"):
+    """A libFuzzer target and the replay test of its corpus.
+
+    `name`: the fuzzer, built only by tools/fuzz/run.sh (--config=fuzz: clang with
+    -fsanitize=fuzzer,address,undefined), so it is tagged manual. `name + "_replay_test"`:
+    the same LLVMFuzzerTestOneInput run once on every file of corpus/<corpus> (seeds from
+    real files) and regressions/<corpus> (every crash ever found), built like any test, so
+    `bazel test //...` and the sanitizer build check them on every run.
+    """
+    corpus = corpus or name.replace("_fuzzer", "")
+    native.cc_binary(
+        name = name,
+        srcs = srcs,
+        copts = TS_COPTS,
+        linkopts = TS_LINKOPTS + ["-fsanitize=fuzzer"],
+        deps = deps,
+        tags = ["manual"],
+    )
+    native.cc_test(
+        name = name + "_replay_test",
+        size = size,
+        srcs = srcs,
+        copts = TS_COPTS,
+        linkopts = TS_LINKOPTS,
+        deps = deps + ["//tools/fuzz:replay_main"],
+        args = [
+            "tools/fuzz/corpus/" + corpus,
+            "tools/fuzz/regressions/" + corpus,
+        ],
+        data = native.glob(["corpus/%s/**" % corpus, "regressions/%s/**" % corpus]),
+    )
+
 def ts_cuda_library(name, srcs, hdrs = [], extra_hdrs = [], deps = [], nvcc_flags = [], tags = [], **kwargs):
     """Compiles .cu files with the toolkit's nvcc into objects wrapped in a cc_library.
 

@@ -1,0 +1,76 @@
+#include "models/gpt/cli.h"
+
+#include "models/common/run_control.h"
+
+namespace tessera::gpt {
+
+models::Flags gpt_flags(GptCli& cli) {
+  models::Flags f(
+      "gpt", "Trains a byte-level GPT on text, reports the validation loss and samples from it.");
+  f.bind("layers", cli.config.layers, "transformer blocks");
+  f.bind("heads", cli.config.heads, "attention heads (must divide --width)");
+  f.bind("width", cli.config.width, "embedding width");
+  f.bind("context", cli.config.context, "sequence length in bytes");
+  f.bind("dropout", cli.config.dropout, "dropout probability (embeddings, attention, residuals)");
+  f.bind("vocab", cli.config.vocab, "token vocabulary (256 for text; e.g. 50257 with --synthetic_data)");
+  f.bind("batch", cli.config.batch, "sequences per step");
+  f.bind("steps", cli.config.steps, "optimizer steps (the length of the learning-rate schedule)");
+  f.bind("max_steps", cli.config.max_steps, "stop after this many steps in all (0: --steps); resumable");
+  f.bind("lr", cli.config.lr, "peak learning rate (AdamW, warmup then cosine decay)");
+  f.bind("min_lr_ratio", cli.config.min_lr_ratio, "the cosine decays to lr times this");
+  f.bind("warmup", cli.config.warmup, "linear warmup steps");
+  f.bind("weight_decay", cli.config.weight_decay, "AdamW decoupled weight decay (not on 1-D params)");
+  f.bind("beta1", cli.config.beta1, "AdamW beta1");
+  f.bind("beta2", cli.config.beta2, "AdamW beta2");
+  f.bind("clip", cli.config.clip, "max global gradient norm (0: off)");
+  f.bind("precision", cli.config.precision, "f32, bf16 or f16 (mixed precision; f16 scales the loss)");
+  f.bind("data", cli.config.data, "a text file or a directory of them (empty: /usr/share/games/fortunes)");
+  f.bind("synthetic_data", cli.config.synthetic_data, "train on uniform random tokens (benchmarks)");
+  f.bind("val_every", cli.config.val_every, "steps between validation losses (0: only at the end)");
+  f.bind("val_batches", cli.config.val_batches, "validation batches per evaluation (0: the whole split)");
+  f.bind("log_every", cli.config.log_every, "steps between progress and metrics lines");
+  f.bind("save", cli.config.save, "write a checkpoint here at the end (PATH and PATH's .state.safetensors)");
+  f.bind("save_every", cli.config.save_every, "also write it every N steps (0: only at the end)");
+  f.bind("resume", cli.config.resume, "continue from this checkpoint");
+  f.bind("metrics", cli.config.metrics, "append JSON-lines metrics here (for tools/plot_metrics.py)");
+  f.bind("sample", cli.config.sample_length, "bytes to generate at the end (0: no sample)");
+  f.bind("prompt", cli.config.prompt, "text the sample continues (empty: a newline)");
+  f.bind("temperature", cli.config.temperature, "sampling temperature (0: greedy)");
+  f.bind("top_k", cli.config.top_k, "sample among the k most likely bytes (0: all 256)");
+  f.bind("seed", cli.config.seed, "seed of initialisation, data windows, dropout and sampling");
+  f.bind("threads", cli.config.threads, "kernel threads per rank (0: the cores shared by the ranks)");
+  f.bind("device", cli.config.device, "cpu, cuda or cuda:N (single rank; needs a --config=cuda build)");
+  f.bind("timing_skip", cli.config.timing_skip, "first steps left out of the final tokens/s (warm-up)");
+  f.bind("dp", cli.config.dp, "data-parallel ranks (threads here; under mpirun: the process count)");
+  f.bind("zero", cli.config.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
+  f.bind("accum", cli.config.accum, "micro-batches per step (gradient accumulation)");
+  f.bind("pp", cli.config.pp, "pipeline stages (ranks: pp x dp x tp)");
+  f.bind("tp", cli.config.tp, "tensor-parallel ranks (Megatron: must divide --heads)");
+  f.bind("microbatches", cli.config.microbatches, "with --pp/--tp: micro-batches per dp rank per step");
+  f.bind("schedule", cli.config.schedule, "pipeline schedule: gpipe, 1f1b or interleaved");
+  f.bind("chunks", cli.config.chunks, "model chunks per pipeline rank (interleaved)");
+  f.bind("recompute", cli.config.recompute, "activation recomputation per pipeline chunk");
+  f.bind("sp", cli.config.sp, "sequence parallelism: the residual stream split along the sequence on tp");
+  f.bind("nonfinite", cli.config.nonfinite,
+         "a step with a NaN/inf loss or gradient norm: error (stop, keep the last checkpoint) "
+         "or skip (drop its update)");
+  f.bind("comm_timeout", cli.config.comm_timeout,
+         "seconds a rank waits in a collective before the job is declared stalled (0: forever)");
+  f.bind("memory_limit", cli.memory_limit,
+         "tensor memory this process may use, e.g. 8G (0: the machine's available memory "
+         "decides; runs predicted to need more are refused up front)");
+  f.bind("quiet", cli.quiet, "no progress output");
+  return f;
+}
+
+GptTrainConfig finish(const GptCli& cli) {
+  GptTrainConfig c = cli.config;
+  c.verbose = !cli.quiet;
+  c.memory_limit = models::parse_bytes(cli.memory_limit, "gpt: --memory_limit");
+  for (std::string* path : {&c.data, &c.save, &c.resume, &c.metrics}) {
+    *path = models::from_user_dir(*path);
+  }
+  return c;
+}
+
+}  // namespace tessera::gpt

@@ -1,0 +1,156 @@
+#include "models/gpt/run_checks.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "models/common/flags.h"
+#include "models/common/run_control.h"
+#include "parallel/zero.h"
+#include "tensor/device.h"
+#include "tensor/error.h"
+
+namespace tessera::gpt {
+
+void validate_train_config(const GptTrainConfig& c) {
+  using models::require_at_least, models::require_finite_at_least, models::require_fraction,
+      models::require_one_of;
+  constexpr const char* gpt = "gpt";
+  // The model.
+  require_at_least(gpt, "layers", c.layers, 1);
+  require_at_least(gpt, "heads", c.heads, 1);
+  require_at_least(gpt, "width", c.width, 1);
+  require_at_least(gpt, "context", c.context, 1);
+  require_at_least(gpt, "vocab", c.vocab, 1);
+  TS_CHECK(c.width % c.heads == 0, "gpt: --width {} must be divisible by --heads {}", c.width,
+           c.heads);
+  require_fraction(gpt, "dropout", c.dropout, /*include_one=*/false);
+  // Optimisation.
+  require_at_least(gpt, "batch", c.batch, 1);
+  require_at_least(gpt, "steps", c.steps, 1);
+  require_at_least(gpt, "max_steps", c.max_steps, 0);
+  TS_CHECK(std::isfinite(c.lr) && c.lr > 0, "gpt: --lr must be a finite number > 0, got {}",
+           c.lr);
+  require_fraction(gpt, "min_lr_ratio", c.min_lr_ratio, /*include_one=*/true);
+  require_at_least(gpt, "warmup", c.warmup, 0);
+  require_finite_at_least(gpt, "weight_decay", c.weight_decay, 0);
+  require_fraction(gpt, "beta1", c.beta1, /*include_one=*/false);
+  require_fraction(gpt, "beta2", c.beta2, /*include_one=*/false);
+  TS_CHECK(std::isfinite(c.clip) && c.clip >= 0,
+           "gpt: --clip must be a finite number >= 0 (0: no clipping), got {}", c.clip);
+  models::precision_dtype(c.precision, gpt);
+  require_at_least(gpt, "seed", c.seed, 0);
+  // Validation, logging, checkpoints, sampling.
+  require_at_least(gpt, "val_every", c.val_every, 0);
+  require_at_least(gpt, "val_batches", c.val_batches, 0);
+  require_at_least(gpt, "log_every", c.log_every, 1);
+  require_at_least(gpt, "save_every", c.save_every, 0);
+  TS_CHECK(c.save_every == 0 || !c.save.empty(),
+           "gpt: --save_every {} needs --save (where to write the checkpoints)", c.save_every);
+  require_at_least(gpt, "sample", c.sample_length, 0);
+  require_finite_at_least(gpt, "temperature", c.temperature, 0);
+  require_at_least(gpt, "top_k", c.top_k, 0);
+  require_at_least(gpt, "threads", c.threads, 0);
+  Device::parse(c.device);
+  require_at_least(gpt, "timing_skip", c.timing_skip, 0);
+  require_one_of(gpt, "nonfinite", c.nonfinite, {"error", "skip"});
+  TS_CHECK(std::isfinite(c.comm_timeout) && c.comm_timeout >= 0,
+           "gpt: --comm_timeout must be a finite number of seconds >= 0 (0: no limit), got {}",
+           c.comm_timeout);
+  require_at_least(gpt, "memory_limit", c.memory_limit, 0);
+  // Layouts.
+  require_at_least(gpt, "dp", c.dp, 1);
+  TS_CHECK(c.zero >= 0 && c.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}", c.zero);
+  require_at_least(gpt, "accum", c.accum, 1);
+  require_at_least(gpt, "pp", c.pp, 1);
+  require_at_least(gpt, "tp", c.tp, 1);
+  require_at_least(gpt, "microbatches", c.microbatches, 1);
+  require_at_least(gpt, "chunks", c.chunks, 1);
+  require_one_of(gpt, "schedule", c.schedule, {"gpipe", "1f1b", "interleaved"});
+  TS_CHECK(!c.sp || c.tp > 1, "gpt: --sp splits the sequence over tensor-parallel ranks; it "
+           "needs --tp > 1");
+  // Sizes whose products must fit: the parameter count and one batch's tokens.
+  int64_t tokens = 0;
+  TS_CHECK(!__builtin_mul_overflow(c.batch, c.context, &tokens),
+           "gpt: --batch {} x --context {} tokens overflow int64", c.batch, c.context);
+  try {
+    c.model_config().num_parameters();
+  } catch (const Error& e) {
+    fail("gpt: {}", e.what());
+  }
+}
+
+std::string GptMemoryEstimate::str() const {
+  std::string s = fmt::format("model state {}, activations {}, logits {}",
+                              models::format_bytes(model_state),
+                              models::format_bytes(activations), models::format_bytes(logits));
+  if (ranks_in_process > 1) {
+    s += fmt::format(" per rank, x {} ranks in this process", ranks_in_process);
+  }
+  return s;
+}
+
+GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_process) {
+  GptMemoryEstimate m;
+  m.ranks_in_process = std::max(1, ranks_in_process);
+  // Doubles throughout: the point is to refuse absurd sizes, which overflow integers.
+  const double C = static_cast<double>(c.width), T = static_cast<double>(c.context),
+               V = static_cast<double>(c.vocab), H = static_cast<double>(c.heads),
+               L = static_cast<double>(c.layers), e = 4;  // f32 bytes
+  const double psi = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C;
+  const bool three_d = c.pp > 1 || c.tp > 1;
+  const double pp = static_cast<double>(c.pp), tp = static_cast<double>(c.tp),
+               dp = static_cast<double>(c.dp);
+  // Rows of one micro-batch on one rank, and how many micro-batches keep activations at
+  // once (a pipeline holds up to pp of them under 1F1B, all of them under GPipe).
+  double rows = 0, in_flight = 1, layers_here = L, heads_here = H, width_share = 1;
+  if (three_d) {
+    rows = static_cast<double>(c.batch) / (dp * static_cast<double>(c.microbatches));
+    in_flight = c.schedule == "gpipe" ? static_cast<double>(c.microbatches)
+                                      : std::min(pp, static_cast<double>(c.microbatches));
+    if (c.recompute) in_flight = 1;  // only stage inputs stay; one micro-batch is live
+    layers_here = std::ceil(L / pp);
+    heads_here = H / tp;
+    width_share = 1 / tp;
+    // Parameters of this rank's stage and tensor shard, with AdamW and gradients (ZeRO 1
+    // shards the optimizer state over dp).
+    const double local = psi / (pp * tp);
+    m.model_state = c.zero >= 1 ? 8 * local + 8 * local / dp : 16 * local;
+    // The single-device model every rank builds first (same seed) and keeps, and rank 0's
+    // copy of the gathered parameters for validation and sampling.
+    m.model_state += 2 * e * psi;
+  } else {
+    rows = static_cast<double>(c.batch) / (dp * static_cast<double>(c.accum));
+    parallel::ZeroMemory z;
+    z.stage = static_cast<int>(c.zero);
+    z.ranks = static_cast<int>(c.dp);
+    z.numel = static_cast<int64_t>(std::min(psi, 9e18));
+    m.model_state = c.dp > 1 || c.zero > 0 ? z.formula() : 16 * psi;
+    if (c.zero == 3) {
+      // Gathered: the root unit (embeddings, final norm) and two blocks (one prefetched).
+      m.model_state += e * (V * C + T * C + 2 * C) + 2 * e * (12 * C * C + 13 * C);
+    } else if (c.dp > 1 || c.zero > 0) {
+      m.model_state += e * psi;  // flat full-gradient buffers before their reduction
+    }
+  }
+  const double N = rows * T;  // tokens of one micro-batch on this rank
+  // Per token and block, what backward keeps: the block input, both layer-norm outputs and
+  // the residual after attention (4 C, whole on every tp rank), q/k/v, the heads' output and
+  // the MLP's two 4C tensors (12 C, split over tp), and the softmax probabilities (H x T).
+  double per_token = e * (4 * C + 12 * C * width_share + heads_here * T);
+  // Dropout's kept masks and outputs: measured at about 2 bytes per masked element.
+  if (c.dropout > 0) per_token += 2 * (heads_here * T + 3 * C * width_share);
+  m.activations = in_flight * N * layers_here * per_token;
+  // Alongside them at the peak: one layer's [T, T] temporaries (the forward's scores
+  // before softmax, the backward's gradients of the scores and probabilities), measured
+  // at four such tensors.
+  m.activations += 4 * e * rows * heads_here * T * T;
+  // Embedding output and final norm, [tokens, C] each.
+  m.activations += 2 * e * N * C;
+  // Logits and their gradient, on the last stage (tp: split over the vocabulary).
+  m.logits = 2 * e * N * V / tp;
+  return m;
+}
+
+}  // namespace tessera::gpt
