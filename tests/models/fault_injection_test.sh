@@ -4,7 +4,8 @@
 #   1. kill -9 at every step of a checkpoint save (TESSERA_FAULT, deterministic), on one
 #      rank and on --dp=2 --zero=3: the last complete checkpoint always loads and the resumed
 #      run ends bit for bit where an uninterrupted run ends (weights and optimizer state).
-#   2. kill -9 at random moments of a run that saves every step: the same promise.
+#   2. kill -9 at random moments of a run that saves every step (one rank and --dp=2
+#      --zero=3): the same promise.
 #   3. SIGTERM (a real one, from outside, and one injected on --dp=2 --zero=3): the step is
 #      finished, a checkpoint written, exit code 143, and the resumed run ends bit for bit.
 #   4. mpirun -np 2: an error on one rank (a bad --save path, an error mid-run) ends the whole
@@ -97,39 +98,51 @@ echo "kill -9 at each save step: $kills kills"
 
 # ---- 2. kill -9 at random moments --------------------------------------------------------------
 # 100 steps, a save after each: most of the run is spent saving, so most kills land in one.
+# On one rank RANDOM_KILLS times, on --dp=2 --zero=3 a third as often (each run is longer).
 long=(--steps=100)
-start=$(date +%s%N)
-"$gpt" "${common[@]}" "${long[@]}" --save="$dir/ref_long.safetensors" --save_every=1 > /dev/null
-duration_ms=$((($(date +%s%N) - start) / 1000000))
-resumed=0
-fresh=0
-for k in $(seq 1 "$random_kills"); do
-  run="$dir/random_$k"
-  mkdir -p "$run"
-  ckpt="$run/c.safetensors"
-  "$gpt" "${common[@]}" "${long[@]}" --save="$ckpt" --save_every=1 > /dev/null 2>&1 &
-  pid=$!
-  sleep "$(awk -v ms="$duration_ms" -v r="$RANDOM" 'BEGIN { printf "%.3f", ms * (r / 32767.0) / 1000 }')"
-  kill -9 "$pid" 2> /dev/null
-  wait "$pid" 2> /dev/null
-  # The kill is verified by the resume: it continues from whatever was saved last.
-  "$gpt" "${common[@]}" "${long[@]}" --resume="$ckpt" --save="$ckpt" > "$run/resume.txt" 2>&1
-  rc=$?
-  if [ "$rc" -eq 0 ]; then
-    resumed=$((resumed + 1))
-    same_as "$ckpt" "$dir/ref_long.safetensors" "random kill $k"
-  elif grep -q "no complete checkpoint at $ckpt" "$run/resume.txt" ||
-       grep -q "is at step 100, at or past the end" "$run/resume.txt"; then
-    fresh=$((fresh + 1))  # killed before the first save completed, or after the last
-    pass
-  else
-    fail "random kill $k: resume exit $rc"
-    cat "$run/resume.txt"
-  fi
+for i in "${!layouts[@]}"; do
+  # shellcheck disable=SC2086
+  set -- ${layouts[$i]}
+  layout=("$@")
+  kills=$random_kills
+  [ "$i" -eq 0 ] || kills=$(((random_kills + 2) / 3))
+  start=$(date +%s%N)
+  "$gpt" "${common[@]}" "${long[@]}" "${layout[@]}" --save="$dir/ref_long$i.safetensors" \
+    --save_every=1 > /dev/null
+  duration_ms=$((($(date +%s%N) - start) / 1000000))
+  resumed=0
+  fresh=0
+  for k in $(seq 1 "$kills"); do
+    run="$dir/random_${i}_$k"
+    mkdir -p "$run"
+    ckpt="$run/c.safetensors"
+    "$gpt" "${common[@]}" "${long[@]}" "${layout[@]}" --save="$ckpt" --save_every=1 \
+      > /dev/null 2>&1 &
+    pid=$!
+    sleep "$(awk -v ms="$duration_ms" -v r="$RANDOM" 'BEGIN { printf "%.3f", ms * (r / 32767.0) / 1000 }')"
+    kill -9 "$pid" 2> /dev/null
+    wait "$pid" 2> /dev/null
+    # The kill is verified by the resume: it continues from whatever was saved last.
+    "$gpt" "${common[@]}" "${long[@]}" "${layout[@]}" --resume="$ckpt" --save="$ckpt" \
+      > "$run/resume.txt" 2>&1
+    rc=$?
+    if [ "$rc" -eq 0 ]; then
+      resumed=$((resumed + 1))
+      same_as "$ckpt" "$dir/ref_long$i.safetensors" "random kill $k ${layout[*]}"
+    elif grep -q "no complete checkpoint at $ckpt" "$run/resume.txt" ||
+         grep -q "is at step 100, at or past the end" "$run/resume.txt"; then
+      fresh=$((fresh + 1))  # killed before the first save completed, or after the last
+      pass
+    else
+      fail "random kill $k ${layout[*]}: resume exit $rc"
+      cat "$run/resume.txt"
+    fi
+  done
+  [ $((resumed + fresh)) -eq "$kills" ] || fail "random kills: $resumed + $fresh != $kills"
+  echo "kill -9 at random moments${layout[*]:+ (${layout[*]})}: $kills kills in a" \
+       "${duration_ms} ms run; $resumed resumed exactly, $fresh before the first or after the" \
+       "last save"
 done
-[ $((resumed + fresh)) -eq "$random_kills" ] || fail "random kills: $resumed + $fresh != $random_kills"
-echo "kill -9 at random moments: $random_kills kills in a ${duration_ms} ms run; $resumed resumed" \
-     "exactly, $fresh before the first or after the last save"
 
 # ---- 3. SIGTERM -------------------------------------------------------------------------------
 run="$dir/sigterm"
