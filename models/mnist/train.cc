@@ -152,7 +152,7 @@ MnistResult train_mnist(const MnistConfig& config) {
     }
     loader.set_position(s.epoch, s.batch_index);
     default_generator().set_state(s.rng_seed, s.rng_offset);
-    say(fmt::format("resumed from {} at step {} (epoch {}, batch {})", config.resume, step,
+    say(fmt::format("resumed from {} at step {} (epoch {}, batch {})", s.loaded_from, step,
                     s.epoch + 1, s.batch_index));
   }
   models::MetricsWriter metrics;
