@@ -191,13 +191,11 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
              shape.dump());
     e.shape.push_back(dim);
   }
+  // The bytes, checked as a tensor's: a zero dim beside huge ones holds no bytes but would
+  // wrap the tensor's strides.
   int64_t nbytes = 0;
-  TS_CHECK(!__builtin_mul_overflow(numel, dtype_size(e.dtype), &nbytes),
-           "load_safetensors: '{}': tensor '{}' shape {} overflows int64", path, name,
-           shape.dump());
-  // A zero dim beside huge ones holds no bytes but would wrap the tensor's strides.
   try {
-    storage_bytes("load_safetensors", e.shape, dtype_size(e.dtype));
+    nbytes = storage_bytes("load_safetensors", e.shape, dtype_size(e.dtype));
   } catch (const Error& err) {
     fail("load_safetensors: '{}': tensor '{}' shape {} cannot be a tensor: {}", path, name,
          shape.dump(), err.what());

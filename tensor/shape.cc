@@ -6,14 +6,28 @@
 
 namespace tessera {
 
-int64_t numel_of(const Shape& shape) {
-  int64_t n = 1;
+namespace {
+
+// The element count of `shape` into *n; false when it overflows int64 (a zero dim makes it
+// 0, however large the other dims).
+bool count_elements(const Shape& shape, int64_t* n) {
+  *n = 1;
   bool overflow = false;
   for (int64_t s : shape) {
-    if (s == 0) return 0;  // empty, however large the other dims
-    overflow |= __builtin_mul_overflow(n, s, &n);
+    if (s == 0) {
+      *n = 0;
+      return true;
+    }
+    overflow |= __builtin_mul_overflow(*n, s, n);
   }
-  if (overflow) [[unlikely]] {
+  return !overflow;
+}
+
+}  // namespace
+
+int64_t numel_of(const Shape& shape) {
+  int64_t n = 0;
+  if (!count_elements(shape, &n)) [[unlikely]] {
     fail("shape {} has more elements than an int64 counts (2^63 - 1)", shape_str(shape));
   }
   return n;
@@ -44,11 +58,8 @@ int64_t storage_bytes(std::string_view op, const Shape& shape, int64_t itemsize)
              "{}: shape {} is too large: its strides overflow int64", op, shape_str(shape));
   }
   int64_t numel = 0, bytes = 0;
-  try {
-    numel = numel_of(shape);
-  } catch (const Error&) {
-    fail("{}: shape {} has more elements than an int64 counts (2^63 - 1)", op, shape_str(shape));
-  }
+  TS_CHECK(count_elements(shape, &numel),
+           "{}: shape {} has more elements than an int64 counts (2^63 - 1)", op, shape_str(shape));
   TS_CHECK(!__builtin_mul_overflow(numel, itemsize, &bytes),
            "{}: shape {} of {}-byte elements needs {} x {} bytes, more than an int64 counts", op,
            shape_str(shape), itemsize, numel, itemsize);

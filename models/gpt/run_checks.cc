@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "models/common/flags.h"
 #include "models/common/run_control.h"
+#include "models/common/checkpoint.h"
+#include "parallel/comm/mpi.h"
 #include "parallel/zero.h"
 #include "tensor/device.h"
 #include "tensor/error.h"
@@ -150,6 +153,29 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   m.activations += 2 * e * N * C;
   // Logits and their gradient, on the last stage (tp: split over the vocabulary).
   m.logits = 2 * e * N * V / tp;
+  return m;
+}
+
+GptMemoryEstimate preflight(const GptTrainConfig& config, bool mpi, int ranks_here) {
+  const bool writer = !mpi || parallel::mpi_world()->rank() == 0;
+  if (writer && !config.save.empty()) models::check_checkpoint_path(config.save, "gpt: --save");
+  if (writer && !config.metrics.empty()) {
+    models::check_output_file(config.metrics, "gpt: --metrics");
+  }
+  const GptMemoryEstimate m = estimate_gpt_memory(config, ranks_here);
+  // The prediction is of host memory; on a GPU the caching allocator refuses cleanly itself,
+  // with its own numbers.
+  if (!Device::parse(config.device).is_cpu()) return m;
+  double need = m.total();
+  if (config.memory_limit == 0 && mpi) {
+    if (const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
+      need *= std::max(1, std::atoi(local));  // this node's processes share its memory
+    }
+  }
+  models::check_memory_budget(
+      "gpt", need, m.str(), config.memory_limit,
+      "lower --batch, --context, --width or --vocab, or spread the run with --accum, --dp, "
+      "--zero, --pp or --tp");
   return m;
 }
 

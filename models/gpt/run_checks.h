@@ -5,6 +5,7 @@
 //
 //   validate_train_config(config);                       // Error: "gpt: --pp must be >= 1, got 0"
 //   GptMemoryEstimate m = estimate_gpt_memory(config, 1);
+//   preflight(config, /*mpi=*/false, 1);                 // Error: "gpt: --save=/tmp: ..."
 //   m.str();   // "model state 6.1 MiB (ZeRO 0 ...), activations 48.0 MiB, ..."
 #pragma once
 
@@ -34,5 +35,11 @@ struct GptMemoryEstimate {
 // so the same figure bounds them); within about 25% of the measured peak for the layouts
 // //tests/models:gpt_memory_test checks.
 GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& config, int ranks_in_process);
+
+// Everything train_gpt can know to fail before any work: the output paths (--save,
+// --metrics; on the process that writes them, rank 0 under mpirun) and the predicted memory
+// against --memory_limit or the machine's available memory (mpirun's processes on one node
+// share it). `ranks_here`: the ranks this process runs. Returns the prediction.
+GptMemoryEstimate preflight(const GptTrainConfig& config, bool mpi, int ranks_here);
 
 }  // namespace tessera::gpt

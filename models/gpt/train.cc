@@ -29,6 +29,7 @@
 #include "parallel/comm/mpi.h"
 #include "parallel/comm/threads.h"
 #include "parallel/zero.h"
+#include "models/gpt/data.h"
 #include "models/gpt/parallel3d.h"
 #include "models/gpt/run_checks.h"
 #include "tensor/allocator.h"
@@ -56,84 +57,6 @@ class ModeGuard {
 
 // The device the model's parameters are on (every model here has parameters).
 Device device_of(const nn::Module& model) { return model.parameters().front().device(); }
-
-// Uniform random tokens in [0, vocab) for --synthetic_data: global row r of batch `index` of
-// `stream` (0: training, 1: validation) is Philox (seed, counter) over counters
-// stream << 62 | (index * batch + r) * (context + 1) + t; targets are the next token, as in
-// text windows. Rows [part * batch / parts, (part + 1) * batch / parts) make this part.
-data::TextBatch synthetic_batch(uint64_t seed, uint64_t stream, int64_t index, int64_t batch,
-                                int64_t context, int64_t vocab, int part, int parts) {
-  const int64_t rows = batch / parts, first = part * rows, width = context + 1;
-  std::vector<int64_t> idx(static_cast<size_t>(rows * context)),
-      targets(static_cast<size_t>(rows * context));
-  std::vector<int64_t> window(static_cast<size_t>(width));
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint64_t base = stream << 62 | static_cast<uint64_t>((index * batch + first + r) * width);
-    for (int64_t t = 0; t < width; ++t) {
-      const double u = philox::uniform_f64(seed, base + static_cast<uint64_t>(t));
-      window[t] = std::min(static_cast<int64_t>(u * static_cast<double>(vocab)), vocab - 1);
-    }
-    std::copy(window.begin(), window.end() - 1, idx.begin() + r * context);
-    std::copy(window.begin() + 1, window.end(), targets.begin() + r * context);
-  }
-  return {Tensor::from_vector(idx, {rows, context}), Tensor::from_vector(targets, {rows, context})};
-}
-
-// Where batches come from: the corpus's training and validation windows, checked to hold a
-// context, or random tokens (--synthetic_data). Batches are built on the CPU.
-class GptData {
- public:
-  explicit GptData(const GptTrainConfig& config) : c_(config) {
-    if (c_.synthetic_data) return;
-    TS_CHECK(c_.vocab >= data::kByteVocab,
-             "gpt: --vocab {} is smaller than the {} byte values of text; use --synthetic_data "
-             "for other vocabularies",
-             c_.vocab, data::kByteVocab);
-    source_ = c_.data.empty() ? data::kFortunesDir : c_.data;
-    const data::TextCorpus corpus = data::load_text(source_);
-    const uint64_t seed = static_cast<uint64_t>(c_.seed);
-    train_.emplace(corpus, data::TextSplit::train, seed);
-    val_.emplace(corpus, data::TextSplit::val, seed);
-    TS_CHECK(c_.context < train_->size() && c_.context < val_->size(),
-             "gpt: --context {} needs more bytes than the {} training / {} validation bytes of {}",
-             c_.context, train_->size(), val_->size(), source_);
-  }
-
-  // This part's rows of the training batch at `step` (as TextWindows::get).
-  data::TextBatch train(int64_t step, int part = 0, int parts = 1) const {
-    if (!train_) {
-      TS_CHECK(c_.batch % parts == 0, "gpt: batch {} does not split into {} parts", c_.batch,
-               parts);
-      return synthetic_batch(static_cast<uint64_t>(c_.seed), 0, step, c_.batch, c_.context,
-                             c_.vocab, part, parts);
-    }
-    return train_->get(step, c_.batch, c_.context, part, parts);
-  }
-  // Validation batches, at least one.
-  int64_t num_eval_batches() const {
-    if (!val_) return kSyntheticEvalBatches;
-    const int64_t n = val_->num_eval_batches(c_.batch, c_.context);
-    TS_CHECK(n > 0, "gpt: the validation split ({} bytes) holds no batch of {} x {} bytes",
-             val_->size(), c_.batch, c_.context);
-    return n;
-  }
-  data::TextBatch eval(int64_t i) const {
-    if (!val_) {
-      return synthetic_batch(static_cast<uint64_t>(c_.seed), 1, i, c_.batch, c_.context,
-                             c_.vocab, 0, 1);
-    }
-    return val_->eval_batch(i, c_.batch, c_.context);
-  }
-  std::string str() const {
-    if (!train_) return fmt::format("random tokens in [0, {})", c_.vocab);
-    return fmt::format("{} train / {} val bytes", train_->size(), val_->size());
-  }
-
- private:
-  const GptTrainConfig& c_;
-  std::string source_;
-  std::optional<data::TextWindows> train_, val_;
-};
 
 // The mean loss over the first `max_batches` (0: all) validation batches, on the model's
 // device; all batches have one shape, so the mean of their means is the mean over every
@@ -765,32 +688,6 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
     sample_into(result, eval_model, config, DType::f32, say);
   }
   return result;
-}
-
-// Everything that can be known to fail before any work: the output paths (on the process
-// that writes them: rank 0), and the memory the run will need against --memory_limit or
-// what the machine has available (processes of one node share it).
-GptMemoryEstimate preflight(const GptTrainConfig& config, bool mpi, int ranks_here) {
-  const bool writer = !mpi || parallel::mpi_world()->rank() == 0;
-  if (writer && !config.save.empty()) models::check_checkpoint_path(config.save, "gpt: --save");
-  if (writer && !config.metrics.empty()) {
-    models::check_output_file(config.metrics, "gpt: --metrics");
-  }
-  const GptMemoryEstimate m = estimate_gpt_memory(config, ranks_here);
-  // The prediction is of host memory; on a GPU the caching allocator refuses cleanly itself,
-  // with its own numbers.
-  if (!Device::parse(config.device).is_cpu()) return m;
-  double need = m.total();
-  if (config.memory_limit == 0 && mpi) {
-    if (const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
-      need *= std::max(1, std::atoi(local));  // this node's processes share its memory
-    }
-  }
-  models::check_memory_budget(
-      "gpt", need, m.str(), config.memory_limit,
-      "lower --batch, --context, --width or --vocab, or spread the run with --accum, --dp, "
-      "--zero, --pp or --tp");
-  return m;
 }
 
 }  // namespace

@@ -4,23 +4,17 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <climits>
-#include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <system_error>
-#include <thread>
-#include <utility>
 #include <vector>
 
+#include "parallel/comm/mpi_watchdog.h"
 #include "parallel/comm/staging.h"
 #include "tensor/error.h"
 #include "tensor/grad_mode.h"
@@ -43,105 +37,6 @@ bool mpi_finalized() {
   MPI_Finalized(&finalized);
   return finalized != 0;
 }
-
-// ---- the watchdog ---------------------------------------------------------------------------
-// MPI's blocking calls cannot be interrupted, and OpenMPI spins in them forever when a peer
-// stops, hangs or dies without taking the job down. Every blocking wait registers here; a
-// thread (started with the first) aborts the whole job with a message naming the call when
-// one has waited longer than the timeout, as NCCL's and PyTorch's watchdogs do.
-
-struct Watchdog {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::map<uint64_t, std::pair<std::string, std::chrono::steady_clock::time_point>> waits;
-  uint64_t next_id = 0;
-  bool started = false;
-  double timeout_seconds = 600;
-};
-
-Watchdog& watchdog() {
-  static Watchdog* w = [] {
-    auto* dog = new Watchdog;  // never destroyed: its thread outlives static destruction
-    if (const char* env = std::getenv("TESSERA_COMM_TIMEOUT")) {
-      char* end = nullptr;
-      const double v = std::strtod(env, &end);
-      if (end != env && *end == '\0' && v >= 0 && std::isfinite(v)) {
-        dog->timeout_seconds = v;
-      } else {
-        std::fprintf(stderr, "tessera: ignoring TESSERA_COMM_TIMEOUT='%s' (expected seconds "
-                     ">= 0; 0 turns the watchdog off)\n", env);
-      }
-    }
-    return dog;
-  }();
-  return *w;
-}
-
-[[noreturn]] void watchdog_abort(const std::string& what, double waited, double timeout) {
-  int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  std::fprintf(stderr,
-               "error: tessera watchdog: rank %d of %d: %s has not completed after %.0f s (the "
-               "limit is %g s, TESSERA_COMM_TIMEOUT or --comm_timeout): a peer rank is stalled, "
-               "stopped or dead; aborting the job\n",
-               rank, size, what.c_str(), waited, timeout);
-  std::fflush(stderr);
-  MPI_Abort(MPI_COMM_WORLD, 1);
-  std::_Exit(1);  // MPI_Abort does not return; in case it does
-}
-
-void watchdog_loop() {
-  Watchdog& w = watchdog();
-  std::unique_lock<std::mutex> lock(w.mu);
-  for (;;) {
-    const double timeout = w.timeout_seconds;
-    const auto now = std::chrono::steady_clock::now();
-    if (timeout > 0) {
-      for (const auto& [id, wait] : w.waits) {
-        const double waited = std::chrono::duration<double>(now - wait.second).count();
-        if (waited > timeout) {
-          const std::string what = wait.first;
-          lock.unlock();
-          watchdog_abort(what, waited, timeout);
-        }
-      }
-    }
-    // Polls at a quarter of the timeout (at most 1 s): a stall is seen within 1.25 x it.
-    const double poll = timeout > 0 ? std::min(1.0, timeout / 4) : 1.0;
-    w.cv.wait_for(lock, std::chrono::duration<double>(poll));
-  }
-}
-
-// Registers a blocking wait for its lifetime.
-class WatchedWait {
- public:
-  explicit WatchedWait(std::string what) {
-    Watchdog& w = watchdog();
-    std::lock_guard<std::mutex> lock(w.mu);
-    id_ = w.next_id++;
-    w.waits.emplace(id_, std::make_pair(std::move(what), std::chrono::steady_clock::now()));
-    if (!w.started) {
-      w.started = true;
-      try {
-        std::thread(watchdog_loop).detach();
-      } catch (const std::system_error& e) {
-        w.started = false;  // no watchdog, but the collective itself still runs
-        std::fprintf(stderr, "tessera: cannot start the MPI watchdog thread: %s\n", e.what());
-      }
-    }
-  }
-  ~WatchedWait() {
-    Watchdog& w = watchdog();
-    std::lock_guard<std::mutex> lock(w.mu);
-    w.waits.erase(id_);
-  }
-  WatchedWait(const WatchedWait&) = delete;
-  WatchedWait& operator=(const WatchedWait&) = delete;
-
- private:
-  uint64_t id_ = 0;
-};
 
 class MpiComm;
 using Requests = std::vector<MPI_Request>;
@@ -244,7 +139,7 @@ void finalize_mpi() {
     // Exiting: a failed last collective was never waited on; nobody is left to tell.
   }
   last.reset();
-  WatchedWait watched("MPI_Finalize (waiting for the other ranks to finish)");
+  internal::WatchedWait watched("MPI_Finalize (waiting for the other ranks to finish)");
   {
     std::lock_guard<std::mutex> lock(g_send_mu);
     for (PendingSend& s : g_sends) MPI_Wait(&s.request, MPI_STATUS_IGNORE);
@@ -449,8 +344,8 @@ void MpiWork::post_now() {
 
 void MpiWork::complete_locked() {
   if (state_ == State::done) return;
-  WatchedWait watched(fmt::format("{} on group '{}' (rank {} of {})", op(), comm().name(),
-                                  comm().rank(), comm().size()));
+  internal::WatchedWait watched(fmt::format("{} on group '{}' (rank {} of {})", op(),
+                                            comm().name(), comm().rank(), comm().size()));
   try {
     if (state_ == State::deferred) {
       run(nullptr);
@@ -711,8 +606,8 @@ std::shared_ptr<Communicator> MpiComm::do_split(int color, int key, const std::s
     prev = post_deferred_locked();
   }
   {
-    WatchedWait watched(fmt::format("split of group '{}' (rank {} of {})",
-                                    Communicator::name(), rank(), size()));
+    internal::WatchedWait watched(fmt::format("split of group '{}' (rank {} of {})",
+                                              Communicator::name(), rank(), size()));
     check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
   }
   return wrap(sub, name);
@@ -865,24 +760,6 @@ CommPtr mpi_world() {
 
 bool mpi_launched() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr;
-}
-
-double set_comm_timeout(double seconds) {
-  TS_CHECK(seconds >= 0 && std::isfinite(seconds),
-           "set_comm_timeout: seconds must be finite and >= 0 (0: no watchdog), got {}",
-           seconds);
-  Watchdog& w = watchdog();
-  std::lock_guard<std::mutex> lock(w.mu);
-  const double previous = w.timeout_seconds;
-  w.timeout_seconds = seconds;
-  w.cv.notify_all();
-  return previous;
-}
-
-double comm_timeout() {
-  Watchdog& w = watchdog();
-  std::lock_guard<std::mutex> lock(w.mu);
-  return w.timeout_seconds;
 }
 
 void mpi_abort_if_running(int code, const std::string& message) {
