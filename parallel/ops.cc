@@ -22,21 +22,12 @@ Attrs reduce_attrs(const std::vector<int64_t>& dims, bool keepdim) {
 
 }  // namespace
 
-ShardedTensor neg(const ShardedTensor& x) { return unary(OpId::neg, x); }
-ShardedTensor exp(const ShardedTensor& x) { return unary(OpId::exp, x); }
-ShardedTensor log(const ShardedTensor& x) { return unary(OpId::log, x); }
-ShardedTensor tanh(const ShardedTensor& x) { return unary(OpId::tanh, x); }
-ShardedTensor relu(const ShardedTensor& x) { return unary(OpId::relu, x); }
 ShardedTensor gelu(const ShardedTensor& x, bool approximate_tanh) {
   Attrs a;
   a.approximate_tanh = approximate_tanh;
   return unary(OpId::gelu, x, a);
 }
 
-ShardedTensor add(const ShardedTensor& a, const ShardedTensor& b) { return call1(OpId::add, {a, b}); }
-ShardedTensor sub(const ShardedTensor& a, const ShardedTensor& b) { return call1(OpId::sub, {a, b}); }
-ShardedTensor mul(const ShardedTensor& a, const ShardedTensor& b) { return call1(OpId::mul, {a, b}); }
-ShardedTensor div(const ShardedTensor& a, const ShardedTensor& b) { return call1(OpId::div, {a, b}); }
 ShardedTensor operator+(const ShardedTensor& a, const ShardedTensor& b) { return add(a, b); }
 ShardedTensor operator-(const ShardedTensor& a, const ShardedTensor& b) { return sub(a, b); }
 ShardedTensor operator*(const ShardedTensor& a, const ShardedTensor& b) { return mul(a, b); }

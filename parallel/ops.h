@@ -37,16 +37,11 @@ ShardedTensor factory(OpId op, const Attrs& attrs, const MeshPtr& mesh, const Pl
 ShardedTensor replicate(const Tensor& t, const MeshPtr& mesh);
 
 // ---- named forms ---------------------------------------------------------------------------
-ShardedTensor neg(const ShardedTensor& x);
-ShardedTensor exp(const ShardedTensor& x);
-ShardedTensor log(const ShardedTensor& x);
-ShardedTensor tanh(const ShardedTensor& x);
-ShardedTensor relu(const ShardedTensor& x);
+// Every functor family op of tensor/op_list.h (neg, exp, ..., add, ..., eq, ...), as in
+// tensor/ops.h.
+TS_DEFINE_FAMILY_WRAPPERS(ShardedTensor)
+
 ShardedTensor gelu(const ShardedTensor& x, bool approximate_tanh = false);
-ShardedTensor add(const ShardedTensor& a, const ShardedTensor& b);
-ShardedTensor sub(const ShardedTensor& a, const ShardedTensor& b);
-ShardedTensor mul(const ShardedTensor& a, const ShardedTensor& b);
-ShardedTensor div(const ShardedTensor& a, const ShardedTensor& b);
 ShardedTensor operator+(const ShardedTensor& a, const ShardedTensor& b);
 ShardedTensor operator-(const ShardedTensor& a, const ShardedTensor& b);
 ShardedTensor operator*(const ShardedTensor& a, const ShardedTensor& b);

@@ -5,6 +5,7 @@
 // mul by a Replicate factor, div of a Partial numerator, where with a Replicate condition,
 // dropout (its mask is keyed by the global index, so equal on every term). Functions that
 // keep order (exp, tanh, sigmoid, relu, casts) also carry Partial max/min, neg swaps them.
+// The functor family ops get their rule from their props column in tensor/op_list.h.
 #include "parallel/sharding_rule.h"
 
 namespace tessera::parallel {
@@ -28,7 +29,6 @@ AxisOptions unary(const AxisCtx& c, bool linear, Order order) {
 }
 
 AxisOptions plain_unary(const AxisCtx& c) { return unary(c, false, Order::none); }
-AxisOptions increasing_unary(const AxisCtx& c) { return unary(c, false, Order::increasing); }
 
 // Casts between floating types are linear up to one rounding per term; to or from integers
 // they are not (truncation), but they keep order.
@@ -42,46 +42,60 @@ AxisOptions copy_like(const AxisCtx& c) { return unary(c, true, Order::increasin
 
 AxisOptions binary(const AxisCtx& c) { return broadcast_options(c, {}); }
 
+AxisOptions unary_family(const AxisCtx& c, OpProps props) {
+  switch (props) {
+    case OpProps::Linear: return unary(c, true, Order::none);
+    case OpProps::Increasing: return unary(c, false, Order::increasing);
+    case OpProps::Decreasing: return unary(c, false, Order::decreasing);
+    case OpProps::LinearDecreasing: return unary(c, true, Order::decreasing);
+    default: return unary(c, false, Order::none);
+  }
+}
+
+AxisOptions binary_family(const AxisCtx& c, OpProps props) {
+  switch (props) {
+    case OpProps::LinearBoth: return broadcast_options(c, {{0, 1}});
+    case OpProps::LinearEach: return broadcast_options(c, {{0}, {1}});
+    case OpProps::LinearFirst: return broadcast_options(c, {{0}});
+    case OpProps::Max:
+    case OpProps::Min: {
+      const ReduceOp r = props == OpProps::Max ? ReduceOp::max : ReduceOp::min;
+      AxisOptions o = broadcast_options(c, {});
+      o.push_back(uniform(c, Partial(r), Partial(r)));
+      return o;
+    }
+    default: return broadcast_options(c, {});
+  }
+}
+
+// The functor families, from the op list.
+#define TS_RULE_UNARY(_, name, family, props)                                     \
+  register_sharding_rule(OpId::name, ShardingRule{.options = [](const AxisCtx& c) { \
+                           return unary_family(c, OpProps::props);                  \
+                         }});
+#define TS_RULE_BINARY(_, name, family, props)                                    \
+  register_sharding_rule(OpId::name, ShardingRule{.options = [](const AxisCtx& c) { \
+                           return binary_family(c, OpProps::props);                 \
+                         }});
+const bool kFamiliesRegistered = [] {
+  TS_UNARY_OPS(TS_RULE_UNARY, _)
+  TS_BINARY_OPS(TS_RULE_BINARY, _)
+  TS_COMPARE_OPS(TS_RULE_BINARY, _)
+  return true;
+}();
+#undef TS_RULE_UNARY
+#undef TS_RULE_BINARY
+
 }  // namespace
 
-TS_REGISTER_SHARDING_RULE(neg, {.options = [](const AxisCtx& c) { return unary(c, true, Order::decreasing); }});
-TS_REGISTER_SHARDING_RULE(exp, {.options = increasing_unary});
-TS_REGISTER_SHARDING_RULE(log, {.options = plain_unary});
-TS_REGISTER_SHARDING_RULE(sqrt, {.options = plain_unary});
-TS_REGISTER_SHARDING_RULE(rsqrt, {.options = plain_unary});
-TS_REGISTER_SHARDING_RULE(abs, {.options = plain_unary});
-TS_REGISTER_SHARDING_RULE(tanh, {.options = increasing_unary});
-TS_REGISTER_SHARDING_RULE(sigmoid, {.options = increasing_unary});
-TS_REGISTER_SHARDING_RULE(relu, {.options = increasing_unary});
 TS_REGISTER_SHARDING_RULE(gelu, {.options = plain_unary});
 // d gelu(x) * grad: linear in grad.
 TS_REGISTER_SHARDING_RULE(gelu_backward, {.options = [](const AxisCtx& c) {
   return broadcast_options(c, {{0}});
 }});
 
-TS_REGISTER_SHARDING_RULE(add, {.options = [](const AxisCtx& c) { return broadcast_options(c, {{0, 1}}); }});
-TS_REGISTER_SHARDING_RULE(sub, {.options = [](const AxisCtx& c) { return broadcast_options(c, {{0, 1}}); }});
-TS_REGISTER_SHARDING_RULE(mul, {.options = [](const AxisCtx& c) { return broadcast_options(c, {{0}, {1}}); }});
-TS_REGISTER_SHARDING_RULE(div, {.options = [](const AxisCtx& c) { return broadcast_options(c, {{0}}); }});
-TS_REGISTER_SHARDING_RULE(pow, {.options = binary});
-TS_REGISTER_SHARDING_RULE(maximum, {.options = [](const AxisCtx& c) {
-  AxisOptions o = broadcast_options(c, {});
-  o.push_back(uniform(c, Partial(ReduceOp::max), Partial(ReduceOp::max)));
-  return o;
-}});
-TS_REGISTER_SHARDING_RULE(minimum, {.options = [](const AxisCtx& c) {
-  AxisOptions o = broadcast_options(c, {});
-  o.push_back(uniform(c, Partial(ReduceOp::min), Partial(ReduceOp::min)));
-  return o;
-}});
 // where(cond, a, b) is linear in (a, b) together when cond is the same everywhere.
 TS_REGISTER_SHARDING_RULE(where, {.options = [](const AxisCtx& c) { return broadcast_options(c, {{1, 2}}); }});
-TS_REGISTER_SHARDING_RULE(eq, {.options = binary});
-TS_REGISTER_SHARDING_RULE(ne, {.options = binary});
-TS_REGISTER_SHARDING_RULE(lt, {.options = binary});
-TS_REGISTER_SHARDING_RULE(le, {.options = binary});
-TS_REGISTER_SHARDING_RULE(gt, {.options = binary});
-TS_REGISTER_SHARDING_RULE(ge, {.options = binary});
 
 TS_REGISTER_SHARDING_RULE(cast, {.options = cast_options});
 TS_REGISTER_SHARDING_RULE(to_device, {.options = copy_like});

@@ -7,10 +7,21 @@ namespace {
 
 thread_local DType t_autocast = DType::f32;
 
-// One table, keyed by the op list. Ops not named here keep their inputs.
+constexpr OpFamily kFamilies[] = {
+#define TS_OP_FAMILY(name, kind, grad, family, props) OpFamily::family,
+    TS_OP_LIST(TS_OP_FAMILY)
+#undef TS_OP_FAMILY
+};
+
+// One table, keyed by the op list. Binary and comparison families promote mixed float
+// inputs; the ops named below have their own rule; the rest keep their inputs.
 constexpr std::array<AutocastRule, kNumOps> make_rules() {
   std::array<AutocastRule, kNumOps> r{};
-  for (auto& x : r) x = AutocastRule::keep;
+  for (int i = 0; i < kNumOps; ++i) {
+    const OpFamily f = kFamilies[i];
+    const bool binary = f == OpFamily::Binary || f == OpFamily::BinaryFloat || f == OpFamily::Compare;
+    r[i] = binary ? AutocastRule::promote : AutocastRule::keep;
+  }
   for (OpId op : {OpId::matmul, OpId::conv2d, OpId::attention}) {
     r[static_cast<int>(op)] = AutocastRule::lower;
   }
@@ -18,9 +29,7 @@ constexpr std::array<AutocastRule, kNumOps> make_rules() {
                   OpId::layer_norm, OpId::cross_entropy, OpId::exp, OpId::log, OpId::pow}) {
     r[static_cast<int>(op)] = AutocastRule::to_f32;
   }
-  for (OpId op : {OpId::add, OpId::sub, OpId::mul, OpId::div, OpId::maximum, OpId::minimum,
-                  OpId::where, OpId::eq, OpId::ne, OpId::lt, OpId::le, OpId::gt, OpId::ge,
-                  OpId::cat, OpId::index_add, OpId::scatter_add}) {
+  for (OpId op : {OpId::where, OpId::cat, OpId::index_add, OpId::scatter_add}) {
     r[static_cast<int>(op)] = AutocastRule::promote;
   }
   return r;

@@ -11,8 +11,9 @@ namespace tessera {
 namespace {
 
 constexpr OpInfo kOpInfos[] = {
-#define TS_OP_INFO(name, kind, grad) \
-  OpInfo{OpId::name, #name, OpKind::kind, std::string_view(#grad) == "Diff"},
+#define TS_OP_INFO(name, kind, grad, family, props)                                 \
+  OpInfo{OpId::name, #name, OpKind::kind, std::string_view(#grad) == "Diff", OpFamily::family, \
+         OpProps::props},
     TS_OP_LIST(TS_OP_INFO)
 #undef TS_OP_INFO
 };

@@ -44,13 +44,17 @@ std::vector<TensorSpec> binary(std::span<const TensorSpec> in, const Attrs&) {
   required(op, in, 1, "second operand");
   require_same_dtype(op, in[0], in[1]);
   require_numeric(op, in[0], "operands");
-  if constexpr (op == OpId::div) {
-    TS_CHECK(is_floating(in[0].dtype),
-             "div: integer operands ({} {}); cast to a floating dtype first", in[0].dtype,
-             shape_str(in[0].shape));
-  }
   return {spec(broadcast_shapes(name_of(op), in[0].shape, in[1].shape), in[0].dtype,
                result_device(in))};
+}
+
+template <OpId op>
+std::vector<TensorSpec> binary_float(std::span<const TensorSpec> in, const Attrs& attrs) {
+  std::vector<TensorSpec> out = binary<op>(in, attrs);
+  TS_CHECK(is_floating(in[0].dtype),
+           "{}: integer operands ({} {}); cast to a floating dtype first", name_of(op),
+           in[0].dtype, shape_str(in[0].shape));
+  return out;
 }
 
 template <OpId op>
@@ -114,31 +118,25 @@ std::vector<TensorSpec> argmax_meta(std::span<const TensorSpec> in, const Attrs&
                DType::i64, x.device)};
 }
 
-TS_REGISTER_META(neg, unary_numeric<OpId::neg>);
-TS_REGISTER_META(exp, unary_float<OpId::exp>);
-TS_REGISTER_META(log, unary_float<OpId::log>);
-TS_REGISTER_META(sqrt, unary_float<OpId::sqrt>);
-TS_REGISTER_META(rsqrt, unary_float<OpId::rsqrt>);
-TS_REGISTER_META(abs, unary_numeric<OpId::abs>);
-TS_REGISTER_META(tanh, unary_float<OpId::tanh>);
-TS_REGISTER_META(sigmoid, unary_float<OpId::sigmoid>);
-TS_REGISTER_META(relu, unary_numeric<OpId::relu>);
+// The functor families: one meta function per family.
+#define TS_META_FAMILY(_, name, family, props) \
+  register_meta(OpId::name, meta_##family<OpId::name>);
+template <OpId op> constexpr MetaFn meta_UnaryFloat = &unary_float<op>;
+template <OpId op> constexpr MetaFn meta_UnaryNumeric = &unary_numeric<op>;
+template <OpId op> constexpr MetaFn meta_Binary = &binary<op>;
+template <OpId op> constexpr MetaFn meta_BinaryFloat = &binary_float<op>;
+template <OpId op> constexpr MetaFn meta_Compare = &compare<op>;
+const bool kFamiliesRegistered = [] {
+  TS_UNARY_OPS(TS_META_FAMILY, _)
+  TS_BINARY_OPS(TS_META_FAMILY, _)
+  TS_COMPARE_OPS(TS_META_FAMILY, _)
+  return true;
+}();
+#undef TS_META_FAMILY
+
 TS_REGISTER_META(gelu, unary_float<OpId::gelu>);
 TS_REGISTER_META(gelu_backward, gelu_backward_meta);
-TS_REGISTER_META(add, binary<OpId::add>);
-TS_REGISTER_META(sub, binary<OpId::sub>);
-TS_REGISTER_META(mul, binary<OpId::mul>);
-TS_REGISTER_META(div, binary<OpId::div>);
-TS_REGISTER_META(pow, binary<OpId::pow>);
-TS_REGISTER_META(maximum, binary<OpId::maximum>);
-TS_REGISTER_META(minimum, binary<OpId::minimum>);
 TS_REGISTER_META(where, where_meta);
-TS_REGISTER_META(eq, compare<OpId::eq>);
-TS_REGISTER_META(ne, compare<OpId::ne>);
-TS_REGISTER_META(lt, compare<OpId::lt>);
-TS_REGISTER_META(le, compare<OpId::le>);
-TS_REGISTER_META(gt, compare<OpId::gt>);
-TS_REGISTER_META(ge, compare<OpId::ge>);
 TS_REGISTER_META(sum, reduce<OpId::sum>);
 TS_REGISTER_META(mean, reduce<OpId::mean>);
 TS_REGISTER_META(max, reduce<OpId::max>);

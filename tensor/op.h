@@ -20,23 +20,13 @@
 
 namespace tessera {
 
-enum class OpId : uint16_t {
-#define TS_OP_ENUM(name, kind, grad) name,
-  TS_OP_LIST(TS_OP_ENUM)
-#undef TS_OP_ENUM
-};
-
-#define TS_OP_COUNT(name, kind, grad) +1
-inline constexpr int kNumOps = 0 TS_OP_LIST(TS_OP_COUNT);
-#undef TS_OP_COUNT
-
-enum class OpKind : uint8_t { Compute, View, Factory, Composite };
-
 struct OpInfo {
   OpId id;
   std::string_view name;
   OpKind kind;
   bool differentiable;
+  OpFamily family;
+  OpProps props;
 };
 
 const OpInfo& op_info(OpId op);
@@ -53,7 +43,7 @@ struct RngView {
   std::vector<int64_t> starts;
 };
 
-// Op attributes. One struct for every op keeps kernels, derivatives and (later) sharding
+// Op attributes. One struct for every op keeps kernels, derivatives and sharding
 // rules to one signature; each op documents the fields it reads in tensor/ops.h.
 struct Attrs {
   Shape shape;                // view/expand target, factory output shape
@@ -135,6 +125,19 @@ void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
                   std::initializer_list<size_t> written);
 
 }  // namespace tessera
+
+// The named wrappers of the functor family ops, for a tensor type T with a call1(OpId,
+// {inputs}) in scope (Tensor here, parallel::ShardedTensor in parallel/ops.h): f(x) for the
+// unary ops, f(a, b) for binary ops and comparisons (bool results). One line in the op list
+// names the op on every tensor type.
+#define TS_UNARY_WRAPPER(T, name, family, props) \
+  inline T name(const T& x) { return call1(::tessera::OpId::name, {x}); }
+#define TS_BINARY_WRAPPER(T, name, family, props) \
+  inline T name(const T& a, const T& b) { return call1(::tessera::OpId::name, {a, b}); }
+#define TS_DEFINE_FAMILY_WRAPPERS(T)     \
+  TS_UNARY_OPS(TS_UNARY_WRAPPER, T)      \
+  TS_BINARY_OPS(TS_BINARY_WRAPPER, T)    \
+  TS_COMPARE_OPS(TS_BINARY_WRAPPER, T)
 
 #define TS_CONCAT_INNER(a, b) a##b
 #define TS_CONCAT(a, b) TS_CONCAT_INNER(a, b)

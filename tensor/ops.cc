@@ -9,21 +9,7 @@
 
 namespace tessera {
 
-namespace {
-Tensor unary(OpId op, const Tensor& x) { return call1(op, {x}); }
-Tensor binary(OpId op, const Tensor& a, const Tensor& b) { return call1(op, {a, b}); }
-}  // namespace
-
 // ---- elementwise --------------------------------------------------------------------------
-Tensor neg(const Tensor& x) { return unary(OpId::neg, x); }
-Tensor exp(const Tensor& x) { return unary(OpId::exp, x); }
-Tensor log(const Tensor& x) { return unary(OpId::log, x); }
-Tensor sqrt(const Tensor& x) { return unary(OpId::sqrt, x); }
-Tensor rsqrt(const Tensor& x) { return unary(OpId::rsqrt, x); }
-Tensor abs(const Tensor& x) { return unary(OpId::abs, x); }
-Tensor tanh(const Tensor& x) { return unary(OpId::tanh, x); }
-Tensor sigmoid(const Tensor& x) { return unary(OpId::sigmoid, x); }
-Tensor relu(const Tensor& x) { return unary(OpId::relu, x); }
 
 Tensor gelu(const Tensor& x, bool approximate_tanh) {
   Attrs a;
@@ -37,25 +23,12 @@ Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool approximate_tanh)
   return call1(OpId::gelu_backward, {grad, x}, a);
 }
 
-Tensor add(const Tensor& a, const Tensor& b) { return binary(OpId::add, a, b); }
-Tensor sub(const Tensor& a, const Tensor& b) { return binary(OpId::sub, a, b); }
-Tensor mul(const Tensor& a, const Tensor& b) { return binary(OpId::mul, a, b); }
-Tensor div(const Tensor& a, const Tensor& b) { return binary(OpId::div, a, b); }
-Tensor pow(const Tensor& a, const Tensor& b) { return binary(OpId::pow, a, b); }
 Tensor pow(const Tensor& a, double exponent) {
-  return binary(OpId::pow, a, scalar_like(exponent, a, "pow"));
+  return call1(OpId::pow, {a, scalar_like(exponent, a, "pow")});
 }
-Tensor maximum(const Tensor& a, const Tensor& b) { return binary(OpId::maximum, a, b); }
-Tensor minimum(const Tensor& a, const Tensor& b) { return binary(OpId::minimum, a, b); }
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   return call1(OpId::where, {cond, a, b});
 }
-Tensor eq(const Tensor& a, const Tensor& b) { return binary(OpId::eq, a, b); }
-Tensor ne(const Tensor& a, const Tensor& b) { return binary(OpId::ne, a, b); }
-Tensor lt(const Tensor& a, const Tensor& b) { return binary(OpId::lt, a, b); }
-Tensor le(const Tensor& a, const Tensor& b) { return binary(OpId::le, a, b); }
-Tensor gt(const Tensor& a, const Tensor& b) { return binary(OpId::gt, a, b); }
-Tensor ge(const Tensor& a, const Tensor& b) { return binary(OpId::ge, a, b); }
 
 Tensor scalar_like(double value, const Tensor& like, const char* op) {
   TS_CHECK(like.defined(), "{}: tensor operand is undefined", op);

@@ -21,37 +21,19 @@
 namespace tessera {
 
 // ---- elementwise --------------------------------------------------------------------------
-Tensor neg(const Tensor& x);
-Tensor exp(const Tensor& x);
-Tensor log(const Tensor& x);
-Tensor sqrt(const Tensor& x);
-Tensor rsqrt(const Tensor& x);
-Tensor abs(const Tensor& x);
-Tensor tanh(const Tensor& x);
-Tensor sigmoid(const Tensor& x);
-Tensor relu(const Tensor& x);
+// The functor family ops of tensor/op_list.h, one function each: neg, exp, log, sqrt,
+// rsqrt, abs, tanh, sigmoid, relu (x); add, sub, mul, div, pow, maximum, minimum (a, b);
+// eq, ne, lt, le, gt, ge (a, b), returning bool tensors.
+TS_DEFINE_FAMILY_WRAPPERS(Tensor)
+
 // GELU, exact (erf) or with the tanh approximation.
 Tensor gelu(const Tensor& x, bool approximate_tanh = false);
 // d gelu(x) / dx * grad, fused (the derivative of gelu uses it).
 Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool approximate_tanh = false);
 
-Tensor add(const Tensor& a, const Tensor& b);
-Tensor sub(const Tensor& a, const Tensor& b);
-Tensor mul(const Tensor& a, const Tensor& b);
-Tensor div(const Tensor& a, const Tensor& b);
-Tensor pow(const Tensor& a, const Tensor& b);
 Tensor pow(const Tensor& a, double exponent);
-Tensor maximum(const Tensor& a, const Tensor& b);
-Tensor minimum(const Tensor& a, const Tensor& b);
 // cond ? a : b elementwise; cond is bool; all three broadcast.
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
-// Comparisons return bool tensors.
-Tensor eq(const Tensor& a, const Tensor& b);
-Tensor ne(const Tensor& a, const Tensor& b);
-Tensor lt(const Tensor& a, const Tensor& b);
-Tensor le(const Tensor& a, const Tensor& b);
-Tensor gt(const Tensor& a, const Tensor& b);
-Tensor ge(const Tensor& a, const Tensor& b);
 
 // A 0-d tensor holding `value` in `like`'s dtype, for scalar operands (Error if `like` is
 // integral or bool and value does not convert exactly).

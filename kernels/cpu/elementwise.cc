@@ -1,105 +1,72 @@
-// CPU elementwise kernels: unary, binary (broadcasting), comparisons, where, gelu_backward.
-// Contiguous f32/f64 runs of transcendental ops go through Eigen's vectorised array
-// functions; everything else is a plain loop the compiler vectorises on contiguous runs.
-#include <cmath>
+// CPU elementwise kernels: the functor families of the op list (unary, binary with
+// broadcasting, comparisons), registered for every member from kernels/scalar_ops.h, plus
+// gelu, gelu_backward and where. Contiguous f32/f64 runs of transcendental ops go through
+// Eigen's vectorised array functions (EigenForm below); everything else is a plain loop the
+// compiler vectorises on contiguous runs.
 #include <unsupported/Eigen/SpecialFunctions>
 
 #include "kernels/cpu/loops.h"
+#include "kernels/scalar_ops.h"
 #include "tensor/op.h"
 
 namespace tessera::cpu {
 namespace {
 
-constexpr double kSqrt1_2 = 0.70710678118654752440;
-constexpr double kSqrt2OverPi = 0.79788456080286535588;
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;
-constexpr double kGeluCoeff = 0.044715;
+namespace ops = scalar_ops;
 
-// ---- unary functors: scalar form on the compute type, optional Eigen array form ----------
+// ---- Eigen array forms of some functors (contiguous f32/f64 runs) --------------------------
+// A functor without one runs the scalar loop. Kept only where Eigen's form is as accurate as
+// the scalar one on the values the op sweep checks.
+template <typename F> struct EigenForm;
 
-struct Neg {
-  template <typename C> C operator()(C x) const { return -x; }
-};
-struct Abs {
-  template <typename C> C operator()(C x) const {
-    if constexpr (std::is_floating_point_v<C>) return std::fabs(x);  // abs(-0.0) = +0.0
-    else return x < C(0) ? C(-x) : x;
-  }
-};
-struct Relu {
-  template <typename C> C operator()(C x) const {
-    if constexpr (std::is_floating_point_v<C>) {
-      if (x != x) return x;  // NaN propagates, as on the Eigen path and in PyTorch
-    }
-    return x > C(0) ? x : C(0);
-  }
-  // No Eigen form: the plain loop vectorises, and propagates NaN by construction.
-};
-struct Exp {
-  template <typename C> C operator()(C x) const { return std::exp(x); }
+template <> struct EigenForm<ops::exp> {
   // f32 only: Eigen 3.4's double exp clamps its argument at -709.4, so exp(-inf) and
   // exp(x < -709.4) gave 5.6e-309 instead of 0 / the true subnormal.
   template <typename A>
     requires std::is_same_v<typename A::Scalar, float>
-  auto eigen(const A& a) const { return a.exp(); }
+  static auto apply(const A& a) { return a.exp(); }
 };
-// No Eigen form: Eigen 3.4's log clamps subnormal inputs to the smallest normal, so
-// log(1e-40f) gave -87.3 instead of -92.1 (and likewise for f64 below 2.2e-308).
-struct Log {
-  template <typename C> C operator()(C x) const { return std::log(x); }
-};
-// No Eigen form: with EIGEN_FAST_MATH its AVX-512 sqrt is x * rsqrt(x) refined by Newton
-// steps, which gives NaN for +inf and flushes subnormal results to 0.
-struct Sqrt {
-  template <typename C> C operator()(C x) const { return std::sqrt(x); }
-};
-struct Rsqrt {
-  template <typename C> C operator()(C x) const { return C(1) / std::sqrt(x); }
+// No form for log (Eigen 3.4's log clamps subnormal inputs to the smallest normal, so
+// log(1e-40f) gave -87.3 instead of -92.1) nor sqrt (with EIGEN_FAST_MATH its AVX-512 sqrt
+// is x * rsqrt(x) refined by Newton steps: NaN for +inf, subnormal results flushed to 0).
 #if defined(__AVX512F__)
+template <> struct EigenForm<ops::rsqrt> {
   // f32 with AVX-512 only: Eigen's f64 rsqrt, and its AVX2 f32 rsqrt (--config=portable),
   // return inf for subnormal inputs.
   template <typename A>
     requires std::is_same_v<typename A::Scalar, float>
-  auto eigen(const A& a) const { return a.rsqrt(); }
+  static auto apply(const A& a) { return a.rsqrt(); }
+};
 #endif
+template <> struct EigenForm<ops::tanh> {
+  template <typename A> static auto apply(const A& a) { return a.tanh(); }
 };
-struct Tanh {
-  template <typename C> C operator()(C x) const { return std::tanh(x); }
-  template <typename A> auto eigen(const A& a) const { return a.tanh(); }
-};
-struct Sigmoid {
-  template <typename C> C operator()(C x) const { return C(1) / (C(1) + std::exp(-x)); }
-  // Not Eigen's logistic(): its float version is accurate only in absolute terms, so small
-  // outputs (x < -7) lost most of their relative precision. exp() keeps it relative; f32
-  // only, as Exp (Eigen's f64 exp saturates instead of overflowing: sigmoid(-800) != 0).
+template <> struct EigenForm<ops::sigmoid> {
+  // Not Eigen's logistic(): its float version is accurate only in absolute terms. f32 only,
+  // as exp.
   template <typename A>
     requires std::is_same_v<typename A::Scalar, float>
-  auto eigen(const A& a) const {
+  static auto apply(const A& a) {
     using S = typename A::Scalar;
     return (S(1) + (-a).exp()).inverse();
   }
 };
-struct GeluExact {
-  template <typename C> C operator()(C x) const {
-    return C(0.5) * x * (C(1) + std::erf(x * C(kSqrt1_2)));
-  }
-  template <typename A> auto eigen(const A& a) const {
+template <> struct EigenForm<ops::gelu_erf> {
+  template <typename A> static auto apply(const A& a) {
     using S = typename A::Scalar;
-    return S(0.5) * a * (S(1) + (a * S(kSqrt1_2)).erf());
+    return S(0.5) * a * (S(1) + (a * S(ops::kSqrt1_2)).erf());
   }
 };
-struct GeluTanh {
-  template <typename C> C operator()(C x) const {
-    return C(0.5) * x * (C(1) + std::tanh(C(kSqrt2OverPi) * (x + C(kGeluCoeff) * x * x * x)));
-  }
-  template <typename A> auto eigen(const A& a) const {
+template <> struct EigenForm<ops::gelu_tanh> {
+  template <typename A> static auto apply(const A& a) {
     using S = typename A::Scalar;
-    return S(0.5) * a * (S(1) + (S(kSqrt2OverPi) * (a + S(kGeluCoeff) * a.cube())).tanh());
+    return S(0.5) * a *
+           (S(1) + (S(ops::kSqrt2OverPi) * (a + S(ops::kGeluCoeff) * a.cube())).tanh());
   }
 };
 
 template <typename F, typename A>
-concept HasEigen = requires(const F& f, const A& a) { f.eigen(a); };
+concept HasEigen = requires(const A& a) { EigenForm<F>::apply(a); };
 
 template <typename T, typename F>
 void unary_loop(const Tensor& in, const Tensor& out, F f) {
@@ -112,7 +79,7 @@ void unary_loop(const Tensor& in, const Tensor& out, F f) {
       using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
       if constexpr (std::is_floating_point_v<T>) {
         if constexpr (HasEigen<F, Eigen::Map<const Arr>>) {
-          Eigen::Map<Arr>(o, r.n) = f.eigen(Eigen::Map<const Arr>(a, r.n));
+          Eigen::Map<Arr>(o, r.n) = EigenForm<F>::apply(Eigen::Map<const Arr>(a, r.n));
           return;
         }
       }
@@ -124,61 +91,26 @@ void unary_loop(const Tensor& in, const Tensor& out, F f) {
   });
 }
 
-template <typename F>
-KernelFn unary_kernel() {
-  return [](std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
-    visit_dtype(in[0].dtype(), [&]<typename T>() {
-      if constexpr (!std::is_same_v<T, bool>) unary_loop<T>(in[0], out[0], F{});
-    });
-  };
+// Floats only for the UnaryFloat family (shape inference rejects the rest), every numeric
+// dtype for UnaryNumeric.
+template <typename F, bool floats_only>
+void unary_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  visit_dtype(in[0].dtype(), [&]<typename T>() {
+    if constexpr (std::is_floating_point_v<compute_t<T>> ||
+                  (!floats_only && !std::is_same_v<T, bool>)) {
+      unary_loop<T>(in[0], out[0], F{});
+    }
+  });
 }
 
 void gelu_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& attrs) {
   visit_float_dtype(in[0].dtype(), "gelu", [&]<typename T>() {
-    if (attrs.approximate_tanh) unary_loop<T>(in[0], out[0], GeluTanh{});
-    else unary_loop<T>(in[0], out[0], GeluExact{});
+    if (attrs.approximate_tanh) unary_loop<T>(in[0], out[0], ops::gelu_tanh{});
+    else unary_loop<T>(in[0], out[0], ops::gelu_erf{});
   });
 }
 
 // ---- binary ------------------------------------------------------------------------------
-
-struct Add { template <typename C> C operator()(C a, C b) const { return a + b; } };
-struct Sub { template <typename C> C operator()(C a, C b) const { return a - b; } };
-struct Mul { template <typename C> C operator()(C a, C b) const { return a * b; } };
-struct Div { template <typename C> C operator()(C a, C b) const { return a / b; } };
-struct Pow {
-  template <typename C> C operator()(C a, C b) const {
-    if constexpr (std::is_integral_v<C>) {
-      if (b < 0) fail("pow: integers to negative integer powers are not allowed ({} ** {})", a, b);
-      C r = 1;
-      for (C e = b, base = a; e > 0; e >>= 1, base *= base) {
-        if (e & 1) r *= base;
-      }
-      return r;
-    } else {
-      return std::pow(a, b);
-    }
-  }
-};
-// NaN propagates, as in PyTorch's maximum/minimum.
-struct Maximum {
-  template <typename C> C operator()(C a, C b) const {
-    if constexpr (std::is_floating_point_v<C>) { if (a != a || b != b) return a + b; }
-    return a > b ? a : b;
-  }
-};
-struct Minimum {
-  template <typename C> C operator()(C a, C b) const {
-    if constexpr (std::is_floating_point_v<C>) { if (a != a || b != b) return a + b; }
-    return a < b ? a : b;
-  }
-};
-struct Eq { template <typename C> bool operator()(C a, C b) const { return a == b; } };
-struct Ne { template <typename C> bool operator()(C a, C b) const { return a != b; } };
-struct Lt { template <typename C> bool operator()(C a, C b) const { return a < b; } };
-struct Le { template <typename C> bool operator()(C a, C b) const { return a <= b; } };
-struct Gt { template <typename C> bool operator()(C a, C b) const { return a > b; } };
-struct Ge { template <typename C> bool operator()(C a, C b) const { return a >= b; } };
 
 // out[i] = f(a[i], b[i]); Out is T for arithmetic, bool for comparisons.
 template <typename T, typename Out, typename F>
@@ -207,22 +139,21 @@ void binary_loop(const Tensor& a, const Tensor& b, const Tensor& out, F f) {
   });
 }
 
-template <typename F>
-KernelFn binary_kernel() {
-  return [](std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
-    visit_dtype(in[0].dtype(), [&]<typename T>() {
-      if constexpr (!std::is_same_v<T, bool>) binary_loop<T, T>(in[0], in[1], out[0], F{});
-    });
-  };
+template <typename F, bool floats_only>
+void binary_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  visit_dtype(in[0].dtype(), [&]<typename T>() {
+    if constexpr (std::is_floating_point_v<compute_t<T>> ||
+                  (!floats_only && !std::is_same_v<T, bool>)) {
+      binary_loop<T, T>(in[0], in[1], out[0], F{});
+    }
+  });
 }
 
 template <typename F>
-KernelFn compare_kernel() {
-  return [](std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
-    visit_dtype(in[0].dtype(), [&]<typename T>() {
-      binary_loop<T, bool>(in[0], in[1], out[0], F{});
-    });
-  };
+void compare_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  visit_dtype(in[0].dtype(), [&]<typename T>() {
+    binary_loop<T, bool>(in[0], in[1], out[0], F{});
+  });
 }
 
 void where_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
@@ -239,55 +170,35 @@ void where_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs
   });
 }
 
-// d/dx gelu(x) * grad.
-struct GeluExactGrad {
-  template <typename C> C operator()(C g, C x) const {
-    const C cdf = C(0.5) * (C(1) + std::erf(x * C(kSqrt1_2)));
-    const C pdf = C(kInvSqrt2Pi) * std::exp(C(-0.5) * x * x);
-    return g * (cdf + x * pdf);
-  }
-};
-struct GeluTanhGrad {
-  template <typename C> C operator()(C g, C x) const {
-    const C x2 = x * x;
-    const C t = std::tanh(C(kSqrt2OverPi) * (x + C(kGeluCoeff) * x2 * x));
-    const C dt = C(kSqrt2OverPi) * (C(1) + C(3 * kGeluCoeff) * x2) * (C(1) - t * t);
-    return g * (C(0.5) * (C(1) + t) + C(0.5) * x * dt);
-  }
-};
-
 void gelu_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& attrs) {
   visit_float_dtype(in[1].dtype(), "gelu_backward", [&]<typename T>() {
-    if (attrs.approximate_tanh) binary_loop<T, T>(in[0], in[1], out[0], GeluTanhGrad{});
-    else binary_loop<T, T>(in[0], in[1], out[0], GeluExactGrad{});
+    if (attrs.approximate_tanh) binary_loop<T, T>(in[0], in[1], out[0], ops::gelu_tanh_backward{});
+    else binary_loop<T, T>(in[0], in[1], out[0], ops::gelu_erf_backward{});
   });
 }
 
-TS_REGISTER_KERNEL(cpu, neg, unary_kernel<Neg>());
-TS_REGISTER_KERNEL(cpu, exp, unary_kernel<Exp>());
-TS_REGISTER_KERNEL(cpu, log, unary_kernel<Log>());
-TS_REGISTER_KERNEL(cpu, sqrt, unary_kernel<Sqrt>());
-TS_REGISTER_KERNEL(cpu, rsqrt, unary_kernel<Rsqrt>());
-TS_REGISTER_KERNEL(cpu, abs, unary_kernel<Abs>());
-TS_REGISTER_KERNEL(cpu, tanh, unary_kernel<Tanh>());
-TS_REGISTER_KERNEL(cpu, sigmoid, unary_kernel<Sigmoid>());
-TS_REGISTER_KERNEL(cpu, relu, unary_kernel<Relu>());
+// Every functor family op, from the op list: the functor of the same name.
+constexpr bool kFloatsOnly_UnaryFloat = true, kFloatsOnly_UnaryNumeric = false,
+               kFloatsOnly_Binary = false, kFloatsOnly_BinaryFloat = true;
+#define TS_CPU_UNARY(_, name, family, props) \
+  register_kernel(DeviceType::cpu, OpId::name, &unary_kernel<ops::name, kFloatsOnly_##family>);
+#define TS_CPU_BINARY(_, name, family, props) \
+  register_kernel(DeviceType::cpu, OpId::name, &binary_kernel<ops::name, kFloatsOnly_##family>);
+#define TS_CPU_COMPARE(_, name, family, props) \
+  register_kernel(DeviceType::cpu, OpId::name, &compare_kernel<ops::name>);
+const bool kFamiliesRegistered = [] {
+  TS_UNARY_OPS(TS_CPU_UNARY, _)
+  TS_BINARY_OPS(TS_CPU_BINARY, _)
+  TS_COMPARE_OPS(TS_CPU_COMPARE, _)
+  return true;
+}();
+#undef TS_CPU_UNARY
+#undef TS_CPU_BINARY
+#undef TS_CPU_COMPARE
+
 TS_REGISTER_KERNEL(cpu, gelu, gelu_kernel);
 TS_REGISTER_KERNEL(cpu, gelu_backward, gelu_backward_kernel);
-TS_REGISTER_KERNEL(cpu, add, binary_kernel<Add>());
-TS_REGISTER_KERNEL(cpu, sub, binary_kernel<Sub>());
-TS_REGISTER_KERNEL(cpu, mul, binary_kernel<Mul>());
-TS_REGISTER_KERNEL(cpu, div, binary_kernel<Div>());
-TS_REGISTER_KERNEL(cpu, pow, binary_kernel<Pow>());
-TS_REGISTER_KERNEL(cpu, maximum, binary_kernel<Maximum>());
-TS_REGISTER_KERNEL(cpu, minimum, binary_kernel<Minimum>());
 TS_REGISTER_KERNEL(cpu, where, where_kernel);
-TS_REGISTER_KERNEL(cpu, eq, compare_kernel<Eq>());
-TS_REGISTER_KERNEL(cpu, ne, compare_kernel<Ne>());
-TS_REGISTER_KERNEL(cpu, lt, compare_kernel<Lt>());
-TS_REGISTER_KERNEL(cpu, le, compare_kernel<Le>());
-TS_REGISTER_KERNEL(cpu, gt, compare_kernel<Gt>());
-TS_REGISTER_KERNEL(cpu, ge, compare_kernel<Ge>());
 
 }  // namespace
 }  // namespace tessera::cpu

@@ -2,7 +2,7 @@
 // glue (.cc, compiled by GCC) fills and .cu launchers take by value.
 //
 //   DevTensor x = dev_tensor(t);                  // kernels/cuda/runtime.h
-//   launch_unary(UnaryOp::exp, out, x, stream);   // a family's .cuh
+//   launch_unary(OpId::exp, out, x, stream);      // a family's .cuh
 //
 // dtype uses DType's numbering (f32, f64, f16, bf16, i32, i64, b8); strides are in elements
 // and data already includes the tensor's offset.

@@ -1,7 +1,7 @@
-// Elementwise kernels on CUDA: unary ops, binary ops with broadcasting, comparisons, where
-// and gelu_backward, all through one skeleton with a functor per op (as the CPU's
-// kernels/cpu/elementwise.cc, which is the spec: 16-bit floats computed in f32 and rounded
-// once, f64 in f64, the same NaN rules).
+// Elementwise kernels on CUDA: the functor family ops (unary, binary with broadcasting,
+// comparisons), gelu, gelu_backward and where, all through one skeleton instantiated with the
+// scalar functors the CPU uses too (kernels/scalar_ops.h): 16-bit floats computed in f32 and
+// rounded once, f64 in f64, the same NaN rules.
 //
 // Three paths, chosen on the host from the layouts only:
 //   - flat: every operand contiguous with the output (or a scalar): 16-byte vector loads
@@ -17,135 +17,12 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/elementwise.cuh"
+#include "kernels/scalar_ops.h"
 
 namespace tessera::cuda_kernels {
 namespace {
 
-constexpr double kSqrt1_2 = 0.70710678118654752440;
-constexpr double kSqrt2OverPi = 0.79788456080286535588;
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;
-constexpr double kGeluCoeff = 0.044715;
-
-// ---- math on the compute type (float or double), without fast-math approximations --------
-
-template <typename C> __device__ __forceinline__ C d_exp(C x) {
-  if constexpr (std::is_same_v<C, float>) return expf(x); else return ::exp(x);
-}
-template <typename C> __device__ __forceinline__ C d_log(C x) {
-  if constexpr (std::is_same_v<C, float>) return logf(x); else return ::log(x);
-}
-template <typename C> __device__ __forceinline__ C d_sqrt(C x) {
-  if constexpr (std::is_same_v<C, float>) return sqrtf(x); else return ::sqrt(x);
-}
-template <typename C> __device__ __forceinline__ C d_tanh(C x) {
-  if constexpr (std::is_same_v<C, float>) return tanhf(x); else return ::tanh(x);
-}
-template <typename C> __device__ __forceinline__ C d_erf(C x) {
-  if constexpr (std::is_same_v<C, float>) return erff(x); else return ::erf(x);
-}
-template <typename C> __device__ __forceinline__ C d_pow(C a, C b) {
-  if constexpr (std::is_same_v<C, float>) return powf(a, b); else return ::pow(a, b);
-}
-
-// ---- op functors on the compute type --------------------------------------------------------
-
-struct Neg { template <typename C> __device__ C operator()(C x) const { return -x; } };
-struct Abs {
-  template <typename C> __device__ C operator()(C x) const {
-    if constexpr (std::is_floating_point_v<C>) return fabs(x);  // abs(-0.0) = +0.0
-    else return x < C(0) ? C(-x) : x;
-  }
-};
-struct Relu {
-  template <typename C> __device__ C operator()(C x) const {
-    if constexpr (std::is_floating_point_v<C>) {
-      if (x != x) return x;  // NaN propagates
-    }
-    return x > C(0) ? x : C(0);
-  }
-};
-struct Exp { template <typename C> __device__ C operator()(C x) const { return d_exp(x); } };
-struct Log { template <typename C> __device__ C operator()(C x) const { return d_log(x); } };
-struct Sqrt { template <typename C> __device__ C operator()(C x) const { return d_sqrt(x); } };
-// Correctly rounded division of a correctly rounded sqrt, as the CPU's scalar loop (rsqrtf is
-// 2 ulp).
-struct Rsqrt { template <typename C> __device__ C operator()(C x) const { return C(1) / d_sqrt(x); } };
-struct Tanh { template <typename C> __device__ C operator()(C x) const { return d_tanh(x); } };
-struct Sigmoid {
-  template <typename C> __device__ C operator()(C x) const { return C(1) / (C(1) + d_exp(-x)); }
-};
-struct GeluExact {
-  template <typename C> __device__ C operator()(C x) const {
-    return C(0.5) * x * (C(1) + d_erf(x * C(kSqrt1_2)));
-  }
-};
-struct GeluTanh {
-  template <typename C> __device__ C operator()(C x) const {
-    return C(0.5) * x * (C(1) + d_tanh(C(kSqrt2OverPi) * (x + C(kGeluCoeff) * x * x * x)));
-  }
-};
-
-struct Add { template <typename C> __device__ C operator()(C a, C b) const { return a + b; } };
-struct Sub { template <typename C> __device__ C operator()(C a, C b) const { return a - b; } };
-struct Mul { template <typename C> __device__ C operator()(C a, C b) const { return a * b; } };
-struct Div { template <typename C> __device__ C operator()(C a, C b) const { return a / b; } };
-struct Pow {
-  template <typename C> __device__ C operator()(C a, C b) const {
-    if constexpr (std::is_integral_v<C>) {
-      // The CPU throws for a negative exponent; a kernel cannot, so a device exponent gets
-      // PyTorch's CUDA values (1 ** -n = 1, (-1) ** -n = +-1, else 0). Host scalar
-      // exponents are checked in elementwise.cc and throw as on the CPU.
-      if (b < 0) {
-        if (a == 1) return C(1);
-        if (a == -1) return (b & 1) ? C(-1) : C(1);
-        return C(0);
-      }
-      C r = 1;
-      for (C e = b, base = a; e > 0; e >>= 1, base *= base) {
-        if (e & 1) r *= base;
-      }
-      return r;
-    } else {
-      return d_pow(a, b);
-    }
-  }
-};
-// NaN propagates, as in PyTorch's maximum/minimum.
-struct Maximum {
-  template <typename C> __device__ C operator()(C a, C b) const {
-    if constexpr (std::is_floating_point_v<C>) { if (a != a || b != b) return a + b; }
-    return a > b ? a : b;
-  }
-};
-struct Minimum {
-  template <typename C> __device__ C operator()(C a, C b) const {
-    if constexpr (std::is_floating_point_v<C>) { if (a != a || b != b) return a + b; }
-    return a < b ? a : b;
-  }
-};
-struct Eq { template <typename C> __device__ bool operator()(C a, C b) const { return a == b; } };
-struct Ne { template <typename C> __device__ bool operator()(C a, C b) const { return a != b; } };
-struct Lt { template <typename C> __device__ bool operator()(C a, C b) const { return a < b; } };
-struct Le { template <typename C> __device__ bool operator()(C a, C b) const { return a <= b; } };
-struct Gt { template <typename C> __device__ bool operator()(C a, C b) const { return a > b; } };
-struct Ge { template <typename C> __device__ bool operator()(C a, C b) const { return a >= b; } };
-
-// d/dx gelu(x) * grad.
-struct GeluExactGrad {
-  template <typename C> __device__ C operator()(C g, C x) const {
-    const C cdf = C(0.5) * (C(1) + d_erf(x * C(kSqrt1_2)));
-    const C pdf = C(kInvSqrt2Pi) * d_exp(C(-0.5) * x * x);
-    return g * (cdf + x * pdf);
-  }
-};
-struct GeluTanhGrad {
-  template <typename C> __device__ C operator()(C g, C x) const {
-    const C x2 = x * x;
-    const C t = d_tanh(C(kSqrt2OverPi) * (x + C(kGeluCoeff) * x2 * x));
-    const C dt = C(kSqrt2OverPi) * (C(1) + C(3 * kGeluCoeff) * x2) * (C(1) - t * t);
-    return g * (C(0.5) * (C(1) + t) + C(0.5) * x * dt);
-  }
-};
+namespace ops = scalar_ops;
 
 // ---- adapters from storage types to the functors ------------------------------------------
 
@@ -384,7 +261,7 @@ void run_ew(F f, const DevTensor& out, const std::array<EwOperand, sizeof...(In)
 }
 
 template <typename Op>
-void unary_numeric(const DevTensor& out, const EwOperand& x, cudaStream_t s) {
+void unary_UnaryNumeric(const DevTensor& out, const EwOperand& x, cudaStream_t s) {
   TS_CUDA_DISPATCH_ALL(x.t.dtype, "unary", [&] {
     using T = scalar_t;
     if constexpr (std::is_same_v<T, bool>) bad_dtype("unary", x.t.dtype);
@@ -392,7 +269,7 @@ void unary_numeric(const DevTensor& out, const EwOperand& x, cudaStream_t s) {
   });
 }
 template <typename Op>
-void unary_float(const DevTensor& out, const EwOperand& x, cudaStream_t s) {
+void unary_UnaryFloat(const DevTensor& out, const EwOperand& x, cudaStream_t s) {
   TS_CUDA_DISPATCH_FLOATS(x.t.dtype, "unary", [&] {
     using T = scalar_t;
     run_ew<T>(UnaryFn<T, Op>{}, out, {x}, s, Types<T>{});
@@ -400,7 +277,7 @@ void unary_float(const DevTensor& out, const EwOperand& x, cudaStream_t s) {
 }
 
 template <typename Op>
-void binary_numeric(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
+void binary_Binary(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
   TS_CUDA_DISPATCH_ALL(a.t.dtype, "binary", [&] {
     using T = scalar_t;
     if constexpr (std::is_same_v<T, bool>) bad_dtype("binary", a.t.dtype);
@@ -408,14 +285,14 @@ void binary_numeric(const DevTensor& out, const EwOperand& a, const EwOperand& b
   });
 }
 template <typename Op>
-void binary_float(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
+void binary_BinaryFloat(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
   TS_CUDA_DISPATCH_FLOATS(a.t.dtype, "binary", [&] {
     using T = scalar_t;
     run_ew<T>(BinaryFn<T, Op>{}, out, {a, b}, s, Types<T, T>{});
   });
 }
 template <typename Op>
-void compare(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
+void binary_Compare(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
   TS_CUDA_DISPATCH_ALL(a.t.dtype, "compare", [&] {
     using T = scalar_t;
     run_ew<bool>(CompareFn<T, Op>{}, out, {a, b}, s, Types<T, T>{});
@@ -424,43 +301,41 @@ void compare(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaS
 
 }  // namespace
 
-void launch_unary(UnaryOp op, const DevTensor& out, const EwOperand& x, cudaStream_t s) {
+void launch_unary(OpId op, const DevTensor& out, const EwOperand& x, cudaStream_t s) {
   switch (op) {
-    case UnaryOp::neg: unary_numeric<Neg>(out, x, s); break;
-    case UnaryOp::abs: unary_numeric<Abs>(out, x, s); break;
-    case UnaryOp::relu: unary_numeric<Relu>(out, x, s); break;
-    case UnaryOp::exp: unary_float<Exp>(out, x, s); break;
-    case UnaryOp::log: unary_float<Log>(out, x, s); break;
-    case UnaryOp::sqrt: unary_float<Sqrt>(out, x, s); break;
-    case UnaryOp::rsqrt: unary_float<Rsqrt>(out, x, s); break;
-    case UnaryOp::tanh: unary_float<Tanh>(out, x, s); break;
-    case UnaryOp::sigmoid: unary_float<Sigmoid>(out, x, s); break;
-    case UnaryOp::gelu: unary_float<GeluExact>(out, x, s); break;
-    case UnaryOp::gelu_tanh: unary_float<GeluTanh>(out, x, s); break;
+#define TS_CUDA_UNARY(_, name, family, props) \
+  case OpId::name: unary_##family<ops::name>(out, x, s); break;
+    TS_UNARY_OPS(TS_CUDA_UNARY, _)
+#undef TS_CUDA_UNARY
+    default: throw CudaLaunchError("launch_unary: not a unary functor op: " + std::to_string(int(op)));
   }
   check_launch("unary");
 }
 
-void launch_binary(BinaryOp op, const DevTensor& out, const EwOperand& a, const EwOperand& b,
+void launch_binary(OpId op, const DevTensor& out, const EwOperand& a, const EwOperand& b,
                    cudaStream_t s) {
   switch (op) {
-    case BinaryOp::add: binary_numeric<Add>(out, a, b, s); break;
-    case BinaryOp::sub: binary_numeric<Sub>(out, a, b, s); break;
-    case BinaryOp::mul: binary_numeric<Mul>(out, a, b, s); break;
-    case BinaryOp::div: binary_float<Div>(out, a, b, s); break;
-    case BinaryOp::pow: binary_numeric<Pow>(out, a, b, s); break;
-    case BinaryOp::maximum: binary_numeric<Maximum>(out, a, b, s); break;
-    case BinaryOp::minimum: binary_numeric<Minimum>(out, a, b, s); break;
-    case BinaryOp::eq: compare<Eq>(out, a, b, s); break;
-    case BinaryOp::ne: compare<Ne>(out, a, b, s); break;
-    case BinaryOp::lt: compare<Lt>(out, a, b, s); break;
-    case BinaryOp::le: compare<Le>(out, a, b, s); break;
-    case BinaryOp::gt: compare<Gt>(out, a, b, s); break;
-    case BinaryOp::ge: compare<Ge>(out, a, b, s); break;
-    case BinaryOp::gelu_backward: binary_float<GeluExactGrad>(out, a, b, s); break;
-    case BinaryOp::gelu_tanh_backward: binary_float<GeluTanhGrad>(out, a, b, s); break;
+#define TS_CUDA_BINARY(_, name, family, props) \
+  case OpId::name: binary_##family<ops::name>(out, a, b, s); break;
+    TS_BINARY_OPS(TS_CUDA_BINARY, _)
+    TS_COMPARE_OPS(TS_CUDA_BINARY, _)
+#undef TS_CUDA_BINARY
+    default: throw CudaLaunchError("launch_binary: not a binary functor op: " + std::to_string(int(op)));
   }
   check_launch("binary");
+}
+
+void launch_gelu(bool approximate_tanh, const DevTensor& out, const EwOperand& x, cudaStream_t s) {
+  if (approximate_tanh) unary_UnaryFloat<ops::gelu_tanh>(out, x, s);
+  else unary_UnaryFloat<ops::gelu_erf>(out, x, s);
+  check_launch("gelu");
+}
+
+void launch_gelu_backward(bool approximate_tanh, const DevTensor& out, const EwOperand& grad,
+                          const EwOperand& x, cudaStream_t s) {
+  if (approximate_tanh) binary_BinaryFloat<ops::gelu_tanh_backward>(out, grad, x, s);
+  else binary_BinaryFloat<ops::gelu_erf_backward>(out, grad, x, s);
+  check_launch("gelu_backward");
 }
 
 void launch_where(const DevTensor& out, const EwOperand& cond, const EwOperand& a,

@@ -1,11 +1,19 @@
 // gradcheck cases for elementwise ops, reductions, copies and views.
 #include "tests/autograd/gradcheck_cases.h"
+#include "tests/reference/op_cases.h"
 
 namespace tessera::gradcheck_cases {
 namespace {
 
-// Values a unary op is checked on.
+// Values an op is checked on: smooth everywhere, in [0.5, 1.5), or away from 0.
 enum class Domain { real, positive, nonzero };
+
+// The gradcheck domain of a test case's values (tests/reference/op_cases.h).
+Domain domain_of(const ref::Domain& d) {
+  if (d.positive()) return Domain::positive;
+  if (d.kind == ref::Domain::Kind::away_from_zero) return Domain::nonzero;
+  return Domain::real;
+}
 
 Tensor draw(Maker& mk, Domain d, const Shape& s, Memory m) {
   switch (d) {
@@ -109,16 +117,19 @@ void add_reduction(Table& t, OpId op, Reduce f, bool ties) {
 }  // namespace
 
 void add_elementwise_cases(Table& t) {
-  // ---- elementwise unary ----
-  add_unary(t, OpId::neg, Domain::real, [](const Tensor& x) { return neg(x); });
-  add_unary(t, OpId::exp, Domain::real, [](const Tensor& x) { return exp(x); });
-  add_unary(t, OpId::log, Domain::positive, [](const Tensor& x) { return log(x); });
-  add_unary(t, OpId::sqrt, Domain::positive, [](const Tensor& x) { return sqrt(x); });
-  add_unary(t, OpId::rsqrt, Domain::positive, [](const Tensor& x) { return rsqrt(x); });
-  add_unary(t, OpId::abs, Domain::nonzero, [](const Tensor& x) { return abs(x); });
-  add_unary(t, OpId::tanh, Domain::real, [](const Tensor& x) { return tanh(x); });
-  add_unary(t, OpId::sigmoid, Domain::real, [](const Tensor& x) { return sigmoid(x); });
-  add_unary(t, OpId::relu, Domain::nonzero, [](const Tensor& x) { return relu(x); });
+  // ---- the functor family ops, from their one test case each (tests/reference) ----
+  for (const ref::FunctorOpCase& fc : ref::functor_op_cases()) {
+    if (!op_info(fc.op).differentiable) continue;
+    const OpId op = fc.op;
+    if (fc.unary) {
+      add_unary(t, op, fc.kink_at_zero ? Domain::nonzero : domain_of(fc.a),
+                [op](const Tensor& x) { return call1(op, {x}); });
+    } else {
+      add_binary(
+          t, op, domain_of(fc.a), domain_of(fc.b),
+          [op](const Tensor& a, const Tensor& b) { return call1(op, {a, b}); }, fc.ties);
+    }
+  }
   t[OpId::gelu] = {[](Maker& mk) {
                      auto exact = on1([](const Tensor& x) { return gelu(x, false); });
                      auto approx = on1([](const Tensor& x) { return gelu(x, true); });
@@ -137,25 +148,8 @@ void add_elementwise_cases(Table& t) {
                    },
                    ""};
 
-  // ---- elementwise binary ----
-  add_binary(t, OpId::add, Domain::real, Domain::real,
-             [](const Tensor& a, const Tensor& b) { return a + b; });
-  add_binary(t, OpId::sub, Domain::real, Domain::real,
-             [](const Tensor& a, const Tensor& b) { return a - b; });
-  add_binary(t, OpId::mul, Domain::real, Domain::real,
-             [](const Tensor& a, const Tensor& b) { return a * b; });
-  add_binary(t, OpId::div, Domain::real, Domain::nonzero,
-             [](const Tensor& a, const Tensor& b) { return a / b; });
-  add_binary(
-      t, OpId::maximum, Domain::real, Domain::real,
-      [](const Tensor& a, const Tensor& b) { return maximum(a, b); }, true);
-  add_binary(
-      t, OpId::minimum, Domain::real, Domain::real,
-      [](const Tensor& a, const Tensor& b) { return minimum(a, b); }, true);
   {
     // pow: the binary cases (positive base, real exponent) plus a scalar exponent.
-    add_binary(t, OpId::pow, Domain::positive, Domain::real,
-               [](const Tensor& a, const Tensor& b) { return pow(a, b); });
     auto binary_cases = t[OpId::pow].make;
     t[OpId::pow].make = [binary_cases](Maker& mk) {
       CaseList cases = binary_cases(mk);

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "tensor/ops.h"
+#include "tests/reference/op_cases.h"
 
 namespace tessera::parallel::testing {
 
@@ -105,32 +106,37 @@ void unary(std::vector<OpCase>& out, OpId op, InputSpec (*make)(Shape), Attrs at
 }
 
 InputSpec normal2(Shape s) { return in(std::move(s), 2.0); }
-InputSpec pos(Shape s) { return positive(std::move(s)); }
 
-// Binary elementwise shapes: equal, broadcast both ways, and a 0-d operand.
-void binary(std::vector<OpCase>& out, OpId op, InputSpec (*a)(Shape), InputSpec (*b)(Shape)) {
-  out.push_back(op_case(op, "[5, 7] . [5, 7]", {a({5, 7}), b({5, 7})}));
-  out.push_back(op_case(op, "[3, 1, 5] . [4, 1] (broadcast)", {a({3, 1, 5}), b({4, 1})}));
-  out.push_back(op_case(op, "[5, 6] . 0-d", {a({5, 6}), b({})}));
+// The sharded suite's input for a test case's domain (tests/reference/op_cases.h).
+InputSpec input_for(const ref::Domain& d, Shape s) {
+  using Kind = ref::Domain::Kind;
+  if (d.positive()) return positive(std::move(s));
+  if (d.kind == Kind::away_from_zero) return away(std::move(s));
+  if (d.kind == Kind::integers) {
+    return integers(std::move(s), static_cast<int64_t>(d.a), static_cast<int64_t>(d.b));
+  }
+  return in(std::move(s), d.b);  // normal: its scale
 }
-
-InputSpec away_s(Shape s) { return away(std::move(s)); }
-InputSpec pow_exponent(Shape s) { return in(std::move(s), 1.5); }
-InputSpec small_ints(Shape s) { return integers(std::move(s), -2, 2); }
 
 }  // namespace
 
 std::vector<OpCase> elementwise_cases() {
   std::vector<OpCase> out;
-  unary(out, OpId::neg, normal2);
-  unary(out, OpId::exp, normal2);
-  unary(out, OpId::log, pos);
-  unary(out, OpId::sqrt, pos);
-  unary(out, OpId::rsqrt, pos);
-  unary(out, OpId::abs, normal2);
-  unary(out, OpId::tanh, normal2);
-  unary(out, OpId::sigmoid, normal2);
-  unary(out, OpId::relu, normal2);
+  // The functor family ops, from their one test case each: unary ops on a [5, 7] and a
+  // [2, 3, 5] input; binary ops and comparisons equal, broadcast both ways, 0-d.
+  for (const ref::FunctorOpCase& fc : ref::functor_op_cases()) {
+    auto a = [&](Shape s) { return input_for(fc.a, std::move(s)); };
+    auto b = [&](Shape s) { return input_for(fc.b, std::move(s)); };
+    if (fc.unary) {
+      for (const Shape& s : {kMatrix, kCube}) out.push_back(op_case(fc.op, shape_str(s), {a(s)}));
+      continue;
+    }
+    out.push_back(op_case(fc.op, "[5, 7] . [5, 7]", {a({5, 7}), b({5, 7})}));
+    out.push_back(op_case(fc.op, "[3, 1, 5] . [4, 1] (broadcast)", {a({3, 1, 5}), b({4, 1})}));
+    if (op_info(fc.op).family != OpFamily::Compare) {
+      out.push_back(op_case(fc.op, "[5, 6] . 0-d", {a({5, 6}), b({})}));
+    }
+  }
   unary(out, OpId::gelu, normal2);
   Attrs tanh_form;
   tanh_form.approximate_tanh = true;
@@ -140,26 +146,10 @@ std::vector<OpCase> elementwise_cases() {
       op_case(OpId::gelu_backward, "[3, 4, 5] tanh", {in({3, 4, 5}), in({3, 4, 5}, 2)},
               tanh_form));
 
-  binary(out, OpId::add, normal2, normal2);
-  binary(out, OpId::sub, normal2, normal2);
-  binary(out, OpId::mul, normal2, normal2);
-  binary(out, OpId::div, normal2, away_s);
-  binary(out, OpId::pow, pos, pow_exponent);
-  binary(out, OpId::maximum, normal2, normal2);
-  binary(out, OpId::minimum, normal2, normal2);
-
   out.push_back(op_case(OpId::where, "[4, 6] x3", {boolean({4, 6}), in({4, 6}), in({4, 6})}));
   out.push_back(op_case(OpId::where, "cond [4, 5], a [3, 1, 5], b [5] (broadcast)",
                         {boolean({4, 5}), in({3, 1, 5}), in({5})}));
   out.push_back(op_case(OpId::where, "a 0-d", {boolean({5, 3}), in({}), in({5, 3})}));
-
-  // Comparisons on small integers (ties are common); their Partial terms are integers too,
-  // so a Partial input adds up to exactly the value compared.
-  for (OpId op : {OpId::eq, OpId::ne, OpId::lt, OpId::le, OpId::gt, OpId::ge}) {
-    out.push_back(op_case(op, "[5, 7] . [5, 7]", {small_ints({5, 7}), small_ints({5, 7})}));
-    out.push_back(
-        op_case(op, "[3, 1, 5] . [4, 1] (broadcast)", {small_ints({3, 1, 5}), small_ints({4, 1})}));
-  }
 
   // Reductions over a [5, 3, 6] tensor: every dim uneven or smaller than 4 somewhere.
   struct R {

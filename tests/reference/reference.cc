@@ -226,9 +226,14 @@ double gelu_backward(double grad, double x, bool approximate_tanh) {
 double pow(double a, double b, DType dt) {
   if (is_floating(dt)) return std::pow(a, b);
   const int64_t base = static_cast<int64_t>(a), e = static_cast<int64_t>(b);
-  // As in PyTorch, integers to negative powers are an error (Tessera throws; the sweep
-  // checks that separately).
-  if (e < 0) throw std::domain_error("ref::pow: integer to a negative power");
+  // A negative power: 1 / base^-e truncated toward zero (0 for base 0, where there is no
+  // value to truncate; Tessera defines it so on every device).
+  if (e < 0) {
+    if (base == 0) return 0.0;
+    double r = 1.0;
+    for (int64_t i = 0; i < -e; ++i) r *= static_cast<double>(base);
+    return std::trunc(1.0 / r);
+  }
   int64_t r = 1;
   for (int64_t i = 0; i < e; ++i) r *= base;
   return static_cast<double>(r);

@@ -55,6 +55,7 @@
 
 #include "tensor/op.h"
 #include "tensor/ops.h"
+#include "tests/reference/op_cases.h"
 #include "tests/reference/reference.h"
 
 namespace tessera::sweep {
@@ -75,20 +76,15 @@ inline const std::vector<DType> kAll = {DType::f32, DType::f64, DType::f16, DTyp
                                         DType::i32, DType::i64, DType::b8};
 inline const std::vector<DType> kNonFloat = {DType::i32, DType::i64, DType::b8};
 
-// How an input's values are drawn.
-struct Domain {
-  enum class Kind { normal, uniform, away_from_zero, integers, nonzero_integers, boolean, fixed };
-  Kind kind = Kind::normal;
-  double a = 0.0, b = 1.0;     // normal: shift, scale; uniform/away: [a, b); integers: [a, b]
-  std::vector<double> values;  // fixed
-};
-Domain normal(double scale = 1.0, double shift = 0.0);
-Domain uniform(double lo, double hi);
-Domain away(double lo, double hi);  // a random sign times uniform [lo, hi)
-Domain ints(int64_t lo, int64_t hi);
-Domain nonzero_ints(int64_t lo, int64_t hi);
-Domain bools();
-Domain fixed(std::vector<double> values);
+// How an input's values are drawn: the vocabulary every runner shares (op_cases.h).
+using ref::Domain;
+using ref::normal;
+using ref::uniform;
+using ref::away;
+using ref::ints;
+using ref::nonzero_ints;
+using ref::bools;
+using ref::fixed;
 
 struct Arg {
   Shape shape;

@@ -60,6 +60,7 @@ struct UnarySpec {
   std::function<double(double)> f;
   bool exact = false;
   std::function<double(double)> mag;  // per element from x; null: |y|
+  Domain int_domain = ints(-9, 9);
 };
 
 UnarySpec spec(OpId op, std::vector<DType> dtypes, std::vector<DType> rejected, Domain domain,
@@ -72,7 +73,7 @@ UnarySpec spec(OpId op, std::vector<DType> dtypes, std::vector<DType> rejected, 
 OpSweep unary_sweep(const UnarySpec& u, Attrs attrs = {}) {
   OpSweep s{u.op, u.dtypes, u.rejected, {}, {}};
   for (const Shaped& sh : kUnaryShapes) {
-    Case c = unary(sh.label, sh.shape, u.domain, u.f, ints(-9, 9));
+    Case c = unary(sh.label, sh.shape, u.domain, u.f, u.int_domain);
     c.exact = u.exact;
     c.attrs = attrs;
     if (u.mag) {
@@ -117,24 +118,26 @@ double gelu_backward_mag(double g, double x, bool tanh_form) {
           std::fabs(x) * (1 + 3 * kGeluC * x * x) * (3 + 2 * (1 - t * t) * std::fabs(z)));
 }
 
+// The dtypes a functor family op runs on, and those it must reject.
+std::pair<std::vector<DType>, std::vector<DType>> family_dtypes(OpId op) {
+  switch (op_info(op).family) {
+    case OpFamily::UnaryFloat:
+    case OpFamily::BinaryFloat: return {kFloats, kNonFloat};
+    case OpFamily::Compare: return {kAll, {}};
+    default: return {kNumeric, {DType::b8}};
+  }
+}
+
 std::vector<OpSweep> unary_sweeps() {
   std::vector<OpSweep> out;
-  out.push_back(unary_sweep(spec(
-      OpId::neg, kNumeric, {DType::b8}, normal(2), [](double x) { return -x; }, true)));
-  out.push_back(unary_sweep(
-      spec(OpId::exp, kFloats, kNonFloat, normal(2), [](double x) { return std::exp(x); })));
-  out.push_back(unary_sweep(
-      spec(OpId::log, kFloats, kNonFloat, uniform(0.05, 5), [](double x) { return std::log(x); })));
-  out.push_back(unary_sweep(
-      spec(OpId::sqrt, kFloats, kNonFloat, uniform(0, 5), [](double x) { return std::sqrt(x); })));
-  out.push_back(unary_sweep(spec(OpId::rsqrt, kFloats, kNonFloat, uniform(0.05, 5),
-                                 [](double x) { return 1 / std::sqrt(x); })));
-  out.push_back(unary_sweep(spec(
-      OpId::abs, kNumeric, {DType::b8}, normal(2), [](double x) { return std::fabs(x); }, true)));
-  out.push_back(unary_sweep(
-      spec(OpId::tanh, kFloats, kNonFloat, normal(2), [](double x) { return std::tanh(x); })));
-  out.push_back(unary_sweep(spec(OpId::sigmoid, kFloats, kNonFloat, normal(3), ref::sigmoid)));
-  out.push_back(unary_sweep(spec(OpId::relu, kNumeric, {DType::b8}, normal(2), ref::relu, true)));
+  // The functor family's unary ops, from their one test case each.
+  for (const ref::FunctorOpCase& fc : ref::functor_op_cases()) {
+    if (!fc.unary) continue;
+    auto [dtypes, rejected] = family_dtypes(fc.op);
+    UnarySpec u = spec(fc.op, dtypes, rejected, fc.a, fc.unary, fc.exact);
+    u.int_domain = fc.int_a.value_or(ints(-9, 9));
+    out.push_back(unary_sweep(u));
+  }
   // gelu: both forms; the tanh form as extra cases of the same sweep.
   OpSweep gelu = unary_sweep(spec(
       OpId::gelu, kFloats, kNonFloat, normal(2), [](double x) { return ref::gelu(x, false); },
@@ -220,105 +223,44 @@ OpSweep binary_sweep(const BinarySpec& b) {
 
 std::vector<OpSweep> binary_sweeps() {
   std::vector<OpSweep> out;
-  const Domain n2 = normal(2), i9 = ints(-9, 9);
-  out.push_back(binary_sweep({OpId::add,
-                              kNumeric,
-                              {DType::b8},
-                              n2,
-                              n2,
-                              i9,
-                              i9,
-                              [](double x, double y, DType) { return x + y; },
-                              false,
-                              true}));
-  out.push_back(binary_sweep({OpId::sub,
-                              kNumeric,
-                              {DType::b8},
-                              n2,
-                              n2,
-                              i9,
-                              i9,
-                              [](double x, double y, DType) { return x - y; },
-                              false,
-                              true}));
-  out.push_back(binary_sweep(
-      {OpId::mul, kNumeric, {DType::b8}, n2, n2, i9, i9, [](double x, double y, DType) {
-         return x * y;
-       }}));
-  out.push_back(binary_sweep({OpId::div, kFloats, kNonFloat, n2, away(0.5, 2), i9, i9,
-                              [](double x, double y, DType) { return x / y; }}));
-  // Integer pow: non-negative exponents (a negative one is an error, checked below).
-  out.push_back(binary_sweep({OpId::pow,
-                              kNumeric,
-                              {DType::b8},
-                              uniform(0.5, 2),
-                              normal(1.5),
-                              nonzero_ints(-3, 3),
-                              ints(0, 5),
-                              [](double x, double y, DType dt) { return ref::pow(x, y, dt); }}));
-  {
-    auto previous = out.back().extra;
-    out.back().extra = [previous] {
-      if (previous) previous();
-      expect_error("pow integer to a negative power", [] {
-        pow(Tensor::from_vector<int32_t>({2, 3}, {2}), Tensor::from_vector<int32_t>({1, -1}, {2}));
-      });
-    };
-  }
-  out.push_back(binary_sweep({OpId::maximum,
-                              kNumeric,
-                              {DType::b8},
-                              n2,
-                              n2,
-                              ints(-3, 3),
-                              ints(-3, 3),
-                              [](double x, double y, DType) { return ref::maximum(x, y); },
-                              true}));
-  out.push_back(binary_sweep({OpId::minimum,
-                              kNumeric,
-                              {DType::b8},
-                              n2,
-                              n2,
-                              ints(-3, 3),
-                              ints(-3, 3),
-                              [](double x, double y, DType) { return ref::minimum(x, y); },
-                              true}));
-  out[0].extra = [] {
-    expect_error("add f32 + f64", [] { add(zeros({3}), zeros({3}, DType::f64)); });
-    expect_error("add [3] + [4]", [] { add(zeros({3}), zeros({4})); });
-    expect_error("i32 tensor * 0.5", [] { (void)(zeros({3}, DType::i32) * 0.5); });
-  };
-
-  // Comparisons: small integers as values (in every dtype) so that ties are common.
-  struct Cmp {
-    OpId op;
-    std::function<bool(double, double)> f;
-  };
-  const Cmp cmps[] = {{OpId::eq, std::equal_to<>()}, {OpId::ne, std::not_equal_to<>()},
-                      {OpId::lt, std::less<>()},     {OpId::le, std::less_equal<>()},
-                      {OpId::gt, std::greater<>()},  {OpId::ge, std::greater_equal<>()}};
-  for (const Cmp& cmp : cmps) {
-    OpSweep s =
-        binary_sweep({cmp.op,
-                      kAll,
-                      {},
-                      ints(-2, 2),
-                      ints(-2, 2),
-                      ints(-2, 2),
-                      ints(-2, 2),
-                      [f = cmp.f](double x, double y, DType) { return f(x, y) ? 1.0 : 0.0; },
-                      true});
-    Case smooth = s.cases[1];
-    smooth.label += " normal values";
-    smooth.args = {arg({3, 1, 5}, normal(1)), arg({4, 1}, normal(1))};
-    smooth.dtypes = kFloats;
-    s.cases.push_back(smooth);
-    for (Case& c : s.cases) c.out_dtype = [](DType, size_t) { return DType::b8; };
+  // The functor family's binary ops and comparisons, from their one test case each.
+  for (const ref::FunctorOpCase& fc : ref::functor_op_cases()) {
+    if (!fc.binary) continue;
+    auto [dtypes, rejected] = family_dtypes(fc.op);
+    OpSweep s = binary_sweep({fc.op, dtypes, rejected, fc.a, fc.b, fc.int_a.value_or(ints(-9, 9)),
+                              fc.int_b.value_or(ints(-9, 9)), fc.binary, fc.exact, fc.cancels});
+    if (op_info(fc.op).family == OpFamily::Compare) {
+      // Ties are common on the small integers of the case; also normal values.
+      Case smooth = s.cases[1];
+      smooth.label += " normal values";
+      smooth.args = {arg({3, 1, 5}, normal(1)), arg({4, 1}, normal(1))};
+      smooth.dtypes = kFloats;
+      s.cases.push_back(smooth);
+      for (Case& c : s.cases) c.out_dtype = [](DType, size_t) { return DType::b8; };
+    }
     out.push_back(std::move(s));
   }
-  out.back().extra = [] {
-    expect_error("ge f32 vs i64", [] { ge(zeros({2}), zeros({2}, DType::i64)); });
-  };
+  for (OpSweep& s : out) {
+    if (s.op == OpId::add) {
+      s.extra = [] {
+        expect_error("add f32 + f64", [] { add(zeros({3}), zeros({3}, DType::f64)); });
+        expect_error("add [3] + [4]", [] { add(zeros({3}), zeros({4})); });
+        expect_error("i32 tensor * 0.5", [] { (void)(zeros({3}, DType::i32) * 0.5); });
+      };
+    } else if (s.op == OpId::ge) {
+      s.extra = [] {
+        expect_error("ge f32 vs i64", [] { ge(zeros({2}), zeros({2}, DType::i64)); });
+      };
+    } else if (s.op == OpId::pow) {
+      // Integers to negative powers: the same values on every device (no error).
+      s.extra = [] {
+        const Tensor got = pow(Tensor::from_vector<int32_t>({2, -3, 1, -1, -1, 0}, {6}),
+                               Tensor::from_vector<int32_t>({-1, -1, -3, -3, -2, -1}, {6}));
+        expect_close("pow integers to negative powers", got,
+                     ref::NdArray::of({6}, {0, 0, 1, -1, 1, 0}), 0.0);
+      };
+    }
+  }
 
   OpSweep w{OpId::where, kAll, {}, {}, {}};
   struct W {

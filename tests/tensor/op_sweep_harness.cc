@@ -27,18 +27,6 @@ const char* layout_name(Layout layout) {
   return "?";
 }
 
-Domain normal(double scale, double shift) { return {Domain::Kind::normal, shift, scale, {}}; }
-Domain uniform(double lo, double hi) { return {Domain::Kind::uniform, lo, hi, {}}; }
-Domain away(double lo, double hi) { return {Domain::Kind::away_from_zero, lo, hi, {}}; }
-Domain ints(int64_t lo, int64_t hi) {
-  return {Domain::Kind::integers, static_cast<double>(lo), static_cast<double>(hi), {}};
-}
-Domain nonzero_ints(int64_t lo, int64_t hi) {
-  return {Domain::Kind::nonzero_integers, static_cast<double>(lo), static_cast<double>(hi), {}};
-}
-Domain bools() { return {Domain::Kind::boolean, 0, 1, {}}; }
-Domain fixed(std::vector<double> values) { return {Domain::Kind::fixed, 0, 0, std::move(values)}; }
-
 Arg arg(Shape shape, Domain domain, std::optional<Domain> int_domain) {
   Arg a;
   a.shape = std::move(shape);
