@@ -64,6 +64,12 @@ TS_REGISTER_DERIVATIVE(relu, 0, kOut0, [](const GradCtx& c) {
   const Tensor zero = zero_like_scalar(y);
   return Grads{where(gt(y, zero), c.grad(), zero)};
 });
+// d/dx x s(x) = s (1 + x (1 - s)).
+TS_REGISTER_DERIVATIVE(silu, kIn0, 0, [](const GradCtx& c) {
+  const Tensor& x = c.input(0);
+  const Tensor s = sigmoid(x);
+  return Grads{c.grad() * s * (1.0 + x * (1.0 - s))};
+});
 TS_REGISTER_DERIVATIVE(gelu, kIn0, 0, [](const GradCtx& c) {
   return Grads{gelu_backward(c.grad(), c.input(0), c.attrs.approximate_tanh)};
 });

@@ -94,6 +94,18 @@ struct sigmoid {
   template <typename C> TS_HD C operator()(C x) const { return C(1) / (C(1) + math::exp(-x)); }
 };
 
+// x * sigmoid(x); below 0 through exp(x), which underflows gradually where exp(-x) would
+// overflow (f32 x near -89 gave 0 instead of -2e-37).
+struct silu {
+  template <typename C> TS_HD C operator()(C x) const {
+    if (x < C(0)) {
+      const C e = math::exp(x);
+      return x * e / (C(1) + e);
+    }
+    return x / (C(1) + math::exp(-x));
+  }
+};
+
 // gelu (an op with an attribute, so outside the functor families): both forms and their
 // derivatives times the incoming gradient.
 struct gelu_erf {

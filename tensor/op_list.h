@@ -43,7 +43,8 @@
   F(X, abs, UnaryNumeric, None)                   \
   F(X, tanh, UnaryFloat, Increasing)              \
   F(X, sigmoid, UnaryFloat, Increasing)           \
-  F(X, relu, UnaryNumeric, Increasing)
+  F(X, relu, UnaryNumeric, Increasing)            \
+  F(X, silu, UnaryFloat, None)
 
 #define TS_BINARY_OPS(F, X)                       \
   F(X, add, Binary, LinearBoth)                   \

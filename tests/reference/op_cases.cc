@@ -66,6 +66,7 @@ std::vector<FunctorOpCase> make_cases() {
       unary(OpId::tanh, normal(2), [](double x) { return std::tanh(x); }),
       unary(OpId::sigmoid, normal(3), sigmoid),
       with(unary(OpId::relu, normal(2), relu), exact_kink),
+      unary(OpId::silu, normal(3), [](double x) { return x / (1 + std::exp(-x)); }),
 
       with(binary(OpId::add, normal(2), normal(2), [](double x, double y, DType) { return x + y; }),
            cancels),
