@@ -81,7 +81,9 @@ AxisOptions matmul_options(const AxisCtx& c) {
   return options;
 }
 
-AxisOptions softmax_options(const AxisCtx& c) {
+// Ops along attrs.dim (props AlongDim in the op list: softmax, log_softmax, topk, ...):
+// every input and output split alike on any other dim.
+AxisOptions along_dim_options(const AxisCtx& c) {
   const int64_t dim = normalize_dim(op_name(c.op), c.attrs.dim, c.rank(0));
   AxisOptions options{all_replicate(c)};
   for (int64_t d = 0; d < c.rank(0); ++d) {
@@ -234,8 +236,15 @@ TS_REGISTER_SHARDING_RULE(argmax, {.options = [](const AxisCtx& c) {
 }});
 
 TS_REGISTER_SHARDING_RULE(matmul, {.options = matmul_options});
-TS_REGISTER_SHARDING_RULE(softmax, {.options = softmax_options});
-TS_REGISTER_SHARDING_RULE(log_softmax, {.options = softmax_options});
+const bool kAlongDimRegistered = [] {
+#define TS_ALONG_DIM_RULE(name, kind, grad, family, props) \
+  if (OpProps::props == OpProps::AlongDim) {               \
+    register_sharding_rule(OpId::name, {.options = along_dim_options}); \
+  }
+  TS_OP_LIST(TS_ALONG_DIM_RULE)
+#undef TS_ALONG_DIM_RULE
+  return true;
+}();
 TS_REGISTER_SHARDING_RULE(layer_norm, {.options = layer_norm_options});
 TS_REGISTER_SHARDING_RULE(layer_norm_backward, {.options = layer_norm_backward_options});
 TS_REGISTER_SHARDING_RULE(cross_entropy, {.options = cross_entropy_options, .local = cross_entropy_local});

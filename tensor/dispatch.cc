@@ -164,6 +164,25 @@ void run_kernel(KernelFn kernel, OpId op, Device device, std::span<const Tensor>
   }
 }
 
+// An op whose device has no kernel of its own runs the CPU kernel on staged copies: the
+// inputs copied to the host, the outputs copied back into the device tensors call()
+// allocated. Correct everywhere at the cost of two copies; //tests:coverage_test lists
+// which ops have a kernel on which device.
+void run_on_cpu(OpId op, std::span<const Tensor> inputs, std::span<Tensor> outputs,
+                const Attrs& attrs) {
+  NoGradGuard no_grad;  // the caller records the op itself, on the device tensors
+  std::vector<Tensor> host_in;
+  host_in.reserve(inputs.size());
+  for (const Tensor& t : inputs) host_in.push_back(t.defined() ? t.to(kCPU) : t);
+  std::vector<TensorSpec> host_specs = infer(op, host_in, attrs);
+  for (TensorSpec& s : host_specs) s.device = kCPU;
+  std::vector<Tensor> host_out = allocate_outputs(op, host_specs);
+  run_kernel(find_kernel(op, kCPU), op, kCPU, host_in, host_out, attrs);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].defined()) call_copy_(outputs[i], host_out[i]);
+  }
+}
+
 }  // namespace
 
 const OpInfo& op_info(OpId op) { return kOpInfos[index_of(op)]; }
@@ -197,9 +216,17 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
   if (autocast_enabled()) [[unlikely]] autocast_inputs(op, inputs);
   const Device device = dispatch_device(op, inputs, attrs);
   const std::vector<TensorSpec> out_specs = infer(op, inputs, attrs);
+  std::vector<Tensor> outputs;
+  if (info.kind == OpKind::Compute && !device.is_cpu() &&
+      kernel_fn(device.type, op) == nullptr && kernel_fn(DeviceType::cpu, op) != nullptr) {
+    outputs = allocate_outputs(op, out_specs);
+    run_on_cpu(op, inputs, outputs, attrs);
+    maybe_record(op, inputs, outputs, attrs);
+    return outputs;
+  }
   KernelFn kernel = find_kernel(op, device);
 
-  std::vector<Tensor> outputs = allocate_outputs(op, out_specs);
+  outputs = allocate_outputs(op, out_specs);
   if (KernelObserver obs = tables().observer) [[unlikely]] {
     obs(op, device, true);
     run_kernel(kernel, op, device, inputs, outputs, attrs);

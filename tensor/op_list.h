@@ -21,7 +21,9 @@
 //           Linear (Partial sum/avg pass), Increasing / Decreasing (Partial max/min pass,
 //           swapped when decreasing), LinearDecreasing; for binary ops LinearBoth (a + b of
 //           two Partial sums), LinearEach (a Partial times a Replicate), LinearFirst (a
-//           Partial numerator), Max / Min (Partial max/min of both); None.
+//           Partial numerator), Max / Min (Partial max/min of both); for any op AlongDim
+//           (works along attrs.dim: every input and output may be split on any other dim,
+//           the sharding rule of every such op); None.
 //
 // Ops ending in _ write into their inputs and return nothing (call_copy_, call_inplace).
 //
@@ -82,8 +84,8 @@
   X(var, Compute, Diff, Reduce, None)                             \
   /* linear algebra and fused layers */                           \
   X(matmul, Compute, Diff, Linear, None)                          \
-  X(softmax, Compute, Diff, Fused, None)                          \
-  X(log_softmax, Compute, Diff, Fused, None)                      \
+  X(softmax, Compute, Diff, Fused, AlongDim)                      \
+  X(log_softmax, Compute, Diff, Fused, AlongDim)                  \
   X(layer_norm, Compute, Diff, Fused, None)                       \
   X(layer_norm_backward, Compute, NoDiff, Fused, None)            \
   X(cross_entropy, Compute, Diff, Fused, None)                    \
@@ -152,6 +154,7 @@ enum class OpFamily : uint8_t {
 enum class OpProps : uint8_t {
   None, Linear, Increasing, Decreasing, LinearDecreasing,  // unary
   LinearBoth, LinearEach, LinearFirst, Max, Min,           // binary
+  AlongDim,                                                // any op along attrs.dim
 };
 
 constexpr bool is_functor_family(OpFamily f) { return f <= OpFamily::Compare; }

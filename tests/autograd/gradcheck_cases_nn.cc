@@ -1,5 +1,6 @@
 // gradcheck cases for matmul, the fused layers, indexing, joining and splitting.
 #include "tests/autograd/gradcheck_cases.h"
+#include "tests/reference/op_cases.h"
 
 namespace tessera::gradcheck_cases {
 
@@ -460,6 +461,48 @@ void add_nn_cases(Table& t) {
         };
       },
       "slice"};
+
+  // ---- the ops with their cases in tests/reference/op_cases.cc ----
+  // Float inputs are differentiated (distinct values: no ties for selections; positive or
+  // away from zero where the case's domain says so), fixed-dtype ones are small integers in
+  // the domain's range; each case contiguous and, for rank >= 2, with its inputs transposed.
+  for (const ref::OpTestCase& tc : ref::op_test_cases()) {
+    if (tc.grad_output < 0) continue;
+    auto previous = t.count(tc.op) ? t[tc.op].make : nullptr;
+    t[tc.op] = {[previous, tc](Maker& mk) {
+                  CaseList cases = previous ? previous(mk) : CaseList{};
+                  auto fn = GradcheckFn([tc](const Tensors& in) {
+                    return call(tc.op, in, tc.attrs)[static_cast<size_t>(tc.grad_output)];
+                  });
+                  for (Memory m : {Memory::contiguous, Memory::transposed}) {
+                    Tensors inputs;
+                    bool all_2d = true;
+                    for (const ref::OpInput& in : tc.inputs) {
+                      all_2d = all_2d && in.shape.size() >= 2;
+                      const Memory mm = in.shape.size() >= 2 ? m : Memory::contiguous;
+                      if (in.dtype) {
+                        std::vector<int64_t> v(static_cast<size_t>(numel_of(in.shape)));
+                        const int64_t lo = static_cast<int64_t>(in.domain.a),
+                                      span = static_cast<int64_t>(in.domain.b) - lo + 1;
+                        for (size_t i = 0; i < v.size(); ++i) v[i] = lo + static_cast<int64_t>(i * 7 + 3) % span;
+                        inputs.push_back(on_device(cast(Tensor::from_vector<int64_t>(v, in.shape), *in.dtype)));
+                      } else if (in.domain.positive()) {
+                        inputs.push_back(mk.positive(in.shape, mm));
+                      } else if (in.domain.kind == ref::Domain::Kind::away_from_zero) {
+                        inputs.push_back(mk.nonzero(in.shape, mm));
+                      } else {
+                        inputs.push_back(mk.distinct(in.shape, 0, mm));
+                      }
+                    }
+                    if (m == Memory::transposed && !all_2d) continue;
+                    cases.push_back({m == Memory::contiguous ? Layout::contiguous : Layout::noncontiguous,
+                                     tc.label + (m == Memory::contiguous ? "" : ", transposed"),
+                                     inputs, fn});
+                  }
+                  return cases;
+                },
+                ""};
+  }
 }
 
 }  // namespace tessera::gradcheck_cases

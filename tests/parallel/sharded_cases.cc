@@ -83,7 +83,7 @@ OpCase op_case(OpId op, std::string label, std::vector<InputSpec> inputs, Attrs 
 
 std::vector<OpCase> sharded_cases() {
   std::vector<OpCase> out;
-  for (auto* family : {&elementwise_cases, &nn_cases, &data_cases}) {
+  for (auto* family : {&elementwise_cases, &nn_cases, &data_cases, &test_case_cases}) {
     for (OpCase& c : (*family)()) out.push_back(std::move(c));
   }
   std::stable_sort(out.begin(), out.end(), [](const OpCase& a, const OpCase& b) {
@@ -119,6 +119,21 @@ InputSpec input_for(const ref::Domain& d, Shape s) {
 }
 
 }  // namespace
+
+// The ops with their cases in tests/reference/op_cases.cc, as given.
+std::vector<OpCase> test_case_cases() {
+  std::vector<OpCase> out;
+  for (const ref::OpTestCase& tc : ref::op_test_cases()) {
+    std::vector<InputSpec> inputs;
+    for (const ref::OpInput& in : tc.inputs) {
+      inputs.push_back(in.dtype ? index(in.shape, static_cast<int64_t>(in.domain.a),
+                                        static_cast<int64_t>(in.domain.b), *in.dtype)
+                                : input_for(in.domain, in.shape));
+    }
+    out.push_back(op_case(tc.op, tc.label, std::move(inputs), tc.attrs));
+  }
+  return out;
+}
 
 std::vector<OpCase> elementwise_cases() {
   std::vector<OpCase> out;

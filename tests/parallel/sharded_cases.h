@@ -92,5 +92,6 @@ std::vector<OpCase> sharded_cases();
 std::vector<OpCase> elementwise_cases();  // sharded_cases.cc
 std::vector<OpCase> nn_cases();           // sharded_cases_nn.cc
 std::vector<OpCase> data_cases();         // sharded_cases_nn.cc
+std::vector<OpCase> test_case_cases();    // the cases of tests/reference/op_cases.cc
 
 }  // namespace tessera::parallel::testing

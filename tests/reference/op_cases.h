@@ -1,6 +1,8 @@
-// One test case per functor family op (tensor/op_list.h's TS_UNARY_OPS, TS_BINARY_OPS,
-// TS_COMPARE_OPS), after PyTorch's OpInfo and ggml's test_case: its f64 reference and the
-// values it is checked on. Every runner reads this one record: the op sweep (all dtypes and
+// One test case per op, after PyTorch's OpInfo and ggml's test_case: its f64 reference and
+// the values it is checked on. A functor family op (tensor/op_list.h's TS_UNARY_OPS,
+// TS_BINARY_OPS, TS_COMPARE_OPS) has one FunctorOpCase (its shapes and layouts come from
+// the family); any other op written since (topk, ...) has its OpTestCases (shapes and
+// attributes given, layouts from the runner). Every runner reads this one record: the op sweep (all dtypes and
 // layouts against the reference, tests/tensor), gradcheck (tests/autograd), the sharded
 // equivalence suite (every placement on 1-D and 2-D meshes, tests/parallel) and the CUDA
 // suites (tests/cuda). Shapes and layouts come from the family (each runner's own set).
@@ -16,10 +18,12 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "tensor/dtype.h"
-#include "tensor/op_list.h"
+#include "tensor/op.h"
+#include "tests/reference/reference.h"
 
 namespace tessera::ref {
 
@@ -59,5 +63,29 @@ struct FunctorOpCase {
 const std::vector<FunctorOpCase>& functor_op_cases();
 // The case of `op`; Error-free: null when op is not a functor family op.
 const FunctorOpCase* functor_op_case(OpId op);
+
+// ---- Any other op: given shapes and attributes, and an f64 reference of every output ----
+struct OpInput {
+  Shape shape;
+  Domain domain = normal();
+  std::optional<DType> dtype;  // a fixed dtype (indices); unset: the case's dtype
+};
+
+struct OpTestCase {
+  OpId op;
+  std::string label;
+  std::vector<OpInput> inputs;
+  Attrs attrs;
+  // Every output from the inputs' values (as doubles) and the attributes.
+  std::function<std::vector<NdArray>(const std::vector<NdArray>&, const Attrs&)> ref;
+  std::vector<std::optional<DType>> out_dtypes;  // per output; unset: the case's dtype
+  std::vector<DType> dtypes = {DType::f32, DType::f64, DType::f16, DType::bf16};
+  std::vector<DType> rejected = {DType::i32, DType::i64, DType::b8};  // must throw
+  bool exact = false;    // float outputs bitwise (selections, copies); integers always are
+  int grad_output = 0;   // the output gradcheck differentiates; -1: none (NoDiff ops)
+};
+
+// The cases of every op outside the functor families that has them, in op-list order.
+const std::vector<OpTestCase>& op_test_cases();
 
 }  // namespace tessera::ref

@@ -545,9 +545,34 @@ std::vector<OpSweep> view_sweeps() {
 
 std::vector<OpSweep> factory_sweeps();  // op_sweep_factories.cc
 
+// The ops with their cases in tests/reference/op_cases.cc: one sweep per op, each case on
+// every layout; integer dtypes draw small integers (ties).
+static std::vector<OpSweep> test_case_sweeps() {
+  std::vector<OpSweep> out;
+  for (const ref::OpTestCase& tc : ref::op_test_cases()) {
+    if (out.empty() || out.back().op != tc.op) out.push_back(OpSweep{tc.op, tc.dtypes, tc.rejected, {}, {}});
+    Case c;
+    c.label = tc.label;
+    for (const ref::OpInput& in : tc.inputs) {
+      Arg a = arg(in.shape, in.domain, ints(-9, 9));
+      a.dtype = in.dtype;
+      c.args.push_back(std::move(a));
+    }
+    c.attrs = tc.attrs;
+    c.ref = [tc](const Arrays& in, DType) { return tc.ref(in, tc.attrs); };
+    c.out_dtype = [tc](DType dt, size_t i) {
+      return i < tc.out_dtypes.size() && tc.out_dtypes[i] ? *tc.out_dtypes[i] : dt;
+    };
+    c.exact = tc.exact;
+    out.back().cases.push_back(std::move(c));
+  }
+  return out;
+}
+
 std::vector<OpSweep> data_sweeps() {
   std::vector<OpSweep> out;
-  for (auto* family : {&index_sweeps, &join_sweeps, &copy_sweeps, &view_sweeps, &factory_sweeps}) {
+  for (auto* family : {&index_sweeps, &join_sweeps, &copy_sweeps, &view_sweeps, &factory_sweeps,
+                       &test_case_sweeps}) {
     for (OpSweep& s : (*family)()) out.push_back(std::move(s));
   }
   return out;
