@@ -107,6 +107,12 @@ TS_REGISTER_DERIVATIVE(gather, kIn1, 0, [](const GradCtx& c) {
                Tensor()};
 });
 
+// The values' gradient goes back to the positions they were taken from.
+TS_REGISTER_DERIVATIVE(topk, 0, kOut1, [](const GradCtx& c) {
+  const Tensor& g = c.grad(0);
+  return Grads{scatter_add(zeros(c.in_shape(0), g.dtype(), g.device()), c.attrs.dim, c.output(1), g)};
+});
+
 TS_REGISTER_DERIVATIVE(scatter_add, kIn1, 0, [](const GradCtx& c) {
   Tensor gs;
   if (c.needs(2)) {

@@ -339,6 +339,22 @@ std::vector<TensorSpec> gather_meta(std::span<const TensorSpec> in, const Attrs&
   return {spec(idx.shape, x.dtype, x.device)};
 }
 
+// topk: values (x's dtype) and i64 indices, x's shape with k along dim.
+std::vector<TensorSpec> topk_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
+  constexpr OpId op = OpId::topk;
+  require_count(op, in, 1);
+  const TensorSpec& x = in[0];
+  require_numeric(op, x, "input");
+  TS_CHECK(!x.shape.empty(), "topk: input must have at least one dim, got a 0-d tensor");
+  const int64_t d = normalize_dim("topk", attrs.dim, static_cast<int64_t>(x.shape.size()));
+  TS_CHECK(attrs.k >= 0 && attrs.k <= x.shape[d],
+           "topk: k = {} is outside [0, {}] (dim {} of input {})", attrs.k, x.shape[d], d,
+           shape_str(x.shape));
+  Shape s = x.shape;
+  s[d] = attrs.k;
+  return {spec(s, x.dtype, x.device), spec(s, DType::i64, x.device)};
+}
+
 std::vector<TensorSpec> scatter_add_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
   constexpr OpId op = OpId::scatter_add;
   require_count(op, in, 3);
@@ -480,6 +496,7 @@ TS_REGISTER_META(index_select, index_select_meta);
 TS_REGISTER_META(index_add, index_add_meta);
 TS_REGISTER_META(gather, gather_meta);
 TS_REGISTER_META(scatter_add, scatter_add_meta);
+TS_REGISTER_META(topk, topk_meta);
 TS_REGISTER_META(cat, cat_meta);
 TS_REGISTER_META(cast, cast_meta);
 TS_REGISTER_META(to_device, to_device_meta);

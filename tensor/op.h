@@ -60,6 +60,7 @@ struct Attrs {
   double eps = 1e-5;                     // layer_norm
   int64_t normalized_ndim = 1;           // layer_norm: trailing dims normalised
   int64_t correction = 1;                // var (1 = unbiased)
+  int64_t k = 1;                         // topk: how many values along dim
   bool approximate_tanh = false;         // gelu
   Reduction reduction = Reduction::mean; // cross_entropy
   int64_t ignore_index = -100;           // cross_entropy

@@ -104,6 +104,7 @@
   X(index_add, Compute, Diff, Index, None)                        \
   X(gather, Compute, Diff, Index, None)                           \
   X(scatter_add, Compute, Diff, Index, None)                      \
+  X(topk, Compute, Diff, Index, AlongDim)                         \
   /* joining and splitting */                                     \
   X(cat, Compute, Diff, Join, None)                               \
   X(stack, Composite, Diff, Join, None)                           \

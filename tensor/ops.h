@@ -107,6 +107,14 @@ Tensor index_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
 // x with src[i][j] added at x[index[i][j]][j] for dim 0 (functional).
 Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src);
+// The k largest values of x along dim, descending (NaN above everything; equal values in
+// index order), and their i64 indices: {values, indices}, x's shape with k along dim.
+inline std::vector<Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1) {
+  Attrs a;
+  a.k = k;
+  a.dim = dim;
+  return call(OpId::topk, {x}, a);
+}
 
 // ---- joining and splitting ---------------------------------------------------------------
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);

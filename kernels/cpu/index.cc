@@ -1,7 +1,10 @@
-// CPU indexing kernels: embedding, index_select, index_add, gather, scatter_add. Indices
+// CPU indexing kernels: embedding, index_select, index_add, gather, scatter_add, topk. Indices
 // are checked (tessera::Error naming the op, the bad index and the size). Accumulating
 // kernels are parallel only over positions that never collide, and add in index order, so
 // they are deterministic.
+#include <algorithm>
+#include <numeric>
+
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/util.h"
 #include "tensor/op.h"
@@ -144,11 +147,52 @@ void scatter_add_kernel(std::span<const Tensor> in, std::span<Tensor> out, const
   });
 }
 
+// Each row along dim: its k largest values, descending, NaN above everything (as PyTorch);
+// equal values in index order, so the result is deterministic.
+void topk_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  const Tensor x = contiguous_cpu(in[0]);
+  const int64_t dim = normalize_dim("topk", a.dim, x.dim());
+  const Split3 s = split3(x.shape(), dim);
+  const int64_t k = a.k;
+  int64_t* ip = static_cast<int64_t*>(out[1].raw_data());
+  visit_dtype(x.dtype(), [&]<typename T>() {
+    if constexpr (!std::is_same_v<T, bool>) {
+      using C = compute_t<T>;
+      const T* xp = static_cast<const T*>(x.raw_data());
+      T* vp = static_cast<T*>(out[0].raw_data());
+      parallel_for(0, s.outer * s.inner, std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(s.mid, 1)),
+                   [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> order(static_cast<size_t>(s.mid));
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t o = r / s.inner, i = r % s.inner;
+          const T* row = xp + o * s.mid * s.inner + i;
+          auto value = [&](int64_t j) { return C(row[j * s.inner]); };
+          auto before = [&](int64_t p, int64_t q) {
+            const C vp_ = value(p), vq = value(q);
+            const bool np = vp_ != vp_, nq = vq != vq;
+            if (np != nq) return np;
+            if (!np && vp_ != vq) return vp_ > vq;
+            return p < q;
+          };
+          std::iota(order.begin(), order.end(), int64_t{0});
+          std::partial_sort(order.begin(), order.begin() + k, order.end(), before);
+          for (int64_t j = 0; j < k; ++j) {
+            const int64_t at = o * k * s.inner + j * s.inner + i;
+            vp[at] = row[order[j] * s.inner];
+            ip[at] = order[j];
+          }
+        }
+      });
+    }
+  });
+}
+
 TS_REGISTER_KERNEL(cpu, embedding, embedding_kernel);
 TS_REGISTER_KERNEL(cpu, index_select, index_select_kernel);
 TS_REGISTER_KERNEL(cpu, index_add, index_add_kernel);
 TS_REGISTER_KERNEL(cpu, gather, gather_kernel);
 TS_REGISTER_KERNEL(cpu, scatter_add, scatter_add_kernel);
+TS_REGISTER_KERNEL(cpu, topk, topk_kernel);
 
 }  // namespace
 }  // namespace tessera::cpu

@@ -2,6 +2,7 @@
 // record here; every runner picks it up.
 #include "tests/reference/op_cases.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "tests/reference/reference.h"
@@ -113,9 +114,57 @@ const FunctorOpCase* functor_op_case(OpId op) {
 
 namespace {
 
+// topk along attrs.dim: NaN largest, equal values in index order.
+std::vector<NdArray> topk_ref(const std::vector<NdArray>& in, const Attrs& a) {
+  const NdArray& x = in[0];
+  const int64_t dim = wrap_dim(a.dim, x.ndim());
+  Shape s = x.shape;
+  s[dim] = a.k;
+  NdArray values = NdArray::zeros(s), indices = NdArray::zeros(s);
+  for (int64_t flat = 0; flat < values.numel(); ++flat) {
+    std::vector<int64_t> at = unravel(flat, s);
+    if (at[dim] != 0) continue;  // one row per position of the other dims
+    std::vector<std::pair<double, int64_t>> row;
+    for (int64_t j = 0; j < x.shape[dim]; ++j) {
+      at[dim] = j;
+      row.push_back({x.at(at), j});
+    }
+    std::stable_sort(row.begin(), row.end(), [](const auto& p, const auto& q) {
+      if (std::isnan(p.first) || std::isnan(q.first)) return std::isnan(p.first) && !std::isnan(q.first);
+      return p.first > q.first;
+    });
+    for (int64_t j = 0; j < a.k; ++j) {
+      at[dim] = j;
+      values.at(at) = row[j].first;
+      indices.at(at) = static_cast<double>(row[j].second);
+    }
+  }
+  return {values, indices};
+}
+
+OpTestCase topk_case(std::string label, Shape shape, int64_t k, int64_t dim, Domain d = normal()) {
+  OpTestCase c{OpId::topk, std::move(label), {{std::move(shape), std::move(d)}}};
+  c.attrs.k = k;
+  c.attrs.dim = dim;
+  c.ref = topk_ref;
+  c.out_dtypes = {std::nullopt, DType::i64};
+  c.dtypes = {DType::f32, DType::f64, DType::f16, DType::bf16, DType::i32, DType::i64};
+  c.rejected = {DType::b8};
+  c.exact = true;
+  return c;
+}
+
 std::vector<OpTestCase> make_op_test_cases() {
-  std::vector<OpTestCase> out;
-  return out;
+  return {
+      topk_case("[6, 9] k 3 dim -1", {6, 9}, 3, -1),
+      topk_case("[4, 5, 6] k 2 dim 1", {4, 5, 6}, 2, 1),
+      topk_case("[5, 7] k 7 dim 1 (all, sorted)", {5, 7}, 7, 1),
+      topk_case("[5, 7] k 0", {5, 7}, 0, 1),
+      topk_case("[8, 4] k 3 dim 0 ties", {8, 4}, 3, 0, ints(-2, 2)),
+      topk_case("[2, 8] k 4 IEEE specials", {2, 8}, 4, 1,
+                fixed({NAN, 1.0, -INFINITY, 0.0, -0.0, INFINITY, 3.0, NAN,
+                       2.0, 2.0, -1.0, 5.0, -5.0, 2.0, 0.5, 1.0})),
+  };
 }
 
 }  // namespace
