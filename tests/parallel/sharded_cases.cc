@@ -115,7 +115,7 @@ InputSpec input_for(const ref::Domain& d, Shape s) {
   if (d.kind == Kind::integers) {
     return integers(std::move(s), static_cast<int64_t>(d.a), static_cast<int64_t>(d.b));
   }
-  return in(std::move(s), d.b);  // normal: its scale
+  return in(std::move(s), d.kind == Kind::normal ? d.b : 1.0);  // normal: its scale
 }
 
 }  // namespace
