@@ -98,6 +98,29 @@ std::vector<NdArray> layer_norm(const NdArray& x, const NdArray& weight, const N
 std::vector<NdArray> layer_norm_backward(const NdArray& grad, const NdArray& x, const NdArray& mean,
                                          const NdArray& rstd, const NdArray& weight,
                                          const NdArray& bias, int64_t normalized_ndim);
+
+// Attention (the fused op): per (batch, head) row i, s_ij = scale q_i . k_j over the keys j
+// it sees (j <= i when causal), out = softmax(s) v and lse_i = log sum_j exp(s_ij). With
+// `mag`, the error magnitudes the op sweep bounds against instead of the values: every term
+// P_ij |v_j| carries the relative error of P_ij, about u (1 + |s_ij| + |lse_i| + the dot
+// product's sum of |terms|), and lse the same.
+struct AttentionRef {
+  int64_t bh, t, d;
+  double scale;
+  bool causal;
+  // shape [B, H, T, D]; scale 0: 1 / sqrt(D).
+  AttentionRef(const Shape& s, double sc, bool c);
+  // q, k, v -> out, lse.
+  std::vector<NdArray> forward(const std::vector<NdArray>& in, bool mag) const;
+  // grad, q, k, v, out, lse -> dq, dk, dv.
+  std::vector<NdArray> backward(const std::vector<NdArray>& in, bool mag) const;
+
+ private:
+  int64_t keys(int64_t i) const { return causal ? i + 1 : t; }
+  double dot(const NdArray& a, int64_t p, int64_t i, const NdArray& b, int64_t j) const;
+  double absdot(const NdArray& a, int64_t p, int64_t i, const NdArray& b, int64_t j) const;
+};
+
 enum class Reduction { mean, sum, none };
 // logits [N, C], target [N]: {loss (scalar or [N]), logsumexp [N]}. Ignored rows add 0 and
 // do not count towards the mean.

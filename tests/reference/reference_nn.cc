@@ -314,4 +314,76 @@ NdArray max_pool2d_backward(const NdArray& grad, const NdArray& indices, const S
   return dx;
 }
 
+// ---- attention (naive, from the definition) -----------------------------------------------
+
+AttentionRef::AttentionRef(const Shape& s, double sc, bool c)
+    : bh(s[0] * s[1]), t(s[2]), d(s[3]), scale(sc != 0 ? sc : 1 / std::sqrt(double(s[3]))),
+      causal(c) {}
+
+double AttentionRef::dot(const NdArray& a, int64_t p, int64_t i, const NdArray& b, int64_t j) const {
+  double s = 0;
+  for (int64_t e = 0; e < d; ++e) s += a.data[(p * t + i) * d + e] * b.data[(p * t + j) * d + e];
+  return s;
+}
+
+double AttentionRef::absdot(const NdArray& a, int64_t p, int64_t i, const NdArray& b, int64_t j) const {
+  double s = 0;
+  for (int64_t e = 0; e < d; ++e) {
+    s += std::fabs(a.data[(p * t + i) * d + e] * b.data[(p * t + j) * d + e]);
+  }
+  return s;
+}
+
+std::vector<NdArray> AttentionRef::forward(const std::vector<NdArray>& in, bool mag) const {
+  NdArray out = NdArray::zeros(in[0].shape), lse = NdArray::zeros({in[0].shape[0], in[0].shape[1], t});
+  for (int64_t p = 0; p < bh; ++p) {
+    for (int64_t i = 0; i < t; ++i) {
+      std::vector<double> s(keys(i));
+      double mx = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < keys(i); ++j) mx = std::max(mx, s[j] = scale * dot(in[0], p, i, in[1], j));
+      for (int64_t j = 0; j < keys(i); ++j) sum += std::exp(s[j] - mx);
+      const double l = mx + std::log(sum);
+      double lmag = 0;
+      for (int64_t j = 0; j < keys(i); ++j) {
+        const double prob = std::exp(s[j] - l);
+        const double err =
+            1 + std::fabs(s[j]) + std::fabs(l) + std::fabs(scale) * absdot(in[0], p, i, in[1], j);
+        lmag = std::max(lmag, err);
+        for (int64_t e = 0; e < d; ++e) {
+          const double ve = in[2].data[(p * t + j) * d + e];
+          out.data[(p * t + i) * d + e] += mag ? prob * std::fabs(ve) * err : prob * ve;
+        }
+      }
+      lse.data[p * t + i] = mag ? lmag : l;
+    }
+  }
+  return {out, lse};
+}
+
+std::vector<NdArray> AttentionRef::backward(const std::vector<NdArray>& in, bool mag) const {
+  const NdArray &g = in[0], &q = in[1], &k = in[2], &v = in[3], &o = in[4], &lse = in[5];
+  NdArray dq = NdArray::zeros(q.shape), dk = NdArray::zeros(q.shape), dv = NdArray::zeros(q.shape);
+  auto f = [&](double x) { return mag ? std::fabs(x) : x; };
+  for (int64_t p = 0; p < bh; ++p) {
+    for (int64_t i = 0; i < t; ++i) {
+      const double l = lse.data[p * t + i];
+      const double di = mag ? absdot(g, p, i, o, i) : dot(g, p, i, o, i);
+      for (int64_t j = 0; j < keys(i); ++j) {
+        const double s = scale * dot(q, p, i, k, j), prob = std::exp(s - l);
+        const double err =
+            mag ? 1 + std::fabs(s) + std::fabs(l) + std::fabs(scale) * absdot(q, p, i, k, j) : 1;
+        const double dp = mag ? absdot(g, p, i, v, j) : dot(g, p, i, v, j);
+        const double ds = mag ? prob * err * (dp + di) : prob * (dp - di);
+        for (int64_t e = 0; e < d; ++e) {
+          const int64_t ie = (p * t + i) * d + e, je = (p * t + j) * d + e;
+          dq.data[ie] += f(scale) * ds * f(k.data[je]);
+          dk.data[je] += f(scale) * ds * f(q.data[ie]);
+          dv.data[je] += prob * err * f(g.data[ie]);
+        }
+      }
+    }
+  }
+  return {dq, dk, dv};
+}
+
 }  // namespace tessera::ref
