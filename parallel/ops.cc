@@ -2,30 +2,26 @@
 #include "parallel/ops.h"
 
 #include "tensor/error.h"
+#include "tensor/op_attrs.h"
 #include "tensor/ops.h"
 
 namespace tessera::parallel {
 namespace {
 
-ShardedTensor unary(OpId op, const ShardedTensor& x, const Attrs& a = {}) { return call1(op, {x}, a); }
-
 ShardedTensor scalar(double v, const ShardedTensor& like) {
   return replicate(tessera::scalar_like(v, like.local(), "parallel scalar"), like.mesh_ptr());
-}
-
-Attrs reduce_attrs(const std::vector<int64_t>& dims, bool keepdim) {
-  Attrs a;
-  a.dims = dims;
-  a.keepdim = keepdim;
-  return a;
 }
 
 }  // namespace
 
 ShardedTensor gelu(const ShardedTensor& x, bool approximate_tanh) {
-  Attrs a;
-  a.approximate_tanh = approximate_tanh;
-  return unary(OpId::gelu, x, a);
+  return call1(OpId::gelu, {x}, op_attrs::gelu(approximate_tanh));
+}
+ShardedTensor pow(const ShardedTensor& a, double exponent) {
+  return pow(a, scalar(exponent, a));
+}
+ShardedTensor where(const ShardedTensor& cond, const ShardedTensor& a, const ShardedTensor& b) {
+  return call1(OpId::where, {cond, a, b});
 }
 
 ShardedTensor operator+(const ShardedTensor& a, const ShardedTensor& b) { return add(a, b); }
@@ -36,13 +32,20 @@ ShardedTensor operator*(const ShardedTensor& a, double b) { return mul(a, scalar
 ShardedTensor operator+(const ShardedTensor& a, double b) { return add(a, scalar(b, a)); }
 
 ShardedTensor sum(const ShardedTensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return unary(OpId::sum, x, reduce_attrs(dims, keepdim));
+  return call1(OpId::sum, {x}, op_attrs::reduce(dims, keepdim));
 }
 ShardedTensor mean(const ShardedTensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return unary(OpId::mean, x, reduce_attrs(dims, keepdim));
+  return call1(OpId::mean, {x}, op_attrs::reduce(dims, keepdim));
 }
 ShardedTensor max(const ShardedTensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return unary(OpId::max, x, reduce_attrs(dims, keepdim));
+  return call1(OpId::max, {x}, op_attrs::reduce(dims, keepdim));
+}
+ShardedTensor var(const ShardedTensor& x, const std::vector<int64_t>& dims, int64_t correction,
+                  bool keepdim) {
+  return call1(OpId::var, {x}, op_attrs::var(dims, correction, keepdim));
+}
+ShardedTensor argmax(const ShardedTensor& x, int64_t dim, bool keepdim) {
+  return call1(OpId::argmax, {x}, op_attrs::argmax(dim, keepdim));
 }
 
 ShardedTensor matmul(const ShardedTensor& a, const ShardedTensor& b) {
@@ -52,62 +55,57 @@ ShardedTensor matmul(const ShardedTensor& a, const ShardedTensor& b) {
   return call1(OpId::matmul, {a, b});
 }
 ShardedTensor softmax(const ShardedTensor& x, int64_t dim) {
-  Attrs a;
-  a.dim = dim;
-  return unary(OpId::softmax, x, a);
+  return call1(OpId::softmax, {x}, op_attrs::dim(dim));
 }
 ShardedTensor log_softmax(const ShardedTensor& x, int64_t dim) {
-  Attrs a;
-  a.dim = dim;
-  return unary(OpId::log_softmax, x, a);
+  return call1(OpId::log_softmax, {x}, op_attrs::dim(dim));
 }
 ShardedTensor layer_norm(const ShardedTensor& x, const Shape& normalized_shape,
                          const ShardedTensor& weight, const ShardedTensor& bias, double eps) {
-  Attrs a;
-  a.eps = eps;
-  a.normalized_ndim = static_cast<int64_t>(normalized_shape.size());
-  TS_CHECK(x.dim() >= a.normalized_ndim &&
-               Shape(x.shape().end() - a.normalized_ndim, x.shape().end()) == normalized_shape,
-           "layer_norm: normalized shape {} is not the trailing shape of input {}",
-           shape_str(normalized_shape), shape_str(x.shape()));
-  return call(OpId::layer_norm, {x, weight, bias}, a)[0];
+  return call(OpId::layer_norm, {x, weight, bias},
+              op_attrs::layer_norm(x.shape(), normalized_shape, eps))[0];
 }
 ShardedTensor cross_entropy(const ShardedTensor& logits, const ShardedTensor& target,
                             Reduction reduction, int64_t ignore_index) {
-  Attrs a;
-  a.reduction = reduction;
-  a.ignore_index = ignore_index;
-  return call(OpId::cross_entropy, {logits, target}, a)[0];
+  return call(OpId::cross_entropy, {logits, target},
+              op_attrs::cross_entropy(reduction, ignore_index))[0];
 }
 ShardedTensor dropout(const ShardedTensor& x, double p, bool training) {
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got {}", p);
   if (!training || p == 0.0) return x;
-  Generator& gen = default_generator();
-  Attrs a;
-  a.p = p;
-  a.seed = gen.seed();
   // Every rank advances by the global count, so later draws stay in step across ranks.
-  a.offset = gen.advance(static_cast<uint64_t>(x.numel()));
-  return unary(OpId::dropout, x, a);
+  return call1(OpId::dropout, {x}, op_attrs::dropout(p, default_generator(), x.numel()));
+}
+ShardedTensor attention(const ShardedTensor& q, const ShardedTensor& k, const ShardedTensor& v,
+                        bool causal, double scale) {
+  return call(OpId::attention, {q, k, v}, op_attrs::attention(causal, scale))[0];
 }
 ShardedTensor embedding(const ShardedTensor& weight, const ShardedTensor& indices) {
   return call1(OpId::embedding, {weight, indices});
 }
-ShardedTensor cast(const ShardedTensor& x, DType dtype) {
-  Attrs a;
-  a.dtype = dtype;
-  return unary(OpId::cast, x, a);
+ShardedTensor index_select(const ShardedTensor& x, int64_t dim, const ShardedTensor& index) {
+  return call1(OpId::index_select, {x, index}, op_attrs::dim(dim));
 }
+ShardedTensor gather(const ShardedTensor& x, int64_t dim, const ShardedTensor& index) {
+  return call1(OpId::gather, {x, index}, op_attrs::dim(dim));
+}
+ShardedTensor scatter_add(const ShardedTensor& x, int64_t dim, const ShardedTensor& index,
+                          const ShardedTensor& src) {
+  return call1(OpId::scatter_add, {x, index, src}, op_attrs::dim(dim));
+}
+std::vector<ShardedTensor> topk(const ShardedTensor& x, int64_t k, int64_t dim) {
+  return call(OpId::topk, {x}, op_attrs::topk(k, dim));
+}
+ShardedTensor cast(const ShardedTensor& x, DType dtype) {
+  return call1(OpId::cast, {x}, op_attrs::cast(dtype));
+}
+ShardedTensor clone(const ShardedTensor& x) { return call1(OpId::clone, {x}); }
 
 ShardedTensor view(const ShardedTensor& x, const Shape& shape) {
-  Attrs a;
-  a.shape = shape;
-  return unary(OpId::view, x, a);
+  return call1(OpId::view, {x}, op_attrs::shape(shape));
 }
 ShardedTensor permute(const ShardedTensor& x, const std::vector<int64_t>& order) {
-  Attrs a;
-  a.dims = order;
-  return unary(OpId::permute, x, a);
+  return call1(OpId::permute, {x}, op_attrs::dims(order));
 }
 ShardedTensor transpose(const ShardedTensor& x, int64_t d0, int64_t d1) {
   const int64_t n = x.dim();
@@ -119,32 +117,20 @@ ShardedTensor transpose(const ShardedTensor& x, int64_t d0, int64_t d1) {
   return permute(x, order);
 }
 ShardedTensor slice(const ShardedTensor& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
-  Attrs a;
-  a.dim = dim;
-  a.start = start;
-  a.end = end;
-  a.step = step;
-  return unary(OpId::slice, x, a);
+  return call1(OpId::slice, {x}, op_attrs::slice(dim, start, end, step));
 }
 ShardedTensor expand(const ShardedTensor& x, const Shape& shape) {
-  Attrs a;
-  a.shape = shape;
-  return unary(OpId::expand, x, a);
+  return call1(OpId::expand, {x}, op_attrs::shape(shape));
 }
 ShardedTensor squeeze(const ShardedTensor& x, const std::vector<int64_t>& dims) {
-  Attrs a;
-  a.dims = dims;
-  return unary(OpId::squeeze, x, a);
+  return call1(OpId::squeeze, {x}, op_attrs::dims(dims));
 }
 ShardedTensor unsqueeze(const ShardedTensor& x, int64_t dim) {
-  Attrs a;
-  a.dim = dim;
-  return unary(OpId::unsqueeze, x, a);
+  return call1(OpId::unsqueeze, {x}, op_attrs::dim(dim));
 }
 ShardedTensor cat(const std::vector<ShardedTensor>& tensors, int64_t dim) {
-  Attrs a;
-  a.dim = dim;
-  return call1(OpId::cat, tensors, a);
+  TS_CHECK(!tensors.empty(), "cat: needs at least one tensor");
+  return call1(OpId::cat, tensors, op_attrs::dim(dim));
 }
 ShardedTensor stack(const std::vector<ShardedTensor>& tensors, int64_t dim) {
   TS_CHECK(!tensors.empty(), "stack: needs at least one tensor");
@@ -166,11 +152,7 @@ std::vector<ShardedTensor> split(const ShardedTensor& x, int64_t split_size, int
 
 ShardedTensor full(const Shape& shape, double value, const MeshPtr& mesh, const Placements& placements,
                    DType dtype) {
-  Attrs a;
-  a.shape = shape;
-  a.value = value;
-  a.dtype = dtype;
-  return factory(OpId::full, a, mesh, placements);
+  return factory(OpId::full, op_attrs::full(shape, value, dtype), mesh, placements);
 }
 ShardedTensor zeros(const Shape& shape, const MeshPtr& mesh, const Placements& placements, DType dtype) {
   return full(shape, 0.0, mesh, placements, dtype);
@@ -178,34 +160,17 @@ ShardedTensor zeros(const Shape& shape, const MeshPtr& mesh, const Placements& p
 ShardedTensor ones(const Shape& shape, const MeshPtr& mesh, const Placements& placements, DType dtype) {
   return full(shape, 1.0, mesh, placements, dtype);
 }
-namespace {
-ShardedTensor random_factory(OpId op, const Shape& shape, const MeshPtr& mesh,
-                             const Placements& placements, uint64_t seed, uint64_t offset, DType dtype) {
-  Attrs a;
-  a.shape = shape;
-  a.seed = seed;
-  a.offset = offset;
-  a.dtype = dtype;
-  return factory(op, a, mesh, placements);
-}
-}  // namespace
-
 ShardedTensor randn(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
                     uint64_t seed, uint64_t offset, DType dtype) {
-  return random_factory(OpId::randn, shape, mesh, placements, seed, offset, dtype);
+  return factory(OpId::randn, op_attrs::random(shape, seed, offset, dtype), mesh, placements);
 }
 ShardedTensor rand(const Shape& shape, const MeshPtr& mesh, const Placements& placements,
                    uint64_t seed, uint64_t offset, DType dtype) {
-  return random_factory(OpId::rand, shape, mesh, placements, seed, offset, dtype);
+  return factory(OpId::rand, op_attrs::random(shape, seed, offset, dtype), mesh, placements);
 }
 ShardedTensor arange(double start, double end, double step, const MeshPtr& mesh,
                      const Placements& placements, DType dtype) {
-  Attrs a;
-  a.range_start = start;
-  a.range_end = end;
-  a.range_step = step;
-  a.dtype = dtype;
-  return factory(OpId::arange, a, mesh, placements);
+  return factory(OpId::arange, op_attrs::arange(start, end, step, dtype), mesh, placements);
 }
 
 }  // namespace tessera::parallel

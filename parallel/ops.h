@@ -42,6 +42,8 @@ ShardedTensor replicate(const Tensor& t, const MeshPtr& mesh);
 TS_DEFINE_FAMILY_WRAPPERS(ShardedTensor)
 
 ShardedTensor gelu(const ShardedTensor& x, bool approximate_tanh = false);
+ShardedTensor pow(const ShardedTensor& a, double exponent);
+ShardedTensor where(const ShardedTensor& cond, const ShardedTensor& a, const ShardedTensor& b);
 ShardedTensor operator+(const ShardedTensor& a, const ShardedTensor& b);
 ShardedTensor operator-(const ShardedTensor& a, const ShardedTensor& b);
 ShardedTensor operator*(const ShardedTensor& a, const ShardedTensor& b);
@@ -52,6 +54,9 @@ ShardedTensor operator+(const ShardedTensor& a, double b);
 ShardedTensor sum(const ShardedTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 ShardedTensor mean(const ShardedTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 ShardedTensor max(const ShardedTensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+ShardedTensor var(const ShardedTensor& x, const std::vector<int64_t>& dims = {}, int64_t correction = 1,
+                  bool keepdim = false);
+ShardedTensor argmax(const ShardedTensor& x, int64_t dim, bool keepdim = false);
 
 ShardedTensor matmul(const ShardedTensor& a, const ShardedTensor& b);
 ShardedTensor softmax(const ShardedTensor& x, int64_t dim = -1);
@@ -64,8 +69,18 @@ ShardedTensor cross_entropy(const ShardedTensor& logits, const ShardedTensor& ta
 // The mask of element i is the single-device mask of element i (counter-based RNG keyed by
 // the global index), whatever the placements.
 ShardedTensor dropout(const ShardedTensor& x, double p, bool training = true);
+// q, k, v [B, H, T, D] -> out (the logsumexp stays internal, as in tessera::attention).
+ShardedTensor attention(const ShardedTensor& q, const ShardedTensor& k, const ShardedTensor& v,
+                        bool causal = true, double scale = 0.0);
 ShardedTensor embedding(const ShardedTensor& weight, const ShardedTensor& indices);
+ShardedTensor index_select(const ShardedTensor& x, int64_t dim, const ShardedTensor& index);
+ShardedTensor gather(const ShardedTensor& x, int64_t dim, const ShardedTensor& index);
+ShardedTensor scatter_add(const ShardedTensor& x, int64_t dim, const ShardedTensor& index,
+                          const ShardedTensor& src);
+// {values, indices}, as tessera::topk.
+std::vector<ShardedTensor> topk(const ShardedTensor& x, int64_t k, int64_t dim = -1);
 ShardedTensor cast(const ShardedTensor& x, DType dtype);
+ShardedTensor clone(const ShardedTensor& x);
 
 ShardedTensor view(const ShardedTensor& x, const Shape& shape);
 ShardedTensor permute(const ShardedTensor& x, const std::vector<int64_t>& order);

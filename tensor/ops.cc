@@ -6,21 +6,18 @@
 
 #include "tensor/grad_mode.h"
 #include "tensor/internal/views.h"
+#include "tensor/op_attrs.h"
 
 namespace tessera {
 
 // ---- elementwise --------------------------------------------------------------------------
 
 Tensor gelu(const Tensor& x, bool approximate_tanh) {
-  Attrs a;
-  a.approximate_tanh = approximate_tanh;
-  return call1(OpId::gelu, {x}, a);
+  return call1(OpId::gelu, {x}, op_attrs::gelu(approximate_tanh));
 }
 
 Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool approximate_tanh) {
-  Attrs a;
-  a.approximate_tanh = approximate_tanh;
-  return call1(OpId::gelu_backward, {grad, x}, a);
+  return call1(OpId::gelu_backward, {grad, x}, op_attrs::gelu(approximate_tanh));
 }
 
 Tensor pow(const Tensor& a, double exponent) {
@@ -62,41 +59,21 @@ Tensor operator*(double a, const Tensor& b) { return mul(scalar_like(a, b, "mul"
 Tensor operator/(double a, const Tensor& b) { return div(scalar_like(a, b, "div"), b); }
 
 // ---- reductions -------------------------------------------------------------------------
-namespace {
-Tensor reduce(OpId op, const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  Attrs a;
-  a.dims = dims;
-  a.keepdim = keepdim;
-  return call1(op, {x}, a);
-}
-}  // namespace
-
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return reduce(OpId::sum, x, dims, keepdim);
+  return call1(OpId::sum, {x}, op_attrs::reduce(dims, keepdim));
 }
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return reduce(OpId::mean, x, dims, keepdim);
+  return call1(OpId::mean, {x}, op_attrs::reduce(dims, keepdim));
 }
 Tensor max(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return reduce(OpId::max, x, dims, keepdim);
+  return call1(OpId::max, {x}, op_attrs::reduce(dims, keepdim));
 }
 Tensor argmax(const Tensor& x, int64_t dim, bool keepdim) {
-  Attrs a;
-  a.dim = dim;
-  a.keepdim = keepdim;
-  return call1(OpId::argmax, {x}, a);
+  return call1(OpId::argmax, {x}, op_attrs::argmax(dim, keepdim));
 }
-Tensor argmax(const Tensor& x) {
-  Attrs a;
-  a.all_dims = true;
-  return call1(OpId::argmax, {x}, a);
-}
+Tensor argmax(const Tensor& x) { return call1(OpId::argmax, {x}, op_attrs::argmax_all()); }
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction, bool keepdim) {
-  Attrs a;
-  a.dims = dims;
-  a.keepdim = keepdim;
-  a.correction = correction;
-  return call1(OpId::var, {x}, a);
+  return call1(OpId::var, {x}, op_attrs::var(dims, correction, keepdim));
 }
 
 Tensor sum_to(const Tensor& x, const Shape& shape) {
@@ -128,39 +105,22 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-namespace {
-Tensor softmax_like(OpId op, const Tensor& x, int64_t dim) {
-  Attrs a;
-  a.dim = dim;
-  return call1(op, {x}, a);
-}
-}  // namespace
-
-Tensor softmax(const Tensor& x, int64_t dim) { return softmax_like(OpId::softmax, x, dim); }
+Tensor softmax(const Tensor& x, int64_t dim) { return call1(OpId::softmax, {x}, op_attrs::dim(dim)); }
 Tensor log_softmax(const Tensor& x, int64_t dim) {
-  return softmax_like(OpId::log_softmax, x, dim);
+  return call1(OpId::log_softmax, {x}, op_attrs::dim(dim));
 }
 
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
                   const Tensor& bias, double eps) {
   TS_CHECK(x.defined(), "layer_norm: input is undefined");
-  const int64_t nd = static_cast<int64_t>(normalized_shape.size());
-  TS_CHECK(nd >= 1 && nd <= x.dim() &&
-               Shape(x.shape().end() - nd, x.shape().end()) == normalized_shape,
-           "layer_norm: normalized shape {} must be a non-empty suffix of input shape {}",
-           shape_str(normalized_shape), shape_str(x.shape()));
-  Attrs a;
-  a.normalized_ndim = nd;
-  a.eps = eps;
-  return call(OpId::layer_norm, {x, weight, bias}, a)[0];
+  return call(OpId::layer_norm, {x, weight, bias},
+              op_attrs::layer_norm(x.shape(), normalized_shape, eps))[0];
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction,
                      int64_t ignore_index) {
-  Attrs a;
-  a.reduction = reduction;
-  a.ignore_index = ignore_index;
-  return call(OpId::cross_entropy, {logits, target}, a)[0];
+  return call(OpId::cross_entropy, {logits, target},
+              op_attrs::cross_entropy(reduction, ignore_index))[0];
 }
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator* generator) {
@@ -168,35 +128,21 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator* generator) {
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got {}", p);
   if (!training || p == 0.0) return x;
   Generator& gen = generator != nullptr ? *generator : default_generator();
-  Attrs a;
-  a.p = p;
-  a.seed = gen.seed();
-  a.offset = gen.advance(static_cast<uint64_t>(x.numel()));
-  return call1(OpId::dropout, {x}, a);
+  return call1(OpId::dropout, {x}, op_attrs::dropout(p, gen, x.numel()));
 }
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {
-  Attrs a;
-  a.causal = causal;
-  a.scale = scale;
-  return call(OpId::attention, {q, k, v}, a)[0];
+  return call(OpId::attention, {q, k, v}, op_attrs::attention(causal, scale))[0];
 }
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
-  Attrs a;
-  a.stride = stride;
-  a.padding = padding;
-  return call1(OpId::conv2d, {x, weight, bias}, a);
+  return call1(OpId::conv2d, {x, weight, bias}, op_attrs::conv2d(stride, padding));
 }
 
 Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel_size,
                   std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
-  Attrs a;
-  a.kernel_size = kernel_size;
-  a.stride = (stride[0] == 0 && stride[1] == 0) ? kernel_size : stride;
-  a.padding = padding;
-  return call(OpId::max_pool2d, {x}, a)[0];
+  return call(OpId::max_pool2d, {x}, op_attrs::max_pool2d(kernel_size, stride, padding))[0];
 }
 
 // ---- indexing -------------------------------------------------------------------------------
@@ -204,33 +150,23 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   return call1(OpId::embedding, {weight, indices});
 }
 
-namespace {
-Tensor indexed(OpId op, std::vector<Tensor> inputs, int64_t dim) {
-  Attrs a;
-  a.dim = dim;
-  return call1(op, std::move(inputs), a);
-}
-}  // namespace
-
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
-  return indexed(OpId::index_select, {x, index}, dim);
+  return call1(OpId::index_select, {x, index}, op_attrs::dim(dim));
 }
 Tensor index_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& source) {
-  return indexed(OpId::index_add, {x, index, source}, dim);
+  return call1(OpId::index_add, {x, index, source}, op_attrs::dim(dim));
 }
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
-  return indexed(OpId::gather, {x, index}, dim);
+  return call1(OpId::gather, {x, index}, op_attrs::dim(dim));
 }
 Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src) {
-  return indexed(OpId::scatter_add, {x, index, src}, dim);
+  return call1(OpId::scatter_add, {x, index, src}, op_attrs::dim(dim));
 }
 
 // ---- joining and splitting -------------------------------------------------------------
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   TS_CHECK(!tensors.empty(), "cat: needs at least one tensor");
-  Attrs a;
-  a.dim = dim;
-  return call1(OpId::cat, tensors, a);
+  return call1(OpId::cat, tensors, op_attrs::dim(dim));
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
@@ -281,9 +217,7 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
 Tensor cast(const Tensor& x, DType dtype) {
   TS_CHECK(x.defined(), "cast: input is undefined");
   if (x.dtype() == dtype) return x;
-  Attrs a;
-  a.dtype = dtype;
-  return call1(OpId::cast, {x}, a);
+  return call1(OpId::cast, {x}, op_attrs::cast(dtype));
 }
 
 Tensor to(const Tensor& x, Device device) {
@@ -330,9 +264,7 @@ void sgd_(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer
 // ---- views --------------------------------------------------------------------------------
 Tensor view(const Tensor& x, const Shape& shape) {
   TS_CHECK(x.defined(), "view: input is undefined");
-  Attrs a;
-  a.shape = internal::infer_view_shape("view", x.shape(), shape);
-  return call_view(OpId::view, x, a);
+  return call_view(OpId::view, x, op_attrs::shape(internal::infer_view_shape("view", x.shape(), shape)));
 }
 
 Tensor reshape(const Tensor& x, const Shape& shape) {
@@ -343,9 +275,7 @@ Tensor reshape(const Tensor& x, const Shape& shape) {
 }
 
 Tensor permute(const Tensor& x, const std::vector<int64_t>& order) {
-  Attrs a;
-  a.dims = order;
-  return call_view(OpId::permute, x, a);
+  return call_view(OpId::permute, x, op_attrs::dims(order));
 }
 
 Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
@@ -358,12 +288,7 @@ Tensor transpose(const Tensor& x, int64_t d0, int64_t d1) {
 }
 
 Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step) {
-  Attrs a;
-  a.dim = dim;
-  a.start = start;
-  a.end = end;
-  a.step = step;
-  return call_view(OpId::slice, x, a);
+  return call_view(OpId::slice, x, op_attrs::slice(dim, start, end, step));
 }
 
 Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
@@ -378,21 +303,15 @@ Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
 }
 
 Tensor expand(const Tensor& x, const Shape& shape) {
-  Attrs a;
-  a.shape = shape;
-  return call_view(OpId::expand, x, a);
+  return call_view(OpId::expand, x, op_attrs::shape(shape));
 }
 
 Tensor squeeze(const Tensor& x, const std::vector<int64_t>& dims) {
-  Attrs a;
-  a.dims = dims;
-  return call_view(OpId::squeeze, x, a);
+  return call_view(OpId::squeeze, x, op_attrs::dims(dims));
 }
 
 Tensor unsqueeze(const Tensor& x, int64_t dim) {
-  Attrs a;
-  a.dim = dim;
-  return call_view(OpId::unsqueeze, x, a);
+  return call_view(OpId::unsqueeze, x, op_attrs::dim(dim));
 }
 
 Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
@@ -416,10 +335,7 @@ Tensor contiguous(const Tensor& x) {
 
 // ---- factories ----------------------------------------------------------------------------
 Tensor full(const Shape& shape, double value, DType dtype, Device device) {
-  Attrs a;
-  a.shape = shape;
-  a.value = value;
-  a.dtype = dtype;
+  Attrs a = op_attrs::full(shape, value, dtype);
   a.device = device;
   return call1(OpId::full, {}, a);
 }
@@ -433,11 +349,7 @@ Tensor zeros_like(const Tensor& x) { return zeros(x.shape(), x.dtype(), x.device
 Tensor ones_like(const Tensor& x) { return ones(x.shape(), x.dtype(), x.device()); }
 
 Tensor arange(double start, double end, double step, DType dtype, Device device) {
-  Attrs a;
-  a.range_start = start;
-  a.range_end = end;
-  a.range_step = step;
-  a.dtype = dtype;
+  Attrs a = op_attrs::arange(start, end, step, dtype);
   a.device = device;
   return call1(OpId::arange, {}, a);
 }
@@ -445,12 +357,8 @@ Tensor arange(double start, double end, double step, DType dtype, Device device)
 namespace {
 Tensor random(OpId op, const Shape& shape, const RngView& view, uint64_t seed, uint64_t offset,
               DType dtype, Device device) {
-  Attrs a;
-  a.shape = shape;
+  Attrs a = op_attrs::random(shape, seed, offset, dtype);
   a.rng_view = view;
-  a.seed = seed;
-  a.offset = offset;
-  a.dtype = dtype;
   a.device = device;
   return call1(op, {}, a);
 }
@@ -487,19 +395,14 @@ std::vector<Tensor> layer_norm_backward(const Tensor& grad, const Tensor& x, con
 Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,
                               const Tensor& logsumexp, Reduction reduction,
                               int64_t ignore_index) {
-  Attrs a;
-  a.reduction = reduction;
-  a.ignore_index = ignore_index;
-  return call1(OpId::cross_entropy_backward, {grad, logits, target, logsumexp}, a);
+  return call1(OpId::cross_entropy_backward, {grad, logits, target, logsumexp},
+               op_attrs::cross_entropy(reduction, ignore_index));
 }
 
 std::vector<Tensor> attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k,
                                        const Tensor& v, const Tensor& out, const Tensor& lse,
                                        bool causal, double scale) {
-  Attrs a;
-  a.causal = causal;
-  a.scale = scale;
-  return call(OpId::attention_backward, {grad, q, k, v, out, lse}, a);
+  return call(OpId::attention_backward, {grad, q, k, v, out, lse}, op_attrs::attention(causal, scale));
 }
 
 Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Shape& input_shape,
