@@ -1,8 +1,8 @@
 #include "models/gpt/model.h"
 
 #include <cmath>
-#include <limits>
 
+#include "models/gpt/forward.h"
 #include "nn/init.h"
 
 namespace tessera::gpt {
@@ -44,65 +44,19 @@ int64_t GptConfig::num_parameters() const {
   return total;
 }
 
-// ---- attention ------------------------------------------------------------------------------
+// ---- layers ---------------------------------------------------------------------------------
 
-CausalSelfAttention::CausalSelfAttention(const GptConfig& config)
-    : Module("CausalSelfAttention"), heads(config.heads), width(config.width) {
-  c_attn = register_module("c_attn", std::make_shared<nn::Linear>(width, 3 * width));
-  c_proj = register_module("c_proj", std::make_shared<nn::Linear>(width, width));
-  attn_dropout = register_module("attn_dropout", std::make_shared<nn::Dropout>(config.dropout));
-  resid_dropout = register_module("resid_dropout", std::make_shared<nn::Dropout>(config.dropout));
+CausalSelfAttention::CausalSelfAttention(const GptConfig& config) : Module("CausalSelfAttention") {
+  c_attn = register_module("c_attn", std::make_shared<nn::Linear>(config.width, 3 * config.width));
+  c_proj = register_module("c_proj", std::make_shared<nn::Linear>(config.width, config.width));
 }
-
-Tensor CausalSelfAttention::causal_mask(int64_t T) {
-  if (!mask_.defined() || mask_.size(0) != T) {
-    const Tensor pos = arange(0, static_cast<double>(T), 1, DType::i64);
-    mask_ = ge(pos.view({T, 1}), pos.view({1, T}));  // query i sees keys j <= i
-  }
-  return mask_;
-}
-
-Tensor CausalSelfAttention::forward(const Tensor& x) {
-  TS_CHECK(x.defined() && x.dim() == 3 && x.size(2) == width,
-           "CausalSelfAttention: expected input [B, T, {}], got {}", width,
-           x.defined() ? shape_str(x.shape()) : std::string("undefined"));
-  const int64_t B = x.size(0), T = x.size(1), hd = width / heads;
-  // [B, T, 3C] -> three [B, T, C] views -> [B, H, T, hd] each.
-  const std::vector<Tensor> qkv = split(c_attn->forward(x), width, 2);
-  auto heads_first = [&](const Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
-  const Tensor q = heads_first(qkv[0]), k = heads_first(qkv[1]), v = heads_first(qkv[2]);
-
-  // On CUDA, the fused flash-attention op: it never stores the [T, T] scores. It has no
-  // dropout on the probabilities, so an active attention dropout keeps the composite path,
-  // as does the CPU (whose results the golden and equivalence tests pin down).
-  const bool attn_dropout_active = attn_dropout->is_training() && attn_dropout->p > 0.0;
-  if (x.device().is_cuda() && !attn_dropout_active) {
-    const Tensor y = attention(q, k, v, /*causal=*/true).transpose(1, 2).reshape({B, T, width});
-    return resid_dropout->forward(c_proj->forward(y));
-  }
-  Tensor scores = matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  const Tensor neg_inf =
-      scalar_like(-std::numeric_limits<double>::infinity(), scores, "CausalSelfAttention");
-  scores = where(causal_mask(T), scores, neg_inf);
-  const Tensor weights = attn_dropout->forward(softmax(scores, -1));
-  const Tensor y = matmul(weights, v).transpose(1, 2).reshape({B, T, width});  // heads back
-  return resid_dropout->forward(c_proj->forward(y));
-}
-
-// ---- MLP and block --------------------------------------------------------------------------
 
 Mlp::Mlp(const GptConfig& config) : Module("Mlp") {
   c_fc = register_module("c_fc", std::make_shared<nn::Linear>(config.width, 4 * config.width));
-  gelu = register_module("gelu", std::make_shared<nn::GELU>(/*approximate_tanh=*/true));
   c_proj = register_module("c_proj", std::make_shared<nn::Linear>(4 * config.width, config.width));
-  dropout = register_module("dropout", std::make_shared<nn::Dropout>(config.dropout));
 }
 
-Tensor Mlp::forward(const Tensor& x) {
-  return dropout->forward(c_proj->forward(gelu->forward(c_fc->forward(x))));
-}
-
-Block::Block(const GptConfig& config) : Module("Block") {
+Block::Block(const GptConfig& config) : Module("Block"), config_(config) {
   ln_1 = register_module("ln_1", std::make_shared<nn::LayerNorm>(Shape{config.width}));
   attn = register_module("attn", std::make_shared<CausalSelfAttention>(config));
   ln_2 = register_module("ln_2", std::make_shared<nn::LayerNorm>(Shape{config.width}));
@@ -110,8 +64,11 @@ Block::Block(const GptConfig& config) : Module("Block") {
 }
 
 Tensor Block::forward(const Tensor& x) {
-  const Tensor h = x + attn->forward(ln_1->forward(x));
-  return h + mlp->forward(ln_2->forward(h));
+  TS_CHECK(x.defined() && x.dim() == 3 && x.size(2) == config_.width,
+           "Block: expected input [B, T, {}], got {}", config_.width,
+           x.defined() ? shape_str(x.shape()) : std::string("undefined"));
+  return block(parallel::SingleDevice{}, parallel::ModuleParameters(*this), config_, x,
+               {config_.dropout, is_training()});
 }
 
 // ---- the model ------------------------------------------------------------------------------
@@ -120,7 +77,6 @@ Gpt::Gpt(const GptConfig& config) : Module("Gpt"), config_(config) {
   config_.validate();
   wte = register_module("wte", std::make_shared<nn::Embedding>(config_.vocab, config_.width));
   wpe = register_module("wpe", std::make_shared<nn::Embedding>(config_.context, config_.width));
-  drop = register_module("drop", std::make_shared<nn::Dropout>(config_.dropout));
   h = register_module("h", std::make_shared<nn::Sequential>());
   for (int64_t i = 0; i < config_.layers; ++i) h->push_back(std::make_shared<Block>(config_));
   ln_f = register_module("ln_f", std::make_shared<nn::LayerNorm>(Shape{config_.width}));
@@ -155,30 +111,16 @@ Tensor Gpt::forward(const Tensor& idx) {
 }
 
 Tensor Gpt::embed(const Tensor& idx) {
-  TS_CHECK(idx.defined() && idx.dim() == 2 && idx.dtype() == DType::i64,
-           "Gpt: expected idx [B, T] of dtype i64, got {}",
-           idx.defined() ? fmt::format("{} {}", shape_str(idx.shape()), idx.dtype())
-                         : std::string("undefined"));
-  const int64_t T = idx.size(1);
-  TS_CHECK(T >= 1 && T <= config_.context,
-           "Gpt: sequence length {} must be in [1, context = {}] (idx {})", T, config_.context,
-           shape_str(idx.shape()));
-  const Tensor pos = arange(0, static_cast<double>(T), 1, DType::i64, idx.device());
-  return drop->forward(wte->forward(idx) + wpe->forward(pos));  // [B, T, C] + [T, C]
+  return gpt::embed(parallel::SingleDevice{}, parallel::ModuleParameters(*this), config_, idx,
+                    {config_.dropout, is_training()});
 }
 
 Tensor Gpt::head(const Tensor& x) {
-  return matmul(ln_f->forward(x), wte->weight.t());  // tied head: [B, T, C] @ [C, V]
+  return gpt::head(parallel::SingleDevice{}, parallel::ModuleParameters(*this), config_, x);
 }
 
 Tensor Gpt::loss(const Tensor& logits, const Tensor& targets) {
-  TS_CHECK(logits.defined() && targets.defined() && logits.dim() == 3 && targets.dim() == 2 &&
-               logits.size(0) == targets.size(0) && logits.size(1) == targets.size(1),
-           "Gpt::loss: expected logits [B, T, V] and targets [B, T], got {} and {}",
-           logits.defined() ? shape_str(logits.shape()) : std::string("undefined"),
-           targets.defined() ? shape_str(targets.shape()) : std::string("undefined"));
-  const int64_t rows = logits.size(0) * logits.size(1);
-  return cross_entropy(logits.reshape({rows, logits.size(2)}), targets.reshape({rows}));
+  return gpt::loss(parallel::SingleDevice{}, logits, targets);
 }
 
 }  // namespace tessera::gpt

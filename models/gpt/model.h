@@ -1,8 +1,8 @@
-// GPT-2, built from nn/ layers and tensor ops only (no hand-written backward): token and
-// position embeddings, pre-LayerNorm blocks of causal self-attention (fused qkv) and a 4x
-// tanh-GELU MLP, a final LayerNorm, and an LM head tied to the token embedding. Parameter
-// names follow the torch/nanoGPT state dict ("wte.weight", "h.0.attn.c_attn.weight", ...),
-// so tools/gpt_reference.py builds the same model in PyTorch from a Tessera checkpoint.
+// GPT-2 from tensor ops only (no hand-written backward; the forward, in forward.h, is the
+// one TpGpt runs sharded): token and position embeddings, pre-LayerNorm blocks of causal
+// self-attention (fused qkv) and a 4x tanh-GELU MLP, a final LayerNorm, and an LM head tied
+// to the token embedding. Parameter names follow the torch/nanoGPT state dict ("wte.weight",
+// "h.0.attn.c_attn.weight", ...), so tools/gpt_reference.py builds the same model in PyTorch.
 //
 //   manual_seed(0);                                     // GPT-2 init draws from it
 //   gpt::Gpt model({.layers = 2, .heads = 2, .width = 32, .context = 16, .vocab = 64});
@@ -33,34 +33,23 @@ struct GptConfig {
   int64_t num_parameters() const;
 };
 
-// Multi-head causal self-attention: c_attn [3C, C] projects to q, k, v at once; scores
-// q k^T / sqrt(head_dim) with the future masked to -inf, softmax, dropout, @ v; c_proj [C, C].
+// Parameter holders named as torch's (attn.c_attn [3C, C] projects to q, k and v at once,
+// attn.c_proj [C, C]; mlp.c_fc [4C, C], mlp.c_proj [C, 4C]). Block's forward uses them; it
+// is written once for every layout in models/gpt/forward.h.
 class CausalSelfAttention : public nn::Module {
  public:
   explicit CausalSelfAttention(const GptConfig& config);
-  Tensor forward(const Tensor& x) override;  // x [B, T, C] -> [B, T, C]
-  // Bool [T, T], true where key j may be seen from query i (j <= i); built once per T.
-  Tensor causal_mask(int64_t T);
-
-  int64_t heads, width;
   std::shared_ptr<nn::Linear> c_attn, c_proj;
-  std::shared_ptr<nn::Dropout> attn_dropout, resid_dropout;
-
- private:
-  Tensor mask_;  // cached for the last T seen
 };
 
-// Linear(C, 4C), GELU (tanh approximation, as GPT-2), Linear(4C, C), dropout.
 class Mlp : public nn::Module {
  public:
   explicit Mlp(const GptConfig& config);
-  Tensor forward(const Tensor& x) override;
   std::shared_ptr<nn::Linear> c_fc, c_proj;
-  std::shared_ptr<nn::GELU> gelu;
-  std::shared_ptr<nn::Dropout> dropout;
 };
 
-// x + attn(ln_1(x)), then + mlp(ln_2(x)).
+// x + attn(ln_1(x)), then + mlp(ln_2(x)): causal self-attention (the future masked; fused
+// unless attention dropout is active), a 4x tanh-GELU MLP, dropout on each residual branch.
 class Block : public nn::Module {
  public:
   explicit Block(const GptConfig& config);
@@ -68,6 +57,9 @@ class Block : public nn::Module {
   std::shared_ptr<nn::LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
   std::shared_ptr<Mlp> mlp;
+
+ private:
+  GptConfig config_;
 };
 
 class Gpt : public nn::Module {
@@ -90,7 +82,6 @@ class Gpt : public nn::Module {
   const GptConfig& config() const { return config_; }
 
   std::shared_ptr<nn::Embedding> wte, wpe;
-  std::shared_ptr<nn::Dropout> drop;
   std::shared_ptr<nn::Sequential> h;  // the blocks, named h.0, h.1, ...
   std::shared_ptr<nn::LayerNorm> ln_f;
 

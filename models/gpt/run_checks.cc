@@ -140,15 +140,20 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   const double N = rows * T;  // tokens of one micro-batch on this rank
   // Per token and block, what backward keeps: the block input, both layer-norm outputs and
   // the residual after attention (4 C, whole on every tp rank), q/k/v, the heads' output and
-  // the MLP's two 4C tensors (12 C, split over tp), and the softmax probabilities (H x T).
-  double per_token = e * (4 * C + 12 * C * width_share + heads_here * T);
+  // the MLP's two 4C tensors (12 C, split over tp). The fused attention (no attention
+  // dropout) keeps its output (C) and row logsumexp (H, f32); the composite one, with
+  // dropout, the softmax probabilities (H x T).
+  const bool fused_attention = c.dropout == 0;
+  double per_token = fused_attention
+                         ? e * (4 * C + 13 * C * width_share) + 4 * heads_here
+                         : e * (4 * C + 12 * C * width_share + heads_here * T);
   // Dropout's kept masks and outputs: measured at about 2 bytes per masked element.
   if (c.dropout > 0) per_token += 2 * (heads_here * T + 3 * C * width_share);
   m.activations = in_flight * N * layers_here * per_token;
-  // Alongside them at the peak: one layer's [T, T] temporaries (the forward's scores
-  // before softmax, the backward's gradients of the scores and probabilities), measured
-  // at four such tensors.
-  m.activations += 4 * e * rows * heads_here * T * T;
+  // Alongside them at the peak, for the composite attention: one layer's [T, T] temporaries
+  // (the forward's scores before softmax, the backward's gradients of the scores and
+  // probabilities), measured at four such tensors.
+  if (!fused_attention) m.activations += 4 * e * rows * heads_here * T * T;
   // Embedding output and final norm, [tokens, C] each.
   m.activations += 2 * e * N * C;
   // Logits and their gradient, on the last stage (tp: split over the vocabulary).

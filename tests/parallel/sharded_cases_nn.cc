@@ -129,17 +129,22 @@ void linalg(std::vector<OpCase>& out) {
     out.push_back(op_case(OpId::dropout, shape_str(shape) + " p " + std::to_string(p), {in(shape)}, a));
   }
 
-  // attention over [B, H, T, D] with B = 3, H = 2 (uneven and empty blocks on 4 ranks).
-  for (bool causal : {true, false}) {
+  // attention over [B, H, T, D] with B = 3, H = 2 (uneven and empty blocks on 4 ranks), and
+  // as tensor-parallel GPT runs it: causal, 4 heads, whole heads per rank on every mesh.
+  struct Attn {
+    Shape s;
+    bool causal;
+  };
+  for (const Attn& at : {Attn{{3, 2, 5, 4}, true}, Attn{{3, 2, 5, 4}, false}, Attn{{2, 4, 6, 3}, true}}) {
     Attrs a;
-    a.causal = causal;
-    const Shape s{3, 2, 5, 4};
-    const std::string label = std::string("[3, 2, 5, 4] ") + (causal ? "causal" : "not causal");
+    a.causal = at.causal;
+    const Shape& s = at.s;
+    const std::string label = shape_str(s) + (at.causal ? " causal" : " not causal");
     out.push_back(op_case(OpId::attention, label, {in(s), in(s), in(s)}, a));
     // grad, q, k, v, out, lse (out and lse from q, k, v).
     OpCase b = op_case(OpId::attention_backward, label,
-                       {in(s), in(s), in(s), in(s), in(s), in({3, 2, 5})}, a);
-    b.prepare = attention_forward_outputs(causal);
+                       {in(s), in(s), in(s), in(s), in(s), in({s[0], s[1], s[2]})}, a);
+    b.prepare = attention_forward_outputs(at.causal);
     out.push_back(b);
   }
 

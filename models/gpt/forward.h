@@ -1,0 +1,171 @@
+// GPT's forward, written once over the layout (parallel/tensor_parallel.h): the Gpt module
+// runs it on Tensors with parallel::SingleDevice and its own parameters, TpGpt on
+// ShardedTensors with a TpLayout and the parameters sharded by a plan. `param(path)` returns
+// a parameter by its dotted path in the single-device model (block pieces: relative to the
+// block). The plan only decides where tensors live; the code here is right for any plan.
+//
+//   const parallel::SingleDevice one;
+//   Tensor x = gpt::embed(one, parallel::ModuleParameters(model), config, idx, {p, training});
+//   x = gpt::block(one, gpt::Prefixed{params, "h.0."}, config, x, {p, training});
+#pragma once
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "models/gpt/model.h"
+#include "parallel/tensor_parallel.h"
+
+namespace tessera::gpt {
+
+struct DropoutState {
+  double p = 0.0;
+  bool training = false;
+  bool active() const { return training && p > 0.0; }
+};
+
+// A parameter accessor seen under a path prefix ("h.3." + "ln_1.weight").
+template <class P>
+struct Prefixed {
+  const P& params;
+  std::string prefix;
+  decltype(auto) operator()(const std::string& path) const { return params(prefix + path); }
+};
+
+// The few ops parallel/ops.h names differently or not at all, under one name for both types.
+namespace both {
+inline Tensor select(const Tensor& c, const Tensor& a, const Tensor& b) {
+  return tessera::where(c, a, b);
+}
+inline parallel::ShardedTensor select(const parallel::ShardedTensor& c,
+                                      const parallel::ShardedTensor& a,
+                                      const parallel::ShardedTensor& b) {
+  return parallel::call1(OpId::where, {c, a, b});
+}
+inline Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return tessera::attention(q, k, v, /*causal=*/true);
+}
+inline parallel::ShardedTensor causal_attention(const parallel::ShardedTensor& q,
+                                                const parallel::ShardedTensor& k,
+                                                const parallel::ShardedTensor& v) {
+  Attrs a;
+  a.causal = true;
+  return parallel::call(OpId::attention, {q, k, v}, a)[0];
+}
+inline Tensor copy(const Tensor& x) { return tessera::clone(x); }
+inline parallel::ShardedTensor copy(const parallel::ShardedTensor& x) {
+  return parallel::call1(OpId::clone, {x});
+}
+// A plain tensor reshaped if strided; sharded tensors come from ops as laid-out blocks.
+inline Tensor copy_if_strided(const Tensor& x) { return x.contiguous(); }
+inline parallel::ShardedTensor copy_if_strided(const parallel::ShardedTensor& x) { return x; }
+inline Device device_of(const Tensor& x) { return x.device(); }
+inline Device device_of(const parallel::ShardedTensor& x) { return x.local().device(); }
+}  // namespace both
+
+template <class T>
+T linear(const T& x, const T& w, const T& b) {
+  return matmul(x, transpose(w, 0, 1)) + b;
+}
+
+// Token + position embeddings and dropout: idx [B, T] i64 -> the residual stream [B, T, C].
+template <class L, class P>
+typename L::Tensor embed(const L& layout, const P& param, const GptConfig& c, const Tensor& idx,
+                         DropoutState drop) {
+  TS_CHECK(idx.defined() && idx.dim() == 2 && idx.dtype() == DType::i64,
+           "Gpt: expected idx [B, T] of dtype i64, got {}",
+           idx.defined() ? fmt::format("{} {}", shape_str(idx.shape()), idx.dtype())
+                         : std::string("undefined"));
+  const int64_t T = idx.size(1);
+  TS_CHECK(T >= 1 && T <= c.context, "Gpt: sequence length {} must be in [1, context = {}] (idx {})",
+           T, c.context, shape_str(idx.shape()));
+  const Tensor pos = arange(0, static_cast<double>(T), 1, DType::i64, idx.device());
+  const typename L::Tensor x =
+      layout.stream(embedding(param("wte.weight"), layout.input(idx)) +  // [B, T, C] + [T, C]
+                    embedding(param("wpe.weight"), layout.replicate(pos)));
+  return layout.region([&] { return dropout(x, drop.p, drop.training); });
+}
+
+// Causal self-attention of x [B, T, C] (the LayerNorm's output), before the residual add.
+template <class L, class P>
+typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c,
+                             const typename L::Tensor& x, DropoutState drop) {
+  using T = typename L::Tensor;
+  const int64_t B = x.size(0), S = x.size(1), C = c.width, H = c.heads, hd = C / H;
+  // One product for q, k and v: the weight viewed [3, C, C] (a plan splits its middle dim:
+  // each rank whole heads of q, k and v), the tokens as rows: [B*S, C] @ [3, C, C]^T ->
+  // [3, B*S, C] (three GEMMs, and a weight gradient without per-batch partial products).
+  const T qkv = matmul(view(layout.column_input(x), {B * S, C}),
+                       transpose(view(param("attn.c_attn.weight"), {3, C, C}), 1, 2)) +
+                view(param("attn.c_attn.bias"), {3, 1, C});
+  // [1, B*S, C] -> [B, H, S, hd]: a split of C (whole heads) becomes a split of H.
+  auto heads_first = [&](int64_t k) {
+    return transpose(view(slice(qkv, 0, k, k + 1), {B, S, H, hd}), 1, 2);
+  };
+  const T q = heads_first(0), k = heads_first(1), v = heads_first(2);
+  T y;  // [B, H, S, hd]
+  if (!drop.active()) {
+    y = both::causal_attention(q, k, v);  // fused: the [S, S] scores are never stored
+  } else {
+    // The fused op has no dropout on the probabilities: with it active, the composite.
+    T scores = matmul(q, transpose(k, 2, 3)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+    const Tensor pos = arange(0, static_cast<double>(S), 1, DType::i64, both::device_of(x));
+    const Tensor neg_inf = full({}, -std::numeric_limits<double>::infinity(), scores.dtype());
+    scores = both::select(layout.replicate(ge(pos.view({S, 1}), pos.view({1, S}))), scores,
+                          layout.replicate(neg_inf));  // query i sees keys j <= i
+    y = matmul(dropout(softmax(scores, -1), drop.p, drop.training), v);
+  }
+  const T merged = view(both::copy(transpose(y, 1, 2)), {B, S, C});  // heads back
+  // Row-wise: the product is Partial over tp; the stream wants it whole (the all-reduce),
+  // then the bias joins once.
+  const T out = layout.stream(matmul(merged, transpose(param("attn.c_proj.weight"), 0, 1)));
+  return layout.region([&] { return dropout(out + param("attn.c_proj.bias"), drop.p, drop.training); });
+}
+
+// x + attn(ln_1(x)), then + mlp(ln_2(x)); the MLP is Linear(C, 4C), tanh-GELU, Linear(4C, C).
+template <class L, class P>
+typename L::Tensor block(const L& layout, const P& param, const GptConfig& c,
+                         const typename L::Tensor& x, DropoutState drop) {
+  using T = typename L::Tensor;
+  const Shape w{c.width};
+  // The LayerNorm and residual regions run on the stream's layout (with sequence
+  // parallelism, each rank its part of the sequence); `region` accounts their memory.
+  const T n1 = layout.region([&] { return layer_norm(x, w, param("ln_1.weight"), param("ln_1.bias")); });
+  const T a = gpt::attention(layout, param, c, n1, drop);
+  const T h = layout.region([&] { return x + a; });
+  const T n2 = layout.region([&] { return layer_norm(h, w, param("ln_2.weight"), param("ln_2.bias")); });
+  const T up = gelu(linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias")),
+                    /*approximate_tanh=*/true);
+  const T down = layout.region([&] {
+    return dropout(layout.stream(matmul(up, transpose(param("mlp.c_proj.weight"), 0, 1))) +
+                       param("mlp.c_proj.bias"),
+                   drop.p, drop.training);
+  });
+  return layout.region([&] { return h + down; });
+}
+
+// Final LayerNorm and the LM head tied to the token embedding: [B, T, C] -> [B, T, vocab].
+template <class L, class P>
+typename L::Tensor head(const L& layout, const P& param, const GptConfig& c,
+                        const typename L::Tensor& x) {
+  const typename L::Tensor n = layout.region(
+      [&] { return layer_norm(x, {c.width}, param("ln_f.weight"), param("ln_f.bias")); });
+  return matmul(layout.column_input(n), transpose(param("wte.weight"), 0, 1));
+}
+
+// Mean cross-entropy of logits [B, T, V] against targets [B, T] i64, over B*T rows.
+template <class L>
+typename L::Tensor loss(const L& layout, const typename L::Tensor& logits, const Tensor& targets) {
+  TS_CHECK(logits.defined() && targets.defined() && logits.dim() == 3 && targets.dim() == 2 &&
+               logits.size(0) == targets.size(0) && logits.size(1) == targets.size(1),
+           "Gpt::loss: expected logits [B, T, V] and targets [B, T], got {} and {}",
+           logits.defined() ? shape_str(logits.shape()) : std::string("undefined"),
+           targets.defined() ? shape_str(targets.shape()) : std::string("undefined"));
+  const int64_t rows = logits.size(0) * logits.size(1);
+  return layout.cross_entropy(view(both::copy_if_strided(logits), {rows, logits.size(2)}),
+                              view(layout.input(targets.contiguous()), {rows}));
+}
+
+}  // namespace tessera::gpt
