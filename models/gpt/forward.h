@@ -34,30 +34,8 @@ struct Prefixed {
   decltype(auto) operator()(const std::string& path) const { return params(prefix + path); }
 };
 
-// The few ops parallel/ops.h names differently or not at all, under one name for both types.
+// What differs between the two tensor types, under one name for both.
 namespace both {
-inline Tensor select(const Tensor& c, const Tensor& a, const Tensor& b) {
-  return tessera::where(c, a, b);
-}
-inline parallel::ShardedTensor select(const parallel::ShardedTensor& c,
-                                      const parallel::ShardedTensor& a,
-                                      const parallel::ShardedTensor& b) {
-  return parallel::call1(OpId::where, {c, a, b});
-}
-inline Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v) {
-  return tessera::attention(q, k, v, /*causal=*/true);
-}
-inline parallel::ShardedTensor causal_attention(const parallel::ShardedTensor& q,
-                                                const parallel::ShardedTensor& k,
-                                                const parallel::ShardedTensor& v) {
-  Attrs a;
-  a.causal = true;
-  return parallel::call(OpId::attention, {q, k, v}, a)[0];
-}
-inline Tensor copy(const Tensor& x) { return tessera::clone(x); }
-inline parallel::ShardedTensor copy(const parallel::ShardedTensor& x) {
-  return parallel::call1(OpId::clone, {x});
-}
 // A plain tensor reshaped if strided; sharded tensors come from ops as laid-out blocks.
 inline Tensor copy_if_strided(const Tensor& x) { return x.contiguous(); }
 inline parallel::ShardedTensor copy_if_strided(const parallel::ShardedTensor& x) { return x; }
@@ -107,17 +85,17 @@ typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c
   const T q = heads_first(0), k = heads_first(1), v = heads_first(2);
   T y;  // [B, H, S, hd]
   if (!drop.active()) {
-    y = both::causal_attention(q, k, v);  // fused: the [S, S] scores are never stored
+    y = attention(q, k, v, /*causal=*/true);  // fused: the [S, S] scores are never stored
   } else {
     // The fused op has no dropout on the probabilities: with it active, the composite.
     T scores = matmul(q, transpose(k, 2, 3)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     const Tensor pos = arange(0, static_cast<double>(S), 1, DType::i64, both::device_of(x));
     const Tensor neg_inf = full({}, -std::numeric_limits<double>::infinity(), scores.dtype());
-    scores = both::select(layout.replicate(ge(pos.view({S, 1}), pos.view({1, S}))), scores,
+    scores = where(layout.replicate(ge(pos.view({S, 1}), pos.view({1, S}))), scores,
                           layout.replicate(neg_inf));  // query i sees keys j <= i
     y = matmul(dropout(softmax(scores, -1), drop.p, drop.training), v);
   }
-  const T merged = view(both::copy(transpose(y, 1, 2)), {B, S, C});  // heads back
+  const T merged = view(clone(transpose(y, 1, 2)), {B, S, C});  // heads back
   // Row-wise: the product is Partial over tp; the stream wants it whole (the all-reduce),
   // then the bias joins once.
   const T out = layout.stream(matmul(merged, transpose(param("attn.c_proj.weight"), 0, 1)));
