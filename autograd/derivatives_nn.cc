@@ -1,4 +1,4 @@
-// Derivatives of matmul, the fused layers, and indexing ops, written with ops (fused
+// Derivatives of matmul and the fused layers, written with ops (fused
 // backward ops where speed or memory needs them: gelu, layer_norm, cross_entropy, attention,
 // conv2d, max_pool2d).
 #include "autograd/derivatives.h"
@@ -80,54 +80,6 @@ TS_REGISTER_DERIVATIVE(max_pool2d, 0, kOut1, [](const GradCtx& c) {
   Attrs a = c.attrs;
   a.shape = c.in_shape(0);
   return Grads{call1(OpId::max_pool2d_backward, {c.grad(0), c.output(1)}, a)};
-});
-
-TS_REGISTER_DERIVATIVE(embedding, kIn1, 0, [](const GradCtx& c) {
-  const Shape& w = c.in_shape(0);
-  const Tensor& g = c.grad();
-  return Grads{index_add(zeros(w, g.dtype(), g.device()), 0, reshape(c.input(1), {-1}),
-                         reshape(g, {-1, w[1]})),
-               Tensor()};
-});
-
-TS_REGISTER_DERIVATIVE(index_select, kIn1, 0, [](const GradCtx& c) {
-  const Tensor& g = c.grad();
-  return Grads{index_add(zeros(c.in_shape(0), g.dtype(), g.device()), c.attrs.dim, c.input(1), g),
-               Tensor()};
-});
-
-TS_REGISTER_DERIVATIVE(index_add, kIn1, 0, [](const GradCtx& c) {
-  return Grads{c.grad(), Tensor(),
-               c.needs(2) ? index_select(c.grad(), c.attrs.dim, c.input(1)) : Tensor()};
-});
-
-TS_REGISTER_DERIVATIVE(gather, kIn1, 0, [](const GradCtx& c) {
-  const Tensor& g = c.grad();
-  return Grads{scatter_add(zeros(c.in_shape(0), g.dtype(), g.device()), c.attrs.dim, c.input(1), g),
-               Tensor()};
-});
-
-// The values' gradient goes back to the positions they were taken from.
-TS_REGISTER_DERIVATIVE(topk, 0, kOut1, [](const GradCtx& c) {
-  const Tensor& g = c.grad(0);
-  return Grads{scatter_add(zeros(c.in_shape(0), g.dtype(), g.device()), c.attrs.dim, c.output(1), g)};
-});
-
-TS_REGISTER_DERIVATIVE(scatter_add, kIn1, 0, [](const GradCtx& c) {
-  Tensor gs;
-  if (c.needs(2)) {
-    // src entries beyond the index's extent received nothing: their gradient is zero.
-    gs = gather(c.grad(), c.attrs.dim, c.input(1));
-    const Shape& src = c.in_shape(2);
-    for (size_t d = 0; d < src.size(); ++d) {
-      const int64_t missing = src[d] - gs.shape()[d];
-      if (missing == 0) continue;
-      Shape pad = gs.shape();
-      pad[d] = missing;
-      gs = cat({gs, zeros(pad, gs.dtype(), gs.device())}, static_cast<int64_t>(d));
-    }
-  }
-  return Grads{c.grad(), Tensor(), gs};
 });
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include "autograd/node.h"
 #include "parallel/comm/comm_log.h"
+#include "parallel/dispatch.h"
 #include "parallel/ops.h"
 #include "parallel/redistribute.h"
 #include "parallel/sharding_rule.h"
@@ -16,15 +17,6 @@
 
 namespace tessera::parallel {
 namespace {
-
-struct RuleTable {
-  ShardingRule entries[kNumOps];
-  bool registered[kNumOps] = {};
-};
-RuleTable& rules() {
-  static RuleTable* t = new RuleTable;
-  return *t;
-}
 
 // Rough bytes this rank moves to take one input from `from` to `to` on an axis of size n
 // (only used to rank the options; the plan's exact figure comes from plan_redistribute).
@@ -255,16 +247,6 @@ Prepared prepare(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs&
 }
 
 }  // namespace
-
-void register_sharding_rule(OpId op, ShardingRule rule) {
-  rules().entries[static_cast<int>(op)] = rule;
-  rules().registered[static_cast<int>(op)] = true;
-}
-
-const ShardingRule* sharding_rule_for(OpId op) {
-  const int i = static_cast<int>(op);
-  return rules().registered[i] ? &rules().entries[i] : nullptr;
-}
 
 std::vector<ShardedTensor> call(OpId op, const std::vector<ShardedTensor>& inputs,
                                 const Attrs& attrs) {

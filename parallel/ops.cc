@@ -1,4 +1,4 @@
-// The named sharded ops: thin wrappers over call() / factory() (dispatch.cc).
+// The named sharded ops: thin wrappers over call() / factory() (dispatch.h).
 #include "parallel/ops.h"
 
 #include "tensor/error.h"

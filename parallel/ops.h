@@ -8,33 +8,20 @@
 //   ShardedTensor loss = cross_entropy(y, target);
 //   loss.backward();
 //
-// Every function is a thin wrapper over call() (or factory / call_inplace), which any op in
-// the list can use directly. Inputs must live on one mesh (Error naming both meshes).
+// Every function is a thin wrapper over call() (or factory / call_inplace, parallel/dispatch.h),
+// which any op in the list can use directly. Inputs must live on one mesh (Error naming both
+// meshes).
 #pragma once
 
 #include <array>
 #include <initializer_list>
 #include <vector>
 
+#include "parallel/dispatch.h"
 #include "parallel/sharded_tensor.h"
 #include "tensor/op.h"
 
 namespace tessera::parallel {
-
-// Runs `op` (Compute or View) on sharded inputs; all its outputs.
-std::vector<ShardedTensor> call(OpId op, const std::vector<ShardedTensor>& inputs,
-                                const Attrs& attrs = {});
-ShardedTensor call1(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs& attrs = {});
-// In-place ops (copy_, adamw_, sgd_): the inputs listed in `written` keep their placements
-// (Error if the rule would move them); the others are redistributed to match.
-void call_inplace(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs& attrs,
-                  std::initializer_list<size_t> written);
-// Factories (full, arange, rand, randn): each rank makes its block of the global tensor
-// (random draws equal slicing the single-device draw).
-ShardedTensor factory(OpId op, const Attrs& attrs, const MeshPtr& mesh, const Placements& placements);
-
-// A plain tensor every rank holds in full, as a Replicate sharded tensor on `mesh`.
-ShardedTensor replicate(const Tensor& t, const MeshPtr& mesh);
 
 // ---- named forms ---------------------------------------------------------------------------
 // Every functor family op of tensor/op_list.h (neg, exp, ..., add, ..., eq, ...), as in

@@ -100,6 +100,13 @@ using ViewFn = Tensor (*)(const Tensor& in, const Attrs& attrs);
 using GraphRecorder = void (*)(OpId op, std::span<const Tensor> in, std::span<Tensor> out,
                                const Attrs& attrs);
 
+// Observes every kernel call() runs, for per-op profiles: begin == true just before the
+// kernel of `op` runs on `device`, false just after. The CUDA backend installs one when
+// TESSERA_PROFILE is set (kernels/cuda/profile.cc).
+using KernelObserver = void (*)(OpId op, Device device, bool begin);
+void set_kernel_observer(KernelObserver observer);
+KernelObserver kernel_observer();
+
 void register_meta(OpId op, MetaFn fn);
 void register_kernel(DeviceType device, OpId op, KernelFn fn);
 void register_view(OpId op, ViewFn fn);

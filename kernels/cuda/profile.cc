@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "kernels/cuda/runtime.h"
-#include "tensor/profile.h"
+#include "tensor/op.h"
 
 namespace tessera::cuda_kernels {
 namespace {

@@ -1,7 +1,31 @@
-// Helpers shared by the rule files (sharding_rule.h).
+// The table of sharding rules keyed by OpId, and the helpers shared by the rule files
+// (sharding_rule.h).
 #include "parallel/sharding_rule.h"
 
 namespace tessera::parallel {
+namespace {
+
+struct RuleTable {
+  ShardingRule entries[kNumOps];
+  bool registered[kNumOps] = {};
+};
+RuleTable& rules() {
+  static RuleTable* t = new RuleTable;
+  return *t;
+}
+
+}  // namespace
+
+void register_sharding_rule(OpId op, ShardingRule rule) {
+  rules().entries[static_cast<int>(op)] = rule;
+  rules().registered[static_cast<int>(op)] = true;
+}
+
+const ShardingRule* sharding_rule_for(OpId op) {
+  const int i = static_cast<int>(op);
+  return rules().registered[i] ? &rules().entries[i] : nullptr;
+}
+
 
 AxisOption all_replicate(const AxisCtx& c) {
   return AxisOption{std::vector<Placement>(c.in.size(), Replicate()),

@@ -1,11 +1,10 @@
-// The op tables and call(): the one path from an op name to a kernel and the graph.
+// The op tables and call() (op.h): the one path from an op name to a kernel and the graph.
 #include <new>
 #include <system_error>
 
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
-#include "tensor/profile.h"
 
 namespace tessera {
 namespace {
