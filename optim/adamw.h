@@ -32,6 +32,7 @@ class AdamW : public Optimizer {
   explicit AdamW(std::vector<ParamGroup> groups, AdamWOptions options = {});
 
   void step() override;
+  bool elementwise() const override { return true; }
   const AdamWOptions& options() const { return options_; }
 
  protected:

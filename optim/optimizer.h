@@ -73,6 +73,14 @@ class Optimizer {
   // One update of every parameter that has a gradient (those without are skipped, their
   // state untouched). Runs under NoGradGuard.
   virtual void step() = 0;
+  // The contract sharded training relies on: true when step() updates each element from
+  // that element's parameter, gradient and state alone (SGD, AdamW), so running it on any
+  // slice of a parameter (ZeRO's flat 1-D shards, parallel/zero.h) gives the same values as
+  // on the whole. An optimizer that looks at a tensor as a whole (per-tensor norms as in
+  // LAMB, shapes as in Shampoo or Muon) returns false, and ZeRO stages 1-3 refuse it.
+  virtual bool elementwise() const = 0;
+  // The optimizer's name in messages ("AdamW").
+  const std::string& kind() const { return kind_; }
 
   const std::vector<ParamGroup>& param_groups() const { return groups_; }
   // Sets every group's learning rate (schedules call this before each step).

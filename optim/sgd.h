@@ -30,6 +30,7 @@ class SGD : public Optimizer {
   explicit SGD(std::vector<ParamGroup> groups, SGDOptions options = {});
 
   void step() override;
+  bool elementwise() const override { return true; }
   const SGDOptions& options() const { return options_; }
 
  protected:

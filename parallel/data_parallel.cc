@@ -49,7 +49,7 @@ void check_same_parameters(Communicator& comm, std::string_view who, const nn::N
   const std::vector<int64_t> mine{static_cast<int64_t>(params.size()), total,
                                   static_cast<int64_t>(h)};
   Tensor root = i64_tensor(mine);
-  CommCause cause(fmt::format("{} check structure", who));
+  CommCause cause(fmt::format("{} check structure", who), CommKind::control);
   comm.broadcast(root, 0);
   Tensor differs = i64_tensor({root.to_vector<int64_t>() != mine ? 1 : 0});
   comm.all_reduce(differs, ReduceOp::max);
@@ -63,7 +63,7 @@ void check_same_parameters(Communicator& comm, std::string_view who, const nn::N
 }
 
 void check_same_values(Communicator& comm, std::string_view who, const nn::NamedTensors& params) {
-  CommCause cause(fmt::format("{} check replicas", who));
+  CommCause cause(fmt::format("{} check replicas", who), CommKind::control);
   NoGradGuard no_grad;
   const auto n = static_cast<int64_t>(params.size());
   int64_t first = n;  // the first differing parameter (list order) on this rank
@@ -161,7 +161,7 @@ struct DistributedDataParallel::State {
     // values land in .grad() directly, and the separate gradient tensors are freed, so
     // gradients cost one copy of the parameters, not two.
     for (int s : bucket.slots) slot_grad_to_view(bucket, s);
-    CommCause cause(fmt::format("ddp bucket {}", k));
+    CommCause cause(fmt::format("ddp bucket {}", k), CommKind::gradients);
     bucket.work = comm->all_reduce_async(bucket.buffer,
                                          options.average ? ReduceOp::avg : ReduceOp::sum);
     ++(from_hook ? stats.launched_in_backward : stats.launched_in_finish);
@@ -342,7 +342,7 @@ DistributedDataParallel::NoSync DistributedDataParallel::no_sync() { return NoSy
 void DistributedDataParallel::broadcast_parameters() {
   State& st = *state_;
   TS_CHECK(st.pending() == 0, "{}: broadcast_parameters() with buckets in flight", kName);
-  CommCause cause("ddp broadcast parameters");
+  CommCause cause("ddp broadcast parameters", CommKind::parameters);
   NoGradGuard no_grad;
   for (State::Bucket& bucket : st.buckets) {
     st.pack(bucket, /*values=*/true);

@@ -287,7 +287,7 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
   const double local = std::pow(optim::grad_norm(shards), 2);
   Tensor total = Tensor::from_vector<double>({local}, {1});
   {
-    CommCause cause("zero clip_grad_norm");
+    CommCause cause("zero clip_grad_norm", CommKind::control);
     st.comm->all_reduce(total, ReduceOp::sum);
   }
   return optim::clip_grads_to_norm(shards, std::sqrt(total.item<double>()), max_norm);
@@ -341,13 +341,14 @@ void ZeroDataParallel::scale_grads(double coef) {
 
 void ZeroDataParallel::step(optim::Optimizer& optimizer) {
   State& st = *state_;
+  check_elementwise(optimizer, st.stage(), "step");
   {
     MemoryTagScope tag(MemoryTag::optimizer_state);
     optimizer.step();
   }
   if (st.stage() == 1 || st.stage() == 2) {
     NoGradGuard no_grad;
-    CommCause cause("zero all_gather parameters");
+    CommCause cause("zero all_gather parameters", CommKind::parameters);
     std::vector<std::pair<WorkHandle, Tensor>> works;
     for (State::Segment& seg : st.segments) {
       Tensor send = seg.shard.clone();  // the output holds the shard itself: do not alias

@@ -43,6 +43,7 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
 
 optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
   State& st = *state_;
+  check_elementwise(optimizer, st.stage(), "optimizer_state_dict");
   optim::Optimizer::StateDict shard_dict = optimizer.state_dict();
   if (st.stage() == 0) return shard_dict;
   NoGradGuard no_grad;
@@ -93,6 +94,7 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
 void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
                                                  const optim::Optimizer::StateDict& dict) {
   State& st = *state_;
+  check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict");
   if (st.stage() == 0) {
     optimizer.load_state_dict(dict);
     return;

@@ -100,7 +100,8 @@ struct ZeroDataParallel::State {
   void gather_async(int u) {
     Unit& unit = units[u];
     if (unit.gather != Gather::released) return;
-    CommCause cause(fmt::format("zero gather {}", unit.path.empty() ? "root" : unit.path));
+    CommCause cause(fmt::format("zero gather {}", unit.path.empty() ? "root" : unit.path),
+                    CommKind::parameters);
     MemoryTagScope tag(MemoryTag::gathered);
     for (int s : unit.segments) {
       Segment& seg = segments[s];
@@ -200,7 +201,7 @@ struct ZeroDataParallel::State {
       MemoryTagScope tag(MemoryTag::gradients);
       seg.reduced = Tensor::empty({seg.shard_numel}, seg.dtype, seg.device);
     }
-    CommCause cause(fmt::format("zero reduce_scatter segment {}", s));
+    CommCause cause(fmt::format("zero reduce_scatter segment {}", s), CommKind::gradients);
     seg.work = comm->reduce_scatter_async(seg.reduced, seg.flat_grad, ReduceOp::avg, seg.counts);
     if (stage() >= 2) {
       // The full gradients go with the reduction: the buffer lives until it completes. The
@@ -285,5 +286,15 @@ struct ZeroDataParallel::State {
     return out;
   }
 };
+
+// Stages 1-3 hand the optimizer flat 1-D shards that cut across parameters: only an
+// elementwise optimizer (optim::Optimizer::elementwise) computes the same update on them.
+inline void check_elementwise(const optim::Optimizer& optimizer, int stage, const char* call) {
+  TS_CHECK(stage == 0 || optimizer.elementwise(),
+           "ZeroDataParallel::{}: ZeRO stage {} runs the optimizer on flat 1-D shards of the "
+           "parameters, but {} is not elementwise (its update depends on whole tensors); use "
+           "stage 0 or an elementwise optimizer such as AdamW or SGD",
+           call, stage, optimizer.kind());
+}
 
 }  // namespace tessera::parallel

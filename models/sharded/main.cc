@@ -3,14 +3,15 @@
 //
 // Runs one step of the sharded MLP (sharded_mlp.h), prints the hidden activation's layout and
 // rank 0's comm log, and checks loss and gradients against the same step on one device.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstdio>
 #include <mutex>
 
 #include "models/common/flags.h"
 #include "models/sharded/sharded_mlp.h"
-#include "parallel/comm/mpi.h"
-#include "parallel/comm/threads.h"
+#include "parallel/comm/launch.h"
 
 using namespace tessera;
 using namespace tessera::parallel;
@@ -47,17 +48,18 @@ int main(int argc, char** argv) {
   flags.bind("tp", tp, "tensor-parallel degree (weights split)");
   flags.parse(argc, argv);
   bool ok = true;
-  if (mpi_launched()) {
-    CommPtr world = mpi_world();
-    ok = report(world, sharded_mlp_step(world, dp, tp));
-  } else {
-    std::mutex mu;
-    run_threads(static_cast<int>(dp * tp), [&](CommPtr world) {
-      const bool good = report(world, sharded_mlp_step(world, dp, tp));
-      std::lock_guard<std::mutex> lock(mu);
-      ok = ok && good;
-    });
-  }
+  std::mutex mu;
+  LaunchOptions options;
+  options.program = "sharded_mlp";
+  options.ranks_from = fmt::format("--dp {} x --tp {} = {}", dp, tp, dp * tp);
+  launch(
+      static_cast<int>(dp * tp),
+      [&](CommPtr world) {
+        const bool good = report(world, sharded_mlp_step(world, dp, tp));
+        std::lock_guard<std::mutex> lock(mu);
+        ok = ok && good;
+      },
+      options);
   if (!ok) std::fprintf(stderr, "sharded_mlp: result differs from the single-device step\n");
   return ok ? 0 : 1;
 }

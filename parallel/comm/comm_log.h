@@ -10,12 +10,20 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tensor/dtype.h"
 
 namespace tessera::parallel {
+
+// What a collective moves, so a total can be taken by kind instead of by cause names:
+// ZeRO's and DDP's gradient reductions and parameter gathers are the training step's
+// traffic; control is small bookkeeping (losses, stop flags, norms, consistency checks).
+enum class CommKind : uint8_t { other, gradients, parameters, activations, control };
+std::string_view comm_kind_name(CommKind kind);
 
 struct CommRecord {
   std::string op;     // all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, ...
@@ -25,6 +33,7 @@ struct CommRecord {
   int64_t elements = 0;  // payload elements of this rank's buffer(s)
   DType dtype = DType::f32;
   std::string cause;  // the op or call that issued it ("matmul", "redistribute", ...)
+  CommKind kind = CommKind::other;  // the innermost CommCause's
 };
 
 class CommLog {
@@ -33,6 +42,8 @@ class CommLog {
 
   // Bytes summed over the records whose group equals `group` (all records when empty).
   int64_t bytes(const std::string& group = "") const;
+  // Bytes summed over the records of any of `kinds`.
+  int64_t bytes(std::initializer_list<CommKind> kinds) const;
   // Records whose op equals `op` (and group, when given).
   int64_t count(const std::string& op, const std::string& group = "") const;
   void clear() { records.clear(); }
@@ -52,10 +63,11 @@ class CommLogScope {
   CommLog* log_;
 };
 
-// Names the op or call whose collectives follow on this thread (the innermost wins).
+// Names the op or call whose collectives follow on this thread, and what they move (the
+// innermost wins).
 class CommCause {
  public:
-  explicit CommCause(std::string cause);
+  explicit CommCause(std::string cause, CommKind kind = CommKind::other);
   ~CommCause();
   CommCause(const CommCause&) = delete;
   CommCause& operator=(const CommCause&) = delete;

@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "parallel/comm/comm_log.h"
+#include "parallel/comm/staging.h"
 #include "tensor/error.h"
 
 namespace tessera::parallel {
@@ -84,10 +85,14 @@ std::vector<int64_t> fill_counts(const Communicator& c, const char* op, const ch
 
 void log(const Communicator& c, const char* op, int64_t bytes, int64_t elements, DType dt) {
   if (!comm_log_active()) return;  // no strings built when nobody records
-  record_collective(CommRecord{op, c.name(), c.size(), bytes, elements, dt, ""});
+  record_collective(CommRecord{op, c.name(), c.size(), bytes, elements, dt, "", CommKind::other});
 }
 
 }  // namespace
+
+bool Communicator::staged(const Tensor& t) const {
+  return internal::off_host(t) && stages_device_tensors();
+}
 
 CommPtr Communicator::split(int color, int key, const std::string& name) {
   TS_CHECK(color >= 0, "split on group '{}': color must be >= 0, got {}", name_, color);
@@ -99,6 +104,10 @@ WorkHandle Communicator::all_reduce_async(const Tensor& tensor, ReduceOp op) {
   check_reduce(*this, "all_reduce", tensor.dtype(), op);
   log(*this, "all_reduce", all_reduce_wire_bytes(tensor.nbytes(), size_), tensor.numel(),
       tensor.dtype());
+  if (staged(tensor)) [[unlikely]] {
+    const Tensor h = internal::host_copy(tensor);
+    return internal::copy_back(do_all_reduce(h, op), tensor, h);
+  }
   return do_all_reduce(tensor, op);
 }
 
@@ -114,6 +123,10 @@ WorkHandle Communicator::all_gather_async(const Tensor& output, const Tensor& in
            shape_str(output.shape()), output.numel(), counts_str(counts), sum_of(counts));
   log(*this, "all_gather", all_gather_wire_bytes(input.nbytes(), size_), input.numel(),
       input.dtype());
+  if (staged(output)) [[unlikely]] {
+    const Tensor h = internal::host_buffer(output);
+    return internal::copy_back(do_all_gather(h, internal::host_copy(input), counts), output, h);
+  }
   return do_all_gather(output, input, counts);
 }
 
@@ -131,6 +144,11 @@ WorkHandle Communicator::reduce_scatter_async(const Tensor& output, const Tensor
   const int64_t esize = dtype_size(input.dtype());
   log(*this, "reduce_scatter", reduce_scatter_wire_bytes(input.nbytes(), counts[rank_] * esize),
       input.numel(), input.dtype());
+  if (staged(output)) [[unlikely]] {
+    const Tensor h = internal::host_buffer(output);
+    return internal::copy_back(do_reduce_scatter(h, internal::host_copy(input), op, counts),
+                               output, h);
+  }
   return do_reduce_scatter(output, input, op, counts);
 }
 
@@ -140,6 +158,11 @@ WorkHandle Communicator::broadcast_async(const Tensor& tensor, int root) {
            name_, size_, root);
   log(*this, "broadcast", rank_ == root ? (size_ - 1) * tensor.nbytes() : 0, tensor.numel(),
       tensor.dtype());
+  if (staged(tensor)) [[unlikely]] {
+    const bool root_here = rank_ == root;  // the root's tensor is only read
+    const Tensor h = root_here ? internal::host_copy(tensor) : internal::host_buffer(tensor);
+    return internal::copy_back(do_broadcast(h, root), root_here ? Tensor() : tensor, h);
+  }
   return do_broadcast(tensor, root);
 }
 
@@ -171,6 +194,11 @@ WorkHandle Communicator::all_to_all_async(const Tensor& output, const Tensor& in
   const int64_t esize = dtype_size(input.dtype());
   log(*this, "all_to_all", input.nbytes() - send_counts[rank_] * esize, input.numel(),
       input.dtype());
+  if (staged(output)) [[unlikely]] {
+    const Tensor h = internal::host_buffer(output);
+    return internal::copy_back(
+        do_all_to_all(h, internal::host_copy(input), send_counts, recv_counts), output, h);
+  }
   return do_all_to_all(output, input, send_counts, recv_counts);
 }
 
@@ -179,6 +207,7 @@ WorkHandle Communicator::send_async(const Tensor& tensor, int dst, int tag) {
   TS_CHECK(dst >= 0 && dst < size_ && dst != rank_,
            "send on group '{}' of {} ranks: rank {} cannot send to {}", name_, size_, rank_, dst);
   log(*this, "send", tensor.nbytes(), tensor.numel(), tensor.dtype());
+  if (staged(tensor)) [[unlikely]] return do_send(internal::host_copy(tensor), dst, tag);
   return do_send(tensor, dst, tag);
 }
 
@@ -188,6 +217,10 @@ WorkHandle Communicator::recv_async(const Tensor& tensor, int src, int tag) {
            "recv on group '{}' of {} ranks: rank {} cannot receive from {}", name_, size_, rank_,
            src);
   log(*this, "recv", 0, tensor.numel(), tensor.dtype());
+  if (staged(tensor)) [[unlikely]] {
+    const Tensor h = internal::host_buffer(tensor);
+    return internal::copy_back(do_recv(h, src, tag), tensor, h);
+  }
   return do_recv(tensor, src, tag);
 }
 

@@ -9,7 +9,9 @@
 //   h->wait();                                                // rethrows a failed collective
 //
 // Every collective must be called by every member of the group, in the same order (as with
-// MPI and NCCL). Buffers are contiguous tensors on the backend's device, of any dtype; the
+// MPI and NCCL). Buffers are contiguous tensors of any dtype, on the host or (except where
+// the backend takes them itself, as NCCL does) on a device: the base stages a device tensor
+// through host copies (staging.h) for the backend, once for all CPU backends. The
 // caller keeps them alive until the handle's wait() returns. Public methods validate their
 // arguments (tessera::Error naming the collective, the group and the sizes), record the call
 // in the calling thread's comm log (comm_log.h), then hand over to the backend.
@@ -111,7 +113,12 @@ class Communicator {
   Communicator(int rank, int size, std::string name)
       : rank_(rank), size_(size), name_(std::move(name)) {}
 
-  // Backends implement these; arguments are validated and counts filled in (never empty).
+  // False for a backend that moves device tensors itself; otherwise the public methods hand
+  // the do_* below host copies of device tensors and copy results back (staging.h).
+  virtual bool stages_device_tensors() const { return true; }
+
+  // Backends implement these; arguments are validated and counts filled in (never empty),
+  // and buffers are on the host unless stages_device_tensors() is false.
   virtual std::shared_ptr<Communicator> do_split(int color, int key, const std::string& name) = 0;
   virtual WorkHandle do_all_reduce(const Tensor& tensor, ReduceOp op) = 0;
   virtual WorkHandle do_all_gather(const Tensor& output, const Tensor& input,
@@ -127,6 +134,8 @@ class Communicator {
   virtual WorkHandle do_barrier() = 0;
 
  private:
+  bool staged(const Tensor& t) const;  // a device tensor this backend takes host copies of
+
   int rank_, size_;
   std::string name_;
 };

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "parallel/comm/mpi_watchdog.h"
-#include "parallel/comm/staging.h"
 #include "tensor/error.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -613,13 +612,7 @@ std::shared_ptr<Communicator> MpiComm::do_split(int color, int key, const std::s
   return wrap(sub, name);
 }
 
-// Device tensors are staged through host copies (staging.h): each do_* calls itself with
-// the host buffers, so only the CPU path talks to MPI.
 WorkHandle MpiComm::do_all_reduce(const Tensor& tensor, ReduceOp op) {
-  if (internal::off_host(tensor)) [[unlikely]] {
-    const Tensor h = internal::host_copy(tensor);
-    return internal::copy_back(do_all_reduce(h, op), tensor, h);
-  }
   AllReduce s{tensor, reduction_for(tensor.dtype(), op), {}};
   if (s.red.widen) s.wide = widen(tensor);
   return issue(make_work(*this, std::move(s)));
@@ -627,10 +620,6 @@ WorkHandle MpiComm::do_all_reduce(const Tensor& tensor, ReduceOp op) {
 
 WorkHandle MpiComm::do_all_gather(const Tensor& output, const Tensor& input,
                                   const std::vector<int64_t>& counts) {
-  if (internal::off_host(output)) [[unlikely]] {
-    const Tensor h = internal::host_buffer(output);
-    return internal::copy_back(do_all_gather(h, internal::host_copy(input), counts), output, h);
-  }
   AllGather s{output, input, {}, {}};
   if (!equal_counts("all_gather", counts)) to_ints(counts, s.counts, &s.displs);
   return issue(make_work(*this, std::move(s)));
@@ -638,11 +627,6 @@ WorkHandle MpiComm::do_all_gather(const Tensor& output, const Tensor& input,
 
 WorkHandle MpiComm::do_reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op,
                                       const std::vector<int64_t>& counts) {
-  if (internal::off_host(output)) [[unlikely]] {
-    const Tensor h = internal::host_buffer(output);
-    return internal::copy_back(do_reduce_scatter(h, internal::host_copy(input), op, counts),
-                               output, h);
-  }
   ReduceScatter s{output, input, reduction_for(input.dtype(), op), {}, {}, {}};
   if (!equal_counts("reduce_scatter", counts)) to_ints(counts, s.counts, nullptr);
   if (s.red.widen) {
@@ -653,22 +637,12 @@ WorkHandle MpiComm::do_reduce_scatter(const Tensor& output, const Tensor& input,
 }
 
 WorkHandle MpiComm::do_broadcast(const Tensor& tensor, int root) {
-  if (internal::off_host(tensor)) [[unlikely]] {
-    const bool root_here = rank() == root;  // the root's tensor is only read
-    const Tensor h = root_here ? internal::host_copy(tensor) : internal::host_buffer(tensor);
-    return internal::copy_back(do_broadcast(h, root), root_here ? Tensor() : tensor, h);
-  }
   return issue(make_work(*this, Broadcast{tensor, root}));
 }
 
 WorkHandle MpiComm::do_all_to_all(const Tensor& output, const Tensor& input,
                                   const std::vector<int64_t>& send_counts,
                                   const std::vector<int64_t>& recv_counts) {
-  if (internal::off_host(output)) [[unlikely]] {
-    const Tensor h = internal::host_buffer(output);
-    return internal::copy_back(
-        do_all_to_all(h, internal::host_copy(input), send_counts, recv_counts), output, h);
-  }
   AllToAll s{output, input, {}, {}, {}, {}};
   const bool equal_send = equal_counts("all_to_all", send_counts);
   const bool equal_recv = equal_counts("all_to_all", recv_counts);
@@ -680,9 +654,6 @@ WorkHandle MpiComm::do_all_to_all(const Tensor& output, const Tensor& input,
 }
 
 WorkHandle MpiComm::do_send(const Tensor& tensor, int dst, int tag) {
-  if (internal::off_host(tensor)) [[unlikely]] {
-    return do_send(internal::host_copy(tensor), dst, tag);
-  }
   check_tag("send", tag);
   reap_sends();
   // Sent from a private copy, so the handle is complete at once and a send posted before the
@@ -711,10 +682,6 @@ WorkHandle MpiComm::do_send(const Tensor& tensor, int dst, int tag) {
 }
 
 WorkHandle MpiComm::do_recv(const Tensor& tensor, int src, int tag) {
-  if (internal::off_host(tensor)) [[unlikely]] {
-    const Tensor h = internal::host_buffer(tensor);
-    return internal::copy_back(do_recv(h, src, tag), tensor, h);
-  }
   check_tag("recv", tag);
   reap_sends();
   std::shared_ptr<MpiWork> work = make_work(*this, Recv{tensor, src, tag});

@@ -3,7 +3,7 @@
 // share one GPU; with one GPU per rank, nccl_world (nccl.h) avoids the copies.
 //
 //   // mpirun -np 4 bazel-bin/models/gpt/train ...
-//   CommPtr world = mpi_launched() ? mpi_world() : nullptr;   // else run_threads(...)
+//   CommPtr world = mpi_world();        // launch.h chooses between this and run_threads()
 //   world->all_reduce(grad, ReduceOp::avg);
 //   CommPtr tp = world->split(world->rank() / 2, world->rank(), "tp");
 //
@@ -39,7 +39,7 @@ namespace tessera::parallel {
 CommPtr mpi_world();
 
 // True when this process was started by mpirun (OMPI_COMM_WORLD_SIZE, or PMI_SIZE for other
-// launchers, is set), so examples can choose between mpi_world() and run_threads().
+// launchers, is set), so launch() (launch.h) can choose between mpi_world() and run_threads().
 bool mpi_launched();
 
 // The watchdog's limit in seconds (0: no watchdog); returns the previous value.

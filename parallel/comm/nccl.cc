@@ -112,6 +112,8 @@ class NcclComm final : public Communicator, public std::enable_shared_from_this<
     ncclCommDestroy(comm_);
   }
   std::string_view backend() const override { return "nccl"; }
+  // CUDA tensors go to NCCL as they are.
+  bool stages_device_tensors() const override { return false; }
   int device() const { return device_; }
 
   void check(ncclResult_t r, const char* call) const {

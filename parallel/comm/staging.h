@@ -5,7 +5,9 @@
 // compute stream, so later kernels see it. This lets several ranks share one GPU (NCCL
 // refuses two ranks on one device) at the price of two copies per collective.
 //
-//   if (internal::off_host(t)) {                         // in a backend's do_all_reduce
+// The Communicator base (communicator.cc) does it once for every backend whose
+// stages_device_tensors() is true:
+//   if (internal::off_host(t)) {                         // in Communicator::all_reduce_async
 //     const Tensor h = internal::host_copy(t);
 //     return internal::copy_back(do_all_reduce(h, op), t, h);
 //   }

@@ -12,7 +12,7 @@
 // Each (rank, communicator) owns a worker thread that runs its operations in program order;
 // *_async returns as soon as the operation is queued.
 //
-// CUDA tensors are accepted: they are staged through host copies (parallel/comm/staging.h),
+// CUDA tensors are accepted: the Communicator base stages them through host copies (staging.h),
 // so several ranks can share one GPU; the comm log counts the same bytes as for CPU tensors.
 #pragma once
 

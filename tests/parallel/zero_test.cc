@@ -323,6 +323,52 @@ TEST_CASE("zero: resume under another (dp, stage) continues the same losses") {
   }
 }
 
+// Steps each parameter by its gradient over the gradient's L2 norm: the norm is the whole
+// tensor's, so the update of an element depends on the other elements (not elementwise).
+class NormalizedSGD final : public optim::Optimizer {
+ public:
+  NormalizedSGD(std::vector<optim::ParamGroup> groups, double lr)
+      : Optimizer("NormalizedSGD", std::move(groups), lr, 0.0) {}
+  void step() override {
+    NoGradGuard no_grad;
+    for (const optim::ParamGroup& g : param_groups()) {
+      for (const Tensor& p : g.params) {
+        if (!p.grad().defined()) continue;
+        const double norm = std::sqrt(sum(mul(p.grad(), p.grad())).item<double>());
+        p.copy_(p - p.grad() * (g.lr / (norm + 1e-12)));
+      }
+    }
+  }
+  bool elementwise() const override { return false; }
+
+ protected:
+  std::vector<StateSpec> state_specs(const Tensor&) const override { return {}; }
+  std::map<std::string, double> hyperparameters() const override { return {}; }
+  void set_hyperparameters(const std::map<std::string, double>&) override {}
+};
+
+TEST_CASE("zero: a non-elementwise optimizer is refused on flat shards, accepted by stage 0") {
+  const Task task = gpt_task();
+  for (int stage : {0, 1, 3}) {
+    CAPTURE(stage);
+    run_threads(2, [&](CommPtr world) {
+      std::shared_ptr<nn::Module> model = task.make();
+      ZeroDataParallel zero(*model, *world, {.stage = stage, .units = task.units});
+      NormalizedSGD opt(zero.param_groups(task.lr, 0.0), task.lr);
+      zero.zero_grad();
+      zero.backward(task.loss(*model, DType::f32, 0, world->rank(), 2));
+      if (stage == 0) {
+        CHECK_NOTHROW(zero.step(opt));  // DDP: the optimizer sees the whole parameters
+        return;
+      }
+      const std::string msg = error_of([&] { zero.step(opt); });
+      CHECK(contains(msg, fmt::format("ZeRO stage {} runs the optimizer on flat 1-D shards", stage)));
+      CHECK(contains(msg, "NormalizedSGD is not elementwise"));
+      CHECK(contains(error_of([&] { zero.optimizer_state_dict(opt); }), "NormalizedSGD"));
+    });
+  }
+}
+
 TEST_CASE("zero: errors") {
   const Task task = gpt_task();
   run_threads(2, [&](CommPtr world) {
