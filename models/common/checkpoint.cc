@@ -310,9 +310,11 @@ void save_checkpoint(const std::string& path, const nn::Module& model,
 void save_checkpoint(const std::string& path, const nn::StateDict& model,
                      const optim::Optimizer::StateDict& optimizer,
                      const optim::DynamicLossScaler& scaler, const TrainingState& state) {
-  const std::map<std::string, Tensor> weights(model.begin(), model.end());
-  std::map<std::string, Tensor> extra;
-  for (const auto& [k, v] : optimizer) extra[kOptimPrefix + k] = v;
+  // Written from host memory: a device run's tensors are copied over (loading copies back).
+  auto host = [](const Tensor& t) { return t.device().is_cpu() ? t : t.to(kCPU); };
+  std::map<std::string, Tensor> weights, extra;
+  for (const auto& [k, v] : model) weights[k] = host(v);
+  for (const auto& [k, v] : optimizer) extra[kOptimPrefix + k] = host(v);
   check_finite(path, "weight", weights);
   check_finite(path, "optimizer state", extra);
   for (const auto& [k, v] : scaler.state_dict()) extra[kScalerPrefix + k] = v;

@@ -58,7 +58,8 @@ void save_checkpoint(const std::string& path, const nn::Module& model,
                      const TrainingState& state);
 
 // The same files from state dicts: what a sharded run gathers (parallel/zero.h) in the
-// single-device layout, so it resumes under any other layout.
+// single-device layout, so it resumes under any other layout. Device tensors are written
+// from host copies (load_checkpoint copies the values back onto the model's device).
 void save_checkpoint(const std::string& path, const nn::StateDict& model,
                      const optim::Optimizer::StateDict& optimizer,
                      const optim::DynamicLossScaler& scaler, const TrainingState& state);

@@ -45,6 +45,41 @@ void Progress::print(const std::string& line) {
   std::fflush(stdout);
 }
 
+StepMeter::StepMeter(double items_per_step, std::string unit, int64_t timing_skip)
+    : items_per_step_(items_per_step), unit_(std::move(unit)), timing_skip_(timing_skip) {}
+
+void StepMeter::add(double seconds, double loss) {
+  seconds_ += seconds;
+  if (steps_ >= timing_skip_) timed_seconds_ += seconds;
+  window_seconds_ += seconds;
+  window_loss_ += loss;
+  ++window_steps_;
+  ++steps_;
+}
+
+StepMeter::Window StepMeter::take_window() {
+  Window w;
+  w.steps = window_steps_;
+  if (window_steps_ > 0) {
+    w.loss = window_loss_ / static_cast<double>(window_steps_);
+    w.rate = static_cast<double>(window_steps_) * items_per_step_ / window_seconds_;
+  }
+  window_steps_ = 0;
+  window_seconds_ = window_loss_ = 0.0;
+  return w;
+}
+
+double StepMeter::rate() const {
+  const int64_t timed = steps_ - timing_skip_;
+  if (timed <= 0) return 0.0;
+  return static_cast<double>(timed) * items_per_step_ /
+         (timing_skip_ == 0 ? seconds_ : timed_seconds_);
+}
+
+double StepMeter::eta(int64_t remaining) const {
+  return static_cast<double>(remaining) * (seconds_ / static_cast<double>(steps_));
+}
+
 std::string format_duration(double seconds) {
   if (!(seconds >= 0) || seconds > 1e7) return "--";
   const int64_t s = static_cast<int64_t>(seconds + 0.5);

@@ -1,6 +1,7 @@
 // Progress reporting for the example programs: a status line that rewrites itself in place
 // on a terminal and becomes plain lines (at most one per `plain_interval_s`) when stdout is
-// piped; and a metrics writer producing JSON lines for tools/plot_metrics.py.
+// piped; the step meter behind it (window loss, throughput, ETA); and a metrics writer
+// producing JSON lines for tools/plot_metrics.py.
 //
 //   Progress progress;                          // detects the terminal
 //   progress.update(fmt::format("step {} loss {:.4f}", step, loss));
@@ -10,6 +11,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 
@@ -34,6 +36,43 @@ class Progress {
   double interval_s_;
   std::chrono::steady_clock::time_point last_;
   bool printed_any_ = false;
+};
+
+// The steps of a run as a progress line reports them: each step's seconds and loss, the
+// window since the last line (mean loss, items per second), the run's throughput and ETA.
+//
+//   StepMeter meter(batch * context, "tokens", /*timing_skip=*/2);
+//   meter.add(seconds, loss);                     // after each step
+//   StepMeter::Window w = meter.take_window();    // at a progress line: w.loss, w.rate
+class StepMeter {
+ public:
+  // `items_per_step`: tokens or samples of a step, `unit` their name ("tokens"); the first
+  // `timing_skip` steps (warm-up) are left out of rate().
+  StepMeter(double items_per_step, std::string unit, int64_t timing_skip = 0);
+  void add(double seconds, double loss);
+  struct Window {
+    int64_t steps = 0;
+    double loss = 0.0;  // mean over the window
+    double rate = 0.0;  // items per second over the window
+  };
+  // The window since the last call, which starts a new one.
+  Window take_window();
+  int64_t steps() const { return steps_; }        // of this run
+  double seconds() const { return seconds_; }     // of this run's steps
+  // Items per second over this run's steps after the first timing_skip (0: none yet).
+  double rate() const;
+  // Seconds left for `remaining` steps at this run's mean step time.
+  double eta(int64_t remaining) const;
+  const std::string& unit() const { return unit_; }
+  double items_per_step() const { return items_per_step_; }
+  int64_t timing_skip() const { return timing_skip_; }
+
+ private:
+  double items_per_step_;
+  std::string unit_;
+  int64_t timing_skip_;
+  int64_t steps_ = 0, window_steps_ = 0;
+  double seconds_ = 0.0, timed_seconds_ = 0.0, window_seconds_ = 0.0, window_loss_ = 0.0;
 };
 
 // "1h02m", "3m05s", "12s".

@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <signal.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -12,22 +10,21 @@
 #include <optional>
 #include <functional>
 #include <new>
-#include <thread>
 
-#include "kernels/cpu/parallel.h"
 #include "models/common/checkpoint.h"
 #include "models/common/fault.h"
 #include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/common/run_control.h"
+#include "models/common/train_loop.h"
 #include "models/data/text.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
 #include "parallel/comm/comm_log.h"
+#include "parallel/comm/launch.h"
 #include "parallel/comm/mpi.h"
-#include "parallel/comm/threads.h"
 #include "parallel/zero.h"
 #include "models/gpt/data.h"
 #include "models/gpt/parallel3d.h"
@@ -90,13 +87,6 @@ void check_same_model(const std::string& path, const models::TrainingState& s,
   }
 }
 
-// A state dict with every tensor on the CPU (checkpoints are written from host memory).
-template <typename Dict>
-Dict on_cpu(Dict dict) {
-  for (auto& [name, t] : dict) t = t.to(kCPU);
-  return dict;
-}
-
 // The sample at the end of a run. It comes after the checkpoint and the final validation,
 // so a failure here (out of memory, say) must not lose them: it is kept in sample_error
 // (the program reports it after the result) instead of unwinding the run.
@@ -120,24 +110,6 @@ void sample_into(GptResult& result, Gpt& model, const GptTrainConfig& config, DT
   }
   say(fmt::format("sample (temperature {:g}, top-k {}, seed {}):\n{}{}\n", config.temperature,
                   config.top_k, config.seed, prompt, result.sample));
-}
-
-// clip_grad_norm's max_norm that never clips (it must be finite): --nonfinite=skip needs the
-// norm with clipping off.
-constexpr double kNoClip = std::numeric_limits<double>::max();
-
-// The global batch's mean loss (the ranks' slices are equal, so the mean of their means) and
-// whether any rank was asked to stop (its signal, else 0), in one all-reduce: every rank
-// then stops after the same step.
-std::pair<double, int> mean_over_ranks(parallel::Communicator* comm, double loss, int stop) {
-  if (comm == nullptr) return {loss, stop};
-  Tensor t = Tensor::from_vector<double>({loss, static_cast<double>(stop)}, {2});
-  {
-    parallel::CommCause cause("gpt loss");
-    comm->all_reduce(t, parallel::ReduceOp::sum);
-  }
-  const std::vector<double> v = t.to_vector<double>();
-  return {v[0] / comm->size(), v[1] == 0 ? 0 : (stop != 0 ? stop : SIGTERM)};
 }
 
 // This rank's tensor-memory high-water mark: its MemoryScope's (the threads backend's ranks
@@ -215,80 +187,265 @@ std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& o
 
 namespace {
 
-// One rank's training (comm null: the plain single-process loop, no wrapper).
-GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm) {
-  const DType low = models::precision_dtype(config.precision, "gpt");
-  const bool lead = comm == nullptr || comm->rank() == 0;  // prints, writes files
-  const GptConfig mconfig = config.model_config();
-  mconfig.validate();
-  const int64_t rank = comm != nullptr ? comm->rank() : 0;
-  const int64_t ranks = comm != nullptr ? comm->size() : 1;
-  TS_CHECK(config.batch % (ranks * config.accum) == 0,
-           "gpt: --batch {} must divide into --dp {} x --accum {} equal micro-batches",
-           config.batch, ranks, config.accum);
-  if (config.threads > 0) cpu::set_num_threads(static_cast<int>(config.threads));
-  const bool verbose = config.verbose && lead;
-  models::Progress progress;
-  auto say = [&](const std::string& line) {
-    if (verbose) progress.print(line);
-  };
+// clip_grad_norm's max_norm that never clips (it must be finite): a norm without clipping.
+constexpr double kNoClip = std::numeric_limits<double>::max();
 
-  const uint64_t seed = static_cast<uint64_t>(config.seed);
-  const GptData batches(config);
-  const Device device = Device::parse(config.device);
-
-  manual_seed(seed);
-  Gpt model(mconfig);
-  // Initialised on the CPU (the same values everywhere), then moved before the optimizer
-  // sees the parameters.
-  if (!device.is_cpu()) model.to(device);
-  std::unique_ptr<parallel::ZeroDataParallel> zero;
-  if (comm != nullptr) {
-    parallel::ZeroOptions zopt;
-    zopt.stage = static_cast<int>(config.zero);
-    for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
-    zero = std::make_unique<parallel::ZeroDataParallel>(model, *comm, zopt);
+// One rank of a single-device, data-parallel or ZeRO run (comm null: one rank, no wrapper),
+// as the training loop (models/common/train_loop.h) drives it.
+class GptReplica final : public models::Replica {
+ public:
+  GptReplica(const GptTrainConfig& config, parallel::Communicator* comm, GptResult& result,
+             const std::function<void(const std::string&)>& say)
+      : c_(config), comm_(comm), result_(result), say_(say),
+        low_(models::precision_dtype(config.precision, "gpt")),
+        device_(Device::parse(config.device)), batches_(config),
+        rank_(comm != nullptr ? comm->rank() : 0), ranks_(comm != nullptr ? comm->size() : 1),
+        scaler_(scaler_options(low_)) {
+    TS_CHECK(config.batch % (ranks_ * config.accum) == 0,
+             "gpt: --batch {} must divide into --dp {} x --accum {} equal micro-batches",
+             config.batch, ranks_, config.accum);
+    const GptConfig mconfig = config.model_config();
+    mconfig.validate();
+    manual_seed(static_cast<uint64_t>(config.seed));
+    model_ = std::make_unique<Gpt>(mconfig);
+    // Initialised on the CPU (the same values everywhere), then moved before the optimizer
+    // sees the parameters.
+    if (!device_.is_cpu()) model_->to(device_);
+    if (comm != nullptr) {
+      parallel::ZeroOptions zopt;
+      zopt.stage = static_cast<int>(config.zero);
+      for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
+      zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
+    }
+    optim::AdamWOptions aopt;
+    aopt.lr = config.lr;
+    aopt.betas = {config.beta1, config.beta2};
+    aopt.weight_decay = config.weight_decay;
+    opt_ = std::make_unique<optim::AdamW>(
+        zero_ ? zero_->param_groups(config.lr, config.weight_decay)
+              : optim::decay_groups(model_->named_parameters(), config.lr, config.weight_decay),
+        aopt);
+    params_ = model_->parameters();
   }
-  const int64_t stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps)
-                                               : config.steps;
-  optim::AdamWOptions aopt;
-  aopt.lr = config.lr;
-  aopt.betas = {config.beta1, config.beta2};
-  aopt.weight_decay = config.weight_decay;
-  optim::AdamW opt(zero ? zero->param_groups(config.lr, config.weight_decay)
-                        : optim::decay_groups(model.named_parameters(), config.lr,
-                                              config.weight_decay),
-                   aopt);
-  optim::LossScalerOptions sopt;
-  sopt.enabled = low == DType::f16;
-  optim::DynamicLossScaler scaler(sopt);
-  const optim::WarmupCosineLr schedule(config.lr, std::min(config.warmup, config.steps / 2),
-                                       config.steps, config.lr * config.min_lr_ratio);
 
-  int64_t step = 0;
-  if (!config.resume.empty()) {
+  Gpt& model() { return *model_; }
+  const GptData& batches() const { return batches_; }
+  DType low() const { return low_; }
+  const optim::DynamicLossScaler& scaler() const { return scaler_; }
+
+  // The step a --resume continues from (0 without one).
+  int64_t resume() {
+    if (c_.resume.empty()) return 0;
     // A data-parallel run loads the single-device layout every run saves, whatever its own.
     const models::TrainingState s =
-        zero ? models::load_checkpoint(
-                   config.resume,
-                   [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
-                     zero->load_model_state_dict(weights);
-                     zero->load_optimizer_state_dict(opt, state);
-                   },
-                   scaler)
-             : models::load_checkpoint(config.resume, model, opt, scaler);
-    check_same_model(config.resume, s, config);
-    step = s.step;  // the data windows are a pure function of the step
-    TS_CHECK(step < stop_at,
-             "gpt: --resume={} is at step {}, at or past the end of this run (--steps {}, "
-             "--max_steps {}): nothing to train; raise --max_steps or --steps",
-             config.resume, step, config.steps, config.max_steps);
+        zero_ ? models::load_checkpoint(
+                    c_.resume,
+                    [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
+                      zero_->load_model_state_dict(weights);
+                      zero_->load_optimizer_state_dict(*opt_, state);
+                    },
+                    scaler_)
+              : models::load_checkpoint(c_.resume, *model_, *opt_, scaler_);
+    check_same_model(c_.resume, s, c_);
     default_generator().set_state(s.rng_seed, s.rng_offset);
-    if (lead && !s.fallback_reason.empty()) {
+    if (rank_ == 0 && !s.fallback_reason.empty()) {
       std::fprintf(stderr, "gpt: warning: %s\n", s.fallback_reason.c_str());
     }
-    say(fmt::format("resumed from {} at step {}", s.loaded_from, step));
+    say_(fmt::format("resumed from {} at step {}", s.loaded_from, s.step));
+    return s.step;  // the data windows are a pure function of the step
   }
+
+  void zero_grad(int64_t /*step*/, double lr) override {
+    opt_->set_lr(lr);
+    if (zero_) {
+      zero_->zero_grad();
+    } else {
+      opt_->zero_grad();
+    }
+  }
+
+  Tensor forward_backward(int64_t step, int micro) override {
+    const int parts = static_cast<int>(ranks_ * c_.accum);
+    const data::TextBatch batch =
+        batches_.train(step, static_cast<int>(rank_ * c_.accum + micro), parts);
+    Tensor loss;
+    {
+      AutocastGuard amp(low_);
+      loss = Gpt::loss((*model_)(batch.idx.to(device_)), batch.targets.to(device_));
+    }
+    Tensor scaled = scaler_.scale(c_.accum > 1 ? loss / static_cast<double>(c_.accum) : loss);
+    if (!zero_) {
+      scaled.backward();
+    } else if (micro + 1 < c_.accum) {
+      auto guard = zero_->no_sync();  // reduce once per step
+      zero_->backward(scaled);
+    } else {
+      zero_->backward(scaled);
+    }
+    return loss;
+  }
+
+  std::optional<double> grad_norm(double max_norm) override {
+    if (zero_) return zero_->clip_grad_norm(max_norm > 0 ? max_norm : kNoClip);
+    if (!scaler_.unscale_and_check(params_)) return std::nullopt;
+    return max_norm > 0 ? optim::clip_grad_norm(params_, max_norm) : optim::grad_norm(params_);
+  }
+
+  void step(bool skip) override {
+    if (!skip && zero_) {
+      zero_->step(*opt_);
+    } else if (!skip) {
+      scaler_.step(*opt_);
+    }
+    scaler_.update();
+  }
+
+  parallel::Communicator* group() override { return comm_; }
+
+  void save(int64_t step) override {
+    models::TrainingState s;
+    s.step = step;
+    s.rng_seed = default_generator().seed();
+    s.rng_offset = default_generator().offset();
+    s.info = {{"model", "gpt"},
+              {"layers", std::to_string(c_.layers)},
+              {"heads", std::to_string(c_.heads)},
+              {"width", std::to_string(c_.width)},
+              {"context", std::to_string(c_.context)},
+              {"precision", c_.precision}};
+    if (!zero_) {
+      models::save_checkpoint(c_.save, *model_, *opt_, scaler_, s);
+      return;
+    }
+    // Every rank gathers (collective); rank 0 writes the single-device layout.
+    const nn::StateDict weights = zero_->model_state_dict();
+    const optim::Optimizer::StateDict state = zero_->optimizer_state_dict(*opt_);
+    if (rank_ == 0) models::save_checkpoint(c_.save, weights, state, scaler_, s);
+    comm_->barrier();  // nobody reads the files before they exist
+  }
+
+  double evaluate(int64_t /*step*/) override {
+    return gpt::evaluate(*model_, batches_, c_.val_batches, low_);
+  }
+
+  // ZeRO's memory after the first step and its traffic in the second (rank 0 reports).
+  void after_step(int64_t run_step, const parallel::CommLog& log) override {
+    if (zero_ && run_step == 0) {
+      result_.memory_report = zero_->memory_report().str();
+      say_(result_.memory_report);
+    }
+    if (!zero_ || run_step != 1) return;
+    // The gradients' and parameters' traffic, in units of a ring pass over the parameters.
+    const int64_t bytes =
+        log.bytes({parallel::CommKind::gradients, parallel::CommKind::parameters});
+    const double ring = 4.0 * static_cast<double>(model_->num_parameters()) *
+                        static_cast<double>(ranks_ - 1) / static_cast<double>(ranks_);
+    result_.comm_per_step = ranks_ > 1 ? static_cast<double>(bytes) / ring : 0.0;
+    say_(fmt::format("communication per step (rank 0): {} collectives, {:.2f} MiB of "
+                     "gradients and parameters = {:.3f} x 4 Psi (n-1)/n",
+                     log.records.size(), static_cast<double>(bytes) / (1 << 20),
+                     result_.comm_per_step));
+  }
+
+  std::string line_suffix() const override {
+    if (!scaler_.enabled()) return "";
+    return fmt::format("  loss scale {:g} (skipped {})", scaler_.scale_value(),
+                       scaler_.skipped_steps());
+  }
+
+ private:
+  static optim::LossScalerOptions scaler_options(DType low) {
+    optim::LossScalerOptions o;
+    o.enabled = low == DType::f16;  // f16 needs dynamic loss scaling; bf16 does not
+    return o;
+  }
+
+  const GptTrainConfig& c_;
+  parallel::Communicator* comm_;
+  GptResult& result_;
+  const std::function<void(const std::string&)>& say_;
+  DType low_;
+  Device device_;
+  const GptData batches_;
+  int64_t rank_, ranks_;
+  std::unique_ptr<Gpt> model_;
+  std::unique_ptr<parallel::ZeroDataParallel> zero_;
+  std::unique_ptr<optim::AdamW> opt_;
+  optim::DynamicLossScaler scaler_;
+  std::vector<Tensor> params_;
+};
+
+// What the loop takes from the configuration, the same for every layout.
+models::LoopOptions loop_options(const GptTrainConfig& config, int64_t start, bool verbose) {
+  const auto schedule = std::make_shared<optim::WarmupCosineLr>(
+      config.lr, std::min(config.warmup, config.steps / 2), config.steps,
+      config.lr * config.min_lr_ratio);
+  models::LoopOptions o;
+  o.program = "gpt";
+  o.start_step = start;
+  o.stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps) : config.steps;
+  o.lr = [schedule](int64_t step) { return schedule->lr(step); };
+  o.accum = config.accum;
+  o.clip = config.clip;
+  o.skip_nonfinite = config.nonfinite == "skip";
+  o.log_every = config.log_every;
+  o.val_every = config.val_every;
+  o.save = config.save;
+  o.save_every = config.save_every;
+  o.verbose = verbose;
+  return o;
+}
+
+// After the loop, for every layout: the final validation (collective), the result's
+// fields from the loop, and the summary (`detail()` follows the tokens/s).
+void finish_run(GptResult& result, const GptTrainConfig& config, models::Replica& replica,
+                const models::LoopResult& loop, const models::StepMeter& meter,
+                models::MetricsWriter& metrics, Device device,
+                const std::function<std::string()>& detail, bool verbose,
+                const std::function<void(const std::string&)>& say) {
+  result.val_loss = replica.evaluate(loop.step);
+  metrics.write({{"step", loop.step}, {"val_loss", result.val_loss}});
+  result.val_losses = loop.val_losses;
+  result.val_losses.emplace_back(loop.step, result.val_loss);
+  result.losses = loop.losses;
+  result.train_loss = loop.train_loss;
+  result.nonfinite_skipped = loop.nonfinite_skipped;
+  result.steps = loop.step;
+  result.tokens_per_s = meter.rate();
+  if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
+  result.peak_host_bytes = rank_memory_peak();
+  if (!verbose) return;
+  say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
+                  "tokens/s{}",
+                  result.val_loss, result.train_loss, loop.step, result.tokens_per_s, detail()));
+  if (!device.is_cpu()) {
+    say(fmt::format("{}: peak allocated {:.1f} MiB", device,
+                    static_cast<double>(result.peak_device_bytes) / (1 << 20)));
+  } else {
+    say(fmt::format("tensor memory: peak {} on rank 0 (predicted {})",
+                    models::format_bytes(static_cast<double>(result.peak_host_bytes)),
+                    models::format_bytes(estimate_gpt_memory(config, 1).per_rank())));
+  }
+}
+
+// One rank's training (comm null: the plain single-process loop, no wrapper).
+GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm) {
+  const bool lead = comm == nullptr || comm->rank() == 0;  // prints, writes files
+  const bool verbose = config.verbose && lead;
+  models::Progress progress;
+  auto say = std::function<void(const std::string&)>([&](const std::string& line) {
+    if (verbose) progress.print(line);
+  });
+  GptResult result;
+  GptReplica replica(config, comm, result, say);
+  Gpt& model = replica.model();
+  const Device device = Device::parse(config.device);
+  models::LoopOptions o = loop_options(config, replica.resume(), verbose);
+  o.fault_rank = comm != nullptr ? comm->rank() : 0;
+  TS_CHECK(o.start_step < o.stop_at,
+           "gpt: --resume={} is at step {}, at or past the end of this run (--steps {}, "
+           "--max_steps {}): nothing to train; raise --max_steps or --steps",
+           config.resume, o.start_step, config.steps, config.max_steps);
   models::MetricsWriter metrics;
   if (!config.metrics.empty() && lead) {
     metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
@@ -299,7 +456,7 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
                   config.layers, config.heads, config.width, config.context,
                   config.vocab != data::kByteVocab ? fmt::format(", vocab {}", config.vocab)
                                                    : std::string(),
-                  model.num_parameters(), batches.str(), config.batch, tokens_per_step,
+                  model.num_parameters(), replica.batches().str(), config.batch, tokens_per_step,
                   config.steps, config.lr, config.precision,
                   device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
   if (comm != nullptr) {
@@ -309,262 +466,94 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
                     config.batch / (comm->size() * config.accum)));
   }
 
-  auto save = [&] {
-    models::TrainingState s;
-    s.step = step;
-    s.rng_seed = default_generator().seed();
-    s.rng_offset = default_generator().offset();
-    s.info = {{"model", "gpt"},
-              {"layers", std::to_string(config.layers)},
-              {"heads", std::to_string(config.heads)},
-              {"width", std::to_string(config.width)},
-              {"context", std::to_string(config.context)},
-              {"precision", config.precision}};
-    if (!zero && device.is_cpu()) {
-      models::save_checkpoint(config.save, model, opt, scaler, s);
-      return;
-    }
-    if (!zero) {  // from host copies (load_checkpoint copies back onto the device)
-      models::save_checkpoint(config.save, on_cpu(model.state_dict()), on_cpu(opt.state_dict()),
-                              scaler, s);
-      return;
-    }
-    // Every rank gathers (collective); rank 0 writes the single-device layout.
-    const nn::StateDict weights = zero->model_state_dict();
-    const optim::Optimizer::StateDict state = zero->optimizer_state_dict(opt);
-    if (lead) models::save_checkpoint(config.save, weights, state, scaler, s);
-    comm->barrier();  // nobody reads the files before they exist
-  };
-  auto validate = [&] {
-    const double loss = evaluate(model, batches, config.val_batches, low);
-    metrics.write({{"step", step}, {"val_loss", loss}});
-    return loss;
-  };
-
-  GptResult result;
-  const std::vector<Tensor> params = model.parameters();
-  const bool skip_nonfinite = config.nonfinite == "skip";
   const Clock::time_point run_start = Clock::now();
-  double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0, timed_seconds = 0.0;
-  int64_t window_steps = 0, run_steps = 0;
-  // Losses read after the update on a device (see below).
-  std::vector<Tensor> pending_losses;
-
+  models::StepMeter meter(static_cast<double>(tokens_per_step), "tokens", config.timing_skip);
   model.train();
-  while (step < stop_at) {
-    const Clock::time_point t0 = Clock::now();
-    const double lr = schedule.lr(step);
-    opt.set_lr(lr);
-    // One step's communication (the second of the run: the first creates optimizer state).
-    parallel::CommLog step_log;
-    std::optional<parallel::CommLogScope> log_scope;
-    if (comm != nullptr && run_steps == 1) log_scope.emplace(step_log);
-    if (zero) {
-      zero->zero_grad();
-    } else {
-      opt.zero_grad();
-    }
-    const int parts = static_cast<int>(ranks * config.accum);
-    double local_loss = 0.0;
-    for (int64_t micro = 0; micro < config.accum; ++micro) {
-      const int part = static_cast<int>(rank * config.accum + micro);
-      const data::TextBatch batch = batches.train(step, part, parts);
-      Tensor loss;
-      {
-        AutocastGuard amp(low);
-        loss = Gpt::loss(model(batch.idx.to(device)), batch.targets.to(device));
-      }
-      if (device.is_cpu()) {
-        local_loss += loss.item<double>();
-      } else {
-        pending_losses.push_back(loss.detach());
-      }
-      Tensor scaled = scaler.scale(config.accum > 1 ? loss / static_cast<double>(config.accum)
-                                                    : loss);
-      if (!zero) {
-        scaled.backward();
-      } else if (micro + 1 < config.accum) {
-        auto guard = zero->no_sync();  // reduce once per step
-        zero->backward(scaled);
-      } else {
-        zero->backward(scaled);
-      }
-    }
-    // This rank's mean loss over its micro-batches. On a device the losses are read only
-    // here, after the update in the default mode: the queue is not drained mid-step, and
-    // the read waits for the whole step (the legacy default stream orders it after the
-    // update), so each step's time is the device's.
-    auto rank_loss = [&] {
-      for (const Tensor& l : pending_losses) local_loss += l.item<double>();
-      pending_losses.clear();
-      return local_loss / static_cast<double>(config.accum);
-    };
-    double norm = std::numeric_limits<double>::quiet_NaN();
-    bool skipped = false, norm_poisoned = false;  // poisoned: an inf/NaN norm was applied
-    if (skip_nonfinite) {
-      // Decided before the update, on values every rank shares: the global batch's loss
-      // and the gradients' global norm (which clipping computes anyway).
-      const double loss_now = mean_over_ranks(comm, rank_loss(), 0).first;
-      if (zero) {
-        norm = zero->clip_grad_norm(config.clip > 0 ? config.clip : kNoClip);
-      } else if (scaler.unscale_and_check(params)) {
-        norm = config.clip > 0 ? optim::clip_grad_norm(params, config.clip)
-                               : optim::grad_norm(params);
-      } else {
-        norm = std::numeric_limits<double>::infinity();  // f16: the scaler found inf/NaN
-      }
-      skipped = !std::isfinite(loss_now) || !std::isfinite(norm);
-    }
-    if (skipped) {
-      ++result.nonfinite_skipped;
-    } else if (zero) {
-      if (config.clip > 0 && !skip_nonfinite) {
-        norm = zero->clip_grad_norm(config.clip);
-        norm_poisoned = !std::isfinite(norm);
-      }
-      zero->step(opt);
-    } else {
-      // (An f16 overflow is not poison: the scaler skips that step and backs off.)
-      if (config.clip > 0 && !skip_nonfinite && scaler.unscale_and_check(params)) {
-        norm = optim::clip_grad_norm(params, config.clip);
-        norm_poisoned = !std::isfinite(norm);
-      }
-      scaler.step(opt);
-    }
-    scaler.update();
-    models::fault_point("train.step", static_cast<int>(rank));
-    const auto [loss_value, stop] = mean_over_ranks(comm, rank_loss(), models::stop_signal());
-    // A diverged step stops the run before anything more is saved (--nonfinite=skip dropped
-    // it instead). With clipping the norm is known: an inf/NaN gradient poisoned the update.
-    if (!skip_nonfinite && (!std::isfinite(loss_value) || norm_poisoned)) {
-      fail("gpt: the {} is {} at step {} (the run diverged); stopped before saving anything "
-           "more{}. Lower --lr, keep --clip on, or pass --nonfinite=skip to drop such steps",
-           std::isfinite(loss_value) ? "gradient norm" : "loss",
-           std::isfinite(loss_value) ? norm : loss_value, step + 1,
-           config.save.empty() ? std::string()
-                               : fmt::format(": {} holds the last good checkpoint", config.save));
-    }
-    log_scope.reset();
-    if (zero && run_steps == 0) {
-      result.memory_report = zero->memory_report().str();
-      say(result.memory_report);
-    }
-    if (zero && run_steps == 1) {
-      int64_t bytes = 0;
-      for (const parallel::CommRecord& r : step_log.records) {
-        if (r.cause.rfind("zero", 0) == 0 || r.cause.rfind("DistributedDataParallel", 0) == 0 ||
-            r.cause.rfind("ddp", 0) == 0) {
-          bytes += r.bytes;
-        }
-      }
-      const double ring = 4.0 * static_cast<double>(model.num_parameters()) *
-                          static_cast<double>(ranks - 1) / static_cast<double>(ranks);
-      result.comm_per_step = ranks > 1 ? static_cast<double>(bytes) / ring : 0.0;
-      say(fmt::format("communication per step (rank 0): {} collectives, {:.2f} MiB of "
-                      "gradients and parameters = {:.3f} x 4 Psi (n-1)/n",
-                      step_log.records.size(), static_cast<double>(bytes) / (1 << 20),
-                      result.comm_per_step));
-    }
-    ++step;
-    const double dt = models::seconds_since(t0);
-    train_seconds += dt;
-    if (run_steps >= config.timing_skip) timed_seconds += dt;
-    window_seconds += dt;
-    ++window_steps;
-    ++run_steps;
-    window_loss += loss_value;
-    result.losses.push_back(loss_value);
+  const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
 
-    if (step % config.log_every == 0 || step == stop_at) {
-      const double tps = window_steps * tokens_per_step / window_seconds;
-      nlohmann::json rec = {{"step", step}, {"loss", loss_value}, {"lr", lr},
-                            {"tokens_per_s", tps}};
-      if (std::isfinite(norm)) rec["grad_norm"] = norm;
-      metrics.write(rec);
-      result.train_loss = window_loss / window_steps;
-      if (verbose) {
-        const double eta = (stop_at - step) * (train_seconds / run_steps);
-        std::string line = fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tokens/s  ETA {}",
-                                       step, stop_at, result.train_loss, lr, tps,
-                                       models::format_duration(eta));
-        if (scaler.enabled()) {
-          line += fmt::format("  loss scale {:g} (skipped {})", scaler.scale_value(),
-                              scaler.skipped_steps());
-        }
-        progress.update(line);
-      }
-      window_seconds = 0.0;
-      window_steps = 0;
-      window_loss = 0.0;
-    }
-    if (stop != 0) {  // every rank saw the same flag: all save (collective) and stop together
-      if (!config.save.empty()) save();
-      if (verbose) progress.finish();
-      throw models::stop_requested("gpt", stop, step, stop_at, config.save,
-                                   "no --save was given");
-    }
-    // The final step's validation is the result's, below.
-    if (config.val_every > 0 && step % config.val_every == 0 && step < stop_at) {
-      const double v = validate();
-      result.val_losses.emplace_back(step, v);
-      if (verbose) {
-        progress.update(fmt::format("step {}/{}  val loss {:.4f}", step, stop_at, v),
-                        /*force=*/true);
-        progress.finish();
-      }
-    }
-    if (!config.save.empty() && config.save_every > 0 && step % config.save_every == 0 &&
-        step < stop_at) {
-      save();
-    }
-  }
-  // Saved before the final evaluation and the sample: neither changes what resume needs,
-  // and the checkpoint then holds exactly the state a longer run has at this step.
-  if (!config.save.empty()) {
-    save();
-    say(fmt::format("saved {} and {}", config.save, models::state_path(config.save)));
-  }
-
-  result.val_loss = validate();
-  result.val_losses.emplace_back(step, result.val_loss);
-  result.steps = step;
-  result.skipped_steps = scaler.skipped_steps();
-  if (config.timing_skip == 0) {
-    result.tokens_per_s = run_steps > 0 ? run_steps * tokens_per_step / train_seconds : 0.0;
-  } else if (run_steps > config.timing_skip) {
-    result.tokens_per_s = (run_steps - config.timing_skip) * tokens_per_step / timed_seconds;
-  }
-  if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
-  result.peak_host_bytes = rank_memory_peak();
-  if (verbose) {
-    say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
-                    "tokens/s{}; {} in all{}",
-                    result.val_loss, result.train_loss, step, result.tokens_per_s,
-                    config.timing_skip > 0
-                        ? fmt::format(" (steps after the first {})", config.timing_skip)
-                        : std::string(),
-                    models::format_duration(models::seconds_since(run_start)),
-                    scaler.enabled() ? fmt::format("; {} f16 steps skipped", scaler.skipped_steps())
-                                     : std::string()));
-    if (!device.is_cpu()) {
-      say(fmt::format("{}: peak allocated {:.1f} MiB", device,
-                      static_cast<double>(result.peak_device_bytes) / (1 << 20)));
-    } else {
-      say(fmt::format("tensor memory: peak {} on rank 0 (predicted {})",
-                      models::format_bytes(static_cast<double>(result.peak_host_bytes)),
-                      models::format_bytes(estimate_gpt_memory(config, 1).per_rank())));
-    }
-  }
+  result.skipped_steps = replica.scaler().skipped_steps();
+  finish_run(result, config, replica, loop, meter, metrics, device, [&] {
+    return fmt::format("{}; {} in all{}",
+                       config.timing_skip > 0
+                           ? fmt::format(" (steps after the first {})", config.timing_skip)
+                           : std::string(),
+                       models::format_duration(models::seconds_since(run_start)),
+                       replica.scaler().enabled()
+                           ? fmt::format("; {} f16 steps skipped", result.skipped_steps)
+                           : std::string());
+  }, verbose, say);
   if (config.sample_length > 0 && config.synthetic_data) {
     say("no sample: the model was trained on random tokens");
   } else if (config.sample_length > 0) {
-    sample_into(result, model, config, low, say);
+    sample_into(result, model, config, replica.low(), say);
   }
   return result;
 }
 
-// One rank's part of a pipeline / tensor-parallel run (Gpt3d). Validation and the sample
-// use the full parameters, gathered into a single-device model on rank 0.
+// One rank of a pipeline / tensor-parallel run (Gpt3d), whose step runs its micro-batches
+// by the pipeline schedule and updates (and clips) inside. Validation and the sample use
+// the full parameters, gathered into a single-device model on rank 0.
+class Gpt3dReplica final : public models::Replica {
+ public:
+  Gpt3dReplica(const GptTrainConfig& config, parallel::CommPtr world)
+      : c_(config), world_(std::move(world)), batches_(config),
+        model_((manual_seed(static_cast<uint64_t>(config.seed)), config.model_config())),
+        g_(model_, world_, options(config)), eval_model_(config.model_config()) {}
+
+  Gpt& eval_model() { return eval_model_; }
+  std::string describe() const { return g_.describe(); }
+  int64_t num_parameters() const { return model_.num_parameters(); }
+
+  void zero_grad(int64_t /*step*/, double lr) override { lr_ = lr; }
+  Tensor forward_backward(int64_t step, int /*micro*/) override {
+    const data::TextBatch batch = batches_.train(step);
+    return Tensor::from_vector<double>({g_.train_step(batch.idx, batch.targets, lr_)}, {1});
+  }
+  std::optional<double> grad_norm(double /*max_norm*/) override { return std::nullopt; }
+  void step(bool /*skip*/) override {}
+  parallel::Communicator* group() override { return world_.get(); }
+  bool loss_is_global() const override { return true; }
+
+  void save(int64_t /*step*/) override {
+    fail("gpt: --save/--resume are not yet supported with --pp/--tp");
+  }
+  // Collective: every rank gathers; rank 0 evaluates (the others return 0).
+  double evaluate(int64_t /*step*/) override {
+    const std::map<std::string, Tensor> full = g_.full_parameters();
+    if (world_->rank() != 0) return 0.0;
+    eval_model_.load_state_dict(nn::StateDict(full.begin(), full.end()));
+    return gpt::evaluate(eval_model_, batches_, c_.val_batches, DType::f32);
+  }
+
+ private:
+  static Gpt3dOptions options(const GptTrainConfig& c) {
+    Gpt3dOptions o;
+    o.pp = c.pp;
+    o.dp = c.dp;
+    o.tp = c.tp;
+    o.zero = c.zero;
+    o.schedule = c.schedule;
+    o.chunks = c.chunks;
+    o.microbatches = c.microbatches;
+    o.recompute = c.recompute;
+    o.sequence_parallel = c.sp;
+    o.clip = c.clip;
+    o.lr = c.lr;
+    o.weight_decay = c.weight_decay;
+    o.beta1 = c.beta1;
+    o.beta2 = c.beta2;
+    return o;
+  }
+
+  const GptTrainConfig& c_;
+  parallel::CommPtr world_;
+  const GptData batches_;
+  Gpt model_;
+  Gpt3d g_;
+  Gpt eval_model_;
+  double lr_ = 0.0;
+};
+
 GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   TS_CHECK(config.precision == "f32", "gpt: --pp/--tp run in f32 for now, got --precision={}",
            config.precision);
@@ -572,120 +561,34 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
            "gpt: --save/--resume are not yet supported with --pp/--tp");
   TS_CHECK(config.accum == 1, "gpt: with --pp/--tp use --microbatches, not --accum");
   TS_CHECK(config.dropout == 0.0, "gpt: --dropout is not yet supported with --pp/--tp");
-  const GptConfig mconfig = config.model_config();
-  mconfig.validate();
-  if (config.threads > 0) cpu::set_num_threads(static_cast<int>(config.threads));
+  config.model_config().validate();
   const bool lead = world->rank() == 0, verbose = config.verbose && lead;
   models::Progress progress;
   auto say = [&](const std::string& line) {
     if (verbose) progress.print(line);
   };
-  const uint64_t seed = static_cast<uint64_t>(config.seed);
-  const GptData batches(config);
-  manual_seed(seed);
-  Gpt model(mconfig);
-  Gpt3dOptions o;
-  o.pp = config.pp;
-  o.dp = config.dp;
-  o.tp = config.tp;
-  o.zero = config.zero;
-  o.schedule = config.schedule;
-  o.chunks = config.chunks;
-  o.microbatches = config.microbatches;
-  o.recompute = config.recompute;
-  o.sequence_parallel = config.sp;
-  o.clip = config.clip;
-  o.lr = config.lr;
-  o.weight_decay = config.weight_decay;
-  o.beta1 = config.beta1;
-  o.beta2 = config.beta2;
-  Gpt3d g(model, world, o);
-  const optim::WarmupCosineLr schedule(config.lr, std::min(config.warmup, config.steps / 2),
-                                       config.steps, config.lr * config.min_lr_ratio);
-  const int64_t stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps)
-                                               : config.steps;
-  const int64_t tokens_per_step = config.batch * config.context;
+  Gpt3dReplica replica(config, world);
   say(fmt::format("gpt: {} layers, {} heads, width {}, context {} ({} parameters); batch {}, {} "
                   "steps, AdamW lr {}; {} ({} backend)",
                   config.layers, config.heads, config.width, config.context,
-                  model.num_parameters(), config.batch, config.steps, config.lr, g.describe(),
-                  world->backend()));
+                  replica.num_parameters(), config.batch, config.steps, config.lr,
+                  replica.describe(), world->backend()));
   models::MetricsWriter metrics;
   if (!config.metrics.empty() && lead) metrics = models::MetricsWriter(config.metrics, false);
-  // Rank 0 evaluates a single-device copy of the gathered parameters (collective gather).
-  Gpt eval_model(mconfig);
-  auto gathered = [&] {
-    const std::map<std::string, Tensor> full = g.full_parameters();
-    if (lead) eval_model.load_state_dict(nn::StateDict(full.begin(), full.end()));
-  };
-  auto validate = [&](int64_t step) {
-    gathered();
-    if (!lead) return 0.0;
-    const double loss = evaluate(eval_model, batches, config.val_batches, DType::f32);
-    metrics.write({{"step", step}, {"val_loss", loss}});
-    return loss;
-  };
+  models::LoopOptions o = loop_options(config, 0, verbose);
+  o.fault_rank = world->rank();
+  o.accum = 1;  // the pipeline's micro-batches are inside its step
+  o.why_no_save = "--pp/--tp runs do not write checkpoints yet";
+  o.divergence_advice = "Lower --lr or keep --clip on";
+  // Tokens per second over every step (the pipeline's warm-up is part of its cost).
+  models::StepMeter meter(static_cast<double>(config.batch * config.context), "tokens");
+  const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
+
   GptResult result;
-  double train_seconds = 0.0, window_seconds = 0.0, window_loss = 0.0;
-  int64_t window_steps = 0, step = 0;
-  while (step < stop_at) {
-    const Clock::time_point t0 = Clock::now();
-    const double lr = schedule.lr(step);
-    const data::TextBatch batch = batches.train(step);
-    const double loss = g.train_step(batch.idx, batch.targets, lr);
-    ++step;
-    models::fault_point("train.step", world->rank());
-    // Every rank stops after the same step (one all-reduce of the flag); a diverged step
-    // stops the run (the loss is the global batch's, the same on every rank).
-    const int stop = mean_over_ranks(world.get(), 0.0, models::stop_signal()).second;
-    TS_CHECK(std::isfinite(loss),
-             "gpt: the loss is {} at step {} (the run diverged); stopped. Lower --lr or keep "
-             "--clip on",
-             loss, step);
-    if (stop != 0) {
-      if (verbose) progress.finish();
-      throw models::stop_requested("gpt", stop, step, stop_at, "",
-                                   "--pp/--tp runs do not write checkpoints yet");
-    }
-    const double dt = models::seconds_since(t0);
-    train_seconds += dt;
-    window_seconds += dt;
-    window_loss += loss;
-    ++window_steps;
-    result.losses.push_back(loss);
-    if (step % config.log_every == 0 || step == stop_at) {
-      const double tps = window_steps * tokens_per_step / window_seconds;
-      metrics.write({{"step", step}, {"loss", loss}, {"lr", lr}, {"tokens_per_s", tps}});
-      result.train_loss = window_loss / window_steps;
-      if (verbose) {
-        progress.update(fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tokens/s  ETA {}",
-                                    step, stop_at, result.train_loss, lr, tps,
-                                    models::format_duration((stop_at - step) * train_seconds / step)));
-      }
-      window_seconds = window_loss = 0.0;
-      window_steps = 0;
-    }
-    if (config.val_every > 0 && step % config.val_every == 0 && step < stop_at) {
-      const double v = validate(step);
-      result.val_losses.emplace_back(step, v);
-      if (verbose) {
-        progress.update(fmt::format("step {}/{}  val loss {:.4f}", step, stop_at, v), true);
-        progress.finish();
-      }
-    }
-  }
-  result.val_loss = validate(step);
-  result.val_losses.emplace_back(step, result.val_loss);
-  result.steps = step;
-  result.tokens_per_s = step > 0 ? step * tokens_per_step / train_seconds : 0.0;
-  result.peak_host_bytes = rank_memory_peak();
-  say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training tokens/s",
-                  result.val_loss, result.train_loss, step, result.tokens_per_s));
-  say(fmt::format("tensor memory: peak {} on rank 0 (predicted {})",
-                  models::format_bytes(static_cast<double>(result.peak_host_bytes)),
-                  models::format_bytes(estimate_gpt_memory(config, 1).per_rank())));
+  finish_run(result, config, replica, loop, meter, metrics, kCPU, [] { return std::string(); },
+             verbose, say);
   if (config.sample_length > 0 && lead && !config.synthetic_data) {
-    sample_into(result, eval_model, config, DType::f32, say);
+    sample_into(result, replica.eval_model(), config, DType::f32, say);
   }
   return result;
 }
@@ -694,9 +597,9 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
 
 GptResult train_gpt(const GptTrainConfig& config) {
   validate_train_config(config);
+  const bool mpi = parallel::mpi_launched();
   if (!Device::parse(config.device).is_cpu()) {
-    TS_CHECK(config.dp == 1 && config.zero == 0 && config.pp == 1 && config.tp == 1 &&
-                 !parallel::mpi_launched(),
+    TS_CHECK(config.dp == 1 && config.zero == 0 && config.pp == 1 && config.tp == 1 && !mpi,
              "gpt: --device={} runs a single rank for now; it cannot be combined with --dp {}, "
              "--zero {}, --pp {}, --tp {} or mpirun",
              config.device, config.dp, config.zero, config.pp, config.tp);
@@ -708,49 +611,27 @@ GptResult train_gpt(const GptTrainConfig& config) {
   TS_CHECK(three_d || config.precision != "f16" || (config.dp == 1 && config.zero == 0),
            "gpt: --precision=f16 runs on one rank only (the loss scaler's overflow check is "
            "not yet global); use bf16 with --dp > 1 or --zero > 0");
-  const bool mpi = parallel::mpi_launched();
   const int64_t ranks = three_d ? config.pp * config.dp * config.tp : config.dp;
   const GptMemoryEstimate estimate = preflight(config, mpi, mpi ? 1 : static_cast<int>(ranks));
   const models::MemoryLimitScope memory_limit(config.memory_limit);
   models::StopSignals signals;  // SIGTERM/SIGINT: finish the step, save, stop
-  if (mpi) parallel::set_comm_timeout(config.comm_timeout);  // the MPI watchdog
-  auto rank_main = [&](parallel::CommPtr world) {
-    return three_d ? train_rank_3d(config, world) : train_rank(config, world.get());
-  };
+  parallel::LaunchOptions launch;
+  launch.program = "gpt";
+  launch.ranks_from = three_d ? fmt::format("--pp {} x --dp {} x --tp {} = {}", config.pp,
+                                            config.dp, config.tp, ranks)
+                              : fmt::format("--dp is {}", config.dp);
+  launch.kernel_threads = static_cast<int>(config.threads);
+  launch.timeout_seconds = config.comm_timeout;
+  launch.world_for_one = three_d || config.zero > 0;  // else the plain loop, no wrapper
   GptResult result;
-  if (mpi) {
-    parallel::CommPtr world = parallel::mpi_world();
-    TS_CHECK(world->size() == ranks,
-             "gpt: started by mpirun with {} processes but {}; they must be equal",
-             world->size(),
-             three_d ? fmt::format("--pp {} x --dp {} x --tp {} = {}", config.pp, config.dp,
-                                   config.tp, ranks)
-                     : fmt::format("--dp is {}", config.dp));
-    if (config.threads <= 0) {  // the processes share the machine's cores
-      cpu::set_num_threads(
-          std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / world->size()));
-    }
-    process_memory().reset_peak();  // this run's peak, not the process's whole history
-    result = rank_main(world);
-  } else if (!three_d && config.dp == 1 && config.zero == 0) {
-    // Not a MemoryScope of its own: a storage that outlives the run (a cache) would keep a
-    // pointer to a tracker gone out of scope.
-    process_memory().reset_peak();
-    result = train_rank(config, nullptr);
-  } else {
-    parallel::ThreadsOptions topt;
-    topt.kernel_threads = static_cast<int>(config.threads);
-    topt.timeout_seconds = config.comm_timeout > 0 ? config.comm_timeout : 1e9;
-    parallel::run_threads(
-        static_cast<int>(ranks),
-        [&](parallel::CommPtr world) {
-          MemoryTracker tracker;  // this rank's memory, for the report and the peak
-          MemoryScope scope(&tracker);
-          GptResult r = rank_main(world);
-          if (world->rank() == 0) result = std::move(r);
-        },
-        topt);
-  }
+  parallel::launch(
+      static_cast<int>(ranks),
+      [&](parallel::CommPtr world) {
+        GptResult r = three_d ? train_rank_3d(config, world) : train_rank(config, world.get());
+        // Rank 0's result (under mpirun this process's rank is the only one here).
+        if (world == nullptr || world->rank() == 0 || mpi) result = std::move(r);
+      },
+      launch);
   result.predicted_bytes = estimate.per_rank();
   return result;
 }

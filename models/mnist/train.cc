@@ -5,13 +5,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
+#include <optional>
 
-#include "kernels/cpu/parallel.h"
 #include "models/common/checkpoint.h"
 #include "models/common/fault.h"
 #include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/common/run_control.h"
+#include "models/common/train_loop.h"
 #include "models/data/idx.h"
 #include "models/data/loader.h"
 #include "models/mnist/model.h"
@@ -19,6 +21,7 @@
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
+#include "parallel/comm/launch.h"
 #include "tensor/allocator.h"
 #include "tensor/autocast.h"
 
@@ -76,6 +79,130 @@ void validate(const MnistConfig& c) {
   require_one_of(mnist, "nonfinite", c.nonfinite, {"error", "skip"});
 }
 
+
+// The classifier on one rank, as the training loop (models/common/train_loop.h) drives it:
+// a batch per step from the shuffling loader; at the end of each epoch the test set's
+// accuracy and loss (outside the step's timing).
+class MnistReplica final : public models::Replica {
+ public:
+  MnistReplica(const MnistConfig& c, nn::Module& model, data::Loader& loader,
+               const data::MnistSplit& test, int64_t epochs, DType low, Device device,
+               models::Progress& progress, models::MetricsWriter& metrics, MnistResult& result)
+      : c_(c), model_(model), loader_(loader), test_(test), epochs_(epochs), low_(low),
+        device_(device), progress_(progress), metrics_(metrics), result_(result),
+        params_(model.parameters()) {
+    optim::AdamWOptions aopt;
+    aopt.lr = c.lr;
+    aopt.weight_decay = c.weight_decay;
+    opt_ = std::make_unique<optim::AdamW>(
+        optim::decay_groups(model.named_parameters(), c.lr, c.weight_decay), aopt);
+    optim::LossScalerOptions sopt;
+    sopt.enabled = low == DType::f16;
+    scaler_ = std::make_unique<optim::DynamicLossScaler>(sopt);
+  }
+
+  optim::AdamW& optimizer() { return *opt_; }
+  optim::DynamicLossScaler& scaler() { return *scaler_; }
+
+  // Throughput and, with eval_each_epoch, the test set's accuracy at the end of an epoch.
+  void end_of_epoch(int64_t epoch, int64_t step, const models::StepMeter& meter) {
+    const int64_t steps = meter.steps() - epoch_start_steps_;
+    const double seconds = meter.seconds() - epoch_start_seconds_;
+    epoch_start_steps_ = meter.steps();
+    epoch_start_seconds_ = meter.seconds();
+    const double sps = steps > 0 ? static_cast<double>(steps * c_.batch) / seconds : 0.0;
+    // Only whole epochs trained in this run give a throughput figure.
+    if (steps == loader_.batches_per_epoch()) result_.epoch_samples_per_s.push_back(sps);
+    nlohmann::json rec = {{"step", step}, {"epoch", epoch + 1}};
+    if (steps > 0) rec["samples_per_s"] = sps;
+    if (c_.eval_each_epoch) {
+      const Eval e = mnist::evaluate(model_, test_, low_);
+      rec["accuracy"] = e.accuracy;
+      rec["test_loss"] = e.loss;
+      if (c_.verbose) {
+        progress_.update(fmt::format("epoch {}/{}  step {}  test accuracy {:.2f}%  test loss "
+                                     "{:.4f}  {:.0f} samples/s",
+                                     epoch + 1, epochs_, step, 100 * e.accuracy, e.loss, sps),
+                         /*force=*/true);
+        progress_.finish();
+      }
+    }
+    metrics_.write(rec);
+  }
+  // Whether this run trained steps of the current epoch that no end_of_epoch() closed.
+  bool epoch_open(const models::StepMeter& meter) const {
+    return meter.steps() > epoch_start_steps_;
+  }
+
+  void before_step(int64_t step, const models::StepMeter& meter) override {
+    if (loader_.next(batch_)) return;
+    end_of_epoch(loader_.epoch() - 1, step, meter);
+    TS_CHECK(loader_.next(batch_), "mnist: the loader has no batch after epoch {}",
+             loader_.epoch());
+  }
+  void zero_grad(int64_t /*step*/, double lr) override {
+    opt_->set_lr(lr);
+    opt_->zero_grad();
+  }
+  Tensor forward_backward(int64_t /*step*/, int /*micro*/) override {
+    Tensor loss;
+    {
+      AutocastGuard amp(low_);
+      loss = cross_entropy(model_.forward(batch_.inputs.to(device_)), batch_.targets.to(device_));
+    }
+    scaler_->scale(loss).backward();
+    return loss;
+  }
+  std::optional<double> grad_norm(double max_norm) override {
+    if (!scaler_->unscale_and_check(params_)) return std::nullopt;
+    return max_norm > 0 ? optim::clip_grad_norm(params_, max_norm) : optim::grad_norm(params_);
+  }
+  void step(bool skip) override {
+    if (!skip) scaler_->step(*opt_);
+    scaler_->update();
+  }
+
+  void save(int64_t step) override {
+    models::TrainingState s;
+    s.step = step;
+    s.epoch = loader_.epoch();
+    s.batch_index = loader_.batch_index();
+    s.rng_seed = default_generator().seed();
+    s.rng_offset = default_generator().offset();
+    s.info = {{"model", c_.model}, {"precision", c_.precision}};
+    models::save_checkpoint(c_.save, model_, *opt_, *scaler_, s);
+  }
+  double evaluate(int64_t /*step*/) override { return mnist::evaluate(model_, test_, low_).loss; }
+
+  std::string line_prefix() const override {
+    return fmt::format("epoch {}/{}  ", batch_.epoch + 1, epochs_);
+  }
+  std::string line_suffix() const override {
+    if (!scaler_->enabled()) return "";
+    return fmt::format("  loss scale {:g} (skipped {})", scaler_->scale_value(),
+                       scaler_->skipped_steps());
+  }
+  void annotate(nlohmann::json& record) const override { record["epoch"] = batch_.epoch + 1; }
+
+ private:
+  const MnistConfig& c_;
+  nn::Module& model_;
+  data::Loader& loader_;
+  const data::MnistSplit& test_;
+  int64_t epochs_;
+  DType low_;
+  Device device_;
+  models::Progress& progress_;
+  models::MetricsWriter& metrics_;
+  MnistResult& result_;
+  std::vector<Tensor> params_;
+  std::unique_ptr<optim::AdamW> opt_;
+  std::unique_ptr<optim::DynamicLossScaler> scaler_;
+  data::Batch batch_;
+  int64_t epoch_start_steps_ = 0;
+  double epoch_start_seconds_ = 0.0;
+};
+
 }  // namespace
 
 MnistResult train_mnist(const MnistConfig& config) {
@@ -86,7 +213,7 @@ MnistResult train_mnist(const MnistConfig& config) {
   if (!config.metrics.empty()) models::check_output_file(config.metrics, "mnist: --metrics");
   const models::MemoryLimitScope memory_limit(config.memory_limit);
   models::StopSignals signals;  // SIGTERM/SIGINT: finish the step, save, stop
-  if (config.threads > 0) cpu::set_num_threads(static_cast<int>(config.threads));
+  parallel::set_kernel_threads(static_cast<int>(config.threads));
   models::Progress progress;
   auto say = [&](const std::string& line) {
     if (config.verbose) progress.print(line);
@@ -121,41 +248,46 @@ MnistResult train_mnist(const MnistConfig& config) {
   TS_CHECK(loader.batches_per_epoch() > 0, "mnist: batch {} is larger than the {} training images",
            config.batch, loader.num_samples());
   const int64_t total_steps = epochs * loader.batches_per_epoch();
-  const int64_t stop_at = config.max_steps > 0 ? std::min(config.max_steps, total_steps) : total_steps;
-
-  optim::AdamWOptions aopt;
-  aopt.lr = config.lr;
-  aopt.weight_decay = config.weight_decay;
-  optim::AdamW opt(optim::decay_groups(model->named_parameters(), config.lr, config.weight_decay),
-                   aopt);
-  optim::LossScalerOptions sopt;
-  sopt.enabled = low == DType::f16;
-  optim::DynamicLossScaler scaler(sopt);
   const optim::WarmupCosineLr schedule(config.lr, std::min(config.warmup, total_steps / 2),
                                        total_steps, config.lr * config.min_lr_ratio);
+  models::LoopOptions o;
+  o.program = "mnist";
+  o.stop_at = config.max_steps > 0 ? std::min(config.max_steps, total_steps) : total_steps;
+  o.lr = [&](int64_t step) { return schedule.lr(step); };
+  o.clip = config.clip;
+  o.skip_nonfinite = config.nonfinite == "skip";
+  o.log_every = config.log_every;
+  o.save = config.save;
+  o.divergence_advice =
+      "Lower --lr, set --clip, or pass --nonfinite=skip to drop such steps";
+  o.show_lr = false;
+  o.verbose = config.verbose;
 
-  int64_t step = 0;
+  MnistResult result;
+  models::MetricsWriter metrics;
+  MnistReplica replica(config, *model, loader, test, epochs, low, device, progress, metrics,
+                       result);
   if (!config.resume.empty()) {
-    const models::TrainingState s = models::load_checkpoint(config.resume, *model, opt, scaler);
+    const models::TrainingState s =
+        models::load_checkpoint(config.resume, *model, replica.optimizer(), replica.scaler());
     auto it = s.info.find("model");
     TS_CHECK(it == s.info.end() || it->second == config.model,
              "mnist: {} holds a '{}' model but --model is '{}'", config.resume, it->second,
              config.model);
-    step = s.step;
-    TS_CHECK(step < stop_at,
+    o.start_step = s.step;
+    TS_CHECK(s.step < o.stop_at,
              "mnist: --resume={} is at step {}, at or past the end of this run ({} steps{}): "
              "nothing to train; raise --epochs or --max_steps",
-             config.resume, step, stop_at,
+             config.resume, s.step, o.stop_at,
              config.max_steps > 0 ? fmt::format(", --max_steps {}", config.max_steps) : "");
     if (!s.fallback_reason.empty()) {
       std::fprintf(stderr, "mnist: warning: %s\n", s.fallback_reason.c_str());
     }
     loader.set_position(s.epoch, s.batch_index);
     default_generator().set_state(s.rng_seed, s.rng_offset);
-    say(fmt::format("resumed from {} at step {} (epoch {}, batch {})", s.loaded_from, step,
+    say(fmt::format("resumed from {} at step {} (epoch {}, batch {})", s.loaded_from, s.step,
                     s.epoch + 1, s.batch_index));
   }
-  models::MetricsWriter metrics;
   if (!config.metrics.empty()) metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
   say(fmt::format("mnist: {} ({} parameters), {} train / {} test images, batch {}, {} epochs "
                   "({} steps), AdamW lr {}, precision {}{}",
@@ -164,148 +296,32 @@ MnistResult train_mnist(const MnistConfig& config) {
                   config.precision,
                   device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
 
-  auto save = [&] {
-    models::TrainingState s;
-    s.step = step;
-    s.epoch = loader.epoch();
-    s.batch_index = loader.batch_index();
-    s.rng_seed = default_generator().seed();
-    s.rng_offset = default_generator().offset();
-    s.info = {{"model", config.model}, {"precision", config.precision}};
-    if (device.is_cpu()) {
-      models::save_checkpoint(config.save, *model, opt, scaler, s);
-    } else {  // from host copies (load_checkpoint copies back onto the device)
-      nn::StateDict weights = model->state_dict();
-      optim::Optimizer::StateDict state = opt.state_dict();
-      for (auto& [name, t] : weights) t = t.to(kCPU);
-      for (auto& [name, t] : state) t = t.to(kCPU);
-      models::save_checkpoint(config.save, weights, state, scaler, s);
-    }
-    say(fmt::format("saved {} and {}", config.save, models::state_path(config.save)));
-  };
-
-  MnistResult result;
-  const std::vector<Tensor> params = model->parameters();
   const Clock::time_point run_start = Clock::now();
-  double train_seconds = 0.0, epoch_seconds = 0.0, window_seconds = 0.0;
-  int64_t epoch_steps = 0, window_steps = 0, run_steps = 0;
-  double window_loss = 0.0;
-
-  auto end_of_epoch = [&](int64_t epoch) {
-    // Only whole epochs trained in this run give a throughput figure.
-    if (epoch_steps == loader.batches_per_epoch()) {
-      result.epoch_samples_per_s.push_back(epoch_steps * config.batch / epoch_seconds);
-    }
-    nlohmann::json rec = {{"step", step}, {"epoch", epoch + 1}};
-    if (epoch_steps > 0) rec["samples_per_s"] = epoch_steps * config.batch / epoch_seconds;
-    if (config.eval_each_epoch) {
-      const Eval e = evaluate(*model, test, low);
-      rec["accuracy"] = e.accuracy;
-      rec["test_loss"] = e.loss;
-      if (config.verbose) {
-        progress.update(fmt::format("epoch {}/{}  step {}  test accuracy {:.2f}%  test loss {:.4f}"
-                                    "  {:.0f} samples/s", epoch + 1, epochs, step,
-                                    100 * e.accuracy, e.loss,
-                                    epoch_steps > 0 ? epoch_steps * config.batch / epoch_seconds : 0.0),
-                        /*force=*/true);
-        progress.finish();
-      }
-    }
-    metrics.write(rec);
-    epoch_steps = 0;
-    epoch_seconds = 0.0;
-  };
-
+  models::StepMeter meter(static_cast<double>(config.batch), "samples");
   model->train();
-  data::Batch batch;
-  while (step < stop_at) {
-    const Clock::time_point t0 = Clock::now();
-    if (!loader.next(batch)) {
-      end_of_epoch(loader.epoch() - 1);
-      continue;
-    }
-    const double lr = schedule.lr(step);
-    opt.set_lr(lr);
-    opt.zero_grad();
-    Tensor loss;
-    {
-      AutocastGuard amp(low);
-      loss = cross_entropy(model->forward(batch.inputs.to(device)), batch.targets.to(device));
-    }
-    scaler.scale(loss).backward();
-    const double loss_value = loss.item<double>();
-    if (!std::isfinite(loss_value)) {
-      TS_CHECK(config.nonfinite == "skip",
-               "mnist: the loss is {} at step {} (the run diverged); stopped before saving "
-               "anything{}. Lower --lr, set --clip, or pass --nonfinite=skip to drop such steps",
-               loss_value, step + 1,
-               config.resume.empty() ? std::string()
-                                     : fmt::format(" ({} is unchanged)", config.resume));
-      ++result.nonfinite_skipped;  // the update is dropped; the loader has moved on
-    } else {
-      if (config.clip > 0) {
-        if (scaler.unscale_and_check(params)) optim::clip_grad_norm(params, config.clip);
-      }
-      scaler.step(opt);
-      scaler.update();
-    }
-    ++step;
-    models::fault_point("train.step");
-    const double dt = models::seconds_since(t0);
-    train_seconds += dt;
-    epoch_seconds += dt;
-    window_seconds += dt;
-    ++epoch_steps;
-    ++window_steps;
-    ++run_steps;
-    window_loss += loss_value;
-    result.losses.push_back(loss_value);
-
-    if (step % config.log_every == 0 || step == stop_at) {
-      const double sps = window_steps * config.batch / window_seconds;
-      metrics.write({{"step", step}, {"epoch", batch.epoch + 1}, {"loss", loss_value},
-                     {"lr", lr}, {"samples_per_s", sps}});
-      if (config.verbose) {
-        const double eta = (stop_at - step) * (train_seconds / run_steps);
-        std::string line = fmt::format(
-            "epoch {}/{}  step {}/{}  loss {:.4f}  {:.0f} samples/s  ETA {}", batch.epoch + 1,
-            epochs, step, stop_at, window_loss / window_steps, sps, models::format_duration(eta));
-        if (scaler.enabled()) {
-          line += fmt::format("  loss scale {:g} (skipped {})", scaler.scale_value(),
-                              scaler.skipped_steps());
-        }
-        progress.update(line);
-      }
-      window_seconds = 0.0;
-      window_steps = 0;
-      window_loss = 0.0;
-    }
-    if (const int sig = models::stop_signal()) {
-      if (!config.save.empty()) save();
-      if (config.verbose) progress.finish();
-      throw models::stop_requested("mnist", sig, step, stop_at, config.save,
-                                   "no --save was given");
-    }
-  }
+  const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
   // A run that stopped on the last batch of an epoch closes that epoch too.
-  if (stop_at == total_steps && epoch_steps > 0) end_of_epoch(epochs - 1);
-
-  if (!config.save.empty()) save();
+  if (o.stop_at == total_steps && replica.epoch_open(meter)) {
+    replica.end_of_epoch(epochs - 1, loop.step, meter);
+  }
 
   const Eval final_eval = evaluate(*model, test, low);
   result.test_accuracy = final_eval.accuracy;
   result.test_loss = final_eval.loss;
-  result.steps = step;
-  result.skipped_steps = scaler.skipped_steps();
-  result.samples_per_s = run_steps > 0 ? run_steps * config.batch / train_seconds : 0.0;
+  result.steps = loop.step;
+  result.losses = loop.losses;
+  result.nonfinite_skipped = loop.nonfinite_skipped;
+  result.skipped_steps = replica.scaler().skipped_steps();
+  result.samples_per_s = meter.rate();
   if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
   if (config.verbose) {
     say(fmt::format("final test accuracy {:.2f}% (loss {:.4f}) after {} steps; {:.0f} training "
                     "samples/s; {} in all{}",
-                    100 * final_eval.accuracy, final_eval.loss, step, result.samples_per_s,
+                    100 * final_eval.accuracy, final_eval.loss, loop.step, result.samples_per_s,
                     models::format_duration(models::seconds_since(run_start)),
-                    scaler.enabled() ? fmt::format("; {} f16 steps skipped", scaler.skipped_steps())
-                                     : std::string()));
+                    replica.scaler().enabled()
+                        ? fmt::format("; {} f16 steps skipped", result.skipped_steps)
+                        : std::string()));
     if (!device.is_cpu()) {
       say(fmt::format("{}: peak allocated {:.1f} MiB", device,
                       static_cast<double>(result.peak_device_bytes) / (1 << 20)));
