@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
   f.bind("test_limit", c.test_limit, "evaluate on the first N test images (0: all)");
   f.bind("log_every", c.log_every, "steps between metrics lines");
   f.bind("nonfinite", c.nonfinite,
-         "a step with a NaN/inf loss: error (stop, keep the last checkpoint) or skip (drop it)");
+         "a step with a NaN/inf loss or gradient norm: error (stop, keep the last "
+         "checkpoint) or skip (drop it)");
   std::string memory_limit = "0";
   f.bind("memory_limit", memory_limit, "tensor memory this process may use, e.g. 2G (0: no cap)");
   bool quiet = false;

@@ -41,8 +41,9 @@ struct MnistConfig {
   int64_t test_limit = 0;         // evaluate on the first N test images (0: all)
   int64_t log_every = 50;         // steps between metrics lines
   bool eval_each_epoch = true;
-  // A step whose loss is NaN or inf: "error" stops the run before anything is saved;
-  // "skip" drops that step's update (MnistResult::nonfinite_skipped counts them).
+  // A step whose loss or gradient norm (known with --clip, or with skip) is NaN or inf:
+  // "error" stops the run before anything more is saved; "skip" drops that step's update
+  // (MnistResult::nonfinite_skipped counts them). The rule of models/common/train_loop.h.
   std::string nonfinite = "error";
   int64_t memory_limit = 0;       // bytes the CPU allocator may hand out (0: no cap)
   bool verbose = true;            // progress line and summary on stdout
