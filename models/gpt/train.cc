@@ -5,14 +5,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <new>
 #include <numeric>
 #include <optional>
-#include <functional>
-#include <new>
 
 #include "models/common/checkpoint.h"
-#include "models/common/fault.h"
 #include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/common/run_control.h"
@@ -22,7 +22,6 @@
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
-#include "parallel/comm/comm_log.h"
 #include "parallel/comm/launch.h"
 #include "parallel/comm/mpi.h"
 #include "parallel/zero.h"

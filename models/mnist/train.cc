@@ -9,7 +9,6 @@
 #include <optional>
 
 #include "models/common/checkpoint.h"
-#include "models/common/fault.h"
 #include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/common/run_control.h"
