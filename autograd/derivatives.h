@@ -1,5 +1,5 @@
 // The derivative table: one entry per differentiable op, written with ops, so it runs on
-// every device (and, later, under every sharding).
+// every device and under every sharding.
 //
 //   TS_REGISTER_DERIVATIVE(mul, kSaveInput0 | kSaveInput1, 0, [](const GradCtx& c) {
 //     return grads{sum_to(c.grad(0) * c.input(1), c.in_shape(0)), ...};

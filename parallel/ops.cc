@@ -76,6 +76,14 @@ ShardedTensor dropout(const ShardedTensor& x, double p, bool training) {
   // Every rank advances by the global count, so later draws stay in step across ranks.
   return call1(OpId::dropout, {x}, op_attrs::dropout(p, default_generator(), x.numel()));
 }
+ShardedTensor conv2d(const ShardedTensor& x, const ShardedTensor& weight, const ShardedTensor& bias,
+                     std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
+  return call1(OpId::conv2d, {x, weight, bias}, op_attrs::conv2d(stride, padding));
+}
+ShardedTensor max_pool2d(const ShardedTensor& x, std::array<int64_t, 2> kernel_size,
+                         std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
+  return call(OpId::max_pool2d, {x}, op_attrs::max_pool2d(kernel_size, stride, padding))[0];
+}
 ShardedTensor attention(const ShardedTensor& q, const ShardedTensor& k, const ShardedTensor& v,
                         bool causal, double scale) {
   return call(OpId::attention, {q, k, v}, op_attrs::attention(causal, scale))[0];
@@ -85,6 +93,10 @@ ShardedTensor embedding(const ShardedTensor& weight, const ShardedTensor& indice
 }
 ShardedTensor index_select(const ShardedTensor& x, int64_t dim, const ShardedTensor& index) {
   return call1(OpId::index_select, {x, index}, op_attrs::dim(dim));
+}
+ShardedTensor index_add(const ShardedTensor& x, int64_t dim, const ShardedTensor& index,
+                        const ShardedTensor& source) {
+  return call1(OpId::index_add, {x, index, source}, op_attrs::dim(dim));
 }
 ShardedTensor gather(const ShardedTensor& x, int64_t dim, const ShardedTensor& index) {
   return call1(OpId::gather, {x, index}, op_attrs::dim(dim));

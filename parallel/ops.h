@@ -56,11 +56,17 @@ ShardedTensor cross_entropy(const ShardedTensor& logits, const ShardedTensor& ta
 // The mask of element i is the single-device mask of element i (counter-based RNG keyed by
 // the global index), whatever the placements.
 ShardedTensor dropout(const ShardedTensor& x, double p, bool training = true);
+ShardedTensor conv2d(const ShardedTensor& x, const ShardedTensor& weight, const ShardedTensor& bias = {},
+                     std::array<int64_t, 2> stride = {1, 1}, std::array<int64_t, 2> padding = {0, 0});
+ShardedTensor max_pool2d(const ShardedTensor& x, std::array<int64_t, 2> kernel_size,
+                         std::array<int64_t, 2> stride = {0, 0}, std::array<int64_t, 2> padding = {0, 0});
 // q, k, v [B, H, T, D] -> out (the logsumexp stays internal, as in tessera::attention).
 ShardedTensor attention(const ShardedTensor& q, const ShardedTensor& k, const ShardedTensor& v,
                         bool causal = true, double scale = 0.0);
 ShardedTensor embedding(const ShardedTensor& weight, const ShardedTensor& indices);
 ShardedTensor index_select(const ShardedTensor& x, int64_t dim, const ShardedTensor& index);
+ShardedTensor index_add(const ShardedTensor& x, int64_t dim, const ShardedTensor& index,
+                        const ShardedTensor& source);
 ShardedTensor gather(const ShardedTensor& x, int64_t dim, const ShardedTensor& index);
 ShardedTensor scatter_add(const ShardedTensor& x, int64_t dim, const ShardedTensor& index,
                           const ShardedTensor& src);
