@@ -21,9 +21,9 @@
 namespace tessera {
 
 // ---- elementwise --------------------------------------------------------------------------
-// The functor family ops of tensor/op_list.h, one function each: neg, exp, log, sqrt,
-// rsqrt, abs, tanh, sigmoid, relu (x); add, sub, mul, div, pow, maximum, minimum (a, b);
-// eq, ne, lt, le, gt, ge (a, b), returning bool tensors.
+// The functor family ops of tensor/op_list.h, one function each, named as the op: every
+// TS_UNARY_OPS member as f(x) (neg, exp, ..., silu), every TS_BINARY_OPS member as f(a, b)
+// (add, ..., minimum), every TS_COMPARE_OPS member as f(a, b) returning bool (eq, ..., ge).
 TS_DEFINE_FAMILY_WRAPPERS(Tensor)
 
 // GELU, exact (erf) or with the tanh approximation.
