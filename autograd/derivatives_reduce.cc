@@ -7,9 +7,6 @@ namespace {
 
 using Grads = std::vector<Tensor>;
 
-// 1.0 where mask is true, as t's dtype.
-Tensor as_float(const Tensor& mask, const Tensor& like) { return cast(mask, like.dtype()); }
-
 // Broadcasts a reduction's gradient back over the reduced dims.
 Tensor expand_reduced(const Tensor& g, const Shape& in_shape, const std::vector<int64_t>& dims,
                       bool keepdim) {
@@ -40,7 +37,7 @@ TS_REGISTER_DERIVATIVE(mean, 0, 0, [](const GradCtx& c) {
 TS_REGISTER_DERIVATIVE(max, kIn0, kOut0, [](const GradCtx& c) {
   const Tensor& x = c.input(0);
   const Tensor y = expand_reduced(c.output(0), x.shape(), c.attrs.dims, c.attrs.keepdim);
-  const Tensor mask = as_float(eq(x, y), x);
+  const Tensor mask = cast(eq(x, y), x.dtype());  // 1 at the maxima
   const Tensor count = sum(mask, c.attrs.dims, /*keepdim=*/true);
   const Tensor g = expand_reduced(c.grad(), x.shape(), c.attrs.dims, c.attrs.keepdim);
   return Grads{g * mask / count};

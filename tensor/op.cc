@@ -168,12 +168,12 @@ void run_kernel(KernelFn kernel, OpId op, Device device, std::span<const Tensor>
 // allocated. Correct everywhere at the cost of two copies; //tests:coverage_test lists
 // which ops have a kernel on which device.
 void run_on_cpu(OpId op, std::span<const Tensor> inputs, std::span<Tensor> outputs,
-                const Attrs& attrs) {
+                const std::vector<TensorSpec>& out_specs, const Attrs& attrs) {
   NoGradGuard no_grad;  // the caller records the op itself, on the device tensors
   std::vector<Tensor> host_in;
   host_in.reserve(inputs.size());
   for (const Tensor& t : inputs) host_in.push_back(t.defined() ? t.to(kCPU) : t);
-  std::vector<TensorSpec> host_specs = infer(op, host_in, attrs);
+  std::vector<TensorSpec> host_specs = out_specs;  // the same outputs, on the host
   for (TensorSpec& s : host_specs) s.device = kCPU;
   std::vector<Tensor> host_out = allocate_outputs(op, host_specs);
   run_kernel(find_kernel(op, kCPU), op, kCPU, host_in, host_out, attrs);
@@ -219,7 +219,7 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
   if (info.kind == OpKind::Compute && !device.is_cpu() &&
       kernel_fn(device.type, op) == nullptr && kernel_fn(DeviceType::cpu, op) != nullptr) {
     outputs = allocate_outputs(op, out_specs);
-    run_on_cpu(op, inputs, outputs, attrs);
+    run_on_cpu(op, inputs, outputs, out_specs, attrs);
     maybe_record(op, inputs, outputs, attrs);
     return outputs;
   }

@@ -76,9 +76,9 @@ inline Attrs cross_entropy(Reduction reduction, int64_t ignore_index) {
   return a;
 }
 // The mask of element i is drawn at counter offset + i of the generator's stream; the
-// generator advances by the (global) element count, so later draws stay in step.
+// generator advances by the (global) element count, so later draws stay in step. The
+// wrappers check p first (also when not training, where this is never reached).
 inline Attrs dropout(double p, Generator& gen, int64_t numel) {
-  TS_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got {}", p);
   Attrs a;
   a.p = p;
   a.seed = gen.seed();

@@ -15,6 +15,7 @@
 
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
+#include "tensor/op_attrs.h"
 #include "tensor/random.h"
 #include "tensor/tensor.h"
 
@@ -110,10 +111,7 @@ Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tens
 // The k largest values of x along dim, descending (NaN above everything; equal values in
 // index order), and their i64 indices: {values, indices}, x's shape with k along dim.
 inline std::vector<Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1) {
-  Attrs a;
-  a.k = k;
-  a.dim = dim;
-  return call(OpId::topk, {x}, a);
+  return call(OpId::topk, {x}, op_attrs::topk(k, dim));
 }
 
 // ---- joining and splitting ---------------------------------------------------------------

@@ -91,13 +91,16 @@ void unary_loop(const Tensor& in, const Tensor& out, F f) {
   });
 }
 
-// Floats only for the UnaryFloat family (shape inference rejects the rest), every numeric
-// dtype for UnaryNumeric.
+// The dtypes a family's kernel is instantiated for: floats only for UnaryFloat and
+// BinaryFloat (shape inference rejects the rest), every numeric dtype otherwise.
+template <typename T, bool floats_only>
+constexpr bool runs_on = std::is_floating_point_v<compute_t<T>> ||
+                         (!floats_only && !std::is_same_v<T, bool>);
+
 template <typename F, bool floats_only>
 void unary_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
   visit_dtype(in[0].dtype(), [&]<typename T>() {
-    if constexpr (std::is_floating_point_v<compute_t<T>> ||
-                  (!floats_only && !std::is_same_v<T, bool>)) {
+    if constexpr (runs_on<T, floats_only>) {
       unary_loop<T>(in[0], out[0], F{});
     }
   });
@@ -142,8 +145,7 @@ void binary_loop(const Tensor& a, const Tensor& b, const Tensor& out, F f) {
 template <typename F, bool floats_only>
 void binary_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
   visit_dtype(in[0].dtype(), [&]<typename T>() {
-    if constexpr (std::is_floating_point_v<compute_t<T>> ||
-                  (!floats_only && !std::is_same_v<T, bool>)) {
+    if constexpr (runs_on<T, floats_only>) {
       binary_loop<T, T>(in[0], in[1], out[0], F{});
     }
   });
