@@ -104,6 +104,7 @@ std::vector<int64_t> normalize_dims(std::string_view op, const std::vector<int64
     return out;
   }
   for (int64_t d : dims) out.push_back(normalize_dim(op, d, ndim));
+  if (ndim == 0) return {};  // dim 0 / -1 of a 0-d tensor: nothing to reduce over
   std::sort(out.begin(), out.end());
   if (std::adjacent_find(out.begin(), out.end()) != out.end()) {
     fail("{}: dim list [{}] repeats a dim", op, fmt::join(dims, ", "));

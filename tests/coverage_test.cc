@@ -19,7 +19,7 @@
 #include "tests/autograd/gradcheck_cases.h"
 #include "tests/parallel/sharded_cases.h"
 #include "tests/reference/op_cases.h"
-#include "tests/tensor/op_sweep.h"
+#include "tests/reference/cases.h"
 
 namespace tessera {
 namespace {
@@ -51,13 +51,8 @@ struct Row {
 
 std::map<OpId, Row> case_counts() {
   std::map<OpId, Row> rows;
-  for (auto* family : {&sweep::elementwise_sweeps, &sweep::nn_sweeps, &sweep::data_sweeps,
-                       &sweep::optim_sweeps}) {
-    for (const sweep::OpSweep& s : family()) rows[s.op].sweep += static_cast<int64_t>(s.cases.size());
-  }
-  gradcheck_cases::Table table;
-  gradcheck_cases::add_elementwise_cases(table);
-  gradcheck_cases::add_nn_cases(table);
+  for (const sweep::OpSweep& s : sweep::all_sweeps()) rows[s.op].sweep += static_cast<int64_t>(s.cases.size());
+  const gradcheck_cases::Table table = gradcheck_cases::make_table();
   gradcheck_cases::Maker maker(1);
   for (const auto& [op, cases] : table) rows[op].grad = static_cast<int64_t>(cases.make(maker).size());
   for (const parallel::testing::OpCase& c : parallel::testing::sharded_cases()) ++rows[c.op].sharded;

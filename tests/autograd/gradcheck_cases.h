@@ -178,6 +178,16 @@ inline GradcheckFn on2(Binary f) {
 // indexing, joining and splitting.
 void add_elementwise_cases(Table& t);
 void add_nn_cases(Table& t);
+// Every op's record (tests/reference/cases.h) read as gradcheck cases: gradcheck_records.cc.
+void add_record_cases(Table& t);
+// The whole table: the three above.
+inline Table make_table() {
+  Table t;
+  add_elementwise_cases(t);
+  add_nn_cases(t);
+  add_record_cases(t);
+  return t;
+}
 
 // Runs every case of one op (made on case_device() from Maker(seed)) through its checks:
 // differentiable leaves are f64 leaves, a non-contiguous case has a non-contiguous input,

@@ -27,10 +27,7 @@ using namespace gradcheck_cases;
 
 const Table& table() {
   static const Table* t = [] {
-    auto* table = new Table;
-    add_elementwise_cases(*table);
-    add_nn_cases(*table);
-    return table;
+    return new Table(make_table());
   }();
   return *t;
 }

@@ -1,7 +1,7 @@
-// GPU-tagged: the op sweep (tests/tensor/op_sweep.h) on cuda:0. Every op x dtype x layout x
+// GPU-tagged: the op sweep (tests/reference/cases.h) on cuda:0. Every op x dtype x layout x
 // case runs with its inputs on the device (the same strided / permuted / expanded views of a
 // device buffer), and its outputs are read back and compared with the CPU sweep's f64
-// reference and bounds (device_bounds() in op_sweep_harness.cc lists the few that differ).
+// reference and bounds (device_bounds() in cases_harness.cc lists the few that differ).
 // A missing kernel fails its op's runs without hiding the others: the suite prints a
 // per-op table of passed / failed runs with each op's first failure, then fails.
 //
@@ -22,21 +22,10 @@
 
 #include "kernels/cuda/runtime.h"
 #include "tensor/random.h"
-#include "tests/tensor/op_sweep.h"
+#include "tests/reference/cases.h"
 
 namespace tessera::sweep {
 namespace {
-
-const std::vector<OpSweep>& all_sweeps() {
-  static const std::vector<OpSweep> sweeps = [] {
-    std::vector<OpSweep> out;
-    for (auto* family : {&elementwise_sweeps, &nn_sweeps, &data_sweeps, &optim_sweeps}) {
-      for (OpSweep& s : family()) out.push_back(std::move(s));
-    }
-    return out;
-  }();
-  return sweeps;
-}
 
 // Sets the sweep's device for a scope (the CPU again afterwards).
 struct OnDevice {
@@ -111,7 +100,7 @@ TEST_CASE("rand on cuda:0 equals the CPU bitwise; randn within a few ulps; gener
       const Tensor zc = randn(shape, dt, kCPU, &gc), zd = randn(shape, dt, cuda(0), &gd);
       CHECK(gc.offset() == gd.offset());
       const std::vector<double> a = values(zd), b = zc.to_vector<double>();
-      // 2^-22 relative (device_bounds in op_sweep_harness.cc); 16-bit: one rounding of that.
+      // 2^-22 relative (device_bounds in cases_harness.cc); 16-bit: one rounding of that.
       const double rel = dt == DType::f64   ? 1e-12
                          : dt == DType::f32 ? 0x1p-22
                          : dt == DType::f16 ? 0x1p-10

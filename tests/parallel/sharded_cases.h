@@ -18,28 +18,18 @@
 
 #include "parallel/ops.h"
 #include "tensor/op.h"
+#include "tests/reference/op_cases.h"
 
 namespace tessera::parallel::testing {
 
-// How an input's values are drawn.
-enum class Domain : uint8_t {
-  normal,     // N(0, scale^2)
-  positive,   // uniform [lo, hi), lo > 0
-  away,       // a random sign times uniform [lo, hi)
-  integers,   // integer values in [lo, hi] in the case's float dtype (ties for comparisons)
-  index,      // integer values in [lo, hi] in an integer dtype
-  boolean,    // b8
-  fixed,      // `values`, in `dtype` (or the case dtype when floating)
-};
-
+// An input: its shape and how its values are drawn (ref::Domain, the vocabulary of every
+// runner; drawn by the op sweep's draw(), so every runner draws values the same way).
 struct InputSpec {
   Shape shape;
-  Domain domain = Domain::normal;
-  double lo = 0.0, hi = 1.0;  // normal: hi is the scale
-  DType dtype = DType::f32;   // index / boolean / fixed integer inputs; floats use the case's
-  bool floating = true;       // takes the case's dtype (and Partial placements)
-  bool absent = false;        // an undefined optional input
-  std::vector<double> values; // fixed
+  ref::Domain domain = ref::normal();
+  DType dtype = DType::f32;  // index / boolean / fixed integer inputs; floats use the case's
+  bool floating = true;      // takes the case's dtype (and Partial placements)
+  bool absent = false;       // an undefined optional input
 };
 
 InputSpec in(Shape shape, double scale = 1.0);
@@ -92,6 +82,8 @@ std::vector<OpCase> sharded_cases();
 std::vector<OpCase> elementwise_cases();  // sharded_cases.cc
 std::vector<OpCase> nn_cases();           // sharded_cases_nn.cc
 std::vector<OpCase> data_cases();         // sharded_cases_nn.cc
-std::vector<OpCase> test_case_cases();    // the cases of tests/reference/op_cases.cc
+// The cases read from every op's record (tests/reference/cases.h; see sharded_cases.cc for
+// which of a record's cases run here).
+std::vector<OpCase> record_cases();
 
 }  // namespace tessera::parallel::testing

@@ -48,6 +48,7 @@
 #include "tensor/error.h"
 #include "tensor/ops.h"
 #include "tests/parallel/sharded_cases.h"
+#include "tests/reference/cases.h"
 
 namespace tessera::parallel::testing {
 namespace {
@@ -80,28 +81,10 @@ Tensor values_tensor(const std::vector<double>& v, const Shape& shape, DType dt)
   return Tensor::from_vector<double>(v, shape).cast(dt);
 }
 
+// One way of drawing values for every runner: the op sweep's draw().
 Tensor draw(const InputSpec& s, DType case_dtype, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  const int64_t n = numel_of(s.shape);
-  std::vector<double> v(static_cast<size_t>(n));
-  std::uniform_real_distribution<double> unit(0.0, 1.0);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  for (double& x : v) {
-    switch (s.domain) {
-      case Domain::normal: x = s.hi * normal(rng); break;
-      case Domain::positive: x = s.lo + (s.hi - s.lo) * unit(rng); break;
-      case Domain::away: x = (unit(rng) < 0.5 ? -1 : 1) * (s.lo + (s.hi - s.lo) * unit(rng)); break;
-      case Domain::integers:
-      case Domain::index:
-        x = std::floor(s.lo + (s.hi - s.lo + 1) * unit(rng));
-        x = std::min(x, s.hi);
-        break;
-      case Domain::boolean: x = unit(rng) < 0.5 ? 1.0 : 0.0; break;
-      case Domain::fixed: break;
-    }
-  }
-  if (s.domain == Domain::fixed) v = s.values;
-  return values_tensor(v, s.shape, s.floating ? case_dtype : s.dtype);
+  const DType dt = s.floating ? case_dtype : s.dtype;
+  return sweep::make_tensor(sweep::draw(sweep::arg(s.shape, s.domain), dt, seed), dt);
 }
 
 // A Partial term's random part: integers for integer-valued inputs (exact sums).
@@ -504,7 +487,7 @@ struct Run {
     for (size_t i = 0; i < c.inputs.size(); ++i) {
       const Tensor& full = ref.inputs[i];
       if (!full.defined()) continue;
-      const bool integer_valued = c.inputs[i].domain == Domain::integers;
+      const bool integer_valued = c.inputs[i].domain.kind == ref::Domain::Kind::integers;
       Tensor local =
           block_of(partial_term(full, *mesh, placements[i], integer_valued, mix(seed, i)), *mesh, placements[i])
               .clone();

@@ -1,18 +1,16 @@
-// One test case per op, after PyTorch's OpInfo and ggml's test_case: its f64 reference and
-// the values it is checked on. A functor family op (tensor/op_list.h's TS_UNARY_OPS,
-// TS_BINARY_OPS, TS_COMPARE_OPS) has one FunctorOpCase (its shapes and layouts come from
-// the family); any other op written since (topk, ...) has its OpTestCases (shapes and
-// attributes given, layouts from the runner). Every runner reads this one record: the op sweep (all dtypes and
-// layouts against the reference, tests/tensor), gradcheck (tests/autograd), the sharded
-// equivalence suite (every placement on 1-D and 2-D meshes, tests/parallel) and the CUDA
-// suites (tests/cuda). Shapes and layouts come from the family (each runner's own set).
+// The functor family ops' test cases (tensor/op_list.h's TS_UNARY_OPS, TS_BINARY_OPS,
+// TS_COMPARE_OPS): one FunctorOpCase per op gives its domains, its f64 reference and its
+// exact/cancels/kink/ties flags; shapes and layouts come from the family. Every runner
+// reads it: the op sweep (cases_elementwise.cc builds the op's record from it), gradcheck
+// (tests/autograd), the sharded suite (tests/parallel) and the CUDA elementwise suite.
 //
 //   unary(OpId::exp, normal(2), [](double x) { return std::exp(x); }),  // in op_cases.cc:
 //                                                 // the whole test of a new unary op
 //
-// Domains are one vocabulary for every runner (Domain below): the op sweep draws them as
-// given; gradcheck and the sharded suite map them onto their own generators (positive
-// values, values away from zero, small integers).
+// Domain is the one vocabulary of input values for every runner (every op's record too,
+// cases.h). The op sweep, the sharded suite and gradcheck's record cases draw it with
+// cases.h's draw(); gradcheck's functor cases map it onto Maker's generators (values away
+// from kinks and ties).
 #pragma once
 
 #include <cstdint>
@@ -63,29 +61,5 @@ struct FunctorOpCase {
 const std::vector<FunctorOpCase>& functor_op_cases();
 // The case of `op`; Error-free: null when op is not a functor family op.
 const FunctorOpCase* functor_op_case(OpId op);
-
-// ---- Any other op: given shapes and attributes, and an f64 reference of every output ----
-struct OpInput {
-  Shape shape;
-  Domain domain = normal();
-  std::optional<DType> dtype;  // a fixed dtype (indices); unset: the case's dtype
-};
-
-struct OpTestCase {
-  OpId op;
-  std::string label;
-  std::vector<OpInput> inputs;
-  Attrs attrs;
-  // Every output from the inputs' values (as doubles) and the attributes.
-  std::function<std::vector<NdArray>(const std::vector<NdArray>&, const Attrs&)> ref;
-  std::vector<std::optional<DType>> out_dtypes;  // per output; unset: the case's dtype
-  std::vector<DType> dtypes = {DType::f32, DType::f64, DType::f16, DType::bf16};
-  std::vector<DType> rejected = {DType::i32, DType::i64, DType::b8};  // must throw
-  bool exact = false;    // float outputs bitwise (selections, copies); integers always are
-  int grad_output = 0;   // the output gradcheck differentiates; -1: none (NoDiff ops)
-};
-
-// The cases of every op outside the functor families that has them, in op-list order.
-const std::vector<OpTestCase>& op_test_cases();
 
 }  // namespace tessera::ref

@@ -1,11 +1,11 @@
 // The op sweep: every op in tensor/op_list.h, over every dtype it supports and every input
 // layout, against the f64 reference (tests/reference). See op_sweep.h for the harness and
-// the tolerances; the cases live in op_sweep_{elementwise,nn,data,factories,optim}.cc.
+// the tolerances; the cases live in tests/reference/cases_{elementwise,nn,data,factories,optim}.cc.
 //
 //   bazel test //tests/tensor:op_sweep_test
 //   OP_SWEEP_ONLY=matmul bazel-bin/tests/tensor/op_sweep_test   # one op's sweep only
 //   OP_SWEEP_SUMMARY=1 bazel-bin/tests/tensor/op_sweep_test     # dtypes x layouts per op
-#include "tests/tensor/op_sweep.h"
+#include "tests/reference/cases.h"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -19,17 +19,6 @@
 namespace tessera::sweep {
 namespace {
 
-const std::vector<OpSweep>& all_sweeps() {
-  static const std::vector<OpSweep> sweeps = [] {
-    std::vector<OpSweep> out;
-    for (auto* family : {&elementwise_sweeps, &nn_sweeps, &data_sweeps, &optim_sweeps}) {
-      for (OpSweep& s : family()) out.push_back(std::move(s));
-    }
-    return out;
-  }();
-  return sweeps;
-}
-
 TEST_CASE("op sweep: every op in the op list has sweep cases") {
   std::map<OpId, int> count;
   for (const OpSweep& s : all_sweeps()) {
@@ -39,7 +28,7 @@ TEST_CASE("op sweep: every op in the op list has sweep cases") {
   }
   for (const OpInfo& info : all_ops()) {
     CHECK_MESSAGE(count[info.id] == 1, "op '", info.name, "' has ", count[info.id],
-                  " sweeps (expected exactly one): add its cases to tests/tensor/op_sweep_*.cc");
+                  " sweeps (expected exactly one): add its cases to tests/reference/cases_*.cc");
   }
 }
 

@@ -1,6 +1,17 @@
-// The op sweep harness (after ggml's test-backend-ops): every op in tensor/op_list.h gets an
-// OpSweep, a table of cases that the harness runs over every dtype the op supports and
-// every input layout, comparing all outputs with the f64 reference (tests/reference).
+// One record per op (after PyTorch's OpInfo and ggml's test_case): every op in
+// tensor/op_list.h has one OpSweep, its cases (inputs with shapes and domains, attributes,
+// the f64 reference of every output, tolerances) and its dtypes, in cases_<family>.cc.
+// Every runner reads it:
+//   - the op sweep (tests/tensor/op_sweep_test.cc; on cuda:0, tests/cuda): every case over
+//     every dtype the op supports and every input layout, against the reference;
+//   - gradcheck (tests/autograd/gradcheck_records.cc): the eligible cases in f64,
+//     contiguous and permuted/strided;
+//   - the sharded suite (tests/parallel/sharded_cases.cc, record_cases): the eligible
+//     cases on every placement of every input.
+// The functor family ops (tensor/op_list.h's TS_UNARY_OPS, ...) build theirs from their
+// FunctorOpCase (op_cases.h). The few cases a runner cannot read from a record are written
+// in that runner's files, which say why (dropout's one mask per gradcheck evaluation, the
+// composites' and in-place ops' sharded forms).
 //
 //   OpSweep s{OpId::exp, kFloats, {DType::i32, DType::i64, DType::b8}};
 //   s.cases.push_back(unary("[5, 7]", {5, 7}, uniform(-3, 3),
@@ -40,7 +51,7 @@
 // gaps. Outputs are read back through read_tensor(), which copies a device tensor's
 // storage to the CPU first, and compared with the same reference and bounds (the bounds
 // above are at least as strict as "CUDA f32 within 1e-5 relative of the CPU"). Where a
-// device needs another bound, device_bounds() in op_sweep_harness.cc states it per op with
+// device needs another bound, device_bounds() in cases_harness.cc states it per op with
 // the reason. 16-bit twins run on the same device.
 #pragma once
 
@@ -76,7 +87,8 @@ inline const std::vector<DType> kAll = {DType::f32, DType::f64, DType::f16, DTyp
                                         DType::i32, DType::i64, DType::b8};
 inline const std::vector<DType> kNonFloat = {DType::i32, DType::i64, DType::b8};
 
-// How an input's values are drawn: the vocabulary every runner shares (op_cases.h).
+// How an input's values are drawn: the one vocabulary of every runner (op_cases.h), drawn
+// by draw() below for all of them.
 using ref::Domain;
 using ref::normal;
 using ref::uniform;
@@ -121,6 +133,10 @@ struct Case {
   bool views_input0 = false;  // outputs must share input 0's storage (view ops)
   std::vector<DType> dtypes;  // restricts the op's dtypes for this case
   std::vector<Layout> layouts = {kLayouts, kLayouts + 4};
+  // What the other runners read besides the above (see the top of this file):
+  int grad_output = 0;  // the output gradcheck differentiates
+  bool grad = true;     // gradcheck it (when eligible: see gradcheck_records.cc)
+  bool sharded = true;  // run it on every placement (when eligible: see sharded_cases.cc)
 };
 
 struct OpSweep {
@@ -131,12 +147,14 @@ struct OpSweep {
   std::function<void()> extra;  // checks outside the table (errors, randomness, aliasing)
 };
 
-std::vector<OpSweep> elementwise_sweeps();  // op_sweep_elementwise.cc
-std::vector<OpSweep> nn_sweeps();           // op_sweep_nn.cc
-std::vector<OpSweep> data_sweeps();         // op_sweep_data.cc
-std::vector<OpSweep> optim_sweeps();        // op_sweep_optim.cc
+// Every op's record, in op-list order within each family file.
+const std::vector<OpSweep>& all_sweeps();
+std::vector<OpSweep> elementwise_sweeps();  // cases_elementwise.cc
+std::vector<OpSweep> nn_sweeps();           // cases_nn.cc
+std::vector<OpSweep> data_sweeps();         // cases_data.cc
+std::vector<OpSweep> optim_sweeps();        // cases_optim.cc
 
-// ---- harness (op_sweep_harness.cc) ------------------------------------------------------
+// ---- harness (cases_harness.cc) ------------------------------------------------------
 // A contiguous tensor holding `a` (values must be representable in dt), written directly
 // into memory: no Tessera kernel takes part.
 Tensor make_tensor(const NdArray& a, DType dt);
@@ -180,6 +198,13 @@ void set_sweep_device(Device device);
 Tensor on_sweep_device(const Tensor& t);
 
 void run_sweep(const OpSweep& sweep, Coverage& coverage);
+// Case ci's input values in dtype dt (drawn from the case's domains with a seed fixed per
+// op, case and input, then `prepare`d), as every runner draws them.
+Arrays draw_inputs(const OpSweep& sweep, const Case& c, size_t ci, DType dt);
+// Runs case c on `inputs` in dtype dt: c.run, or call(op, inputs, attrs).
+Tensors run_case(const OpSweep& sweep, const Case& c, const Tensors& inputs, DType dt);
+// The dtype an input of case dtype dt takes (its fixed dtype, the stats dtype, or dt).
+DType arg_dtype(const Arg& a, DType dt);
 // Reports a failure (doctest FAIL_CHECK, within Coverage::print_limit_per_op) and counts it
 // against the op being swept.
 void report_failure(const std::string& message);

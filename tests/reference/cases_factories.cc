@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "tests/tensor/op_sweep.h"
+#include "tests/reference/cases.h"
 
 namespace tessera::sweep {
 namespace {
@@ -95,6 +95,7 @@ OpSweep random_sweep(OpId op) {
     c.attrs.seed = d.seed;
     c.attrs.offset = d.offset;
     c.attrs.rng_view = d.view;
+    c.sharded = d.view.global_shape.empty();  // a block: the sharded form sets rng_view itself
     if (normal) {
       // The kernel evaluates the same f64 Box-Muller and rounds once: f32 within u = 2^-24
       // (the factor covers the double arithmetic of the difference); f64 within libm's

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <limits>
 
-#include "tests/tensor/op_sweep.h"
+#include "tests/reference/cases.h"
 
 namespace tessera::sweep {
 namespace {

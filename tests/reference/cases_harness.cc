@@ -9,7 +9,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "tests/tensor/op_sweep.h"
+#include "tests/reference/cases.h"
 
 namespace tessera::sweep {
 
@@ -68,6 +68,17 @@ struct FailureLog {
 FailureLog g_failures;
 
 }  // namespace
+
+const std::vector<OpSweep>& all_sweeps() {
+  static const std::vector<OpSweep> sweeps = [] {
+    std::vector<OpSweep> out;
+    for (auto* family : {&elementwise_sweeps, &nn_sweeps, &data_sweeps, &optim_sweeps}) {
+      for (OpSweep& s : family()) out.push_back(std::move(s));
+    }
+    return out;
+  }();
+  return sweeps;
+}
 
 Device sweep_device() { return g_device; }
 void set_sweep_device(Device device) { g_device = device; }
@@ -352,21 +363,29 @@ NdArray abs_of(const NdArray& a) {
   return ref::map(a, [](double v) { return std::fabs(v); });
 }
 
+}  // namespace
+
+namespace {
 uint64_t seed_of(OpId op, size_t case_index, size_t arg_index) {
   return 1000003ull * (static_cast<uint64_t>(op) + 1) + 7919ull * case_index + 101ull * arg_index;
 }
+
+}  // namespace
 
 DType arg_dtype(const Arg& a, DType dt) {
   if (a.dtype) return *a.dtype;
   return a.stats ? stats_of(dt) : dt;
 }
 
+namespace {
 struct Prepared {
   Tensors tensors;
   Arrays seen;
   bool laid_out = false;
   std::string text;  // "in0 f16[3, 4] strides [...] offset 0, ..."
 };
+
+}  // namespace
 
 Arrays draw_inputs(const OpSweep& s, const Case& c, size_t ci, DType dt) {
   Arrays vals;
@@ -383,6 +402,7 @@ Arrays draw_inputs(const OpSweep& s, const Case& c, size_t ci, DType dt) {
   return vals;
 }
 
+namespace {
 // Lays out `vals`; `compute_dt` replaces the case dtype (the f32 twin of a 16-bit run).
 Prepared lay_out(const Case& c, const Arrays& vals, DType dt, DType compute_dt, Layout layout) {
   Prepared p;
@@ -404,6 +424,8 @@ Prepared lay_out(const Case& c, const Arrays& vals, DType dt, DType compute_dt, 
   return p;
 }
 
+}  // namespace
+
 Tensors run_case(const OpSweep& s, const Case& c, const Tensors& in, DType dt) {
   if (c.run) return c.run(in, dt);
   Attrs a = c.attrs;
@@ -414,6 +436,7 @@ Tensors run_case(const OpSweep& s, const Case& c, const Tensors& in, DType dt) {
   return call(s.op, in, a);
 }
 
+namespace {
 void run_one(const OpSweep& s, const Case& c, size_t ci, DType dt, Layout layout, Coverage& cov) {
   const Arrays vals = draw_inputs(s, c, ci, dt);
   const Prepared p = lay_out(c, vals, dt, dt, layout);

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "tests/tensor/op_sweep.h"
+#include "tests/reference/cases.h"
 
 namespace tessera::sweep {
 namespace {
@@ -291,6 +291,10 @@ OpSweep cross_entropy_sweep() {
     c.args = {arg({ce.n, ce.c}, normal(3)), target_arg(ce)};
     c.attrs.reduction = ce.reduction;
     c.attrs.ignore_index = ce.ignore_index;
+    // Every row ignored under mean: 0 / 0, no derivative to check.
+    c.grad = !(ce.reduction == Reduction::mean && !ce.targets.empty() &&
+               std::all_of(ce.targets.begin(), ce.targets.end(),
+                           [&](double t) { return t == static_cast<double>(ce.ignore_index); }));
     c.ref = [ce](const Arrays& in, DType) {
       return ref::cross_entropy(in[0], in[1], to_ref(ce.reduction), ce.ignore_index);
     };
@@ -385,6 +389,7 @@ OpSweep dropout_sweep() {
   block.ref = [](const Arrays& in, DType) {
     return Arrays{ref::dropout(in[0], 0.5, 99, 11, {6, 8}, {2, 3})};
   };
+  block.sharded = false;  // the sharded form sets rng_view per block itself
   s.cases.push_back(std::move(block));
   s.extra = [] {
     const Tensor x = ones({1000});
@@ -472,6 +477,9 @@ OpSweep attention_backward_sweep() {
     };
     c.ref = [r](const Arrays& in, DType) { return r.backward(in, false); };
     c.mag = [r](const Arrays& in, DType) { return r.backward(in, true); };
+    // One key: the gradients of q and k are 0 up to rounding, which the sharded suite's
+    // relative bound cannot compare (the sweep bounds them by their magnitudes).
+    c.sharded = at.shape[2] > 1;
     s.cases.push_back(std::move(c));
   }
   return s;

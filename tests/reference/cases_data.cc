@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "tests/tensor/op_sweep.h"
+#include "tests/reference/cases.h"
 
 namespace tessera::sweep {
 namespace {
@@ -25,6 +25,64 @@ Case exact_case(std::string label, std::vector<Arg> args,
 }
 
 // ---- indexing ------------------------------------------------------------------------------
+
+// topk's f64 reference: the k largest along dim, largest first (NaN largest, equal values
+// in index order), and their indices.
+Arrays topk_ref(const NdArray& x, int64_t k, int64_t dim_in) {
+  const int64_t dim = ref::wrap_dim(dim_in, x.ndim());
+  Shape s = x.shape;
+  s[dim] = k;
+  NdArray values = NdArray::zeros(s), indices = NdArray::zeros(s);
+  for (int64_t flat = 0; flat < values.numel(); ++flat) {
+    std::vector<int64_t> at = ref::unravel(flat, s);
+    if (at[dim] != 0) continue;  // one row per position of the other dims
+    std::vector<std::pair<double, int64_t>> row;
+    for (int64_t j = 0; j < x.shape[dim]; ++j) {
+      at[dim] = j;
+      row.push_back({x.at(at), j});
+    }
+    std::stable_sort(row.begin(), row.end(), [](const auto& p, const auto& q) {
+      if (std::isnan(p.first) || std::isnan(q.first)) return std::isnan(p.first) && !std::isnan(q.first);
+      return p.first > q.first;
+    });
+    for (int64_t j = 0; j < k; ++j) {
+      at[dim] = j;
+      values.at(at) = row[j].first;
+      indices.at(at) = static_cast<double>(row[j].second);
+    }
+  }
+  return {values, indices};
+}
+
+// topk along attrs.dim; integer dtypes draw small integers (ties).
+OpSweep topk_sweep() {
+  OpSweep s{OpId::topk, kNumeric, {DType::b8}, {}, {}};
+  struct T {
+    const char* label;
+    Shape shape;
+    int64_t k, dim;
+    Domain domain;
+  };
+  for (const T& t : {T{"[6, 9] k 3 dim -1", {6, 9}, 3, -1, normal()},
+                     T{"[4, 5, 6] k 2 dim 1", {4, 5, 6}, 2, 1, normal()},
+                     T{"[5, 7] k 7 dim 1 (all, sorted)", {5, 7}, 7, 1, normal()},
+                     T{"[5, 7] k 0", {5, 7}, 0, 1, normal()},
+                     T{"[8, 4] k 3 dim 0 ties", {8, 4}, 3, 0, ints(-2, 2)},
+                     T{"[2, 8] k 4 IEEE specials", {2, 8}, 4, 1,
+                       fixed({NAN, 1.0, -INFINITY, 0.0, -0.0, INFINITY, 3.0, NAN, 2.0, 2.0, -1.0,
+                              5.0, -5.0, 2.0, 0.5, 1.0})}}) {
+    Case c;
+    c.label = t.label;
+    c.args = {arg(t.shape, t.domain, ints(-9, 9))};
+    c.attrs.k = t.k;
+    c.attrs.dim = t.dim;
+    c.ref = [k = t.k, dim = t.dim](const Arrays& in, DType) { return topk_ref(in[0], k, dim); };
+    c.out_dtype = [](DType dt, size_t i) { return i == 1 ? DType::i64 : dt; };
+    c.exact = true;
+    s.cases.push_back(std::move(c));
+  }
+  return s;
+}
 
 std::vector<OpSweep> index_sweeps() {
   std::vector<OpSweep> out;
@@ -179,6 +237,7 @@ std::vector<OpSweep> index_sweeps() {
     sa.cases.push_back(std::move(c));
   }
   out.push_back(std::move(sa));
+  out.push_back(topk_sweep());
   return out;
 }
 
@@ -269,6 +328,9 @@ std::vector<OpSweep> copy_sweeps() {
                         [to](const Arrays& in, DType) { return Arrays{ref::round_to(in[0], to)}; });
     c.attrs.dtype = to;
     c.out_dtype = [to](DType, size_t) { return to; };
+    // Finite differences through a rounding to a narrower float measure the rounding, not
+    // the derivative: gradcheck_cases_elementwise.cc checks those casts on exact values.
+    c.grad = to == DType::f64;
     cast_s.cases.push_back(std::move(c));
   }
   struct Edge {
@@ -543,36 +605,11 @@ std::vector<OpSweep> view_sweeps() {
 
 }  // namespace
 
-std::vector<OpSweep> factory_sweeps();  // op_sweep_factories.cc
-
-// The ops with their cases in tests/reference/op_cases.cc: one sweep per op, each case on
-// every layout; integer dtypes draw small integers (ties).
-static std::vector<OpSweep> test_case_sweeps() {
-  std::vector<OpSweep> out;
-  for (const ref::OpTestCase& tc : ref::op_test_cases()) {
-    if (out.empty() || out.back().op != tc.op) out.push_back(OpSweep{tc.op, tc.dtypes, tc.rejected, {}, {}});
-    Case c;
-    c.label = tc.label;
-    for (const ref::OpInput& in : tc.inputs) {
-      Arg a = arg(in.shape, in.domain, ints(-9, 9));
-      a.dtype = in.dtype;
-      c.args.push_back(std::move(a));
-    }
-    c.attrs = tc.attrs;
-    c.ref = [tc](const Arrays& in, DType) { return tc.ref(in, tc.attrs); };
-    c.out_dtype = [tc](DType dt, size_t i) {
-      return i < tc.out_dtypes.size() && tc.out_dtypes[i] ? *tc.out_dtypes[i] : dt;
-    };
-    c.exact = tc.exact;
-    out.back().cases.push_back(std::move(c));
-  }
-  return out;
-}
+std::vector<OpSweep> factory_sweeps();  // cases_factories.cc
 
 std::vector<OpSweep> data_sweeps() {
   std::vector<OpSweep> out;
-  for (auto* family : {&index_sweeps, &join_sweeps, &copy_sweeps, &view_sweeps, &factory_sweeps,
-                       &test_case_sweeps}) {
+  for (auto* family : {&index_sweeps, &join_sweeps, &copy_sweeps, &view_sweeps, &factory_sweeps}) {
     for (OpSweep& s : (*family)()) out.push_back(std::move(s));
   }
   return out;
