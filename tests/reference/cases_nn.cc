@@ -422,6 +422,8 @@ const Attn kAttention[] = {
     {"[1, 2, 9, 8] causal, scale 0.5", {1, 2, 9, 8}, true, 0.5},
     {"[3, 1, 6, 3] not causal, scale -0.3", {3, 1, 6, 3}, false, -0.3},
     {"[1, 1, 1, 5] one query", {1, 1, 1, 5}, true, 0.0},
+    // As tensor-parallel GPT runs it: causal, 4 heads (whole heads per rank on 2 and 4).
+    {"[1, 4, 4, 3] causal, 4 heads", {1, 4, 4, 3}, true, 0.0},
 };
 
 OpSweep attention_sweep() {
