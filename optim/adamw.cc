@@ -4,6 +4,7 @@
 
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
+#include "tensor/op_attrs.h"
 #include "tensor/ops.h"
 
 namespace tessera::optim {
@@ -74,13 +75,8 @@ void AdamW::step() {
           in.insert(in.end(), {item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq"),
                                master == s.end() ? Tensor() : master->second});
         }
-        Attrs a;
-        a.step_count = bucket.front().state->step + 1;
-        a.lr = group.lr;
-        a.beta1 = options_.betas.first;
-        a.beta2 = options_.betas.second;
-        a.eps = options_.eps;
-        a.weight_decay = group.weight_decay;
+        const Attrs a = op_attrs::adamw(bucket.front().state->step + 1, group.lr, options_.betas.first,
+                                        options_.betas.second, options_.eps, group.weight_decay);
         call_update(OpId::adamw_, std::move(in), a, 5, {0, 2, 3, 4});
         for (const Pending& item : bucket) ++item.state->step;
       });

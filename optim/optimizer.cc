@@ -3,9 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <array>
 #include <cmath>
-#include <limits>
 #include <set>
 #include <utility>
 
@@ -102,36 +100,17 @@ const std::map<std::string, Tensor>& Optimizer::state(int64_t i) const {
   return state_[static_cast<size_t>(i)].tensors;
 }
 
-namespace {
-
-// call_inplace takes the written inputs as an initializer_list, whose length is fixed at
-// compile time: call_update passes a fixed number of indices, those past the inputs
-// (SIZE_MAX) being skipped by call_inplace.
-constexpr size_t kMaxWrittenPerTuple = 4;
-
-template <size_t N, size_t... I>
-void call_inplace_with(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
-                       const std::array<size_t, N>& written, std::index_sequence<I...>) {
-  call_inplace(op, std::move(inputs), attrs, {written[I]...});
-}
-
-}  // namespace
-
 void Optimizer::call_update(OpId op, std::vector<Tensor> inputs, const Attrs& attrs, size_t width,
                             std::initializer_list<size_t> written) {
-  constexpr size_t kMaxWritten = kMaxTuplesPerCall * kMaxWrittenPerTuple;
   const size_t tuples = inputs.size() / width;
-  TS_CHECK(inputs.size() % width == 0 && tuples <= kMaxTuplesPerCall &&
-               written.size() <= kMaxWrittenPerTuple,
+  TS_CHECK(inputs.size() % width == 0 && tuples <= kMaxTuplesPerCall,
            "{}: {} inputs are not at most {} tuples of {}", op_name(op), inputs.size(),
            kMaxTuplesPerCall, width);
-  std::array<size_t, kMaxWritten> index;
-  index.fill(std::numeric_limits<size_t>::max());
-  size_t n = 0;
+  std::vector<size_t> index;
   for (size_t j = 0; j < tuples; ++j) {
-    for (size_t w : written) index[n++] = j * width + w;
+    for (size_t w : written) index.push_back(j * width + w);
   }
-  call_inplace_with(op, std::move(inputs), attrs, index, std::make_index_sequence<kMaxWritten>());
+  call_inplace(op, std::move(inputs), attrs, index);
 }
 
 std::string Optimizer::describe_param(int64_t i) const {

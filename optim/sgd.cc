@@ -4,6 +4,7 @@
 
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
+#include "tensor/op_attrs.h"
 #include "tensor/ops.h"
 
 namespace tessera::optim {
@@ -85,13 +86,8 @@ void SGD::step() {
                                buffer == s.end() ? Tensor() : buffer->second,
                                master == s.end() ? Tensor() : master->second});
         }
-        Attrs a;
-        a.step_count = bucket.front().state->step + 1;
-        a.lr = group.lr;
-        a.momentum = options_.momentum;
-        a.dampening = options_.dampening;
-        a.weight_decay = group.weight_decay;
-        a.nesterov = options_.nesterov;
+        const Attrs a = op_attrs::sgd(bucket.front().state->step + 1, group.lr, options_.momentum,
+                                      options_.dampening, group.weight_decay, options_.nesterov);
         call_update(OpId::sgd_, std::move(in), a, 4, {0, 2, 3});
         for (const Pending& item : bucket) ++item.state->step;
       });

@@ -288,9 +288,9 @@ ShardedTensor call1(OpId op, const std::vector<ShardedTensor>& inputs, const Att
 }
 
 void call_inplace(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs& attrs,
-                  std::initializer_list<size_t> written) {
+                  const std::vector<size_t>& written) {
   const MeshPtr& mesh = common_mesh(op, inputs);
-  Prepared p = prepare(op, inputs, attrs, mesh, std::vector<size_t>(written));
+  Prepared p = prepare(op, inputs, attrs, mesh, written);
   CommCause cause(std::string(op_name(op)));
   if (op == OpId::copy_) {
     tessera::call_copy_(p.locals.at(0), p.locals.at(1));

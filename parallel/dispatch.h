@@ -23,7 +23,7 @@ ShardedTensor call1(OpId op, const std::vector<ShardedTensor>& inputs, const Att
 // In-place ops (copy_, adamw_, sgd_): the inputs listed in `written` keep their placements
 // (Error if the rule would move them); the others are redistributed to match.
 void call_inplace(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs& attrs,
-                  std::initializer_list<size_t> written);
+                  const std::vector<size_t>& written);
 // Factories (full, arange, rand, randn): each rank makes its block of the global tensor
 // (random draws equal slicing the single-device draw).
 ShardedTensor factory(OpId op, const Attrs& attrs, const MeshPtr& mesh, const Placements& placements);

@@ -271,7 +271,7 @@ void call_copy_(const Tensor& dst, const Tensor& src) {
 }
 
 void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
-                  std::initializer_list<size_t> written) {
+                  const std::vector<size_t>& written) {
   const OpInfo& info = op_info(op);
   TS_CHECK(info.kind == OpKind::Compute && !info.differentiable,
            "{}: call_inplace runs only non-differentiable Compute ops", info.name);

@@ -130,7 +130,7 @@ void call_copy_(const Tensor& dst, const Tensor& src);
 // requires grad (optimizers step under NoGradGuard), or if a written input is an expanded
 // view.
 void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
-                  std::initializer_list<size_t> written);
+                  const std::vector<size_t>& written);
 
 }  // namespace tessera
 

@@ -153,4 +153,27 @@ inline Attrs arange(double start, double end, double step, DType dtype) {
   return a;
 }
 
+inline Attrs adamw(int64_t step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay) {
+  Attrs a;
+  a.step_count = step;
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.eps = eps;
+  a.weight_decay = weight_decay;
+  return a;
+}
+inline Attrs sgd(int64_t step, double lr, double momentum, double dampening, double weight_decay,
+                 bool nesterov) {
+  Attrs a;
+  a.step_count = step;
+  a.lr = lr;
+  a.momentum = momentum;
+  a.dampening = dampening;
+  a.weight_decay = weight_decay;
+  a.nesterov = nesterov;
+  return a;
+}
+
 }  // namespace tessera::op_attrs

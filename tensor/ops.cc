@@ -234,31 +234,19 @@ void copy_(const Tensor& dst, const Tensor& src) { call_copy_(dst, src); }
 void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
             const Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
             double eps, double weight_decay, const Tensor& master) {
-  Attrs a;
-  a.step_count = step;
-  a.lr = lr;
-  a.beta1 = beta1;
-  a.beta2 = beta2;
-  a.eps = eps;
-  a.weight_decay = weight_decay;
   std::vector<Tensor> in = {param, grad, exp_avg, exp_avg_sq};
   if (master.defined()) in.push_back(master);
-  call_inplace(OpId::adamw_, std::move(in), a, {0, 2, 3, 4});
+  call_inplace(OpId::adamw_, std::move(in), op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay),
+               {0, 2, 3, 4});
 }
 
 void sgd_(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer, int64_t step,
           double lr, double momentum, double dampening, double weight_decay, bool nesterov,
           const Tensor& master) {
-  Attrs a;
-  a.step_count = step;
-  a.lr = lr;
-  a.momentum = momentum;
-  a.dampening = dampening;
-  a.weight_decay = weight_decay;
-  a.nesterov = nesterov;
   std::vector<Tensor> in = {param, grad, momentum_buffer};
   if (master.defined()) in.push_back(master);
-  call_inplace(OpId::sgd_, std::move(in), a, {0, 2, 3});
+  call_inplace(OpId::sgd_, std::move(in),
+               op_attrs::sgd(step, lr, momentum, dampening, weight_decay, nesterov), {0, 2, 3});
 }
 
 // ---- views --------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 // The coverage table: every op of tensor/op_list.h against every layer and every runner,
 // printed in one place and checked. Columns: the op's family; a CPU kernel, a CUDA kernel
 // (registered under --config=cuda only), shape inference, a derivative, a sharding rule;
-// the cases of the op sweep (tests/tensor), gradcheck (tests/autograd) and the sharded
-// suite (tests/parallel), and whether a functor family op has its one test case
-// (tests/reference/op_cases.cc) that drives them.
+// the cases of its record (tests/reference/cases_*.cc, run by the op sweep), of gradcheck
+// and of the sharded suite (most read from the record); whether a functor family op has
+// its FunctorOpCase (tests/reference/op_cases.cc) that builds its record; and the runners
+// that also have cases written by hand, outside the record (g: gradcheck, s: sharded).
 //
 //   bazel test //tests:coverage_test --test_output=all     # prints the table
 //
@@ -47,12 +48,22 @@ const char* family_name(OpFamily f) {
 
 struct Row {
   int64_t sweep = 0, grad = 0, sharded = 0;
+  std::string hand;  // runners with cases written outside the op's record: g(radcheck), s(harded)
 };
 
 std::map<OpId, Row> case_counts() {
   std::map<OpId, Row> rows;
   for (const sweep::OpSweep& s : sweep::all_sweeps()) rows[s.op].sweep += static_cast<int64_t>(s.cases.size());
   const gradcheck_cases::Table table = gradcheck_cases::make_table();
+  gradcheck_cases::Table by_hand;
+  gradcheck_cases::add_elementwise_cases(by_hand);
+  gradcheck_cases::add_nn_cases(by_hand);
+  for (const auto& [op, cases] : by_hand) {
+    if (!is_functor_family(op_info(op).family)) rows[op].hand += "g";
+  }
+  for (const parallel::testing::OpCase& c : parallel::testing::data_cases()) {
+    if (rows[c.op].hand.find('s') == std::string::npos) rows[c.op].hand += "s";
+  }
   gradcheck_cases::Maker maker(1);
   for (const auto& [op, cases] : table) rows[op].grad = static_cast<int64_t>(cases.make(maker).size());
   for (const parallel::testing::OpCase& c : parallel::testing::sharded_cases()) ++rows[c.op].sharded;
@@ -61,9 +72,9 @@ std::map<OpId, Row> case_counts() {
 
 TEST_CASE("coverage: every op has its entry in every layer and every runner") {
   const std::map<OpId, Row> rows = case_counts();
-  std::string table = fmt::format("{:<24} {:<15} {:>4} {:>4} {:>4} {:>4} {:>4} {:>6} {:>5} {:>7} {:>4}\n",
+  std::string table = fmt::format("{:<24} {:<15} {:>4} {:>4} {:>4} {:>4} {:>4} {:>6} {:>5} {:>7} {:>4} {:>4}\n",
                                   "op", "family", "cpu", "cuda", "meta", "grad", "rule",
-                                  "sweep", "gradc", "sharded", "case");
+                                  "record", "gradc", "sharded", "case", "hand");
   int functor_ops = 0, functor_cases = 0;
   for (const OpInfo& info : all_ops()) {
     CAPTURE(info.name);
@@ -76,10 +87,10 @@ TEST_CASE("coverage: every op has its entry in every layer and every runner") {
     const bool functor = is_functor_family(info.family);
     const bool has_case = ref::functor_op_case(info.id) != nullptr;
     auto mark = [](bool b) { return b ? "x" : "-"; };
-    table += fmt::format("{:<24} {:<15} {:>4} {:>4} {:>4} {:>4} {:>4} {:>6} {:>5} {:>7} {:>4}\n",
+    table += fmt::format("{:<24} {:<15} {:>4} {:>4} {:>4} {:>4} {:>4} {:>6} {:>5} {:>7} {:>4} {:>4}\n",
                          info.name, family_name(info.family), mark(cpu), mark(cuda), mark(meta),
                          mark(grad), mark(rule), row.sweep, row.grad, row.sharded,
-                         functor ? mark(has_case) : "");
+                         functor ? mark(has_case) : "", row.hand);
     const bool computes = info.kind == OpKind::Compute || info.kind == OpKind::Factory;
     if (computes) {
       CHECK_MESSAGE(cpu, info.name, ": no CPU kernel");

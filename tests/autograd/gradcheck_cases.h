@@ -6,9 +6,9 @@
 //   add_elementwise_cases(t);                       // gradcheck_cases_elementwise.cc
 //   for (const Case& c : t.at(OpId::exp).make(mk)) autograd::gradcheck(c.fn, c.inputs);
 //
-// Device: cases are made on case_device() (the CPU unless a suite sets another): leaves are
-// written through the same memory layout into device memory, and fixed tensors (indices,
-// conditions) are copied there (on_device).
+// Device: cases are made on case_device() (the records' device: the CPU unless a suite sets
+// another): leaves are laid out in device memory, and fixed tensors (indices, conditions)
+// are copied there (on_device).
 #pragma once
 
 #include <doctest/doctest.h>
@@ -22,6 +22,7 @@
 #include "autograd/autograd.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
+#include "tests/reference/cases.h"
 
 namespace tessera::gradcheck_cases {
 
@@ -40,11 +41,9 @@ inline const char* layout_name(Layout l) {
   return "?";
 }
 
-// The device the cases' tensors are made on (set before calling OpCases::make).
-inline Device& case_device() {
-  static Device device = kCPU;
-  return device;
-}
+// The device the cases' tensors are made on: the records' device (cases.h), set with
+// sweep::set_sweep_device before calling OpCases::make.
+inline Device case_device() { return sweep::sweep_device(); }
 // A fixed (not differentiated) tensor made on the CPU, on case_device().
 inline Tensor on_device(const Tensor& t) { return t.to(case_device()); }
 
@@ -57,13 +56,10 @@ struct Case {
 };
 using CaseList = std::vector<Case>;
 
-// How a leaf's elements sit in memory.
-enum class Memory {
-  contiguous,
-  transposed,  // last two dims swapped in storage
-  permuted,    // all dims reversed in storage
-  strided,     // every other element of a longer last dim; the gaps hold NaN
-};
+// How a leaf's elements sit in memory: the records' layouts (cases.h; permuted is a
+// transpose for 2-D inputs, all dims reversed above; strided holds every other element of a
+// longer last dim, with NaN in the gaps).
+using Memory = sweep::Layout;
 
 // Deterministic inputs. Values are given in logical (row-major) order and then written
 // through the requested memory layout into a fresh f64 leaf.
@@ -113,38 +109,13 @@ class Maker {
   static Tensor leaf(const Shape& shape, const std::vector<double>& values, Memory m,
                      bool requires_grad = true) {
     NoGradGuard no_grad;
-    const Device d = case_device();
-    Tensor view;
-    const int64_t nd = static_cast<int64_t>(shape.size());
-    switch (m) {
-      case Memory::contiguous: view = Tensor::empty(shape, DType::f64, d); break;
-      case Memory::transposed: {
-        REQUIRE(nd >= 2);
-        Shape st = shape;
-        std::swap(st[nd - 1], st[nd - 2]);
-        view = transpose(Tensor::empty(st, DType::f64, d), -1, -2);
-        break;
-      }
-      case Memory::permuted: {
-        REQUIRE(nd >= 3);
-        Shape st(shape.rbegin(), shape.rend());
-        std::vector<int64_t> order(nd);
-        for (int64_t i = 0; i < nd; ++i) order[i] = nd - 1 - i;
-        view = permute(Tensor::empty(st, DType::f64, d), order);
-        break;
-      }
-      case Memory::strided: {
-        REQUIRE(nd >= 1);
-        Shape st = shape;
-        st.back() = 2 * shape.back() + 1;
-        view = slice(full(st, std::nan(""), DType::f64, d), -1, 1, st.back(), 2);
-        break;
-      }
-    }
-    REQUIRE(view.shape() == shape);
-    view.copy_(Tensor::from_vector<double>(values, shape).to(d));
-    if (requires_grad) view.requires_grad_();
-    return view;
+    ref::NdArray a = ref::NdArray::zeros(shape);
+    a.data = values;
+    const sweep::Built b = sweep::build(a, DType::f64, m, 0);
+    REQUIRE((m == Memory::contiguous || b.laid_out));
+    Tensor t = b.tensor;
+    if (requires_grad) t.requires_grad_();
+    return t;
   }
 
  private:

@@ -17,7 +17,7 @@ void add_nn_cases(Table& t) {
                             {Layout::contiguous, "p = 0.3", {mk.normal({4, 6})}, fn},
                             {Layout::noncontiguous,
                              "p = 0.3, transposed",
-                             {mk.normal({4, 6}, Memory::transposed)},
+                             {mk.normal({4, 6}, Memory::permuted)},
                              fn},
                             {Layout::noncontiguous,
                              "p = 0.3, strided",

@@ -95,7 +95,6 @@ void add_record_cases(Table& t) {
     entry.make = [previous, sp, picked](Maker& mk) {
       const sweep::OpSweep& s = *sp;
       CaseList cases = previous ? previous(mk) : CaseList{};
-      sweep::set_sweep_device(case_device());
       for (size_t ci : picked) {
         const sweep::Case* cp = &s.cases[ci];
         const sweep::Case& c = *cp;
@@ -115,7 +114,6 @@ void add_record_cases(Table& t) {
           cases.push_back({Layout::noncontiguous, c.label + ", permuted/strided", std::move(strided), fn});
         }
       }
-      sweep::set_sweep_device(kCPU);
       return cases;
     };
   }

@@ -33,8 +33,8 @@ const Table& table() {
 }
 
 struct OnDevice {
-  explicit OnDevice(Device d) { case_device() = d; }
-  ~OnDevice() { case_device() = kCPU; }
+  explicit OnDevice(Device d) { sweep::set_sweep_device(d); }
+  ~OnDevice() { sweep::set_sweep_device(kCPU); }
 };
 
 TEST_CASE("gradcheck on cuda:0: analytical gradients match central differences for every Diff op") {

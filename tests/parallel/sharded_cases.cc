@@ -57,7 +57,7 @@ OpCase op_case(OpId op, std::string label, std::vector<InputSpec> inputs, Attrs 
 
 std::vector<OpCase> sharded_cases() {
   std::vector<OpCase> out;
-  for (auto* family : {&elementwise_cases, &nn_cases, &data_cases, &record_cases}) {
+  for (auto* family : {&elementwise_cases, &data_cases, &record_cases}) {
     for (OpCase& c : (*family)()) out.push_back(std::move(c));
   }
   std::stable_sort(out.begin(), out.end(), [](const OpCase& a, const OpCase& b) {
@@ -143,6 +143,28 @@ std::vector<OpCase> record_cases() {
       }
       OpCase oc = op_case(s.op, c.label, std::move(inputs), c.attrs);
       oc.mesh_2x4 = s.op == OpId::matmul;  // 8 ranks: both mesh axes shard its operands
+      // In-place ops: the written inputs keep one shared placement and are the outputs.
+      for (size_t i = 0; i < c.args.size(); ++i) {
+        if (!c.args[i].absent && !c.args[i].expandable) oc.written.push_back(i);
+      }
+      if (!oc.written.empty()) {
+        oc.single = [op = s.op, w = oc.written](const Tensors& t, const Attrs& a) {
+          if (op == OpId::copy_) {
+            tessera::call_copy_(t[0], t[1]);
+          } else {
+            tessera::call_inplace(op, t, a, w);
+          }
+          Tensors out;
+          for (size_t i : w) out.push_back(t[i]);
+          return out;
+        };
+        oc.sharded = [op = s.op, w = oc.written](const ShardedTensors& t, const Attrs& a) {
+          parallel::call_inplace(op, t, a, w);
+          ShardedTensors out;
+          for (size_t i : w) out.push_back(t[i]);
+          return out;
+        };
+      }
       if (op_info(s.op).kind == OpKind::Factory) {  // every output placement is tried
         oc.is_factory = true;
         oc.attrs_for = [](Attrs& a, DType dt) { a.dtype = dt; };

@@ -3,8 +3,11 @@
 // one device and on sharded tensors. The harness tries every placement of every input on
 // several meshes and compares with the single-device result.
 //
-//   OpCase c = op_case(OpId::add, "[5, 7] + [5, 7]", {in({5, 7}), in({5, 7})});
-//   c.attrs.dim = 1;                   // Attrs as tensor/op.h documents them per op
+// Most cases are read from the ops' records (tests/reference/cases.h; record_cases in
+// sharded_cases.cc) and the functor family ops' FunctorOpCase; the rest are written here
+// where a record cannot say how the sharded form runs:
+//
+//   OpCase c = op_case(OpId::stack, "3 x [2, 3] dim 0", {in({2, 3}), in({2, 3}), in({2, 3})});
 //   c.single = ...; c.sharded = ...;   // only where the default call()s do not fit
 //
 // Shapes include dims not divisible by 2 or 4 (uneven blocks) and dims smaller than 4
@@ -79,9 +82,9 @@ OpCase op_case(OpId op, std::string label, std::vector<InputSpec> inputs, Attrs 
 
 // The whole table, in op-list order (sharded_cases.cc, sharded_cases_nn.cc).
 std::vector<OpCase> sharded_cases();
-std::vector<OpCase> elementwise_cases();  // sharded_cases.cc
-std::vector<OpCase> nn_cases();           // sharded_cases_nn.cc
-std::vector<OpCase> data_cases();         // sharded_cases_nn.cc
+std::vector<OpCase> elementwise_cases();  // the functor family ops (sharded_cases.cc)
+// The composites, through their named forms (sharded_cases_nn.cc).
+std::vector<OpCase> data_cases();
 // The cases read from every op's record (tests/reference/cases.h; see sharded_cases.cc for
 // which of a record's cases run here).
 std::vector<OpCase> record_cases();

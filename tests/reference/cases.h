@@ -105,7 +105,7 @@ struct Arg {
   std::optional<DType> dtype;        // a fixed dtype (indices, conditions); else the case's
   bool stats = false;      // dtype is the stats dtype of the case's (f64 -> f64, else f32)
   bool absent = false;     // an undefined optional input
-  bool expandable = true;  // false for outputs written in place (copy_'s dst)
+  bool expandable = true;  // false for an input written in place (an output of copy_, adamw_, sgd_)
 };
 Arg arg(Shape shape, Domain domain = normal(), std::optional<Domain> int_domain = std::nullopt);
 Arg index_arg(Shape shape, int64_t lo, int64_t hi, DType dt = DType::i64);
@@ -120,8 +120,11 @@ struct Case {
   std::function<Arrays(const Arrays&, DType)> ref;
   // Per output: the magnitude the error is relative to (see the header); missing: |want|.
   std::function<Arrays(const Arrays&, DType)> mag;
-  // Runs the op in dtype dt (default: call(op, inputs, attrs), with attrs.dtype = dt for
-  // factories); all outputs.
+  // Runs the op in dtype dt (default: call(op, inputs, attrs), call_view for view ops,
+  // call_inplace / call_copy_ for in-place ops (their outputs: the written inputs), with
+  // attrs.dtype = dt for factories and attrs.device the sweep's device for factories and
+  // to_device); all outputs. Only for a case that tests a named form beyond the op (the
+  // other runners then read only the cases without it).
   std::function<Tensors(const Tensors&, DType)> run;
   // Derives inputs from others (e.g. mean/rstd for layer_norm_backward), on rounded values.
   std::function<void(Arrays&, DType)> prepare;
@@ -130,7 +133,8 @@ struct Case {
   double rel32 = 1e-5, rel64 = 1e-12;
   double rounds = 1;          // 16-bit roundings that reach one output element
   bool exact = false;         // bitwise equality for every dtype
-  bool views_input0 = false;  // outputs must share input 0's storage (view ops)
+  bool views_input0 = false;   // outputs must share input 0's storage (view ops)
+  bool copies_input0 = false;  // outputs must be contiguous copies (clone, to_device)
   std::vector<DType> dtypes;  // restricts the op's dtypes for this case
   std::vector<Layout> layouts = {kLayouts, kLayouts + 4};
   // What the other runners read besides the above (see the top of this file):
@@ -205,6 +209,9 @@ Arrays draw_inputs(const OpSweep& sweep, const Case& c, size_t ci, DType dt);
 Tensors run_case(const OpSweep& sweep, const Case& c, const Tensors& inputs, DType dt);
 // The dtype an input of case dtype dt takes (its fixed dtype, the stats dtype, or dt).
 DType arg_dtype(const Arg& a, DType dt);
+// An in-place op's written inputs (copy_, adamw_, sgd_): the defined ones among the
+// case's inputs with Arg::expandable false, in order; empty for any other op.
+std::vector<size_t> written_inputs(const OpSweep& sweep, const Case& c, const Tensors& inputs);
 // Reports a failure (doctest FAIL_CHECK, within Coverage::print_limit_per_op) and counts it
 // against the op being swept.
 void report_failure(const std::string& message);

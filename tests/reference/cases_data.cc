@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "tensor/op_attrs.h"
 #include "tests/reference/cases.h"
 
 namespace tessera::sweep {
@@ -398,24 +399,9 @@ std::vector<OpSweep> copy_sweeps() {
   OpSweep cl{OpId::clone, kAll, {}, {}, {}};
   for (const Shape& shape : {Shape{4, 6}, Shape{2, 3, 4}, Shape{}, Shape{0, 3}}) {
     Case c = exact_case(shape_str(shape), {arg(shape, normal(2), ints(-9, 9))}, identity);
-    // The op itself, to the device its input is on (to() would return the input): a copy
-    // within the sweep's device.
-    c.run = [](const Tensors& in, DType) {
-      Attrs a;
-      a.device = sweep_device();
-      Tensor y = call1(OpId::to_device, {in[0]}, a);
-      if (y.storage() == in[0].storage())
-        FAIL_CHECK("to_device: the copy shares its input's storage");
-      return Tensors{y};
-    };
+    // The op itself (to() would return the input): a copy within the sweep's device.
+    c.copies_input0 = true;
     to_dev.cases.push_back(c);
-    c.run = [](const Tensors& in, DType) {
-      Tensor y = clone(in[0]);
-      if (y.storage() == in[0].storage() || !y.is_contiguous()) {
-        FAIL_CHECK("clone: result shares storage or is not contiguous");
-      }
-      return Tensors{y};
-    };
     cl.cases.push_back(c);
   }
   to_dev.extra = [] {
@@ -445,10 +431,6 @@ std::vector<OpSweep> copy_sweeps() {
     Case c = exact_case(k.label, {dst, src}, [](const Arrays& in, DType dt) {
       return Arrays{ref::round_to(ref::broadcast_to(in[1], in[0].shape), dt)};
     });
-    c.run = [](const Tensors& in, DType) {
-      copy_(in[0], in[1]);
-      return Tensors{in[0]};
-    };
     cp.cases.push_back(std::move(c));
   }
   cp.extra = [] {
@@ -471,11 +453,12 @@ std::vector<OpSweep> copy_sweeps() {
 
 // ---- views -------------------------------------------------------------------------------------
 
-Case view_case(std::string label, Shape shape, std::function<Tensor(const Tensor&)> view_op,
+// A view op on its attributes (as the named wrapper packs them: tensor/op_attrs.h).
+Case view_case(std::string label, Shape shape, Attrs attrs,
                std::function<NdArray(const NdArray&)> reference) {
   Case c = exact_case(std::move(label), {arg(std::move(shape), normal(2), ints(-9, 9))},
                       [reference](const Arrays& in, DType) { return Arrays{reference(in[0])}; });
-  c.run = [view_op](const Tensors& in, DType) { return Tensors{view_op(in[0])}; };
+  c.attrs = std::move(attrs);
   c.views_input0 = true;
   return c;
 }
@@ -486,28 +469,24 @@ std::vector<OpSweep> view_sweeps() {
   for (const Shape& to : {Shape{2, 2, 3, 2}, Shape{4, -1, 2}}) {
     v.cases.push_back(view_case(
         fmt::format("[4, 6] as {} (splits dims: any layout)", shape_str(to)), {4, 6},
-        [to](const Tensor& x) { return view(x, to); },
+        op_attrs::shape(to),
         [to](const NdArray& x) { return ref::reshape(x, to); }));
   }
   Case merge = view_case(
       "[4, 6] as [24] (merges dims: contiguous only)", {4, 6},
-      [](const Tensor& x) { return view(x, {24}); },
+      op_attrs::shape({24}),
       [](const NdArray& x) { return ref::reshape(x, {24}); });
   merge.layouts = {Layout::contiguous};
   v.cases.push_back(merge);
   v.cases.push_back(view_case(
       "0-d as [1, 1]", {},
-      [](const Tensor& x) {
-        return view(x, {1, 1});
-      },
+      op_attrs::shape({1, 1}),
       [](const NdArray& x) {
         return ref::reshape(x, {1, 1});
       }));
   v.cases.push_back(view_case(
       "[0, 3] as [3, 0]", {0, 3},
-      [](const Tensor& x) {
-        return view(x, {3, 0});
-      },
+      op_attrs::shape({3, 0}),
       [](const NdArray& x) {
         return ref::reshape(x, {3, 0});
       }));
@@ -533,7 +512,7 @@ std::vector<OpSweep> view_sweeps() {
     const std::vector<int64_t>& order = entry.second;
     p.cases.push_back(view_case(
         fmt::format("{} order [{}]", shape_str(shape), fmt::join(order, ", ")), shape,
-        [order](const Tensor& x) { return permute(x, order); },
+        op_attrs::dims(order),
         [order](const NdArray& x) { return ref::permute(x, order); }));
   }
   p.extra = [] {
@@ -550,7 +529,7 @@ std::vector<OpSweep> view_sweeps() {
                      S{0, 0, 5, 3}, S{1, -100, 3, 2}}) {
     sl.cases.push_back(view_case(
         fmt::format("[5, 6] dim {} [{}:{}:{}]", s.dim, s.start, s.end, s.step), {5, 6},
-        [s](const Tensor& x) { return slice(x, s.dim, s.start, s.end, s.step); },
+        op_attrs::slice(s.dim, s.start, s.end, s.step),
         [s](const NdArray& x) { return ref::slice(x, s.dim, s.start, s.end, s.step); }));
   }
   sl.extra = [] {
@@ -568,7 +547,7 @@ std::vector<OpSweep> view_sweeps() {
     const Shape& to = entry.second;
     ex.cases.push_back(view_case(
         fmt::format("{} to {}", shape_str(from), shape_str(to)), from,
-        [to](const Tensor& x) { return expand(x, to); },
+        op_attrs::shape(to),
         [to](const NdArray& x) { return ref::expand(x, to); }));
   }
   ex.extra = [] {
@@ -581,7 +560,7 @@ std::vector<OpSweep> view_sweeps() {
   for (const std::vector<int64_t>& dims : {std::vector<int64_t>{}, {1}, {-1}, {0}, {1, 3}}) {
     sq.cases.push_back(view_case(
         fmt::format("[3, 1, 4, 1] dims [{}]", fmt::join(dims, ", ")), {3, 1, 4, 1},
-        [dims](const Tensor& x) { return squeeze(x, dims); },
+        op_attrs::dims(dims),
         [dims](const NdArray& x) { return ref::squeeze(x, dims); }));
   }
   out.push_back(std::move(sq));
@@ -595,7 +574,7 @@ std::vector<OpSweep> view_sweeps() {
     const int64_t dim = entry.second;
     un.cases.push_back(view_case(
         fmt::format("{} dim {}", shape_str(shape), dim), shape,
-        [dim](const Tensor& x) { return unsqueeze(x, dim); },
+        op_attrs::dim(dim),
         [dim](const NdArray& x) { return ref::unsqueeze(x, dim); }));
   }
   un.extra = [] { expect_error("unsqueeze dim 3 of 2-d", [] { unsqueeze(zeros({3, 4}), 3); }); };

@@ -429,11 +429,32 @@ Prepared lay_out(const Case& c, const Arrays& vals, DType dt, DType compute_dt, 
 Tensors run_case(const OpSweep& s, const Case& c, const Tensors& in, DType dt) {
   if (c.run) return c.run(in, dt);
   Attrs a = c.attrs;
-  if (op_info(s.op).kind == OpKind::Factory) {
+  const OpKind kind = op_info(s.op).kind;
+  if (kind == OpKind::Factory) {
     a.dtype = dt;
     a.device = g_device;
   }
-  return call(s.op, in, a);
+  if (s.op == OpId::to_device) a.device = g_device;  // a copy within the sweep's device
+  if (kind == OpKind::View) return {call_view(s.op, in.at(0), a)};
+  const std::vector<size_t> written = written_inputs(s, c, in);
+  if (written.empty()) return call(s.op, in, a);
+  if (s.op == OpId::copy_) {
+    call_copy_(in.at(0), in.at(1));
+  } else {
+    call_inplace(s.op, in, a, written);
+  }
+  Tensors out;
+  for (size_t i : written) out.push_back(in[i]);
+  return out;
+}
+
+std::vector<size_t> written_inputs(const OpSweep& s, const Case& c, const Tensors& in) {
+  std::vector<size_t> out;
+  if (s.op != OpId::copy_ && op_info(s.op).family != OpFamily::InplaceUpdate) return out;
+  for (size_t i = 0; i < c.args.size() && i < in.size(); ++i) {
+    if (!c.args[i].expandable && in[i].defined()) out.push_back(i);
+  }
+  return out;
 }
 
 namespace {
@@ -489,6 +510,10 @@ void run_one(const OpSweep& s, const Case& c, size_t ci, DType dt, Layout layout
     }
     if (c.views_input0 && got[k].storage() != p.tensors[0].storage()) {
       report_failure(fmt::format("{} is not a view of input 0 (it has its own storage)", what));
+    }
+    if (c.copies_input0 &&
+        (got[k].storage() == p.tensors[0].storage() || !got[k].is_contiguous())) {
+      report_failure(fmt::format("{} shares input 0's storage or is not contiguous", what));
     }
     const NdArray g = read_tensor(got[k]);
     const NdArray mag = k < mags.size() && mags[k].defined ? mags[k] : abs_of(want[k]);

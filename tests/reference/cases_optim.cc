@@ -1,7 +1,7 @@
-// Sweep cases: the fused optimizer updates adamw_ and sgd_. They write into their inputs, so
-// each case runs the public function and returns the written tensors as its outputs (param,
-// the state, and the master copy when there is one); written inputs are never laid out as
-// expanded (stride-0) views, the gradient is.
+// The records of the fused optimizer updates adamw_ and sgd_. They write into their inputs
+// (Arg::expandable false), which are their outputs (param, the state, and the master copy
+// when there is one); written inputs are never laid out as expanded (stride-0) views, the
+// gradient is.
 //
 // Tolerances: the f32 kernel against the f64 reference, relative to the sum of the
 // magnitudes of the terms each update adds (mag below): a handful of roundings per element,
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <limits>
 
+#include "tensor/op_attrs.h"
 #include "tests/reference/cases.h"
 
 namespace tessera::sweep {
@@ -84,13 +85,7 @@ Case adamw_case(std::string label, Shape shape, AdamSetup h, bool master) {
     if (master) out.push_back(mp);
     return out;
   };
-  c.run = [h, master](const Tensors& in, DType) {
-    adamw_(in[0], in[1], in[2], in[3], h.t, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-           master ? in[4] : Tensor());
-    Tensors out = {in[0], in[2], in[3]};
-    if (master) out.push_back(in[4]);
-    return out;
-  };
+  c.attrs = op_attrs::adamw(h.t, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay);
   c.out_dtype = [](DType dt, size_t k) {
     return k == 0 ? dt : k == 3 ? DType::f32 : state_dtype(dt);
   };
@@ -253,14 +248,7 @@ Case sgd_case(std::string label, Shape shape, SgdSetup h, bool master) {
     }
     return outputs(mp, mb);
   };
-  c.run = [h, master, buffer](const Tensors& in, DType) {
-    sgd_(in[0], in[1], in[2], h.t, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov,
-         master ? in[3] : Tensor());
-    Tensors out = {in[0]};
-    if (buffer) out.push_back(in[2]);
-    if (master) out.push_back(in[3]);
-    return out;
-  };
+  c.attrs = op_attrs::sgd(h.t, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov);
   c.out_dtype = [buffer](DType dt, size_t k) {
     if (k == 0) return dt;
     return k == 1 && buffer ? state_dtype(dt) : DType::f32;
