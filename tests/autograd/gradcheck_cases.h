@@ -1,9 +1,9 @@
 // The gradcheck case table shared by gradcheck_test.cc and tests/cuda/cuda_gradcheck_test.cc:
-// inputs with a chosen memory layout (Maker) and, per differentiable op, the cases to check
-// (Table, keyed by OpId), and the checks run on each case (check_op_cases).
+// per differentiable op, the cases to check (Table, keyed by OpId), most read from the op's
+// record (gradcheck_records.cc), the rest written here with inputs from Maker; and the checks
+// run on each case (check_op_cases).
 //
-//   Table t;
-//   add_elementwise_cases(t);                       // gradcheck_cases_elementwise.cc
+//   const Table t = make_table();
 //   for (const Case& c : t.at(OpId::exp).make(mk)) autograd::gradcheck(c.fn, c.inputs);
 //
 // Device: cases are made on case_device() (the records' device: the CPU unless a suite sets
@@ -30,13 +30,15 @@ using autograd::GradcheckFn;
 using autograd::GradcheckOptions;
 using Tensors = std::vector<Tensor>;
 
-enum class Layout { contiguous, broadcast, noncontiguous };
+// What a case covers: contiguous inputs, inputs broadcast against each other, or
+// non-contiguous inputs (laid out in one of the records' layouts, Memory below).
+enum class Covers { contiguous, broadcast, noncontiguous };
 
-inline const char* layout_name(Layout l) {
-  switch (l) {
-    case Layout::contiguous: return "contiguous";
-    case Layout::broadcast: return "broadcast";
-    case Layout::noncontiguous: return "non-contiguous";
+inline const char* covers_name(Covers c) {
+  switch (c) {
+    case Covers::contiguous: return "contiguous";
+    case Covers::broadcast: return "broadcast";
+    case Covers::noncontiguous: return "non-contiguous";
   }
   return "?";
 }
@@ -48,7 +50,7 @@ inline Device case_device() { return sweep::sweep_device(); }
 inline Tensor on_device(const Tensor& t) { return t.to(case_device()); }
 
 struct Case {
-  Layout layout;
+  Covers covers;
   std::string label;
   Tensors inputs;
   GradcheckFn fn;

@@ -59,7 +59,7 @@ OpResult check_op_cases(const OpInfo& info, const OpCases& cases, uint64_t seed)
   }
   for (const Case& c : list) {
     const std::string where =
-        fmt::format("{} [{}: {}]", info.name, layout_name(c.layout), c.label);
+        fmt::format("{} [{}: {}]", info.name, covers_name(c.covers), c.label);
     bool ok = true;
     auto check = [&](bool condition, const std::string& message) {
       if (!condition) {
@@ -74,7 +74,7 @@ OpResult check_op_cases(const OpInfo& info, const OpCases& cases, uint64_t seed)
           check(in.dtype() == DType::f64, "a differentiable input is not f64");
         }
       }
-      if (c.layout == Layout::noncontiguous) {
+      if (c.covers == Covers::noncontiguous) {
         bool any = false;
         for (const Tensor& in : c.inputs) any = any || (in.requires_grad() && !in.is_contiguous());
         check(any, "no input is non-contiguous");
@@ -82,7 +82,7 @@ OpResult check_op_cases(const OpInfo& info, const OpCases& cases, uint64_t seed)
       const Tensor out = c.fn(c.inputs);
       check(graph_contains(out, node), fmt::format("the graph has no {} node", node));
 
-      if (c.layout == Layout::noncontiguous) {
+      if (c.covers == Covers::noncontiguous) {
         // The op must compute the same values as on contiguous copies of its inputs.
         NoGradGuard no_grad;
         Tensors copies;

@@ -29,17 +29,17 @@ Tensor draw(Maker& mk, Domain d, const Shape& s, Memory m) {
 void add_unary(Table& t, OpId op, Domain d, Unary f) {
   t[op] = {[=](Maker& mk) {
              return CaseList{
-                 {Layout::contiguous, "[3, 4]", {draw(mk, d, {3, 4}, Memory::contiguous)}, on1(f)},
-                 {Layout::contiguous, "0-d", {draw(mk, d, {}, Memory::contiguous)}, on1(f)},
-                 {Layout::noncontiguous,
+                 {Covers::contiguous, "[3, 4]", {draw(mk, d, {3, 4}, Memory::contiguous)}, on1(f)},
+                 {Covers::contiguous, "0-d", {draw(mk, d, {}, Memory::contiguous)}, on1(f)},
+                 {Covers::noncontiguous,
                   "transposed [3, 4]",
                   {draw(mk, d, {3, 4}, Memory::permuted)},
                   on1(f)},
-                 {Layout::noncontiguous,
+                 {Covers::noncontiguous,
                   "permuted [2, 3, 4]",
                   {draw(mk, d, {2, 3, 4}, Memory::permuted)},
                   on1(f)},
-                 {Layout::noncontiguous,
+                 {Covers::noncontiguous,
                   "strided [2, 3, 4]",
                   {draw(mk, d, {2, 3, 4}, Memory::strided)},
                   on1(f)},
@@ -60,15 +60,15 @@ void add_binary(Table& t, OpId op, Domain da, Domain db, Binary f, bool ties = f
         };
         const Memory C = Memory::contiguous;
         return CaseList{
-            {Layout::contiguous, "[3, 4] and [3, 4]", {a({3, 4}, C), b({3, 4}, C)}, on2(f)},
-            {Layout::broadcast, "[3, 1, 4] and [2, 4]", {a({3, 1, 4}, C), b({2, 4}, C)}, on2(f)},
-            {Layout::broadcast, "[2, 4] and [3, 1, 4]", {a({2, 4}, C), b({3, 1, 4}, C)}, on2(f)},
-            {Layout::broadcast, "[3, 4] and 0-d", {a({3, 4}, C), b({}, C)}, on2(f)},
-            {Layout::noncontiguous,
+            {Covers::contiguous, "[3, 4] and [3, 4]", {a({3, 4}, C), b({3, 4}, C)}, on2(f)},
+            {Covers::broadcast, "[3, 1, 4] and [2, 4]", {a({3, 1, 4}, C), b({2, 4}, C)}, on2(f)},
+            {Covers::broadcast, "[2, 4] and [3, 1, 4]", {a({2, 4}, C), b({3, 1, 4}, C)}, on2(f)},
+            {Covers::broadcast, "[3, 4] and 0-d", {a({3, 4}, C), b({}, C)}, on2(f)},
+            {Covers::noncontiguous,
              "transposed [3, 4] and strided [3, 4]",
              {a({3, 4}, Memory::permuted), b({3, 4}, Memory::strided)},
              on2(f)},
-            {Layout::noncontiguous,
+            {Covers::noncontiguous,
              "permuted [3, 1, 4] and strided [2, 4] (broadcast)",
              {a({3, 1, 4}, Memory::permuted), b({2, 4}, Memory::strided)},
              on2(f)},
@@ -100,8 +100,8 @@ void add_elementwise_cases(Table& t) {
     t[OpId::pow].make = [binary_cases](Maker& mk) {
       CaseList cases = binary_cases(mk);
       auto scalar = on1([](const Tensor& x) { return pow(x, 2.5); });
-      cases.push_back({Layout::contiguous, "scalar exponent 2.5", {mk.positive({3, 4})}, scalar});
-      cases.push_back({Layout::noncontiguous,
+      cases.push_back({Covers::contiguous, "scalar exponent 2.5", {mk.positive({3, 4})}, scalar});
+      cases.push_back({Covers::noncontiguous,
                        "scalar exponent 2.5, strided",
                        {mk.positive({3, 4}, Memory::strided)},
                        scalar});
@@ -123,19 +123,19 @@ void add_elementwise_cases(Table& t) {
                 {4, 3})),
             0, 1);
         return CaseList{
-            {Layout::contiguous,
+            {Covers::contiguous,
              "[3, 4] everywhere",
              {mk.normal({3, 4}), mk.normal({3, 4})},
              fn(c34)},
-            {Layout::broadcast,
+            {Covers::broadcast,
              "cond [4], a [3, 1, 4], b [2, 4]",
              {mk.normal({3, 1, 4}), mk.normal({2, 4})},
              fn(c4)},
-            {Layout::broadcast,
+            {Covers::broadcast,
              "cond [3, 1, 1], a [2, 4], b 0-d",
              {mk.normal({2, 4}), mk.normal({})},
              fn(c31)},
-            {Layout::noncontiguous,
+            {Covers::noncontiguous,
              "transposed cond, a transposed, b strided",
              {mk.normal({3, 4}, Memory::permuted), mk.normal({3, 4}, Memory::strided)},
              fn(c43t)},
@@ -153,13 +153,13 @@ void add_elementwise_cases(Table& t) {
         exact_step.eps = 1.0 / 4096.0;
         auto fn = on1([](const Tensor& x) { return cast(cast(x, DType::f32), DType::f64) * x; });
         return CaseList{
-            {Layout::contiguous, "f64 -> f32 -> f64", {mk.dyadic({3, 4})}, fn, exact_step},
-            {Layout::noncontiguous,
+            {Covers::contiguous, "f64 -> f32 -> f64", {mk.dyadic({3, 4})}, fn, exact_step},
+            {Covers::noncontiguous,
              "transposed",
              {mk.dyadic({3, 4}, Memory::permuted)},
              fn,
              exact_step},
-            {Layout::noncontiguous,
+            {Covers::noncontiguous,
              "strided",
              {mk.dyadic({2, 3, 4}, Memory::strided)},
              fn,

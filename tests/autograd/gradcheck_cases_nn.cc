@@ -14,12 +14,12 @@ void add_nn_cases(Table& t) {
                           return dropout(in[0], 0.3, true, &g);
                         });
                         return CaseList{
-                            {Layout::contiguous, "p = 0.3", {mk.normal({4, 6})}, fn},
-                            {Layout::noncontiguous,
+                            {Covers::contiguous, "p = 0.3", {mk.normal({4, 6})}, fn},
+                            {Covers::noncontiguous,
                              "p = 0.3, transposed",
                              {mk.normal({4, 6}, Memory::permuted)},
                              fn},
-                            {Layout::noncontiguous,
+                            {Covers::noncontiguous,
                              "p = 0.3, strided",
                              {mk.normal({2, 3, 4}, Memory::strided)},
                              fn},

@@ -103,7 +103,7 @@ void add_record_cases(Table& t) {
               .at(static_cast<size_t>(cp->grad_output));
         };
         bool laid_out = false;
-        cases.push_back({Layout::contiguous, c.label,
+        cases.push_back({Covers::contiguous, c.label,
                          inputs_of(s, c, ci, sweep::Layout::contiguous, laid_out), fn});
         const auto allows = [&c](sweep::Layout l) {
           return std::find(c.layouts.begin(), c.layouts.end(), l) != c.layouts.end();
@@ -111,7 +111,7 @@ void add_record_cases(Table& t) {
         if (!allows(sweep::Layout::permuted) || !allows(sweep::Layout::strided)) continue;
         Tensors strided = inputs_of(s, c, ci, sweep::Layout::permuted, laid_out);
         if (laid_out) {
-          cases.push_back({Layout::noncontiguous, c.label + ", permuted/strided", std::move(strided), fn});
+          cases.push_back({Covers::noncontiguous, c.label + ", permuted/strided", std::move(strided), fn});
         }
       }
       return cases;

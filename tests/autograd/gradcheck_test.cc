@@ -8,11 +8,14 @@
 // forward on contiguous copies, so a kernel that ignores strides cannot pass by being
 // consistently wrong.
 //
-// Inputs stay inside each op's domain and away from kinks and ties (see Maker): positive
-// bases for log/sqrt/pow, |x| bounded away from 0 for abs/relu, distinct values on a grid for
-// max/maximum/minimum/max_pool2d. Tolerances are gradcheck's defaults unless a case says why.
-// The cases live in gradcheck_cases_*.cc (Maker and the Table type in gradcheck_cases.h), the
-// per-case checks in gradcheck_cases_check.cc (shared with tests/cuda/cuda_gradcheck_test.cc).
+// Most cases are read from the ops' records (tests/reference/cases.h, gradcheck_records.cc:
+// their domains, drawn continuous, with the cases at IEEE specials, ties and NaN outputs
+// left out); the functor family ops' come from their FunctorOpCase, with inputs away from
+// kinks and ties (Maker: positive bases for log/sqrt/pow, |x| bounded away from 0 for
+// abs/relu, distinct values for maximum/minimum); a few are written by hand where a record
+// cannot say it (gradcheck_cases_*.cc). Tolerances are gradcheck's defaults unless a case
+// says why. The per-case checks are in gradcheck_cases_check.cc (shared with
+// tests/cuda/cuda_gradcheck_test.cc).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -48,12 +51,12 @@ TEST_CASE("every differentiable op has gradcheck cases for each layout it must c
                   " is marked Diff in tensor/op_list.h but has no gradcheck case here");
     if (it == table().end()) continue;
     Maker mk(1);
-    std::set<Layout> layouts;
-    for (const Case& c : it->second.make(mk)) layouts.insert(c.layout);
-    CHECK_MESSAGE(layouts.count(Layout::contiguous), info.name, ": no contiguous case");
-    CHECK_MESSAGE(layouts.count(Layout::noncontiguous), info.name, ": no non-contiguous case");
+    std::set<Covers> layouts;
+    for (const Case& c : it->second.make(mk)) layouts.insert(c.covers);
+    CHECK_MESSAGE(layouts.count(Covers::contiguous), info.name, ": no contiguous case");
+    CHECK_MESSAGE(layouts.count(Covers::noncontiguous), info.name, ": no non-contiguous case");
     if (broadcasting.count(info.id)) {
-      CHECK_MESSAGE(layouts.count(Layout::broadcast), info.name, ": no broadcast case");
+      CHECK_MESSAGE(layouts.count(Covers::broadcast), info.name, ": no broadcast case");
     }
   }
   CHECK(diff_ops == static_cast<int>(table().size()));

@@ -1,6 +1,6 @@
 // GPU-tagged: every gradcheck case (tests/autograd/gradcheck_cases.h, f64) with its inputs on
-// cuda:0: leaves written through the same memory layouts (transposed, permuted, strided with
-// NaN gaps) into device memory, indices and conditions copied there. Each case checks its
+// cuda:0: leaves laid out in the records' layouts (permuted, strided with NaN gaps) in
+// device memory, indices and conditions copied there. Each case checks its
 // graph node, that a non-contiguous forward equals the contiguous one, and autograd::gradcheck
 // (central differences, perturbing device elements) with the CPU suite's tolerances: the
 // device computes f64 in f64 too. A per-op table of passed / failed cases is printed; a
