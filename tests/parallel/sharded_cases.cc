@@ -96,7 +96,8 @@ std::vector<OpCase> elementwise_cases() {
 
 // ---- the cases read from every op's record ---------------------------------------------------
 // A record's case runs here when it says so (Case::sharded, default true), runs the op itself
-// (no `run` of its own: the sharded form is parallel::call), runs in f64, its floating
+// (no `run` of its own: the sharded form is parallel::call, call_inplace for in-place ops,
+// parallel::factory for factories), runs in f64, its floating
 // inputs are drawn from continuous domains (fixed values and integer-valued floats are IEEE
 // specials and ties, whose gradient is split differently by a rule that reduces in
 // another order), and its inputs hold at most kMaxValues values (every placement of every
@@ -144,9 +145,7 @@ std::vector<OpCase> record_cases() {
       OpCase oc = op_case(s.op, c.label, std::move(inputs), c.attrs);
       oc.mesh_2x4 = s.op == OpId::matmul;  // 8 ranks: both mesh axes shard its operands
       // In-place ops: the written inputs keep one shared placement and are the outputs.
-      for (size_t i = 0; i < c.args.size(); ++i) {
-        if (!c.args[i].absent && !c.args[i].expandable) oc.written.push_back(i);
-      }
+      oc.written = sweep::written_inputs(s, c);
       if (!oc.written.empty()) {
         oc.single = [op = s.op, w = oc.written](const Tensors& t, const Attrs& a) {
           if (op == OpId::copy_) {

@@ -209,9 +209,9 @@ Arrays draw_inputs(const OpSweep& sweep, const Case& c, size_t ci, DType dt);
 Tensors run_case(const OpSweep& sweep, const Case& c, const Tensors& inputs, DType dt);
 // The dtype an input of case dtype dt takes (its fixed dtype, the stats dtype, or dt).
 DType arg_dtype(const Arg& a, DType dt);
-// An in-place op's written inputs (copy_, adamw_, sgd_): the defined ones among the
-// case's inputs with Arg::expandable false, in order; empty for any other op.
-std::vector<size_t> written_inputs(const OpSweep& sweep, const Case& c, const Tensors& inputs);
+// An in-place op's written inputs (copy_, adamw_, sgd_): the case's present inputs with
+// Arg::expandable false, in order; empty for any other op.
+std::vector<size_t> written_inputs(const OpSweep& sweep, const Case& c);
 // Reports a failure (doctest FAIL_CHECK, within Coverage::print_limit_per_op) and counts it
 // against the op being swept.
 void report_failure(const std::string& message);

@@ -436,7 +436,7 @@ Tensors run_case(const OpSweep& s, const Case& c, const Tensors& in, DType dt) {
   }
   if (s.op == OpId::to_device) a.device = g_device;  // a copy within the sweep's device
   if (kind == OpKind::View) return {call_view(s.op, in.at(0), a)};
-  const std::vector<size_t> written = written_inputs(s, c, in);
+  const std::vector<size_t> written = written_inputs(s, c);
   if (written.empty()) return call(s.op, in, a);
   if (s.op == OpId::copy_) {
     call_copy_(in.at(0), in.at(1));
@@ -448,11 +448,11 @@ Tensors run_case(const OpSweep& s, const Case& c, const Tensors& in, DType dt) {
   return out;
 }
 
-std::vector<size_t> written_inputs(const OpSweep& s, const Case& c, const Tensors& in) {
+std::vector<size_t> written_inputs(const OpSweep& s, const Case& c) {
   std::vector<size_t> out;
   if (s.op != OpId::copy_ && op_info(s.op).family != OpFamily::InplaceUpdate) return out;
-  for (size_t i = 0; i < c.args.size() && i < in.size(); ++i) {
-    if (!c.args[i].expandable && in[i].defined()) out.push_back(i);
+  for (size_t i = 0; i < c.args.size(); ++i) {
+    if (!c.args[i].absent && !c.args[i].expandable) out.push_back(i);
   }
   return out;
 }
