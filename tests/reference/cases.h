@@ -223,6 +223,9 @@ bool expect_close(const std::string& what, const Tensor& got, const NdArray& wan
 // Runs f and checks that it throws tessera::Error.
 void expect_error(const std::string& what, const std::function<void()>& f);
 
+// |a| elementwise (the usual error magnitude of a case's terms).
+NdArray abs_of(const NdArray& a);
+
 // Case builders shared by the family files.
 Case unary(std::string label, Shape shape, Domain domain, std::function<double(double)> f,
            std::optional<Domain> int_domain = std::nullopt);

@@ -1,4 +1,4 @@
-// Sweep cases: indexing, joining and splitting, copies and casts, views, factories.
+// Records (cases.h): indexing, joining and splitting, copies and casts, views, factories.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -11,9 +11,6 @@ namespace {
 
 using ref::map;
 
-NdArray absv(const NdArray& a) {
-  return map(a, [](double v) { return std::fabs(v); });
-}
 
 Case exact_case(std::string label, std::vector<Arg> args,
                 std::function<Arrays(const Arrays&, DType)> reference) {
@@ -162,7 +159,7 @@ std::vector<OpSweep> index_sweeps() {
       return Arrays{ref::index_add(in[0], dim, in[1], in[2])};
     };
     c.mag = [dim = a.dim](const Arrays& in, DType) {
-      return Arrays{ref::index_add(absv(in[0]), dim, in[1], absv(in[2]))};
+      return Arrays{ref::index_add(abs_of(in[0]), dim, in[1], abs_of(in[2]))};
     };
     ia.cases.push_back(std::move(c));
   }
@@ -233,7 +230,7 @@ std::vector<OpSweep> index_sweeps() {
       return Arrays{ref::scatter_add(in[0], dim, in[1], in[2])};
     };
     c.mag = [dim = a.dim](const Arrays& in, DType) {
-      return Arrays{ref::scatter_add(absv(in[0]), dim, in[1], absv(in[2]))};
+      return Arrays{ref::scatter_add(abs_of(in[0]), dim, in[1], abs_of(in[2]))};
     };
     sa.cases.push_back(std::move(c));
   }

@@ -1,4 +1,4 @@
-// Sweep cases: elementwise unary/binary ops, comparisons, where, reductions.
+// Records (cases.h): elementwise unary/binary ops, comparisons, where, reductions.
 #include <cmath>
 
 #include "tests/reference/cases.h"
@@ -9,9 +9,6 @@ namespace {
 using ref::map;
 using ref::zip;
 
-NdArray absv(const NdArray& a) {
-  return map(a, [](double v) { return std::fabs(v); });
-}
 
 // Shapes every elementwise op runs on: plain, rank 3, 0-d, empty, and one large enough
 // (> kElementwiseGrain = 2^15 elements) to be split across threads.
@@ -206,7 +203,7 @@ OpSweep binary_sweep(const BinarySpec& b) {
     };
     if (b.cancels) {
       c.mag = [](const Arrays& in, DType) {
-        return Arrays{zip(absv(in[0]), absv(in[1]), std::plus<>())};
+        return Arrays{zip(abs_of(in[0]), abs_of(in[1]), std::plus<>())};
       };
     }
     c.exact = b.exact;
@@ -337,11 +334,11 @@ OpSweep reduce_sweep(OpId op, std::vector<DType> dtypes, std::vector<DType> reje
     const bool keep = r.keepdim;
     if (op == OpId::sum) {
       c.ref = [=](const Arrays& in, DType) { return Arrays{ref::sum(in[0], dims, keep)}; };
-      c.mag = [=](const Arrays& in, DType) { return Arrays{ref::sum(absv(in[0]), dims, keep)}; };
+      c.mag = [=](const Arrays& in, DType) { return Arrays{ref::sum(abs_of(in[0]), dims, keep)}; };
       c.out_dtype = [](DType dt, size_t) { return dt == DType::b8 ? DType::i64 : dt; };
     } else if (op == OpId::mean) {
       c.ref = [=](const Arrays& in, DType) { return Arrays{ref::mean(in[0], dims, keep)}; };
-      c.mag = [=](const Arrays& in, DType) { return Arrays{ref::mean(absv(in[0]), dims, keep)}; };
+      c.mag = [=](const Arrays& in, DType) { return Arrays{ref::mean(abs_of(in[0]), dims, keep)}; };
     } else {
       c.ref = [=](const Arrays& in, DType) { return Arrays{ref::max(in[0], dims, keep)}; };
       c.exact = true;

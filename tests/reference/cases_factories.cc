@@ -1,4 +1,4 @@
-// Sweep cases: full, arange, rand, randn, zeros, ones. Deterministic factories are compared
+// Records (cases.h): full, arange, rand, randn, zeros, ones. Deterministic factories are compared
 // with the reference bitwise; rand/randn with the reference Philox streams (which are checked
 // against Random123's known answers), plus range, moments and reproducibility.
 #include <doctest/doctest.h>

@@ -1,6 +1,7 @@
-// The op sweep harness: input drawing and layouts (on the sweep's device), the run over
-// dtypes x layouts x cases, comparisons that name the op, dtype, layout, shapes and the
-// worst element, and the per-op tally of passed and failed runs.
+// The records' harness: input drawing and layouts (on the sweep's device) for every
+// runner; the op sweep's run over dtypes x layouts x cases, comparisons that name the op,
+// dtype, layout, shapes and the worst element, and the per-op tally of passed and failed
+// runs.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -359,9 +360,6 @@ NdArray saturate(const NdArray& a, DType dt) {
   });
 }
 
-NdArray abs_of(const NdArray& a) {
-  return ref::map(a, [](double v) { return std::fabs(v); });
-}
 
 }  // namespace
 
@@ -677,6 +675,10 @@ void expect_error(const std::string& what, const std::function<void()>& f) {
     report_failure(
         fmt::format("{}: expected tessera::Error, got another exception: {}", what, e.what()));
   }
+}
+
+NdArray abs_of(const NdArray& a) {
+  return ref::map(a, [](double v) { return std::fabs(v); });
 }
 
 Case unary(std::string label, Shape shape, Domain domain, std::function<double(double)> f,

@@ -1,4 +1,4 @@
-// Sweep cases: matmul, softmax, layer_norm, cross_entropy, dropout, attention, conv2d,
+// Records (cases.h): matmul, softmax, layer_norm, cross_entropy, dropout, attention, conv2d,
 // max_pool2d and their fused backward helpers.
 #include <doctest/doctest.h>
 
@@ -13,10 +13,7 @@ namespace {
 using ref::map;
 using ref::zip;
 
-NdArray absv(const NdArray& a) {
-  return map(a, [](double v) { return std::fabs(v); });
-}
-NdArray absent_or_abs(const NdArray& a) { return a.defined ? absv(a) : a; }
+NdArray absent_or_abs(const NdArray& a) { return a.defined ? abs_of(a) : a; }
 
 // ---- matmul -----------------------------------------------------------------------------
 
@@ -44,7 +41,7 @@ OpSweep matmul_sweep() {
     c.label = m.label;
     c.args = {arg(m.a), arg(m.b)};
     c.ref = [](const Arrays& in, DType) { return Arrays{ref::matmul(in[0], in[1])}; };
-    c.mag = [](const Arrays& in, DType) { return Arrays{ref::matmul(absv(in[0]), absv(in[1]))}; };
+    c.mag = [](const Arrays& in, DType) { return Arrays{ref::matmul(abs_of(in[0]), abs_of(in[1]))}; };
     if (m.api) c.run = [](const Tensors& in, DType) { return Tensors{matmul(in[0], in[1])}; };
     s.cases.push_back(std::move(c));
   }
@@ -56,7 +53,7 @@ OpSweep matmul_sweep() {
     return Arrays{ref::matmul(ref::permute(in[0], {0, 2, 1}), in[1])};
   };
   t.mag = [](const Arrays& in, DType) {
-    return Arrays{ref::matmul(absv(ref::permute(in[0], {0, 2, 1})), absv(in[1]))};
+    return Arrays{ref::matmul(abs_of(ref::permute(in[0], {0, 2, 1})), abs_of(in[1]))};
   };
   t.run = [](const Tensors& in, DType) { return Tensors{matmul(in[0].transpose(1, 2), in[1])}; };
   s.cases.push_back(std::move(t));
@@ -529,7 +526,7 @@ std::vector<OpSweep> conv_sweeps() {
     };
     c.mag = [cv](const Arrays& in, DType) {
       return Arrays{
-          ref::conv2d(absv(in[0]), absv(in[1]), absent_or_abs(in[2]), cv.stride, cv.padding)};
+          ref::conv2d(abs_of(in[0]), abs_of(in[1]), absent_or_abs(in[2]), cv.stride, cv.padding)};
     };
     fwd.cases.push_back(std::move(c));
 
@@ -543,7 +540,7 @@ std::vector<OpSweep> conv_sweeps() {
     };
     bi.mag = [cv](const Arrays& in, DType) {
       return Arrays{
-          ref::conv2d_backward_input(absv(in[0]), absv(in[1]), cv.x, cv.stride, cv.padding)};
+          ref::conv2d_backward_input(abs_of(in[0]), abs_of(in[1]), cv.x, cv.stride, cv.padding)};
     };
     bwd_in.cases.push_back(std::move(bi));
 
@@ -560,7 +557,7 @@ std::vector<OpSweep> conv_sweeps() {
     };
     bw.mag = [cv](const Arrays& in, DType) {
       return Arrays{
-          ref::conv2d_backward_weight(absv(in[0]), absv(in[1]), cv.w, cv.stride, cv.padding)};
+          ref::conv2d_backward_weight(abs_of(in[0]), abs_of(in[1]), cv.w, cv.stride, cv.padding)};
     };
     bwd_w.cases.push_back(std::move(bw));
   }
@@ -657,7 +654,7 @@ OpSweep max_pool_backward_sweep() {
     const Shape in = p.in;
     c.ref = [in](const Arrays& v, DType) { return Arrays{ref::max_pool2d_backward(v[0], v[1], in)}; };
     c.mag = [in](const Arrays& v, DType) {
-      return Arrays{ref::max_pool2d_backward(absv(v[0]), v[1], in)};
+      return Arrays{ref::max_pool2d_backward(abs_of(v[0]), v[1], in)};
     };
     s.cases.push_back(std::move(c));
   }
