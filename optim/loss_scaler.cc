@@ -52,13 +52,16 @@ bool DynamicLossScaler::unscale_and_check(const std::vector<Tensor>& params) {
     if (finite && !std::isfinite(max(abs(unscaled)).item<double>())) finite = false;
   }
   checked_ = true;
-  found_inf_ = !finite;
-  return finite;
+  found_inf_ = any_rank_ ? any_rank_(!finite) : !finite;
+  return !found_inf_;
 }
 
-bool DynamicLossScaler::step(Optimizer& optimizer) {
+bool DynamicLossScaler::step(Optimizer& optimizer) { return step(optimizer, nullptr); }
+
+bool DynamicLossScaler::step(Optimizer& optimizer, const std::function<void()>& update) {
+  auto run = [&] { update ? update() : optimizer.step(); };
   if (!options_.enabled) {
-    optimizer.step();
+    run();
     return true;
   }
   if (!checked_) {
@@ -72,7 +75,7 @@ bool DynamicLossScaler::step(Optimizer& optimizer) {
     ++skipped_steps_;
     return false;
   }
-  optimizer.step();
+  run();
   return true;
 }
 

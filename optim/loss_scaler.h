@@ -10,9 +10,15 @@
 //   clip_grad_norm(params, 1.0);
 //   scaler.step(opt);                         // skipped when a gradient is inf/NaN
 //   scaler.update();                          // once per iteration, after step()
+//
+// With several ranks whose gradients differ (ZeRO shards, tensor and pipeline parallel
+// blocks), the overflow check must be global so that every rank skips the same steps:
+//
+//   scaler.reduce_found_inf_with([&](bool here) { /* all-reduce max over the ranks */ });
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -37,13 +43,21 @@ class DynamicLossScaler {
   // loss * scale (in loss's dtype; losses are normally f32). Disabled: loss itself.
   Tensor scale(const Tensor& loss) const;
   // Divides every gradient of `params` by the scale in place and returns whether all of
-  // them are finite. At most once per iteration (Error on a second call before update()).
-  // Disabled: touches nothing and returns true.
+  // them are finite (on every rank, with reduce_found_inf_with). At most once per iteration
+  // (Error on a second call before update()). Disabled: touches nothing and returns true.
   bool unscale_and_check(const std::vector<Tensor>& params);
   // Unscales the optimizer's gradients unless unscale_and_check already did, then steps the
   // optimizer if they are all finite. Returns whether it stepped; a skipped step counts in
   // skipped_steps(). Disabled: optimizer.step(), true.
   bool step(Optimizer& optimizer);
+  // The same, with `update` run instead of optimizer.step() (a wrapper's step, e.g. ZeRO's,
+  // which steps the optimizer and gathers the parameters).
+  bool step(Optimizer& optimizer, const std::function<void()>& update);
+  // Makes the overflow check global: `any_rank(found_inf_here)` must return whether any rank
+  // sharing the step found inf/NaN (an all-reduce), so every rank skips the same steps and
+  // backs off to the same scale. Every rank then calls unscale_and_check / step together.
+  using FoundInfReduction = std::function<bool(bool found_inf_here)>;
+  void reduce_found_inf_with(FoundInfReduction any_rank) { any_rank_ = std::move(any_rank); }
   // Adjusts the scale from this iteration's check: backoff_factor on inf/NaN (resetting the
   // good-step count), growth_factor after growth_interval good steps in a row. Call once per
   // iteration after step() (Error if nothing was checked since the last update()).
@@ -70,7 +84,8 @@ class DynamicLossScaler {
   int64_t growth_tracker_ = 0;
   int64_t skipped_steps_ = 0;
   bool checked_ = false;    // unscaled and checked in this iteration
-  bool found_inf_ = false;  // ... and found an inf/NaN gradient
+  bool found_inf_ = false;  // ... and found an inf/NaN gradient (on any rank)
+  FoundInfReduction any_rank_;
 };
 
 }  // namespace tessera::optim

@@ -40,8 +40,6 @@ AxisOptions cast_options(const AxisCtx& c) {
 
 AxisOptions copy_like(const AxisCtx& c) { return unary(c, true, Order::increasing); }
 
-AxisOptions binary(const AxisCtx& c) { return broadcast_options(c, {}); }
-
 AxisOptions unary_family(const AxisCtx& c, OpProps props) {
   switch (props) {
     case OpProps::Linear: return unary(c, true, Order::none);

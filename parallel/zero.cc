@@ -145,6 +145,7 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     DdpOptions ddp;
     ddp.bucket_bytes = options.bucket_bytes;
     ddp.check_replicas = false;  // checked above
+    ddp.average = options.average;
     st.ddp = std::make_unique<DistributedDataParallel>(module, comm, ddp);
     return;
   }

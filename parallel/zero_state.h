@@ -202,7 +202,8 @@ struct ZeroDataParallel::State {
       seg.reduced = Tensor::empty({seg.shard_numel}, seg.dtype, seg.device);
     }
     CommCause cause(fmt::format("zero reduce_scatter segment {}", s), CommKind::gradients);
-    seg.work = comm->reduce_scatter_async(seg.reduced, seg.flat_grad, ReduceOp::avg, seg.counts);
+    seg.work = comm->reduce_scatter_async(seg.reduced, seg.flat_grad,
+                                          options.average ? ReduceOp::avg : ReduceOp::sum, seg.counts);
     if (stage() >= 2) {
       // The full gradients go with the reduction: the buffer lives until it completes. The
       // previous segment's reduction has had this segment's backward to finish: take its

@@ -128,7 +128,20 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator* generator) {
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got {}", p);
   if (!training || p == 0.0) return x;
   Generator& gen = generator != nullptr ? *generator : default_generator();
-  return call1(OpId::dropout, {x}, op_attrs::dropout(p, gen, x.numel()));
+  const BatchSlice* slice = current_batch_slice();
+  if (slice == nullptr) return call1(OpId::dropout, {x}, op_attrs::dropout(p, gen, x.numel()));
+  // This thread runs rows [start, start + rows) of the global batch: draw that block of the
+  // global input's mask.
+  TS_CHECK(x.dim() >= 1 && x.size(0) == slice->rows,
+           "dropout: inside a batch slice of {} rows (of {}), the input {} does not lead with "
+           "the batch", slice->rows, slice->global_rows, shape_str(x.shape()));
+  Shape global = x.shape();
+  global[0] = slice->global_rows;
+  Attrs a = op_attrs::dropout(p, gen, numel_of(global));
+  std::vector<int64_t> starts(static_cast<size_t>(x.dim()), 0);
+  starts[0] = slice->start;
+  a.rng_view = RngView{global, starts};
+  return call1(OpId::dropout, {x}, a);
 }
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double scale) {

@@ -37,6 +37,28 @@ class Generator {
 Generator& default_generator();  // this thread's
 void manual_seed(uint64_t seed);  // resets this thread's generator to (seed, 0)
 
+// The rows of the global batch this thread's forward runs (a data-parallel rank's slice, a
+// micro-batch). Inside a BatchSliceScope, dropout (tensor/ops.h) on an input leading with
+// `rows` rows draws rows [start, start + rows) of the mask of the global input (`global_rows`
+// rows), and the generator advances by the global element count: every element's mask is
+// the one a single device running the whole batch draws, whatever the split.
+struct BatchSlice {
+  int64_t global_rows = 0, start = 0, rows = 0;
+};
+class BatchSliceScope {
+ public:
+  explicit BatchSliceScope(BatchSlice slice);  // Error unless 0 <= start, start + rows <= global
+  ~BatchSliceScope();
+  BatchSliceScope(const BatchSliceScope&) = delete;
+  BatchSliceScope& operator=(const BatchSliceScope&) = delete;
+
+ private:
+  const BatchSlice* previous_;
+  BatchSlice slice_;
+};
+// This thread's innermost slice; null outside every scope.
+const BatchSlice* current_batch_slice();
+
 namespace philox {
 
 using Block = std::array<uint32_t, 4>;

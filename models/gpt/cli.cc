@@ -24,6 +24,7 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("beta2", cli.config.beta2, "AdamW beta2");
   f.bind("clip", cli.config.clip, "max global gradient norm (0: off)");
   f.bind("precision", cli.config.precision, "f32, bf16 or f16 (mixed precision; f16 scales the loss)");
+  f.bind("loss_scale", cli.config.loss_scale, "f16: the dynamic loss scale's initial value");
   f.bind("data", cli.config.data, "a text file or a directory of them (empty: /usr/share/games/fortunes)");
   f.bind("synthetic_data", cli.config.synthetic_data, "train on uniform random tokens (benchmarks)");
   f.bind("val_every", cli.config.val_every, "steps between validation losses (0: only at the end)");

@@ -43,6 +43,8 @@ void validate_train_config(const GptTrainConfig& c) {
   TS_CHECK(std::isfinite(c.clip) && c.clip >= 0,
            "gpt: --clip must be a finite number >= 0 (0: no clipping), got {}", c.clip);
   models::precision_dtype(c.precision, gpt);
+  TS_CHECK(std::isfinite(c.loss_scale) && c.loss_scale > 0,
+           "gpt: --loss_scale must be a finite number > 0, got {}", c.loss_scale);
   require_at_least(gpt, "seed", c.seed, 0);
   // Validation, logging, checkpoints, sampling.
   require_at_least(gpt, "val_every", c.val_every, 0);

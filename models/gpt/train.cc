@@ -199,7 +199,7 @@ class GptReplica final : public models::Replica {
         low_(models::precision_dtype(config.precision, "gpt")),
         device_(Device::parse(config.device)), batches_(config),
         rank_(comm != nullptr ? comm->rank() : 0), ranks_(comm != nullptr ? comm->size() : 1),
-        scaler_(scaler_options(low_)) {
+        scaler_(scaler_options(low_, config.loss_scale)) {
     TS_CHECK(config.batch % (ranks_ * config.accum) == 0,
              "gpt: --batch {} must divide into --dp {} x --accum {} equal micro-batches",
              config.batch, ranks_, config.accum);
@@ -213,6 +213,7 @@ class GptReplica final : public models::Replica {
     if (comm != nullptr) {
       parallel::ZeroOptions zopt;
       zopt.stage = static_cast<int>(config.zero);
+      zopt.average = false;  // each rank backpropagates its share of the global mean
       for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
     }
@@ -225,12 +226,28 @@ class GptReplica final : public models::Replica {
               : optim::decay_groups(model_->named_parameters(), config.lr, config.weight_decay),
         aopt);
     params_ = model_->parameters();
+    if (comm != nullptr) {
+      // Every rank skips the same f16 steps: under ZeRO each holds different gradient shards.
+      scaler_.reduce_found_inf_with([comm](bool here) {
+        Tensor t = Tensor::from_vector<double>({here ? 1.0 : 0.0}, {1});
+        parallel::CommCause cause("loss scaler overflow check", parallel::CommKind::control);
+        comm->all_reduce(t, parallel::ReduceOp::max);
+        return t.to_vector<double>()[0] > 0;
+      });
+    }
   }
 
   Gpt& model() { return *model_; }
   const GptData& batches() const { return batches_; }
   DType low() const { return low_; }
   const optim::DynamicLossScaler& scaler() const { return scaler_; }
+
+  // The optimizer's parameters: the model's, or under ZeRO this rank's shards.
+  std::vector<Tensor> optimizer_params() const {
+    std::vector<Tensor> out;
+    for (const optim::ParamGroup& g : opt_->param_groups()) out.insert(out.end(), g.params.begin(), g.params.end());
+    return out;
+  }
 
   // The step a --resume continues from (0 without one).
   int64_t resume() {
@@ -255,6 +272,7 @@ class GptReplica final : public models::Replica {
   }
 
   void zero_grad(int64_t /*step*/, double lr) override {
+    step_rng_offset_ = default_generator().offset();
     opt_->set_lr(lr);
     if (zero_) {
       zero_->zero_grad();
@@ -265,14 +283,23 @@ class GptReplica final : public models::Replica {
 
   Tensor forward_backward(int64_t step, int micro) override {
     const int parts = static_cast<int>(ranks_ * c_.accum);
-    const data::TextBatch batch =
-        batches_.train(step, static_cast<int>(rank_ * c_.accum + micro), parts);
+    const int part = static_cast<int>(rank_ * c_.accum + micro);
+    const data::TextBatch batch = batches_.train(step, part, parts);
+    // Dropout draws this part's rows of the masks one device draws for the whole batch:
+    // every micro-batch starts from the step's generator state and takes its block.
+    const int64_t rows = c_.batch / parts;
+    default_generator().set_state(default_generator().seed(), step_rng_offset_);
+    const BatchSliceScope slice({c_.batch, part * rows, rows});
     Tensor loss;
     {
       AutocastGuard amp(low_);
       loss = Gpt::loss((*model_)(batch.idx.to(device_)), batch.targets.to(device_));
     }
-    Tensor scaled = scaler_.scale(c_.accum > 1 ? loss / static_cast<double>(c_.accum) : loss);
+    // This micro-batch's share of the global batch's mean loss (ranks x accum micro-batches
+    // of equal size), so backward sees one device's gradient magnitudes: f16 loss scaling
+    // overflows on the same steps as on one device, and the ranks' gradients are summed.
+    const int64_t shares = ranks_ * c_.accum;
+    Tensor scaled = scaler_.scale(shares > 1 ? loss / static_cast<double>(shares) : loss);
     if (!zero_) {
       scaled.backward();
     } else if (micro + 1 < c_.accum) {
@@ -285,14 +312,15 @@ class GptReplica final : public models::Replica {
   }
 
   std::optional<double> grad_norm(double max_norm) override {
+    // Under ZeRO the optimizer's parameters are this rank's shards, holding its gradients.
+    if (!scaler_.unscale_and_check(zero_ ? optimizer_params() : params_)) return std::nullopt;
     if (zero_) return zero_->clip_grad_norm(max_norm > 0 ? max_norm : kNoClip);
-    if (!scaler_.unscale_and_check(params_)) return std::nullopt;
     return max_norm > 0 ? optim::clip_grad_norm(params_, max_norm) : optim::grad_norm(params_);
   }
 
   void step(bool skip) override {
     if (!skip && zero_) {
-      zero_->step(*opt_);
+      scaler_.step(*opt_, [&] { zero_->step(*opt_); });
     } else if (!skip) {
       scaler_.step(*opt_);
     }
@@ -353,9 +381,10 @@ class GptReplica final : public models::Replica {
   }
 
  private:
-  static optim::LossScalerOptions scaler_options(DType low) {
+  static optim::LossScalerOptions scaler_options(DType low, double init_scale) {
     optim::LossScalerOptions o;
     o.enabled = low == DType::f16;  // f16 needs dynamic loss scaling; bf16 does not
+    o.init_scale = init_scale;
     return o;
   }
 
@@ -372,6 +401,7 @@ class GptReplica final : public models::Replica {
   std::unique_ptr<optim::AdamW> opt_;
   optim::DynamicLossScaler scaler_;
   std::vector<Tensor> params_;
+  uint64_t step_rng_offset_ = 0;  // the generator's offset when this step began
 };
 
 // What the loop takes from the configuration, the same for every layout.
@@ -607,9 +637,6 @@ GptResult train_gpt(const GptTrainConfig& config) {
   TS_CHECK(!three_d || config.nonfinite == "error",
            "gpt: --nonfinite=skip is not yet supported with --pp/--tp (a diverged step stops "
            "the run there)");
-  TS_CHECK(three_d || config.precision != "f16" || (config.dp == 1 && config.zero == 0),
-           "gpt: --precision=f16 runs on one rank only (the loss scaler's overflow check is "
-           "not yet global); use bf16 with --dp > 1 or --zero > 0");
   const int64_t ranks = three_d ? config.pp * config.dp * config.tp : config.dp;
   const GptMemoryEstimate estimate = preflight(config, mpi, mpi ? 1 : static_cast<int>(ranks));
   const models::MemoryLimitScope memory_limit(config.memory_limit);

@@ -41,6 +41,7 @@ struct GptTrainConfig {
   double beta1 = 0.9, beta2 = 0.95;
   double clip = 1.0;              // max global gradient norm; 0 = no clipping
   std::string precision = "f32";  // f32 | bf16 | f16 (f16 with dynamic loss scaling)
+  double loss_scale = 65536.0;    // f16: the dynamic loss scale's initial value
   int64_t seed = 0;               // initialisation, data windows, dropout, sampling
   // Data: a file or a directory of text files (empty: Debian's fortunes).
   std::string data;

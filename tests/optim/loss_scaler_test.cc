@@ -1,4 +1,5 @@
-// DynamicLossScaler: skipped steps on inf/NaN gradients (params untouched, scale backed off),
+// DynamicLossScaler: skipped steps on inf/NaN gradients (params untouched, scale backed off;
+// on every rank when one rank's gradients overflowed, with the global check),
 // exact unscaling (powers of two), growth after growth_interval good steps, the disabled
 // identity, f16 overflow recovery, and state dict round trips.
 #include <doctest/doctest.h>
@@ -9,6 +10,7 @@
 #include "autograd/autograd.h"
 #include "optim/loss_scaler.h"
 #include "optim/sgd.h"
+#include "parallel/comm/threads.h"
 #include "tests/optim/optim_test_util.h"
 
 namespace tessera::optim {
@@ -36,6 +38,49 @@ TEST_CASE("a step with inf or NaN gradients is skipped and the scale backs off")
     scaler.update();
     CHECK(scaler.scale_value() == 1024.0 / (1 << iteration));
     CHECK(scaler.growth_tracker() == 0);
+  }
+}
+
+TEST_CASE("with a global check, every rank skips the step whose gradients overflowed on one rank") {
+  // Two ranks (threads) with different gradients, as ZeRO shards or tensor-parallel blocks
+  // have: rank 1's overflow makes rank 0 skip too, and both back off to the same scale.
+  struct Seen {
+    bool first_stepped = true, second_stepped = false, untouched = false;
+    int64_t skipped = -1;
+    double scale_after_first = 0, scale_after_second = 0;
+  };
+  std::vector<Seen> seen(2);
+  parallel::run_threads(2, [&](parallel::CommPtr world) {
+    Seen& s = seen[static_cast<size_t>(world->rank())];
+    Tensor p = f32({1.0f, 2.0f}).requires_grad_();
+    SGD opt({p}, {.lr = 0.1});
+    DynamicLossScaler scaler({.init_scale = 1024});
+    scaler.reduce_found_inf_with([&](bool here) {
+      Tensor t = Tensor::from_vector<double>({here ? 1.0 : 0.0}, {1});
+      world->all_reduce(t, parallel::ReduceOp::max);
+      return t.to_vector<double>()[0] > 0;
+    });
+    const Tensor before = p.detach().clone();
+    p.set_grad(f32({512.0f, world->rank() == 1 ? kInf : 256.0f}));
+    s.first_stepped = scaler.step(opt);
+    s.untouched = bitwise_equal(p, before);
+    s.skipped = scaler.skipped_steps();
+    scaler.update();
+    s.scale_after_first = scaler.scale_value();
+    p.set_grad(f32({512.0f, 256.0f}));  // finite everywhere: every rank steps
+    s.second_stepped = scaler.step(opt);
+    scaler.update();
+    s.scale_after_second = scaler.scale_value();
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    const Seen& s = seen[static_cast<size_t>(rank)];
+    CHECK_FALSE(s.first_stepped);
+    CHECK(s.untouched);
+    CHECK(s.skipped == 1);
+    CHECK(s.scale_after_first == 512.0);
+    CHECK(s.second_stepped);
+    CHECK(s.scale_after_second == 512.0);
   }
 }
 

@@ -139,3 +139,29 @@ TEST_CASE("dropout masks are the uniform draws at the same counters") {
   CHECK(dropout(x, p, false).is_same(x));
   CHECK(dropout(x, 0.0).is_same(x));
 }
+
+TEST_CASE("inside a batch slice, dropout draws those rows of the whole batch's mask") {
+  // One device: the whole [6, 3, 4] batch, two dropouts in a row. Split: rows [2, 5) only,
+  // each dropout from the same generator state: the same rows of both masks, and the
+  // generator ends where the whole batch's did.
+  const Tensor x = ones({6, 3, 4}, DType::f64);
+  Generator whole(11), part(11);
+  const Tensor a1 = dropout(x, 0.5, true, &whole), a2 = dropout(x, 0.5, true, &whole);
+  Tensor b1, b2;
+  {
+    const BatchSliceScope slice({6, 2, 3});
+    REQUIRE(current_batch_slice() != nullptr);
+    const Tensor rows = x.slice(0, 2, 5);
+    b1 = dropout(rows, 0.5, true, &part);
+    b2 = dropout(rows, 0.5, true, &part);
+    CHECK_THROWS_WITH_AS(dropout(ones({4, 3}), 0.5, true, &part),
+                         doctest::Contains("does not lead with the batch"), Error);
+  }
+  CHECK(current_batch_slice() == nullptr);
+  CHECK(bitwise_equal(b1, a1.slice(0, 2, 5)));
+  CHECK(bitwise_equal(b2, a2.slice(0, 2, 5)));
+  CHECK_FALSE(bitwise_equal(b1, b2));
+  CHECK(part.offset() == whole.offset());
+  CHECK_THROWS_WITH_AS(BatchSliceScope({6, 4, 3}), doctest::Contains("not inside a batch of 6"),
+                       Error);
+}
