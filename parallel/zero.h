@@ -56,8 +56,8 @@ struct ZeroOptions {
   bool prefetch = true;        // stage 3: launch the next unit's all-gather ahead
   bool check_replicas = true;  // at construction: parameters bitwise equal to rank 0's
   // Gradients are reduced as the mean over ranks; false: their sum, for a loss that is
-  // already each rank's share of the global batch's mean (the single-device gradient
-  // magnitudes in backward, which f16 loss scaling needs to overflow where one device does).
+  // already each rank's share of the global batch's mean (backward then sees one device's
+  // per-sample gradient magnitudes, which f16 loss scaling is sized for).
   bool average = true;
   // Which parameters weight decay applies to (param_groups' group 0); default
   // optim::decay_groups' rule, dim() >= 2. A wrapper of reshaped shards (tensor parallel)

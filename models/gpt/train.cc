@@ -296,8 +296,8 @@ class GptReplica final : public models::Replica {
       loss = Gpt::loss((*model_)(batch.idx.to(device_)), batch.targets.to(device_));
     }
     // This micro-batch's share of the global batch's mean loss (ranks x accum micro-batches
-    // of equal size), so backward sees one device's gradient magnitudes: f16 loss scaling
-    // overflows on the same steps as on one device, and the ranks' gradients are summed.
+    // of equal size), so backward sees one device's per-sample gradient magnitudes (what f16
+    // loss scaling is sized for), and the ranks' gradients are summed.
     const int64_t shares = ranks_ * c_.accum;
     Tensor scaled = scaler_.scale(shares > 1 ? loss / static_cast<double>(shares) : loss);
     if (!zero_) {
