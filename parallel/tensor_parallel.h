@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "autograd/checkpoint.h"
 #include "nn/module.h"
 #include "parallel/ops.h"
 #include "tensor/allocator.h"
@@ -103,6 +104,12 @@ struct SingleDevice {
   Tensor column_input(const Tensor& x) const { return x; }
   template <class F>
   Tensor region(F&& fn) const { return fn(); }
+  // fn(inputs); when `on`, only the inputs are kept for backward, which reruns fn
+  // (autograd::checkpoint: activation recomputation).
+  template <class F>
+  std::vector<Tensor> recompute(bool on, F&& fn, const std::vector<Tensor>& inputs) const {
+    return on ? autograd::checkpoint(std::forward<F>(fn), inputs) : fn(inputs);
+  }
   // logits [N, V], targets [N]: the mean over rows.
   Tensor cross_entropy(const Tensor& logits, const Tensor& targets) const;
 };
@@ -125,6 +132,13 @@ class TpLayout {
     if (region_tracker_ == nullptr) return fn();
     MemoryScope scope(region_tracker_);
     return fn();
+  }
+  // fn(inputs). Recomputation inside a tensor-parallel forward is not supported here (the
+  // pipeline recomputes whole chunks): Error when asked for.
+  template <class F>
+  std::vector<ShardedTensor> recompute(bool on, F&& fn, const std::vector<ShardedTensor>& inputs) const {
+    TS_CHECK(!on, "TpLayout: selective recomputation is not supported under tensor parallelism");
+    return fn(inputs);
   }
   // Vocab-parallel mean cross-entropy of logits [N, V] (the vocabulary split on tp) against
   // targets [N]: max, sum of exponentials and the target's logit are reductions over the

@@ -50,7 +50,9 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("microbatches", cli.config.microbatches, "with --pp/--tp: micro-batches per dp rank per step");
   f.bind("schedule", cli.config.schedule, "pipeline schedule: gpipe, 1f1b or interleaved");
   f.bind("chunks", cli.config.chunks, "model chunks per pipeline rank (interleaved)");
-  f.bind("recompute", cli.config.recompute, "activation recomputation per pipeline chunk");
+  f.bind("recompute", cli.config.recompute,
+         "activation recomputation: none, full (each block; with --pp each chunk) or selective "
+         "(attention core with dropout, MLP activation)");
   f.bind("sp", cli.config.sp, "sequence parallelism: the residual stream split along the sequence on tp");
   f.bind("nonfinite", cli.config.nonfinite,
          "a step with a NaN/inf loss or gradient norm: error (stop, keep the last checkpoint) "

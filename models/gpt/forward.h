@@ -87,13 +87,19 @@ typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c
   if (!drop.active()) {
     y = attention(q, k, v, /*causal=*/true);  // fused: the [S, S] scores are never stored
   } else {
-    // The fused op has no dropout on the probabilities: with it active, the composite.
-    T scores = matmul(q, transpose(k, 2, 3)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-    const Tensor pos = arange(0, static_cast<double>(S), 1, DType::i64, both::device_of(x));
-    const Tensor neg_inf = full({}, -std::numeric_limits<double>::infinity(), scores.dtype());
-    scores = where(layout.replicate(ge(pos.view({S, 1}), pos.view({1, S}))), scores,
-                          layout.replicate(neg_inf));  // query i sees keys j <= i
-    y = matmul(dropout(softmax(scores, -1), drop.p, drop.training), v);
+    // The fused op has no dropout on the probabilities: with it active, the composite, whose
+    // [B, H, S, S] scores and probabilities selective recomputation reruns in backward
+    // instead of keeping (the function is kept until then: it captures by value).
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    const auto core = [layout, drop, S, scale](const std::vector<T>& in) {
+      T scores = matmul(in[0], transpose(in[1], 2, 3)) * scale;
+      const Tensor pos = arange(0, static_cast<double>(S), 1, DType::i64, both::device_of(in[0]));
+      const Tensor neg_inf = full({}, -std::numeric_limits<double>::infinity(), scores.dtype());
+      scores = where(layout.replicate(ge(pos.view({S, 1}), pos.view({1, S}))), scores,
+                     layout.replicate(neg_inf));  // query i sees keys j <= i
+      return std::vector<T>{matmul(dropout(softmax(scores, -1), drop.p, drop.training), in[2])};
+    };
+    y = layout.recompute(c.recompute == GptConfig::Recompute::selective, core, {q, k, v})[0];
   }
   const T merged = view(clone(transpose(y, 1, 2)), {B, S, C});  // heads back
   // Row-wise: the product is Partial over tp; the stream wants it whole (the all-reduce),
@@ -114,12 +120,27 @@ typename L::Tensor block(const L& layout, const P& param, const GptConfig& c,
   const T a = gpt::attention(layout, param, c, n1, drop);
   const T h = layout.region([&] { return x + a; });
   const T n2 = layout.region([&] { return layer_norm(h, w, param("ln_2.weight"), param("ln_2.bias")); });
-  const T up = gelu(linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias")),
-                    /*approximate_tanh=*/true);
+  if (c.recompute != GptConfig::Recompute::selective) {
+    const T up = gelu(linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias")),
+                      /*approximate_tanh=*/true);
+    const T down = layout.region([&] {
+      return dropout(layout.stream(matmul(up, transpose(param("mlp.c_proj.weight"), 0, 1))) +
+                         param("mlp.c_proj.bias"),
+                     drop.p, drop.training);
+    });
+    return layout.region([&] { return h + down; });
+  }
+  // Selective recomputation keeps the pre-activation only and reruns GELU and the down
+  // projection in backward, so the [B, T, 4C] activation is not kept.
+  const auto act_down = [](const std::vector<T>& in) {
+    return std::vector<T>{matmul(gelu(in[0], /*approximate_tanh=*/true), transpose(in[1], 0, 1))};
+  };
+  const T product = layout.recompute(
+      true, act_down,
+      {linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias")),
+       param("mlp.c_proj.weight")})[0];
   const T down = layout.region([&] {
-    return dropout(layout.stream(matmul(up, transpose(param("mlp.c_proj.weight"), 0, 1))) +
-                       param("mlp.c_proj.bias"),
-                   drop.p, drop.training);
+    return dropout(layout.stream(product) + param("mlp.c_proj.bias"), drop.p, drop.training);
   });
   return layout.region([&] { return h + down; });
 }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "autograd/checkpoint.h"
 #include "models/gpt/forward.h"
 #include "nn/init.h"
 
@@ -107,7 +108,15 @@ void Gpt::init_weights() {
 }
 
 Tensor Gpt::forward(const Tensor& idx) {
-  return head((*h)(embed(idx)));  // blocks through operator(): ZeRO-3 hooks on each block
+  // Blocks through operator(): ZeRO-3 hooks on each block.
+  if (config_.recompute != GptConfig::Recompute::full || !is_training()) return head((*h)(embed(idx)));
+  Tensor x = embed(idx);
+  for (size_t i = 0; i < h->size(); ++i) {
+    const std::shared_ptr<nn::Module> block = (*h)[i];
+    x = autograd::checkpoint([block](const std::vector<Tensor>& in) { return std::vector<Tensor>{(*block)(in[0])}; },
+                             {x})[0];
+  }
+  return head(x);
 }
 
 Tensor Gpt::embed(const Tensor& idx) {

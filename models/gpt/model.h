@@ -26,6 +26,12 @@ struct GptConfig {
   int64_t context = 128;  // longest sequence (rows of wpe)
   int64_t vocab = 256;
   double dropout = 0.0;   // after the embeddings, on attention weights, on each residual branch
+  // Activation recomputation in training: none; full (each block keeps only its input and
+  // reruns its forward in backward); selective (Megatron's: only the attention core with
+  // dropout on the probabilities, and the MLP's activation, are rerun: the parts that are
+  // cheap to compute and hold [B, H, T, T] and [B, T, 4C] tensors).
+  enum class Recompute { none, full, selective };
+  Recompute recompute = Recompute::none;
 
   // Throws tessera::Error naming the offending field ("GptConfig: heads must ...").
   void validate() const;

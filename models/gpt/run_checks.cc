@@ -73,6 +73,10 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "microbatches", c.microbatches, 1);
   require_at_least(gpt, "chunks", c.chunks, 1);
   require_one_of(gpt, "schedule", c.schedule, {"gpipe", "1f1b", "interleaved"});
+  require_one_of(gpt, "recompute", c.recompute, {"none", "full", "selective"});
+  TS_CHECK(c.recompute != "selective" || (c.pp == 1 && c.tp == 1),
+           "gpt: --recompute=selective runs without --pp/--tp for now (the pipeline recomputes "
+           "whole chunks: --recompute=full)");
   TS_CHECK(!c.sp || c.tp > 1, "gpt: --sp splits the sequence over tensor-parallel ranks; it "
            "needs --tp > 1");
   // Sizes whose products must fit: the parameter count and one batch's tokens.
@@ -114,7 +118,7 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     rows = static_cast<double>(c.batch) / (dp * static_cast<double>(c.microbatches));
     in_flight = c.schedule == "gpipe" ? static_cast<double>(c.microbatches)
                                       : std::min(pp, static_cast<double>(c.microbatches));
-    if (c.recompute) in_flight = 1;  // only stage inputs stay; one micro-batch is live
+    if (c.recompute == "full") in_flight = 1;  // only stage inputs stay; one micro-batch is live
     layers_here = std::ceil(L / pp);
     heads_here = H / tp;
     width_share = 1 / tp;
@@ -151,11 +155,23 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
                          : e * (4 * C + 12 * C * width_share + heads_here * T);
   // Dropout's kept masks and outputs: measured at about 2 bytes per masked element.
   if (c.dropout > 0) per_token += 2 * (heads_here * T + 3 * C * width_share);
-  m.activations = in_flight * N * layers_here * per_token;
-  // Alongside them at the peak, for the composite attention: one layer's [T, T] temporaries
+  // Recomputation on one device or dp (the pipeline's is in_flight above): per token and
+  // block, what backward reruns instead of keeping.
+  double rerun = 0;
+  if (!three_d && c.recompute == "full") {
+    rerun = per_token - e * C;  // each block keeps only its input
+  } else if (!three_d && c.recompute == "selective") {
+    rerun = e * 4 * C;  // the GELU output
+    // The composite attention's softmax output, dropped probabilities and mask (measured).
+    if (!fused_attention) rerun += 2 * e * H * T + 2 * H * T;
+  }
+  m.activations = in_flight * N * layers_here * (per_token - rerun);
+  // Alongside them at the peak, for the composite attention, one layer's [T, T] temporaries
   // (the forward's scores before softmax, the backward's gradients of the scores and
-  // probabilities), measured at four such tensors.
-  if (!fused_attention) m.activations += 4 * e * rows * heads_here * T * T;
+  // probabilities), measured at four such tensors; with recomputation, those or one rerun
+  // block's tensors, whichever is larger (measured: they are not alive together).
+  const double temporaries = fused_attention ? 0.0 : 4 * e * rows * heads_here * T * T;
+  m.activations += std::max(temporaries, in_flight * N * rerun);
   // Embedding output and final norm, [tokens, C] each.
   m.activations += 2 * e * N * C;
   // Logits and their gradient, on the last stage (tp: split over the vocabulary).

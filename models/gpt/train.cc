@@ -128,6 +128,9 @@ GptConfig GptTrainConfig::model_config() const {
   m.context = context;
   m.vocab = vocab;
   m.dropout = dropout;
+  m.recompute = recompute == "full"        ? GptConfig::Recompute::full
+                : recompute == "selective" ? GptConfig::Recompute::selective
+                                           : GptConfig::Recompute::none;
   return m;
 }
 
@@ -564,7 +567,7 @@ class Gpt3dReplica final : public models::Replica {
     o.schedule = c.schedule;
     o.chunks = c.chunks;
     o.microbatches = c.microbatches;
-    o.recompute = c.recompute;
+    o.recompute = c.recompute == "full";
     o.sequence_parallel = c.sp;
     o.clip = c.clip;
     o.lr = c.lr;

@@ -102,7 +102,9 @@ struct GptTrainConfig {
   int64_t microbatches = 1;
   std::string schedule = "1f1b";
   int64_t chunks = 1;
-  bool recompute = false;
+  // Activation recomputation: none | full (each block; with --pp, each pipeline chunk) |
+  // selective (the attention core with dropout and the MLP activation; not with --pp/--tp).
+  std::string recompute = "none";
   bool sp = false;  // sequence parallelism over tp
   bool verbose = true;            // progress line and summary on stdout
 

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -15,7 +16,10 @@
 #include <fmt/format.h>
 
 #include "models/common/checkpoint.h"
+#include "models/gpt/model.h"
 #include "models/gpt/train.h"
+#include "tensor/allocator.h"
+#include "tensor/ops.h"
 #include "nn/safetensors.h"
 #include "tensor/error.h"
 #include "tensor/random.h"
@@ -263,6 +267,98 @@ TEST_CASE("--dropout with --dp --zero --accum: one device's masks, so one device
   }
 }
 
+TEST_CASE("--recompute=full|selective: the same gradients, less activation memory") {
+  // One forward and backward of a 2-layer GPT with dropout (so attention runs the composite
+  // whose [B, H, T, T] probabilities selective recomputation drops), per mode, counting the
+  // untagged bytes (activations, temporaries, gradients) allocated inside a MemoryScope.
+  constexpr int64_t B = 4, T = 32, C = 32, H = 2, L = 2;
+  struct Run {
+    Tensor loss;
+    std::vector<Tensor> grads;
+    int64_t peak = 0;
+  };
+  // Storages made inside a scope report to its tracker when freed: the trackers outlive them.
+  std::deque<MemoryTracker> trackers;
+  auto run = [&](GptConfig::Recompute mode) {
+    GptConfig cfg;
+    cfg.layers = L;
+    cfg.heads = H;
+    cfg.width = C;
+    cfg.context = T;
+    cfg.dropout = 0.1;
+    cfg.recompute = mode;
+    manual_seed(3);
+    Gpt model(cfg);
+    model.train();
+    Generator data(5);
+    const Tensor idx = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
+    const Tensor targets = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
+    Run r;
+    MemoryTracker& tracker = trackers.emplace_back();
+    {
+      MemoryScope scope(&tracker);
+      r.loss = Gpt::loss(model(idx), targets);
+      r.loss.backward();
+    }
+    r.peak = tracker.peak(MemoryTag::untagged);
+    for (const Tensor& p : model.parameters()) r.grads.push_back(p.grad());
+    return r;
+  };
+  const Run none = run(GptConfig::Recompute::none);
+  const Run full = run(GptConfig::Recompute::full);
+  const Run selective = run(GptConfig::Recompute::selective);
+  for (const Run* r : {&full, &selective}) {
+    // The same ops on the same values and dropout counters: bitwise.
+    CHECK(r->loss.item<double>() == none.loss.item<double>());
+    REQUIRE(r->grads.size() == none.grads.size());
+    for (size_t i = 0; i < none.grads.size(); ++i) {
+      CHECK(r->grads[i].to_vector<double>() == none.grads[i].to_vector<double>());
+    }
+  }
+  // Per layer, selective drops at least the f32 [B, H, T, T] probabilities and the [B, T, 4C]
+  // GELU output; full keeps only each block's input.
+  const int64_t kept_by_selective = (B * H * T * T + B * T * 4 * C) * 4;
+  MESSAGE(fmt::format("activation peak per step: none {} B, selective {} B ({} B less per layer), "
+                      "full {} B ({} B less per layer)",
+                      none.peak, selective.peak, (none.peak - selective.peak) / L, full.peak,
+                      (none.peak - full.peak) / L));
+  CHECK(none.peak - selective.peak >= L * kept_by_selective);
+  CHECK(full.peak < selective.peak);
+}
+
+TEST_CASE("--recompute with --dp --zero: the losses of the run without it") {
+  GptTrainConfig c = tiny();
+  c.steps = 6;
+  c.val_every = 0;
+  c.val_batches = 2;
+  c.sample_length = 0;
+  c.threads = 1;
+  c.dropout = 0.1;
+  const GptResult plain = train_gpt(c);
+  for (const char* mode : {"full", "selective"}) {
+    for (const auto& layout : {std::pair{1, 0}, std::pair{2, 3}}) {
+      CAPTURE(mode);
+      CAPTURE(layout.first);
+      CAPTURE(layout.second);
+      c.recompute = mode;
+      c.dp = layout.first;
+      c.zero = layout.second;
+      const GptResult r = train_gpt(c);
+      REQUIRE(r.losses.size() == plain.losses.size());
+      for (size_t i = 0; i < plain.losses.size(); ++i) {
+        CHECK(std::abs(r.losses[i] - plain.losses[i]) <= 1e-5 * std::abs(plain.losses[i]));
+      }
+    }
+  }
+  c = tiny();
+  c.recompute = "sometimes";
+  CHECK(contains(error_of([&] { train_gpt(c); }), "--recompute"));
+  c = tiny();
+  c.recompute = "selective";
+  c.tp = 2;
+  CHECK(contains(error_of([&] { train_gpt(c); }), "--recompute=selective runs without --pp/--tp"));
+}
+
 TEST_CASE("--precision=f16 with --dp --zero: every rank skips the same overflowed steps") {
   GptTrainConfig c = tiny();
   c.steps = 12;
@@ -341,7 +437,7 @@ TEST_CASE("--pp --dp --tp: the same losses as one rank; layouts that cannot work
     c.schedule = schedule;
     c.chunks = std::string(schedule) == "interleaved" ? 2 : 1;
     c.microbatches = 4 / dp;
-    c.recompute = pp == 4;
+    c.recompute = pp == 4 ? "full" : "none";
     const GptResult r = train_gpt(c);
     REQUIRE(r.losses.size() == one.losses.size());
     for (size_t i = 0; i < one.losses.size(); ++i) {
