@@ -120,7 +120,7 @@ typename L::Tensor block(const L& layout, const P& param, const GptConfig& c,
   const T a = gpt::attention(layout, param, c, n1, drop);
   const T h = layout.region([&] { return x + a; });
   const T n2 = layout.region([&] { return layer_norm(h, w, param("ln_2.weight"), param("ln_2.bias")); });
-  if (c.recompute != GptConfig::Recompute::selective) {
+  if (c.recompute != GptConfig::Recompute::selective || !drop.training) {  // (eval: no backward)
     const T up = gelu(linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias")),
                       /*approximate_tanh=*/true);
     const T down = layout.region([&] {
