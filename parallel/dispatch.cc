@@ -11,6 +11,7 @@
 #include "parallel/redistribute.h"
 #include "parallel/sharding_rule.h"
 #include "tensor/allocator.h"
+#include "tensor/autocast.h"
 #include "tensor/error.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -248,12 +249,22 @@ Prepared prepare(OpId op, const std::vector<ShardedTensor>& inputs, const Attrs&
 
 }  // namespace
 
-std::vector<ShardedTensor> call(OpId op, const std::vector<ShardedTensor>& inputs,
+std::vector<ShardedTensor> call(OpId op, const std::vector<ShardedTensor>& given,
                                 const Attrs& attrs) {
   const OpInfo& info = op_info(op);
   TS_CHECK(info.kind == OpKind::Compute || info.kind == OpKind::View,
            "parallel::call: {} is not a compute or view op (factories: parallel::factory; "
            "composites: their named function)", op_name(op));
+  // Autocast's policy applies to the global tensors, as tessera::call applies it to local
+  // ones (shape inference and the rule then see the dtypes the op runs in).
+  std::vector<ShardedTensor> inputs = given;
+  if (autocast_enabled()) [[unlikely]] {
+    autocast_inputs_with(op, inputs, [](const ShardedTensor& t, DType dtype) {
+      Attrs a;
+      a.dtype = dtype;
+      return call1(OpId::cast, {t}, a);
+    });
+  }
   const MeshPtr& mesh = common_mesh(op, inputs);
   Prepared p = prepare(op, inputs, attrs, mesh, {});
   const LocalCtx lctx{op, attrs, mesh, p.in, p.out, p.chosen.in, p.chosen.out, p.locals};

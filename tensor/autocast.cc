@@ -59,38 +59,44 @@ AutocastGuard::AutocastGuard(DType low) : previous_(t_autocast) {
 }
 AutocastGuard::~AutocastGuard() { t_autocast = previous_; }
 
-void autocast_inputs(OpId op, std::vector<Tensor>& inputs) {
-  const DType low = t_autocast;
+std::vector<DType> autocast_dtypes(OpId op, const std::vector<DType>& dtypes, DType low) {
+  std::vector<DType> out = dtypes;
+  if (low == DType::f32) return out;
   switch (kRules[static_cast<int>(op)]) {
     case AutocastRule::keep:
-      return;
+      return out;
     case AutocastRule::lower:
-      for (Tensor& t : inputs) {
-        if (t.defined() && t.dtype() == DType::f32) t = cast_to(t, low);
+      for (DType& d : out) {
+        if (d == DType::f32) d = low;
       }
-      return;
+      return out;
     case AutocastRule::to_f32:
-      for (Tensor& t : inputs) {
-        if (t.defined() && is_low(t.dtype())) t = cast_to(t, DType::f32);
+      for (DType& d : out) {
+        if (is_low(d)) d = DType::f32;
       }
-      return;
+      return out;
     case AutocastRule::promote: {
       DType widest = DType::f32;
       bool any_float = false, mixed = false;
-      for (const Tensor& t : inputs) {
-        if (!t.defined() || !is_float(t.dtype())) continue;
-        if (any_float && t.dtype() != widest) mixed = true;
-        if (!any_float || width(t.dtype()) > width(widest)) widest = t.dtype();
+      for (DType d : dtypes) {
+        if (!is_float(d)) continue;
+        if (any_float && d != widest) mixed = true;
+        if (!any_float || width(d) > width(widest)) widest = d;
         any_float = true;
       }
-      if (!mixed) return;
+      if (!mixed) return out;
       if (is_low(widest)) widest = DType::f32;  // f16 with bf16: neither holds the other
-      for (Tensor& t : inputs) {
-        if (t.defined() && is_float(t.dtype()) && t.dtype() != widest) t = cast_to(t, widest);
+      for (DType& d : out) {
+        if (is_float(d)) d = widest;
       }
-      return;
+      return out;
     }
   }
+  return out;
+}
+
+void autocast_inputs(OpId op, std::vector<Tensor>& inputs) {
+  autocast_inputs_with(op, inputs, cast_to);
 }
 
 }  // namespace tessera

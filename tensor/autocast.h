@@ -42,7 +42,22 @@ class AutocastGuard {
   DType previous_;
 };
 
-// Applies the rule of `op` to its inputs in place (called by call() when autocast is on).
+// The dtypes `op`'s inputs take under autocast with low-precision dtype `low` (undefined
+// inputs: unchanged), for any tensor type: tensors (call()) and sharded tensors
+// (parallel::call) follow one policy.
+std::vector<DType> autocast_dtypes(OpId op, const std::vector<DType>& dtypes, DType low);
+
+// Applies the rule of `op` to its inputs in place (called by call() when autocast is on):
+// `cast(t, dtype)` for each input whose dtype changes.
+template <class T, class Cast>
+void autocast_inputs_with(OpId op, std::vector<T>& inputs, Cast&& cast) {
+  std::vector<DType> dtypes;
+  for (const T& t : inputs) dtypes.push_back(t.defined() ? t.dtype() : DType::b8);  // (ignored)
+  const std::vector<DType> want = autocast_dtypes(op, dtypes, autocast_dtype());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined() && want[i] != dtypes[i]) inputs[i] = cast(inputs[i], want[i]);
+  }
+}
 void autocast_inputs(OpId op, std::vector<Tensor>& inputs);
 
 }  // namespace tessera

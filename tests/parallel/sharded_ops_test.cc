@@ -45,6 +45,7 @@
 #include "parallel/comm/threads.h"
 #include "parallel/ops.h"
 #include "parallel/sharding_rule.h"
+#include "tensor/autocast.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"
 #include "tests/parallel/sharded_cases.h"
@@ -723,6 +724,28 @@ TEST_CASE("sharded ops: the named forms of parallel/ops.h equal tessera's on one
     close(attention(distribute(q, mesh, {Shard(1)}), distribute(k, mesh, {Shard(1)}),
                     distribute(v, mesh, {Shard(1)}), true),
           attention(q, k, v, true), "attention");
+  });
+}
+
+TEST_CASE("sharded ops: autocast applies to sharded tensors as to tensors") {
+  // Under AutocastGuard(bf16), parallel::call casts the global inputs by the op's rule, so a
+  // row-wise matmul of f32 blocks runs in bf16 and its bias add promotes, as on one device.
+  manual_seed(12);
+  const Tensor a = tessera::randn({4, 6}), b = tessera::randn({6, 5}), bias = tessera::randn({5});
+  Tensor want;
+  {
+    AutocastGuard amp(DType::bf16);
+    want = tessera::matmul(a, b) + bias;
+  }
+  REQUIRE(want.dtype() == DType::f32);
+  run_threads(2, [&](CommPtr world) {
+    auto mesh = make_mesh(world, {{"n", 2}});
+    AutocastGuard amp(DType::bf16);
+    const ShardedTensor product = matmul(distribute(a, mesh, {Shard(0)}), distribute(b, mesh, {Replicate()}));
+    CHECK(product.dtype() == DType::bf16);
+    const ShardedTensor got = product + distribute(bias, mesh, {Replicate()});
+    CHECK(got.dtype() == DType::f32);
+    CHECK(got.full_tensor().to_vector<double>() == want.to_vector<double>());
   });
 }
 
