@@ -257,14 +257,16 @@ std::vector<ShardedTensor> call(OpId op, const std::vector<ShardedTensor>& given
            "composites: their named function)", op_name(op));
   // Autocast's policy applies to the global tensors, as tessera::call applies it to local
   // ones (shape inference and the rule then see the dtypes the op runs in).
-  std::vector<ShardedTensor> inputs = given;
+  std::vector<ShardedTensor> cast_inputs;
   if (autocast_enabled()) [[unlikely]] {
-    autocast_inputs_with(op, inputs, [](const ShardedTensor& t, DType dtype) {
+    cast_inputs = given;
+    autocast_inputs_with(op, cast_inputs, [](const ShardedTensor& t, DType dtype) {
       Attrs a;
       a.dtype = dtype;
       return call1(OpId::cast, {t}, a);
     });
   }
+  const std::vector<ShardedTensor>& inputs = autocast_enabled() ? cast_inputs : given;
   const MeshPtr& mesh = common_mesh(op, inputs);
   Prepared p = prepare(op, inputs, attrs, mesh, {});
   const LocalCtx lctx{op, attrs, mesh, p.in, p.out, p.chosen.in, p.chosen.out, p.locals};
