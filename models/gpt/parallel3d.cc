@@ -8,6 +8,7 @@
 #include "models/gpt/pipeline.h"
 #include "models/gpt/tensor_parallel.h"
 #include "optim/adamw.h"
+#include "optim/loss_scaler.h"
 #include "parallel/comm/comm_log.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
@@ -48,6 +49,7 @@ struct Gpt3d::Impl {
   std::unique_ptr<optim::AdamW> opt;
   parallel::CommPtr tied;  // first + last stage ranks with our (dp, tp), when they differ
   std::set<std::string> mine;  // parameter paths this rank's stages hold
+  optim::DynamicLossScaler scaler{{.enabled = false}};
 
   Impl(Gpt& m, parallel::CommPtr w, Gpt3dOptions options) : model(m), o(std::move(options)), world(std::move(w)) {}
 
@@ -103,6 +105,15 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   aopt.betas = {opt.beta1, opt.beta2};
   aopt.weight_decay = opt.weight_decay;
   s.opt = std::make_unique<optim::AdamW>(s.zero->param_groups(opt.lr, opt.weight_decay), aopt);
+  if (opt.loss_scale > 0) {
+    s.scaler = optim::DynamicLossScaler({.init_scale = opt.loss_scale});
+    s.scaler.reduce_found_inf_with([world = s.world](bool here) {
+      Tensor t = Tensor::from_vector<double>({here ? 1.0 : 0.0}, {1});
+      parallel::CommCause cause("loss scaler overflow check", parallel::CommKind::control);
+      world->all_reduce(t, parallel::ReduceOp::max);
+      return t.to_vector<double>()[0] > 0;
+    });
+  }
 
   const int first = s.schedule.rank_of(0), last = s.schedule.rank_of(s.schedule.num_stages() - 1);
   const bool member = pp_rank == first || pp_rank == last;
@@ -153,7 +164,7 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
           const parallel::ShardedTensor z(logits, s.tp_mesh, {parallel::Shard(2)}, full);
           return s.tp->vocab_parallel_loss(z, targets.narrow(0, base + mb * rows, rows)).local();
         },
-        {.recompute = s.o.recompute});
+        {.recompute = s.o.recompute, .loss_scale = s.scaler.scale_value()});
     if (s.tied) {
       const Tensor g = s.tp->param("wte.weight").local().grad();
       TS_CHECK(g.defined(), "Gpt3d: the token embedding has no gradient on rank {}", s.world->rank());
@@ -162,8 +173,16 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
     }
   }
   s.zero->finish();
-  if (s.o.clip > 0) clip_grad_norm();
-  s.zero->step(*s.opt);
+  // f16: unscale this rank's gradients (its stages' and shards'); every rank skips the step
+  // (clipping included) if any rank's overflowed.
+  std::vector<Tensor> params;
+  for (const optim::ParamGroup& g : s.opt->param_groups()) params.insert(params.end(), g.params.begin(), g.params.end());
+  s.scaler.unscale_and_check(params);
+  s.scaler.step(*s.opt, [&] {
+    if (s.o.clip > 0) clip_grad_norm();
+    s.zero->step(*s.opt);
+  });
+  s.scaler.update();
   Tensor loss = Tensor::from_vector<double>({step.loss}, {1});
   s.dp().all_reduce(loss, parallel::ReduceOp::avg);
   return loss.item<double>();
@@ -226,4 +245,9 @@ std::string Gpt3d::describe() const {
                      s.o.microbatches, s.o.zero, s.o.recompute ? ", recompute" : "", s.pipe.str());
 }
 
+}  // namespace tessera::gpt
+
+namespace tessera::gpt {
+int64_t Gpt3d::skipped_steps() const { return impl_->scaler.skipped_steps(); }
+double Gpt3d::loss_scale() const { return impl_->scaler.scale_value(); }
 }  // namespace tessera::gpt

@@ -29,6 +29,9 @@ struct Gpt3dOptions {
   int64_t microbatches = 1;        // per dp rank and step
   bool recompute = false;          // activation recomputation per pipeline chunk
   double clip = 0.0;               // max global gradient norm (over every rank); 0: off
+  // f16: dynamic loss scaling from this initial scale, the overflow check reduced over the
+  // world (every rank skips the same steps); 0: off.
+  double loss_scale = 0.0;
   bool sequence_parallel = false;  // the residual stream split along the sequence on tp
   double lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95;
 };
@@ -48,6 +51,9 @@ class Gpt3d {
   // Collective (after the reduction, called by train_step when clip > 0): scales the
   // gradients so that the norm of the whole model's gradient is at most clip; returns it.
   double clip_grad_norm();
+  // Steps skipped for inf/NaN gradients, and the current loss scale (f16; else 0 and 1).
+  int64_t skipped_steps() const;
+  double loss_scale() const;
   // Collective: every parameter of the single-device model, in full, on every rank.
   std::map<std::string, Tensor> full_parameters();
   // "pp 2 x dp 2 x tp 2, 1f1b, 4 micro-batches: stage 0: embed h.0 h.1 | stage 1: ..."

@@ -534,6 +534,7 @@ class Gpt3dReplica final : public models::Replica {
 
   Gpt& eval_model() { return eval_model_; }
   std::string describe() const { return g_.describe(); }
+  int64_t skipped_steps() const { return g_.skipped_steps(); }
   int64_t num_parameters() const { return model_.num_parameters(); }
 
   void zero_grad(int64_t /*step*/, double lr) override { lr_ = lr; }
@@ -569,6 +570,7 @@ class Gpt3dReplica final : public models::Replica {
     o.chunks = c.chunks;
     o.microbatches = c.microbatches;
     o.recompute = c.recompute == "full";
+    if (c.precision == "f16") o.loss_scale = c.loss_scale;
     o.sequence_parallel = c.sp;
     o.clip = c.clip;
     o.lr = c.lr;
@@ -588,9 +590,6 @@ class Gpt3dReplica final : public models::Replica {
 };
 
 GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
-  TS_CHECK(config.precision != "f16",
-           "gpt: --precision=f16 does not run with --pp/--tp yet (the loss scaler is not wired "
-           "into the pipeline); bf16 does");
   TS_CHECK(config.save.empty() && config.resume.empty(),
            "gpt: --save/--resume are not yet supported with --pp/--tp");
   TS_CHECK(config.accum == 1, "gpt: with --pp/--tp use --microbatches, not --accum");
@@ -619,6 +618,7 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
 
   GptResult result;
+  result.skipped_steps = replica.skipped_steps();
   finish_run(result, config, replica, loop, meter, metrics, kCPU, [] { return std::string(); },
              verbose, say);
   if (config.sample_length > 0 && lead && !config.synthetic_data) {

@@ -125,7 +125,7 @@ PipelineStep run_pipeline(Communicator& pp, const Schedule& s, const PipelineChu
         if (stage == last) {
           const Tensor l = loss(y, a.microbatch);
           loss_sum += l.item<double>();
-          y = l * inv_m;
+          y = l * (inv_m * options.loss_scale);
         }
         live[key] = {x, y};
         step.peak_live = std::max(step.peak_live, static_cast<int>(live.size()));

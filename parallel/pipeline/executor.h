@@ -28,7 +28,9 @@ using PipelineChunk = std::function<Tensor(const Tensor&)>;
 using PipelineChunks = std::vector<PipelineChunk>;  // this rank's chunks, in chunk order
 
 struct PipelineOptions {
-  bool recompute = false;  // activation recomputation per chunk
+  bool recompute = false;   // activation recomputation per chunk
+  double loss_scale = 1.0;  // backward starts from loss x this (f16 loss scaling); the
+                            // reported loss is unscaled
 };
 
 struct PipelineStep {
