@@ -56,6 +56,14 @@ bool DynamicLossScaler::unscale_and_check(const std::vector<Tensor>& params) {
   return !found_inf_;
 }
 
+bool DynamicLossScaler::unscale_and_check(const Optimizer& optimizer) {
+  std::vector<Tensor> params;
+  for (const ParamGroup& g : optimizer.param_groups()) {
+    params.insert(params.end(), g.params.begin(), g.params.end());
+  }
+  return unscale_and_check(params);
+}
+
 bool DynamicLossScaler::step(Optimizer& optimizer) { return step(optimizer, nullptr); }
 
 bool DynamicLossScaler::step(Optimizer& optimizer, const std::function<void()>& update) {
@@ -64,13 +72,7 @@ bool DynamicLossScaler::step(Optimizer& optimizer, const std::function<void()>& 
     run();
     return true;
   }
-  if (!checked_) {
-    std::vector<Tensor> params;
-    for (const ParamGroup& g : optimizer.param_groups()) {
-      params.insert(params.end(), g.params.begin(), g.params.end());
-    }
-    unscale_and_check(params);
-  }
+  if (!checked_) unscale_and_check(optimizer);
   if (found_inf_) {
     ++skipped_steps_;
     return false;

@@ -46,6 +46,8 @@ class DynamicLossScaler {
   // them are finite (on every rank, with reduce_found_inf_with). At most once per iteration
   // (Error on a second call before update()). Disabled: touches nothing and returns true.
   bool unscale_and_check(const std::vector<Tensor>& params);
+  // The same for the optimizer's parameters (under ZeRO: this rank's shards).
+  bool unscale_and_check(const Optimizer& optimizer);
   // Unscales the optimizer's gradients unless unscale_and_check already did, then steps the
   // optimizer if they are all finite. Returns whether it stepped; a skipped step counts in
   // skipped_steps(). Disabled: optimizer.step(), true.

@@ -173,11 +173,8 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
     }
   }
   s.zero->finish();
-  // f16: unscale this rank's gradients (its stages' and shards'); every rank skips the step
-  // (clipping included) if any rank's overflowed.
-  std::vector<Tensor> params;
-  for (const optim::ParamGroup& g : s.opt->param_groups()) params.insert(params.end(), g.params.begin(), g.params.end());
-  s.scaler.unscale_and_check(params);
+  // f16: the scaler unscales this rank's gradients (its stages' and shards'); every rank
+  // skips the step (clipping included) if any rank's overflowed.
   s.scaler.step(*s.opt, [&] {
     if (s.o.clip > 0) clip_grad_norm();
     s.zero->step(*s.opt);

@@ -245,13 +245,6 @@ class GptReplica final : public models::Replica {
   DType low() const { return low_; }
   const optim::DynamicLossScaler& scaler() const { return scaler_; }
 
-  // The optimizer's parameters: the model's, or under ZeRO this rank's shards.
-  std::vector<Tensor> optimizer_params() const {
-    std::vector<Tensor> out;
-    for (const optim::ParamGroup& g : opt_->param_groups()) out.insert(out.end(), g.params.begin(), g.params.end());
-    return out;
-  }
-
   // The step a --resume continues from (0 without one).
   int64_t resume() {
     if (c_.resume.empty()) return 0;
@@ -316,7 +309,9 @@ class GptReplica final : public models::Replica {
 
   std::optional<double> grad_norm(double max_norm) override {
     // Under ZeRO the optimizer's parameters are this rank's shards, holding its gradients.
-    if (!scaler_.unscale_and_check(zero_ ? optimizer_params() : params_)) return std::nullopt;
+    if (!(zero_ ? scaler_.unscale_and_check(*opt_) : scaler_.unscale_and_check(params_))) {
+      return std::nullopt;
+    }
     if (zero_) return zero_->clip_grad_norm(max_norm > 0 ? max_norm : kNoClip);
     return max_norm > 0 ? optim::clip_grad_norm(params_, max_norm) : optim::grad_norm(params_);
   }

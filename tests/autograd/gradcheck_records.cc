@@ -26,8 +26,7 @@ bool floating_arg(const Arg& a) { return !a.absent && !a.dtype; }
 
 bool eligible(const sweep::OpSweep& s, const sweep::Case& c) {
   if (!c.grad || c.grad_output < 0 || !op_info(s.op).differentiable) return false;
-  const std::vector<DType>& dtypes = c.dtypes.empty() ? s.dtypes : c.dtypes;
-  if (std::find(dtypes.begin(), dtypes.end(), DType::f64) == dtypes.end()) return false;
+  if (!sweep::runs_in(s, c, DType::f64)) return false;
   if (c.out_dtype && !is_floating(c.out_dtype(DType::f64, static_cast<size_t>(c.grad_output)))) {
     return false;
   }

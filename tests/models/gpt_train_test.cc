@@ -52,6 +52,18 @@ GptTrainConfig tiny() {
   return c;
 }
 
+// tiny() for comparing layouts: `steps` steps, validation only at the end (2 batches), no
+// sample, one OpenMP thread per rank.
+GptTrainConfig short_run(int64_t steps) {
+  GptTrainConfig c = tiny();
+  c.steps = steps;
+  c.val_every = 0;
+  c.val_batches = 2;
+  c.sample_length = 0;
+  c.threads = 1;
+  return c;
+}
+
 // Every tensor of two safetensors files, bitwise (f32 compared as f64 values: exact).
 void check_same_tensors(const std::string& a, const std::string& b) {
   const nn::SafetensorsFile fa = nn::load_safetensors(a), fb = nn::load_safetensors(b);
@@ -206,12 +218,7 @@ TEST_CASE("--dp --zero --accum: the same losses as one rank; checkpoints move be
     const int load_dp = std::get<2>(layouts), load_zero = std::get<3>(layouts);
     CAPTURE(save_dp);
     CAPTURE(load_dp);
-    c = tiny();
-    c.steps = 12;
-    c.val_every = 0;
-    c.val_batches = 2;
-    c.sample_length = 0;
-    c.threads = 1;
+    c = short_run(12);
     c.dp = save_dp;
     c.zero = save_zero;
     c.max_steps = 6;
@@ -241,12 +248,7 @@ TEST_CASE("--dropout with --dp --zero --accum: one device's masks, so one device
   // Each rank and micro-batch draws its rows of the masks one device draws for the whole
   // batch (BatchSliceScope), so dropout is independent of the split: the losses agree to
   // f32 summation order, as without dropout.
-  GptTrainConfig c = tiny();
-  c.steps = 12;
-  c.val_every = 0;
-  c.val_batches = 2;
-  c.sample_length = 0;
-  c.threads = 1;
+  GptTrainConfig c = short_run(12);
   c.dropout = 0.1;
   const GptResult one = train_gpt(c);
   for (const auto& layout : {std::tuple{1, 0, 2}, std::tuple{2, 0, 1}, std::tuple{2, 3, 2},
@@ -327,12 +329,7 @@ TEST_CASE("--recompute=full|selective: the same gradients, less activation memor
 }
 
 TEST_CASE("--recompute with --dp --zero: the losses of the run without it") {
-  GptTrainConfig c = tiny();
-  c.steps = 6;
-  c.val_every = 0;
-  c.val_batches = 2;
-  c.sample_length = 0;
-  c.threads = 1;
+  GptTrainConfig c = short_run(6);
   c.dropout = 0.1;
   const GptResult plain = train_gpt(c);
   for (const char* mode : {"full", "selective"}) {
@@ -360,12 +357,7 @@ TEST_CASE("--recompute with --dp --zero: the losses of the run without it") {
 }
 
 TEST_CASE("--precision=f16 with --dp --zero: every rank skips the same overflowed steps") {
-  GptTrainConfig c = tiny();
-  c.steps = 12;
-  c.val_every = 0;
-  c.val_batches = 2;
-  c.sample_length = 0;
-  c.threads = 1;
+  GptTrainConfig c = short_run(12);
   c.precision = "f16";
   auto max_rel = [](const GptResult& a, const GptResult& b) {
     REQUIRE(a.losses.size() == b.losses.size());
@@ -468,14 +460,9 @@ TEST_CASE("--precision=bf16|f16 with --pp --dp --tp --sp: one rank's losses in t
   // f16 scales the loss; without overflow (the default scale, here) no step is skipped.
   for (const char* precision : {"bf16", "f16"}) {
     CAPTURE(precision);
-    GptTrainConfig c = tiny();
+    GptTrainConfig c = short_run(8);
     c.layers = 2;
     c.heads = 4;
-    c.steps = 8;
-    c.val_every = 0;
-    c.val_batches = 2;
-    c.sample_length = 0;
-    c.threads = 1;
     c.precision = precision;
     const GptResult one = train_gpt(c);
     CHECK(one.skipped_steps == 0);
@@ -512,14 +499,9 @@ TEST_CASE("--precision=bf16|f16 with --pp --dp --tp --sp: one rank's losses in t
   // f16 with overflow (initial scale 2^24): the overflow check is reduced over the world, so
   // every rank of a pipeline and tensor-parallel layout skips the same steps (with a check per
   // rank their collectives part ways); the run skips some steps and trains on.
-  GptTrainConfig c = tiny();
+  GptTrainConfig c = short_run(8);
   c.layers = 2;
   c.heads = 4;
-  c.steps = 8;
-  c.val_every = 0;
-  c.val_batches = 2;
-  c.sample_length = 0;
-  c.threads = 1;
   c.precision = "f16";
   c.loss_scale = 0x1p24;
   c.pp = 2;

@@ -109,8 +109,7 @@ constexpr int64_t kMaxValues = 300;
 
 bool runs_here(const sweep::OpSweep& s, const sweep::Case& c) {
   if (!c.sharded || c.run) return false;
-  const std::vector<DType>& dtypes = c.dtypes.empty() ? s.dtypes : c.dtypes;
-  if (std::find(dtypes.begin(), dtypes.end(), DType::f64) == dtypes.end()) return false;
+  if (!sweep::runs_in(s, c, DType::f64)) return false;
   int64_t values = 0;
   for (const sweep::Arg& a : c.args) {
     if (a.absent) continue;
@@ -172,8 +171,7 @@ std::vector<OpCase> record_cases() {
           return parallel::factory(op, a, mesh, p);
         };
       }
-      const std::vector<DType>& dtypes = c.dtypes.empty() ? s.dtypes : c.dtypes;
-      oc.f32 = std::find(dtypes.begin(), dtypes.end(), DType::f32) != dtypes.end();
+      oc.f32 = sweep::runs_in(s, c, DType::f32);
       if (c.prepare) {
         oc.prepare = [prepare = c.prepare](Tensors& in, DType dt) {
           sweep::Arrays vals;

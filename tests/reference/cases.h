@@ -207,6 +207,8 @@ void run_sweep(const OpSweep& sweep, Coverage& coverage);
 Arrays draw_inputs(const OpSweep& sweep, const Case& c, size_t ci, DType dt);
 // Runs case c on `inputs` in dtype dt: c.run, or call(op, inputs, attrs).
 Tensors run_case(const OpSweep& sweep, const Case& c, const Tensors& inputs, DType dt);
+// Whether case c runs in dtype dt: the op supports it and the case does not restrict it away.
+bool runs_in(const OpSweep& sweep, const Case& c, DType dt);
 // The dtype an input of case dtype dt takes (its fixed dtype, the stats dtype, or dt).
 DType arg_dtype(const Arg& a, DType dt);
 // An in-place op's written inputs (copy_, adamw_, sgd_): the case's present inputs with

@@ -446,6 +446,13 @@ Tensors run_case(const OpSweep& s, const Case& c, const Tensors& in, DType dt) {
   return out;
 }
 
+bool runs_in(const OpSweep& s, const Case& c, DType dt) {
+  const auto has = [dt](const std::vector<DType>& v) {
+    return std::find(v.begin(), v.end(), dt) != v.end();
+  };
+  return has(s.dtypes) && (c.dtypes.empty() || has(c.dtypes));
+}
+
 std::vector<size_t> written_inputs(const OpSweep& s, const Case& c) {
   std::vector<size_t> out;
   if (s.op != OpId::copy_ && op_info(s.op).family != OpFamily::InplaceUpdate) return out;
@@ -612,9 +619,7 @@ void run_sweep(const OpSweep& s, Coverage& cov) {
     Case c = s.cases[ci];
     if (!g_device.is_cpu()) device_bounds(s.op, c);
     for (DType dt : s.dtypes) {
-      if (!c.dtypes.empty() && std::find(c.dtypes.begin(), c.dtypes.end(), dt) == c.dtypes.end()) {
-        continue;
-      }
+      if (!runs_in(s, c, dt)) continue;
       for (Layout layout : c.layouts) {
         const int64_t failures = g_failures.count, runs = cov.runs;
         try {
