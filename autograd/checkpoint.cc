@@ -14,7 +14,9 @@ class CheckpointNode final : public Node {
  public:
   CheckpointNode(CheckpointFn fn, const std::vector<Tensor>& inputs, uint64_t seed,
                  uint64_t offset, DType autocast)
-      : fn_(std::move(fn)), seed_(seed), offset_(offset), autocast_(autocast) {
+      : fn_(std::move(fn)), seed_(seed), offset_(offset), autocast_(autocast),
+        has_slice_(current_batch_slice() != nullptr),
+        slice_(has_slice_ ? *current_batch_slice() : BatchSlice{}) {
     for (const Tensor& t : inputs) {
       mutable_next_edges().push_back(gradient_edge(t));
       saved_.emplace_back(t);
@@ -48,9 +50,12 @@ class CheckpointNode final : public Node {
     gen.set_state(seed_, offset_);
     std::vector<Tensor> outputs;
     {
-      // The recomputation runs as the forward did: with grad and under its autocast policy.
+      // The recomputation runs as the forward did: with grad, under its autocast policy and
+      // its batch slice (dropout draws the same rows of the masks; a pipeline's backward runs
+      // outside the slice its forward ran in).
       GradModeGuard grad_on(true);
       AutocastGuard amp(autocast_);
+      const BatchSliceScope slice(has_slice_ ? &slice_ : nullptr);
       outputs = fn_(inputs);
     }
     gen.set_state(seed, offset);
@@ -80,6 +85,8 @@ class CheckpointNode final : public Node {
   CheckpointFn fn_;
   uint64_t seed_, offset_;
   DType autocast_;
+  bool has_slice_;
+  BatchSlice slice_;
   std::vector<SavedTensor> saved_;
   std::vector<bool> wants_grad_;
   bool released_ = false;

@@ -9,7 +9,8 @@
 //
 // Tensors that require grad must be passed in `inputs` unless they are leaves (parameters
 // captured by fn are fine: their gradients accumulate into .grad during the rerun). Random
-// draws inside fn must use the thread's default generator (its state is replayed).
+// draws inside fn must use the thread's default generator (its state is replayed, with the
+// forward's batch slice, tensor/random.h).
 #pragma once
 
 #include <functional>

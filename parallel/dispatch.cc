@@ -111,10 +111,16 @@ Attrs local_attrs(const LocalCtx& c) {
       a.shape = local_block(c.out[0].shape, *c.mesh, c.out_placements[0]).shape;
       break;
     case OpId::dropout:
+    {
+      // The block's place in the sharded tensor, and (inside a batch slice, parallel/ops.cc)
+      // the sharded tensor's place in the whole batch.
+      const LocalBlock b = local_block(c.in[0].shape, *c.mesh, c.in_placements[0]);
       if (a.rng_view.global_shape.empty()) {
-        const LocalBlock b = local_block(c.in[0].shape, *c.mesh, c.in_placements[0]);
         a.rng_view = RngView{c.in[0].shape, b.starts};
+      } else {
+        for (size_t d = 0; d < b.starts.size(); ++d) a.rng_view.starts[d] += b.starts[d];
       }
+    }
       break;
     default:
       break;

@@ -3,6 +3,7 @@
 
 #include "tensor/error.h"
 #include "tensor/op_attrs.h"
+#include "tensor/random.h"
 #include "tensor/ops.h"
 
 namespace tessera::parallel {
@@ -73,8 +74,24 @@ ShardedTensor cross_entropy(const ShardedTensor& logits, const ShardedTensor& ta
 ShardedTensor dropout(const ShardedTensor& x, double p, bool training) {
   TS_CHECK(p >= 0.0 && p < 1.0, "dropout: p must be in [0, 1), got {}", p);
   if (!training || p == 0.0) return x;
-  // Every rank advances by the global count, so later draws stay in step across ranks.
-  return call1(OpId::dropout, {x}, op_attrs::dropout(p, default_generator(), x.numel()));
+  // Every rank advances by the global count, so later draws stay in step across ranks; each
+  // draws its block of the global mask (dispatch's local_attrs).
+  const BatchSlice* slice = current_batch_slice();
+  if (slice == nullptr) {
+    return call1(OpId::dropout, {x}, op_attrs::dropout(p, default_generator(), x.numel()));
+  }
+  // Inside a batch slice the sharded tensor is rows [start, start + rows) of the global
+  // batch: its mask is that block of the whole batch's (tensor/random.h).
+  TS_CHECK(x.dim() >= 1 && x.shape()[0] == slice->rows,
+           "dropout: inside a batch slice of {} rows (of {}), the input {} does not lead with "
+           "the batch", slice->rows, slice->global_rows, x.str());
+  Shape global = x.shape();
+  global[0] = slice->global_rows;
+  Attrs a = op_attrs::dropout(p, default_generator(), numel_of(global));
+  std::vector<int64_t> starts(static_cast<size_t>(x.dim()), 0);
+  starts[0] = slice->start;
+  a.rng_view = RngView{global, starts};
+  return call1(OpId::dropout, {x}, a);
 }
 ShardedTensor conv2d(const ShardedTensor& x, const ShardedTensor& weight, const ShardedTensor& bias,
                      std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {

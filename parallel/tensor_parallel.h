@@ -133,12 +133,34 @@ class TpLayout {
     MemoryScope scope(region_tracker_);
     return fn();
   }
-  // fn(inputs). Recomputation inside a tensor-parallel forward is not supported here (the
-  // pipeline recomputes whole chunks): Error when asked for.
+  // fn(inputs); when `on`, only the inputs' local blocks are kept for backward, which reruns
+  // fn on them (autograd::checkpoint sees the local tensors; fn sees them wrapped again with
+  // the inputs' placements). fn's outputs keep the layouts of its first run.
   template <class F>
   std::vector<ShardedTensor> recompute(bool on, F&& fn, const std::vector<ShardedTensor>& inputs) const {
-    TS_CHECK(!on, "TpLayout: selective recomputation is not supported under tensor parallelism");
-    return fn(inputs);
+    if (!on) return fn(inputs);
+    std::vector<tessera::Tensor> locals;
+    for (const ShardedTensor& x : inputs) locals.push_back(x.local());
+    auto outputs = std::make_shared<std::vector<ShardedTensor>>();  // the first run's
+    std::vector<tessera::Tensor> out = autograd::checkpoint(
+        [fn, inputs, outputs](const std::vector<tessera::Tensor>& in) {
+          std::vector<ShardedTensor> wrapped;
+          for (size_t i = 0; i < in.size(); ++i) {
+            wrapped.emplace_back(in[i], inputs[i].mesh_ptr(), inputs[i].placements(), inputs[i].shape());
+          }
+          std::vector<ShardedTensor> y = fn(wrapped);
+          std::vector<tessera::Tensor> local;
+          for (const ShardedTensor& t : y) local.push_back(t.local());
+          if (outputs->empty()) *outputs = std::move(y);
+          return local;
+        },
+        locals);
+    std::vector<ShardedTensor> result;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const ShardedTensor& o = (*outputs)[i];
+      result.emplace_back(out[i], o.mesh_ptr(), o.placements(), o.shape());
+    }
+    return result;
   }
   // Vocab-parallel mean cross-entropy of logits [N, V] (the vocabulary split on tp) against
   // targets [N]: max, sum of exponentials and the target's logit are reductions over the

@@ -22,6 +22,11 @@ BatchSliceScope::BatchSliceScope(BatchSlice slice) : previous_(g_slice), slice_(
   g_slice = &slice_;
 }
 
+BatchSliceScope::BatchSliceScope(const BatchSlice* slice)
+    : previous_(g_slice), slice_(slice != nullptr ? *slice : BatchSlice{}) {
+  g_slice = slice != nullptr ? &slice_ : nullptr;
+}
+
 BatchSliceScope::~BatchSliceScope() { g_slice = previous_; }
 
 const BatchSlice* current_batch_slice() { return g_slice; }

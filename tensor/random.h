@@ -48,6 +48,9 @@ struct BatchSlice {
 class BatchSliceScope {
  public:
   explicit BatchSliceScope(BatchSlice slice);  // Error unless 0 <= start, start + rows <= global
+  // The slice `slice` points to, or (null) none: a replay of code that ran under
+  // current_batch_slice() (activation recomputation) installs what it saw.
+  explicit BatchSliceScope(const BatchSlice* slice);
   ~BatchSliceScope();
   BatchSliceScope(const BatchSliceScope&) = delete;
   BatchSliceScope& operator=(const BatchSliceScope&) = delete;

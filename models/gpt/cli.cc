@@ -47,7 +47,7 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("accum", cli.config.accum, "micro-batches per step (gradient accumulation)");
   f.bind("pp", cli.config.pp, "pipeline stages (ranks: pp x dp x tp)");
   f.bind("tp", cli.config.tp, "tensor-parallel ranks (Megatron: must divide --heads)");
-  f.bind("microbatches", cli.config.microbatches, "with --pp/--tp: micro-batches per dp rank per step");
+  f.bind("microbatches", cli.config.microbatches, "with --pp/--tp: pipeline micro-batches per dp rank per accumulation step");
   f.bind("schedule", cli.config.schedule, "pipeline schedule: gpipe, 1f1b or interleaved");
   f.bind("chunks", cli.config.chunks, "model chunks per pipeline rank (interleaved)");
   f.bind("recompute", cli.config.recompute,

@@ -11,12 +11,14 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
 
 #include "models/gpt/model.h"
 #include "parallel/tensor_parallel.h"
+#include "tensor/random.h"
 
 namespace tessera::gpt {
 
@@ -24,6 +26,48 @@ struct DropoutState {
   double p = 0.0;
   bool training = false;
   bool active() const { return training && p > 0.0; }
+};
+
+// Where each layer's dropout draws start. The model is a stack of layers [embed, h.0, ...,
+// h.{L-1}, head] (the pipeline's numbering: layer 0 embeds, layer l runs block l - 1); a step's
+// draws start at the generator's offset when the step begins (`base`), and layer l's at base +
+// dropout_draws_before(l). Every dropout draws the whole batch's mask (a batch slice,
+// tensor/random.h, draws its rows of it; a sharded tensor, its block), so a mask element is a
+// function of (seed, step, layer, global sample index, position) alone: one device, a data-
+// parallel rank, a pipeline stage running layer l alone and a tensor-parallel rank draw the
+// same value for it. `rows` is the global batch, T the sequence length. Embeddings draw
+// rows x T x C; a block its attention probabilities (rows x H x T x T) and two residual
+// branches (rows x T x C each); the head nothing.
+inline uint64_t dropout_draws_before(const GptConfig& c, int64_t rows, int64_t T, int64_t layer) {
+  if (c.dropout == 0.0 || layer <= 0) return 0;
+  const uint64_t n = static_cast<uint64_t>(rows) * static_cast<uint64_t>(T);
+  const uint64_t embed = n * static_cast<uint64_t>(c.width);
+  const uint64_t block = n * static_cast<uint64_t>(c.heads * T + 2 * c.width);
+  const uint64_t blocks = static_cast<uint64_t>(std::min(layer - 1, c.layers));
+  return embed + blocks * block;
+}
+// A forward's dropout keys: at(l) moves the calling thread's generator to layer l's first
+// draw, end() past the last layer's (where one device's forward leaves it). Nothing moves
+// without dropout in training. `local_rows`: the batch this forward runs (inside a batch
+// slice, the slice's global batch counts).
+class DropoutKeys {
+ public:
+  DropoutKeys(const GptConfig& c, bool training, int64_t local_rows, int64_t T,
+              uint64_t base = default_generator().offset())
+      : c_(c), on_(training && c.dropout > 0), T_(T), base_(base) {
+    const BatchSlice* slice = current_batch_slice();
+    rows_ = slice != nullptr ? slice->global_rows : local_rows;
+  }
+  void at(int64_t layer) const {
+    if (on_) default_generator().set_state(default_generator().seed(), base_ + dropout_draws_before(c_, rows_, T_, layer));
+  }
+  void end() const { at(c_.layers + 2); }
+
+ private:
+  const GptConfig& c_;
+  bool on_;
+  int64_t rows_ = 0, T_;
+  uint64_t base_;
 };
 
 // A parameter accessor seen under a path prefix ("h.3." + "ln_1.weight").

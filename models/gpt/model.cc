@@ -108,14 +108,24 @@ void Gpt::init_weights() {
 }
 
 Tensor Gpt::forward(const Tensor& idx) {
-  // Blocks through operator(): ZeRO-3 hooks on each block.
-  if (config_.recompute != GptConfig::Recompute::full || !is_training()) return head((*h)(embed(idx)));
+  // Each layer's dropout starts at its own offset from the step's (dropout_draws_before), as
+  // a pipeline stage running that layer alone starts it.
+  const DropoutKeys keys(config_, is_training(), idx.dim() == 2 ? idx.size(0) : 0,
+                         idx.dim() == 2 ? idx.size(1) : 0);
   Tensor x = embed(idx);
   for (size_t i = 0; i < h->size(); ++i) {
+    keys.at(static_cast<int64_t>(i) + 1);
+    // Blocks through operator(): ZeRO-3 hooks on each block.
     const std::shared_ptr<nn::Module> block = (*h)[i];
-    x = autograd::checkpoint([block](const std::vector<Tensor>& in) { return std::vector<Tensor>{(*block)(in[0])}; },
-                             {x})[0];
+    if (config_.recompute == GptConfig::Recompute::full && is_training()) {
+      x = autograd::checkpoint(
+          [block](const std::vector<Tensor>& in) { return std::vector<Tensor>{(*block)(in[0])}; },
+          {x})[0];
+    } else {
+      x = (*block)(x);
+    }
   }
+  keys.end();
   return head(x);
 }
 

@@ -2,29 +2,46 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
+#include "models/gpt/forward.h"
 #include "models/gpt/pipeline.h"
 #include "models/gpt/tensor_parallel.h"
 #include "optim/adamw.h"
 #include "optim/loss_scaler.h"
 #include "parallel/comm/comm_log.h"
 #include "parallel/mesh.h"
+#include "parallel/sharded_tensor.h"
 #include "parallel/pipeline/executor.h"
 #include "parallel/zero.h"
 #include "tensor/error.h"
+#include "tensor/random.h"
 
 namespace tessera::gpt {
 
 namespace {
 
-// A module holding this rank's local shards as parameters (for ZeRO over dp).
+// A module holding this rank's local shards as parameters (for ZeRO over dp). Its forward
+// does nothing: calling it opens a step for ZeRO 3 (whose hooks gather the shards).
 class ShardHolder : public nn::Module {
  public:
   ShardHolder() : nn::Module("GptShards") {}
   Tensor add(const std::string& name, const Tensor& t) { return register_parameter(name, t); }
+  Tensor forward(const Tensor& x) override { return x; }
 };
+
+// Names in an optimizer's global order on optim::decay_groups' groups: decayed first.
+std::vector<std::string> decay_first(const std::vector<std::pair<std::string, bool>>& names) {
+  std::vector<std::string> out;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (const auto& [name, decay] : names) {
+      if (decay == (pass == 0)) out.push_back(name);
+    }
+  }
+  return out;
+}
 
 std::string flat_name(std::string name) {
   for (char& c : name) {
@@ -49,6 +66,10 @@ struct Gpt3d::Impl {
   std::unique_ptr<optim::AdamW> opt;
   parallel::CommPtr tied;  // first + last stage ranks with our (dp, tp), when they differ
   std::set<std::string> mine;  // parameter paths this rank's stages hold
+  std::map<std::string, int> owner;  // parameter path -> the pp rank of its first stage
+  std::vector<std::string> model_order;   // the single-device optimizer's order (paths)
+  std::vector<std::string> holder_order;  // this rank's optimizer's order (paths)
+  int64_t run = 0;  // the pipeline run (accumulation step) in progress
   optim::DynamicLossScaler scaler{{.enabled = false}};
 
   Impl(Gpt& m, parallel::CommPtr w, Gpt3dOptions options) : model(m), o(std::move(options)), world(std::move(w)) {}
@@ -66,12 +87,9 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   TS_CHECK(s.world->size() == opt.pp * opt.dp * opt.tp,
            "Gpt3d: pp {} x dp {} x tp {} = {} ranks, but the world has {}", opt.pp, opt.dp,
            opt.tp, opt.pp * opt.dp * opt.tp, s.world->size());
-  TS_CHECK(model.config().dropout == 0.0,
-           "Gpt3d: dropout {} is not supported with pipelining yet (its masks would not follow "
-           "the single-device run's order of draws); use 0", model.config().dropout);
-  TS_CHECK(opt.zero == 0 || opt.zero == 1,
-           "Gpt3d: ZeRO stage {} with pipeline/tensor parallelism is not supported (0 or 1)",
+  TS_CHECK(opt.zero >= 0 && opt.zero <= 3, "Gpt3d: ZeRO stage must be 0, 1, 2 or 3, got {}",
            opt.zero);
+  TS_CHECK(opt.accum >= 1, "Gpt3d: accum must be >= 1, got {}", opt.accum);
   // Everything that can fail on the layout is checked before any collective.
   s.schedule = parallel::pipeline::make_schedule(opt.schedule, static_cast<int>(opt.pp),
                                                  static_cast<int>(opt.microbatches),
@@ -85,6 +103,16 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   s.tp_mesh = parallel::make_mesh(s.mesh->group_ptr(2), {{"tp", opt.tp}});
   const int pp_rank = s.pp().rank();
   for (const auto& [name, t] : s.pipe.parameters(model, s.schedule, pp_rank)) s.mine.insert(name);
+  for (int st = 0; st < s.schedule.num_stages(); ++st) {
+    const int r = s.schedule.rank_of(st);
+    for (const auto& [name, t] : s.pipe.parameters(model, s.schedule, r)) s.owner.emplace(name, r);
+  }
+  std::vector<std::pair<std::string, bool>> model_names, holder_names;
+  for (const auto& [name, t] : model.named_parameters()) {
+    model_names.emplace_back(name, t.dim() >= 2);
+    if (s.mine.count(name) == 1) holder_names.emplace_back(name, t.dim() >= 2);
+  }
+  s.model_order = decay_first(model_names);
   s.tp = std::make_unique<TpGpt>(model, s.tp_mesh, megatron_plan(), "tp", "dp",
                                  [&](const std::string& name) { return s.mine.count(name) == 1; });
   s.tp->set_sequence_parallel(opt.sequence_parallel);
@@ -96,6 +124,9 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   for (const std::string& name : names) {
     s.tp->replace_local(name, s.holder->add(flat_name(name), s.tp->param(name).local()));
   }
+  // The holder registers in the tp parameters' (sorted) order.
+  std::sort(holder_names.begin(), holder_names.end());
+  s.holder_order = decay_first(holder_names);
   parallel::ZeroOptions zopt;
   zopt.stage = static_cast<int>(opt.zero);
   zopt.decay = [dims](const std::string& name, const Tensor&) { return dims.at(name) >= 2; };
@@ -128,43 +159,69 @@ Gpt3d::~Gpt3d() = default;
 
 double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
   Impl& s = *impl_;
-  const int64_t B = idx.size(0), m = s.o.microbatches;
-  TS_CHECK(B % (s.o.dp * m) == 0,
-           "Gpt3d: a batch of {} rows does not split into dp {} x {} micro-batches", B, s.o.dp, m);
-  const int64_t rows = B / (s.o.dp * m), base = s.dp().rank() * m * rows;
+  const int64_t B = idx.size(0), T = idx.size(1), m = s.o.microbatches, k = s.o.accum;
+  TS_CHECK(B % (s.o.dp * k * m) == 0,
+           "Gpt3d: a batch of {} rows does not split into dp {} x accum {} x {} micro-batches",
+           B, s.o.dp, k, m);
+  const int64_t rows = B / (s.o.dp * k * m);
+  const GptConfig& config = s.model.config();
+  // Each dp rank runs a contiguous block of the batch: run r's micro-batch mb is rows
+  // [first_row(r, mb), + rows).
+  const int64_t dp_rank = s.dp().rank();
+  const auto first_row = [dp_rank, k, m, rows](int64_t run, int mb) {
+    return ((dp_rank * k + run) * m + mb) * rows;
+  };
+  // Every rank's generator is at the step's offset here: each step ends where one device's
+  // ends (below). Each layer's dropout starts from its own offset, each micro-batch draws
+  // its rows of the whole batch's masks (forward.h), also when recomputation reruns a chunk.
+  const uint64_t base = default_generator().offset();
   const int last_layer = s.pipe.layers - 1;
   parallel::pipeline::PipelineChunks chunks;
   for (int c = 0; c < s.schedule.chunks; ++c) {
     const int stage = s.schedule.stage_of(s.pp().rank(), c);
     const int begin = s.pipe.first_layer[stage], end = s.pipe.end_layer(stage);
-    const Shape stream_shape{rows, idx.size(1), s.model.config().width};
-    chunks.push_back([&s, begin, end, last_layer, stream_shape](const Tensor& input) {
+    const Shape stream_shape{rows, T, config.width};
+    chunks.push_back([&s, &config, begin, end, last_layer, stream_shape, first_row, base, B, T,
+                      rows](const Tensor& input, int mb) {
+      const BatchSliceScope slice({B, first_row(s.run, mb), rows});
+      const DropoutKeys keys(config, /*training=*/true, rows, T, base);
       int l = begin;
       parallel::ShardedTensor x;
       if (l == 0) {
+        keys.at(0);
         x = s.tp->embed(input);
         ++l;
       } else {
         x = s.tp->stream(input, stream_shape);  // our block of the previous stage's output
       }
-      for (; l < end; ++l) x = l == last_layer ? s.tp->head(x) : s.tp->block(l - 1, x);
+      for (; l < end; ++l) {
+        keys.at(l);
+        x = l == last_layer ? s.tp->head(x) : s.tp->block(l - 1, x);
+      }
       return x.local();
     });
   }
   s.opt->set_lr(lr);
   s.zero->zero_grad();
-  parallel::pipeline::PipelineStep step;
+  if (s.o.zero == 3) (*s.holder)(Tensor());  // gathers this rank's shards over dp
+  double loss_sum = 0.0;
   {
     auto guard = s.zero->no_sync();  // micro-batches accumulate; dp reduces once, below
-    step = parallel::pipeline::run_pipeline(
-        s.pp(), s.schedule, chunks, [&](int mb) { return idx.narrow(0, base + mb * rows, rows); },
-        [&](const Tensor& logits, int mb) {
-          // The last stage's output is this rank's slice of the vocabulary.
-          const Shape full{logits.size(0), logits.size(1), s.model.config().vocab};
-          const parallel::ShardedTensor z(logits, s.tp_mesh, {parallel::Shard(2)}, full);
-          return s.tp->vocab_parallel_loss(z, targets.narrow(0, base + mb * rows, rows)).local();
-        },
-        {.recompute = s.o.recompute, .loss_scale = s.scaler.scale_value()});
+    for (s.run = 0; s.run < k; ++s.run) {
+      const parallel::pipeline::PipelineStep step = parallel::pipeline::run_pipeline(
+          s.pp(), s.schedule, chunks,
+          [&](int mb) { return idx.narrow(0, first_row(s.run, mb), rows); },
+          [&](const Tensor& logits, int mb) {
+            // The last stage's output is this rank's slice of the vocabulary.
+            const Shape full{logits.size(0), logits.size(1), config.vocab};
+            const parallel::ShardedTensor z(logits, s.tp_mesh, {parallel::Shard(2)}, full);
+            return s.tp->vocab_parallel_loss(z, targets.narrow(0, first_row(s.run, mb), rows))
+                .local();
+          },
+          // Each run's gradient is 1/accum of the step's.
+          {.recompute = s.o.recompute, .loss_scale = s.scaler.scale_value() / static_cast<double>(k)});
+      loss_sum += step.loss;
+    }
     if (s.tied) {
       const Tensor g = s.tp->param("wte.weight").local().grad();
       TS_CHECK(g.defined(), "Gpt3d: the token embedding has no gradient on rank {}", s.world->rank());
@@ -173,6 +230,7 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
     }
   }
   s.zero->finish();
+  DropoutKeys(config, /*training=*/true, B, T, base).end();  // where one device's step ends
   // f16: the scaler unscales this rank's gradients (its stages' and shards'); every rank
   // skips the step (clipping included) if any rank's overflowed.
   s.scaler.step(*s.opt, [&] {
@@ -180,7 +238,7 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
     s.zero->step(*s.opt);
   });
   s.scaler.update();
-  Tensor loss = Tensor::from_vector<double>({step.loss}, {1});
+  Tensor loss = Tensor::from_vector<double>({loss_sum / static_cast<double>(k)}, {1});
   s.dp().all_reduce(loss, parallel::ReduceOp::avg);
   return loss.item<double>();
 }
@@ -212,34 +270,159 @@ double Gpt3d::clip_grad_norm() {
   return norm;
 }
 
+namespace {
+
+// A tensor of this rank's shard of parameter `name` (its layout: the tp shard's) in full,
+// on the ranks of the parameter's first stage; zeros of `shape` elsewhere; then broadcast
+// over pp from that stage. Collective over the world.
+Tensor gather_full(Gpt3d::Impl& s, const std::string& name, const Tensor& local, const Shape& shape,
+                   DType dtype) {
+  const int owner = s.owner.at(name);
+  Tensor full = zeros(shape, dtype);
+  if (s.pp().rank() == owner) {
+    const parallel::ShardedTensor& p = s.tp->param(name);
+    full = parallel::ShardedTensor(local.contiguous().view(p.local().shape()), s.tp_mesh,
+                                   p.placements(), p.shape())
+               .full_tensor()
+               .contiguous()
+               .view(shape)
+               .clone();
+  }
+  s.pp().broadcast(full, owner);
+  return full;
+}
+
+// This rank's tp shard of a single-device tensor of parameter `name` (values of its shape).
+Tensor local_block_of(Gpt3d::Impl& s, const std::string& name, const Tensor& full) {
+  const parallel::ShardedTensor& p = s.tp->param(name);
+  TS_CHECK(full.numel() == numel_of(p.shape()),
+           "Gpt3d: a checkpoint tensor for '{}' has shape {}, the model's parameter {}", name,
+           shape_str(full.shape()), shape_str(p.shape()));
+  return parallel::distribute(full.contiguous().view(p.shape()), s.tp_mesh, p.placements())
+      .local()
+      .contiguous()
+      .clone();
+}
+
+}  // namespace
+
 std::map<std::string, Tensor> Gpt3d::full_parameters() {
   Impl& s = *impl_;
+  NoGradGuard no_grad;
+  const nn::StateDict holder = s.zero->model_state_dict();  // our tp shards, whole over dp
   std::map<std::string, Tensor> out;
   for (const auto& [name, t] : s.model.named_parameters()) {
-    // The first stage (in pipeline order) that holds it.
-    int owner = -1;
-    for (int st = 0; st < s.schedule.num_stages() && owner < 0; ++st) {
-      const int r = s.schedule.rank_of(st);
-      for (const auto& [n, p] : s.pipe.parameters(s.model, s.schedule, r)) {
-        if (n == name) owner = r;
-      }
-    }
-    Tensor full = zeros(t.shape(), t.dtype());
-    if (s.pp().rank() == owner) {
-      full = s.tp->param(name).full_tensor().contiguous().view(t.shape()).clone();
-    }
-    s.pp().broadcast(full, owner);
-    out[name] = full;
+    auto it = holder.find(flat_name(name));
+    out[name] = gather_full(s, name, it != holder.end() ? it->second : Tensor(), t.shape(), t.dtype());
   }
   return out;
 }
 
+std::pair<nn::StateDict, optim::Optimizer::StateDict> Gpt3d::state_dicts() {
+  Impl& s = *impl_;
+  NoGradGuard no_grad;
+  const std::map<std::string, Tensor> params = full_parameters();
+  nn::StateDict weights(params.begin(), params.end());
+  // ZeRO gives the state of an optimizer over this rank's shards, indexed in holder_order.
+  const optim::Optimizer::StateDict mine = s.zero->optimizer_state_dict(*s.opt);
+  optim::Optimizer::StateDict out;
+  for (const auto& [key, v] : mine) {
+    if (key.starts_with("hparam.") || key.ends_with(".lr") || key.ends_with(".weight_decay")) {
+      out[key] = v;
+    }
+  }
+  std::map<std::string, int64_t> holder_index;
+  for (size_t i = 0; i < s.holder_order.size(); ++i) holder_index[s.holder_order[i]] = static_cast<int64_t>(i);
+  std::vector<int64_t> group[2];
+  const nn::NamedTensors named = s.model.named_parameters();
+  const std::map<std::string, Tensor> shapes(named.begin(), named.end());
+  for (size_t i = 0; i < s.model_order.size(); ++i) {
+    group[shapes.at(s.model_order[i]).dim() >= 2 ? 0 : 1].push_back(static_cast<int64_t>(i));
+  }
+  for (int g = 0; g < 2; ++g) {
+    out[fmt::format("group.{}.params", g)] =
+        Tensor::from_vector<int64_t>(group[g], {static_cast<int64_t>(group[g].size())});
+  }
+  // Every rank's optimizer holds the same kinds of state (one optimizer kind, and every
+  // parameter steps in every step that is not skipped on every rank).
+  std::vector<std::string> fields;
+  DType field_dtype = DType::f32;
+  for (const auto& [key, v] : mine) {
+    if (key.starts_with("state.0.") && key != "state.0.step") {
+      fields.push_back(key.substr(8));
+      field_dtype = v.dtype();
+    }
+  }
+  const bool stepped = mine.count("state.0.step") == 1;  // false before the first step
+  for (size_t i = 0; stepped && i < s.model_order.size(); ++i) {
+    const std::string& name = s.model_order[i];
+    const Tensor& param = shapes.at(name);
+    const bool here = s.pp().rank() == s.owner.at(name);
+    const std::string from = here ? fmt::format("state.{}.", holder_index.at(name)) : "";
+    Tensor step = here ? mine.at(from + "step").clone() : zeros({}, DType::i64);
+    s.pp().broadcast(step, s.owner.at(name));
+    out[fmt::format("state.{}.step", i)] = step;
+    for (const std::string& f : fields) {
+      out[fmt::format("state.{}.{}", i, f)] =
+          gather_full(s, name, here ? mine.at(from + f) : Tensor(), param.shape(), field_dtype);
+    }
+  }
+  return {std::move(weights), std::move(out)};
+}
+
+void Gpt3d::load_state_dicts(const nn::StateDict& weights, const optim::Optimizer::StateDict& dict) {
+  Impl& s = *impl_;
+  NoGradGuard no_grad;
+  nn::StateDict holder_weights;
+  for (const std::string& name : s.holder_order) {
+    auto it = weights.find(name);
+    TS_CHECK(it != weights.end(), "Gpt3d: the checkpoint has no parameter '{}'", name);
+    holder_weights[flat_name(name)] = local_block_of(s, name, it->second);
+  }
+  s.zero->load_model_state_dict(holder_weights);
+
+  std::map<std::string, int64_t> model_index;
+  for (size_t i = 0; i < s.model_order.size(); ++i) model_index[s.model_order[i]] = static_cast<int64_t>(i);
+  optim::Optimizer::StateDict mine;
+  int64_t count[2] = {0, 0};
+  const nn::NamedTensors named = s.model.named_parameters();
+  const std::map<std::string, Tensor> shapes(named.begin(), named.end());
+  for (const std::string& name : s.holder_order) ++count[shapes.at(name).dim() >= 2 ? 0 : 1];
+  int64_t next = 0;
+  for (int g = 0; g < 2; ++g) {
+    std::vector<int64_t> ids;
+    for (int64_t j = 0; j < count[g]; ++j) ids.push_back(next++);
+    mine[fmt::format("group.{}.params", g)] = Tensor::from_vector<int64_t>(ids, {count[g]});
+  }
+  for (const auto& [key, v] : dict) {
+    if (key.starts_with("hparam.") ||
+        (key.starts_with("group.") && !key.ends_with(".params"))) {
+      mine[key] = v;
+    }
+  }
+  for (size_t k = 0; k < s.holder_order.size(); ++k) {
+    const std::string& name = s.holder_order[k];
+    const std::string from = fmt::format("state.{}.", model_index.at(name));
+    const std::string to = fmt::format("state.{}.", k);
+    for (const auto& [key, v] : dict) {
+      if (!key.starts_with(from)) continue;
+      const std::string field = key.substr(from.size());
+      mine[to + field] = field == "step" ? v.clone() : local_block_of(s, name, v);
+    }
+  }
+  s.zero->load_optimizer_state_dict(*s.opt, mine);
+}
+
+optim::DynamicLossScaler& Gpt3d::scaler() { return impl_->scaler; }
+
 std::string Gpt3d::describe() const {
   const Impl& s = *impl_;
-  return fmt::format("pp {} x dp {} x tp {}{}, {}{}, {} micro-batches, ZeRO {}{}: {}", s.o.pp,
+  return fmt::format("pp {} x dp {} x tp {}{}, {}{}, {} micro-batches{}, ZeRO {}{}: {}", s.o.pp,
                      s.o.dp, s.o.tp, s.o.sequence_parallel ? " (sequence parallel)" : "",
                      s.o.schedule, s.o.chunks > 1 ? fmt::format(" ({} chunks)", s.o.chunks) : "",
-                     s.o.microbatches, s.o.zero, s.o.recompute ? ", recompute" : "", s.pipe.str());
+                     s.o.microbatches,
+                     s.o.accum > 1 ? fmt::format(" x accum {}", s.o.accum) : std::string(),
+                     s.o.zero, s.o.recompute ? ", recompute" : "", s.pipe.str());
 }
 
 }  // namespace tessera::gpt

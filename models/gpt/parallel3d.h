@@ -1,7 +1,11 @@
 // GPT on a 3-D mesh {pp, dp, tp}: pipeline stages over pp (parallel/pipeline: any schedule,
 // optional recomputation), Megatron tensor parallelism inside each stage over tp (sharding
-// specs, models/gpt/tensor_parallel.h), and data parallelism with ZeRO 0 or 1 over dp
-// (parallel/zero.h) on each rank's local shards.
+// specs, models/gpt/tensor_parallel.h), and data parallelism with ZeRO 0-3 over dp
+// (parallel/zero.h) on each rank's local shards (stage 3: a stage's shards are one unit,
+// gathered on its dp group when the step begins and freed when it ends). Dropout draws the
+// single-device masks (each layer from its own offset, each micro-batch its rows: forward.h);
+// accumulation runs the pipeline `accum` times per step; checkpoints are in the single-device
+// layout (state_dicts / load_state_dicts), so a run resumes under any layout.
 //
 //   Gpt model(config);                                   // same seed on every rank
 //   Gpt3d g(model, world, {.pp = 2, .dp = 2, .tp = 2, .schedule = "1f1b", .microbatches = 4});
@@ -17,16 +21,19 @@
 #include <string>
 
 #include "models/gpt/model.h"
+#include "optim/loss_scaler.h"
+#include "optim/optimizer.h"
 #include "parallel/comm/communicator.h"
 
 namespace tessera::gpt {
 
 struct Gpt3dOptions {
   int64_t pp = 1, dp = 1, tp = 1;
-  int64_t zero = 0;                // over dp: 0 or 1
+  int64_t zero = 0;                // over dp: 0, 1, 2 or 3
   std::string schedule = "1f1b";   // gpipe, 1f1b or interleaved
   int64_t chunks = 1;              // model chunks per pipeline rank (interleaved)
-  int64_t microbatches = 1;        // per dp rank and step
+  int64_t microbatches = 1;        // per dp rank and pipeline run
+  int64_t accum = 1;               // pipeline runs per step (gradient accumulation)
   bool recompute = false;          // activation recomputation per pipeline chunk
   double clip = 0.0;               // max global gradient norm (over every rank); 0: off
   // f16: dynamic loss scaling from this initial scale, the overflow check reduced over the
@@ -56,6 +63,12 @@ class Gpt3d {
   double loss_scale() const;
   // Collective: every parameter of the single-device model, in full, on every rank.
   std::map<std::string, Tensor> full_parameters();
+  // Collective: the model's and the optimizer's state in the single-device layout (the dict
+  // an AdamW on optim::decay_groups(model.named_parameters()) would hold), on every rank.
+  std::pair<nn::StateDict, optim::Optimizer::StateDict> state_dicts();
+  // Collective (ZeRO's loads are): loads single-device dicts into this rank's shards.
+  void load_state_dicts(const nn::StateDict& weights, const optim::Optimizer::StateDict& optimizer);
+  optim::DynamicLossScaler& scaler();
   // "pp 2 x dp 2 x tp 2, 1f1b, 4 micro-batches: stage 0: embed h.0 h.1 | stage 1: ..."
   std::string describe() const;
 

@@ -66,7 +66,7 @@ parallel::pipeline::PipelineChunks GptPipeline::chunks(Gpt& model,
   for (int c = 0; c < s.chunks; ++c) {
     const int stage = s.stage_of(rank, c);
     const int begin = first_layer[stage], end = end_layer(stage), last = layers - 1;
-    out.push_back([&model, begin, end, last](const Tensor& input) {
+    out.push_back([&model, begin, end, last](const Tensor& input, int /*microbatch*/) {
       Tensor x = input;
       for (int l = begin; l < end; ++l) {
         if (l == 0) {

@@ -74,9 +74,6 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "chunks", c.chunks, 1);
   require_one_of(gpt, "schedule", c.schedule, {"gpipe", "1f1b", "interleaved"});
   require_one_of(gpt, "recompute", c.recompute, {"none", "full", "selective"});
-  TS_CHECK(c.recompute != "selective" || (c.pp == 1 && c.tp == 1),
-           "gpt: --recompute=selective runs without --pp/--tp for now (the pipeline recomputes "
-           "whole chunks: --recompute=full)");
   TS_CHECK(!c.sp || c.tp > 1, "gpt: --sp splits the sequence over tensor-parallel ranks; it "
            "needs --tp > 1");
   // Sizes whose products must fit: the parameter count and one batch's tokens.
@@ -155,15 +152,15 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
                          : e * (4 * C + 12 * C * width_share + heads_here * T);
   // Dropout's kept masks and outputs: measured at about 2 bytes per masked element.
   if (c.dropout > 0) per_token += 2 * (heads_here * T + 3 * C * width_share);
-  // Recomputation on one device or dp (the pipeline's is in_flight above): per token and
-  // block, what backward reruns instead of keeping.
+  // Recomputation: per token and block, what backward reruns instead of keeping (the
+  // pipeline's full recomputation is in_flight above).
   double rerun = 0;
   if (!three_d && c.recompute == "full") {
     rerun = per_token - e * C;  // each block keeps only its input
-  } else if (!three_d && c.recompute == "selective") {
-    rerun = e * 4 * C;  // the GELU output
+  } else if (c.recompute == "selective") {
+    rerun = e * 4 * C * width_share;  // the GELU output
     // The composite attention's softmax output, dropped probabilities and mask (measured).
-    if (!fused_attention) rerun += 2 * e * H * T + 2 * H * T;
+    if (!fused_attention) rerun += 2 * e * heads_here * T + 2 * heads_here * T;
   }
   m.activations = in_flight * N * layers_here * (per_token - rerun);
   // Alongside them at the peak, for the composite attention, one layer's [T, T] temporaries

@@ -49,8 +49,14 @@ parallel::ShardedTensor TpGpt::head(const parallel::ShardedTensor& x) {
 }
 
 parallel::ShardedTensor TpGpt::forward(const Tensor& idx) {
+  const DropoutKeys keys(config_, training_, idx.dim() == 2 ? idx.size(0) : 0,
+                         idx.dim() == 2 ? idx.size(1) : 0);
   parallel::ShardedTensor x = embed(idx);
-  for (int64_t i = 0; i < config_.layers; ++i) x = block(i, x);
+  for (int64_t i = 0; i < config_.layers; ++i) {
+    keys.at(i + 1);  // each block's dropout from its own offset (forward.h)
+    x = block(i, x);
+  }
+  keys.end();
   return head(x);
 }
 

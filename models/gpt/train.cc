@@ -192,6 +192,35 @@ namespace {
 // clip_grad_norm's max_norm that never clips (it must be finite): a norm without clipping.
 constexpr double kNoClip = std::numeric_limits<double>::max();
 
+// What every layout saves beside the weights and optimizer state: the step, the generator
+// (dropout's next masks) and the model's shape. The data windows are a function of the step.
+models::TrainingState training_state(const GptTrainConfig& c, int64_t step) {
+  models::TrainingState s;
+  s.step = step;
+  s.rng_seed = default_generator().seed();
+  s.rng_offset = default_generator().offset();
+  s.info = {{"model", "gpt"},
+            {"layers", std::to_string(c.layers)},
+            {"heads", std::to_string(c.heads)},
+            {"width", std::to_string(c.width)},
+            {"context", std::to_string(c.context)},
+            {"precision", c.precision}};
+  return s;
+}
+
+// After any layout's load_checkpoint: checks the model, restores the generator, reports;
+// returns the step the run continues from.
+int64_t resumed(const GptTrainConfig& c, const models::TrainingState& s, bool lead,
+                const std::function<void(const std::string&)>& say) {
+  check_same_model(c.resume, s, c);
+  default_generator().set_state(s.rng_seed, s.rng_offset);
+  if (lead && !s.fallback_reason.empty()) {
+    std::fprintf(stderr, "gpt: warning: %s\n", s.fallback_reason.c_str());
+  }
+  say(fmt::format("resumed from {} at step {}", s.loaded_from, s.step));
+  return s.step;
+}
+
 // One rank of a single-device, data-parallel or ZeRO run (comm null: one rank, no wrapper),
 // as the training loop (models/common/train_loop.h) drives it.
 class GptReplica final : public models::Replica {
@@ -258,13 +287,7 @@ class GptReplica final : public models::Replica {
                     },
                     scaler_)
               : models::load_checkpoint(c_.resume, *model_, *opt_, scaler_);
-    check_same_model(c_.resume, s, c_);
-    default_generator().set_state(s.rng_seed, s.rng_offset);
-    if (rank_ == 0 && !s.fallback_reason.empty()) {
-      std::fprintf(stderr, "gpt: warning: %s\n", s.fallback_reason.c_str());
-    }
-    say_(fmt::format("resumed from {} at step {}", s.loaded_from, s.step));
-    return s.step;  // the data windows are a pure function of the step
+    return resumed(c_, s, rank_ == 0, say_);
   }
 
   void zero_grad(int64_t /*step*/, double lr) override {
@@ -328,16 +351,7 @@ class GptReplica final : public models::Replica {
   parallel::Communicator* group() override { return comm_; }
 
   void save(int64_t step) override {
-    models::TrainingState s;
-    s.step = step;
-    s.rng_seed = default_generator().seed();
-    s.rng_offset = default_generator().offset();
-    s.info = {{"model", "gpt"},
-              {"layers", std::to_string(c_.layers)},
-              {"heads", std::to_string(c_.heads)},
-              {"width", std::to_string(c_.width)},
-              {"context", std::to_string(c_.context)},
-              {"precision", c_.precision}};
+    const models::TrainingState s = training_state(c_, step);
     if (!zero_) {
       models::save_checkpoint(c_.save, *model_, *opt_, scaler_, s);
       return;
@@ -411,6 +425,10 @@ models::LoopOptions loop_options(const GptTrainConfig& config, int64_t start, bo
   o.program = "gpt";
   o.start_step = start;
   o.stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps) : config.steps;
+  TS_CHECK(o.start_step < o.stop_at,
+           "gpt: --resume={} is at step {}, at or past the end of this run (--steps {}, "
+           "--max_steps {}): nothing to train; raise --max_steps or --steps",
+           config.resume, o.start_step, config.steps, config.max_steps);
   o.lr = [schedule](int64_t step) { return schedule->lr(step); };
   o.accum = config.accum;
   o.clip = config.clip;
@@ -469,10 +487,6 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   const Device device = Device::parse(config.device);
   models::LoopOptions o = loop_options(config, replica.resume(), verbose);
   o.fault_rank = comm != nullptr ? comm->rank() : 0;
-  TS_CHECK(o.start_step < o.stop_at,
-           "gpt: --resume={} is at step {}, at or past the end of this run (--steps {}, "
-           "--max_steps {}): nothing to train; raise --max_steps or --steps",
-           config.resume, o.start_step, config.steps, config.max_steps);
   models::MetricsWriter metrics;
   if (!config.metrics.empty() && lead) {
     metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
@@ -522,15 +536,33 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
 // the full parameters, gathered into a single-device model on rank 0.
 class Gpt3dReplica final : public models::Replica {
  public:
-  Gpt3dReplica(const GptTrainConfig& config, parallel::CommPtr world)
-      : c_(config), world_(std::move(world)), batches_(config),
+  Gpt3dReplica(const GptTrainConfig& config, parallel::CommPtr world,
+               const std::function<void(const std::string&)>& say)
+      : c_(config), world_(std::move(world)), say_(say), batches_(config),
         model_((manual_seed(static_cast<uint64_t>(config.seed)), config.model_config())),
-        g_(model_, world_, options(config)), eval_model_(config.model_config()) {}
+        after_init_(default_generator().offset()), g_(model_, world_, options(config)),
+        eval_model_(config.model_config()) {
+    // The generator continues from where one device's is after building its model (dropout
+    // draws from there); building the evaluation model drew more.
+    default_generator().set_state(default_generator().seed(), after_init_);
+  }
 
   Gpt& eval_model() { return eval_model_; }
   std::string describe() const { return g_.describe(); }
   int64_t skipped_steps() const { return g_.skipped_steps(); }
   int64_t num_parameters() const { return model_.num_parameters(); }
+
+  // The step a --resume continues from (0 without one): any layout's checkpoint loads.
+  int64_t resume() {
+    if (c_.resume.empty()) return 0;
+    const models::TrainingState s = models::load_checkpoint(
+        c_.resume,
+        [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
+          g_.load_state_dicts(weights, state);
+        },
+        g_.scaler());
+    return resumed(c_, s, world_->rank() == 0, say_);
+  }
 
   void zero_grad(int64_t /*step*/, double lr) override { lr_ = lr; }
   Tensor forward_backward(int64_t step, int /*micro*/) override {
@@ -543,8 +575,13 @@ class Gpt3dReplica final : public models::Replica {
   parallel::Communicator* group() override { return world_.get(); }
   bool loss_is_global() const override { return true; }
 
-  void save(int64_t /*step*/) override {
-    fail("gpt: --save/--resume are not yet supported with --pp/--tp");
+  // Collective: every rank gathers; rank 0 writes the single-device layout.
+  void save(int64_t step) override {
+    const auto [weights, state] = g_.state_dicts();
+    if (world_->rank() == 0) {
+      models::save_checkpoint(c_.save, weights, state, g_.scaler(), training_state(c_, step));
+    }
+    world_->barrier();  // nobody reads the files before they exist
   }
   // Collective: every rank gathers; rank 0 evaluates (the others return 0).
   double evaluate(int64_t /*step*/) override {
@@ -564,6 +601,7 @@ class Gpt3dReplica final : public models::Replica {
     o.schedule = c.schedule;
     o.chunks = c.chunks;
     o.microbatches = c.microbatches;
+    o.accum = c.accum;
     o.recompute = c.recompute == "full";
     if (c.precision == "f16") o.loss_scale = c.loss_scale;
     o.sequence_parallel = c.sp;
@@ -577,36 +615,35 @@ class Gpt3dReplica final : public models::Replica {
 
   const GptTrainConfig& c_;
   parallel::CommPtr world_;
+  const std::function<void(const std::string&)>& say_;
   const GptData batches_;
   Gpt model_;
+  uint64_t after_init_;
   Gpt3d g_;
   Gpt eval_model_;
   double lr_ = 0.0;
 };
 
 GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
-  TS_CHECK(config.save.empty() && config.resume.empty(),
-           "gpt: --save/--resume are not yet supported with --pp/--tp");
-  TS_CHECK(config.accum == 1, "gpt: with --pp/--tp use --microbatches, not --accum");
-  TS_CHECK(config.dropout == 0.0, "gpt: --dropout is not yet supported with --pp/--tp");
   config.model_config().validate();
   const bool lead = world->rank() == 0, verbose = config.verbose && lead;
   models::Progress progress;
-  auto say = [&](const std::string& line) {
+  auto say = std::function<void(const std::string&)>([&](const std::string& line) {
     if (verbose) progress.print(line);
-  };
-  Gpt3dReplica replica(config, world);
+  });
+  Gpt3dReplica replica(config, world, say);
   say(fmt::format("gpt: {} layers, {} heads, width {}, context {} ({} parameters); batch {}, {} "
                   "steps, AdamW lr {}; {} ({} backend)",
                   config.layers, config.heads, config.width, config.context,
                   replica.num_parameters(), config.batch, config.steps, config.lr,
                   replica.describe(), world->backend()));
   models::MetricsWriter metrics;
-  if (!config.metrics.empty() && lead) metrics = models::MetricsWriter(config.metrics, false);
-  models::LoopOptions o = loop_options(config, 0, verbose);
+  if (!config.metrics.empty() && lead) {
+    metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
+  }
+  models::LoopOptions o = loop_options(config, replica.resume(), verbose);
   o.fault_rank = world->rank();
-  o.accum = 1;  // the pipeline's micro-batches are inside its step
-  o.why_no_save = "--pp/--tp runs do not write checkpoints yet";
+  o.accum = 1;  // accumulation and the pipeline's micro-batches are inside its step
   o.divergence_advice = "Lower --lr or keep --clip on";
   // Tokens per second over every step (the pipeline's warm-up is part of its cost).
   models::StepMeter meter(static_cast<double>(config.batch * config.context), "tokens");

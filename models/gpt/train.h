@@ -94,16 +94,17 @@ struct GptTrainConfig {
   int64_t zero = 0;
   int64_t accum = 1;
   // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
-  // (ZeRO 0 or 1 over dp), `microbatches` per dp rank and step run by `schedule` (gpipe,
-  // 1f1b, interleaved with `chunks` model chunks per rank), optional recomputation. f32
-  // without dropout; checkpoints are not yet written or read on this path.
+  // (ZeRO 0-3 over dp), `microbatches` per dp rank and pipeline run by `schedule` (gpipe,
+  // 1f1b, interleaved with `chunks` model chunks per rank), `accum` runs per step. Every
+  // precision, dropout (the single-device masks) and recomputation; checkpoints are in the
+  // single-device layout, so a run resumes under any other layout.
   int64_t pp = 1;
   int64_t tp = 1;
   int64_t microbatches = 1;
   std::string schedule = "1f1b";
   int64_t chunks = 1;
   // Activation recomputation: none | full (each block; with --pp, each pipeline chunk) |
-  // selective (the attention core with dropout and the MLP activation; not with --pp/--tp).
+  // selective (the attention core with dropout and the MLP activation, on every layout).
   std::string recompute = "none";
   bool sp = false;  // sequence parallelism over tp
   bool verbose = true;            // progress line and summary on stdout

@@ -117,10 +117,12 @@ PipelineStep run_pipeline(Communicator& pp, const Schedule& s, const PipelineChu
         const PipelineChunk& fn = chunks[a.chunk];
         if (options.recompute) {
           y = autograd::checkpoint(
-              [&fn](const std::vector<Tensor>& in) { return std::vector<Tensor>{fn(in[0])}; },
+              [&fn, mb = a.microbatch](const std::vector<Tensor>& in) {
+                return std::vector<Tensor>{fn(in[0], mb)};
+              },
               {x})[0];
         } else {
-          y = fn(x);
+          y = fn(x, a.microbatch);
         }
         if (stage == last) {
           const Tensor l = loss(y, a.microbatch);

@@ -3,7 +3,7 @@
 // activations and gradients sent to and received from the neighbouring stages' ranks over
 // the pipeline communicator.
 //
-//   PipelineChunks chunks = {[&](const Tensor& x) { return stage0(x); }};   // this rank's
+//   PipelineChunks chunks = {[&](const Tensor& x, int mb) { return stage0(x); }};  // this rank's
 //   PipelineStep step = run_pipeline(pp, one_f_one_b(pp.size(), m), chunks,
 //                                    [&](int mb) { return inputs[mb]; },      // stage 0
 //                                    [&](const Tensor& out, int mb) { return loss(out, mb); });
@@ -24,7 +24,10 @@
 
 namespace tessera::parallel::pipeline {
 
-using PipelineChunk = std::function<Tensor(const Tensor&)>;
+// A chunk's forward of one micro-batch (the index: a chunk that draws random numbers keys
+// them by the micro-batch's rows). With recompute, backward calls it again with the same
+// micro-batch.
+using PipelineChunk = std::function<Tensor(const Tensor& input, int microbatch)>;
 using PipelineChunks = std::vector<PipelineChunk>;  // this rank's chunks, in chunk order
 
 struct PipelineOptions {

@@ -61,8 +61,10 @@ TEST_CASE("3-D: layouts that cannot work are errors before any step") {
                                              .chunks = 2, .microbatches = 8});
                    }),
                    "16 stages for 8 layers"));
-    CHECK(contains(error_of([&] { Gpt3d g(*model, world, {.pp = 2, .dp = 4, .tp = 1, .zero = 2}); }),
-                   "ZeRO stage 2 with pipeline/tensor parallelism is not supported"));
+    CHECK(contains(error_of([&] { Gpt3d g(*model, world, {.pp = 2, .dp = 4, .tp = 1, .zero = 4}); }),
+                   "ZeRO stage must be 0, 1, 2 or 3, got 4"));
+    CHECK(contains(error_of([&] { Gpt3d g(*model, world, {.pp = 2, .dp = 4, .tp = 1, .accum = 0}); }),
+                   "accum must be >= 1, got 0"));
   });
 }
 

@@ -63,7 +63,7 @@ void check_schedule(const Schedule& schedule, bool recompute) {
     PipelineChunks chunks;
     for (int c = 0; c < schedule.chunks; ++c) {
       const int stage = schedule.stage_of(pp->rank(), c);
-      chunks.push_back([&model, stage](const Tensor& h) {
+      chunks.push_back([&model, stage](const Tensor& h, int) {
         return model.run(h, stage * per_stage, (stage + 1) * per_stage);
       });
     }
@@ -120,7 +120,7 @@ TEST_CASE("errors: a schedule for another group size or chunk count") {
   run_threads(2, [&](CommPtr pp) {
     using testing::contains;
     using testing::error_of;
-    const PipelineChunks one = {[](const Tensor& h) { return h; }};
+    const PipelineChunks one = {[](const Tensor& h, int) { return h; }};
     auto input = [](int) { return zeros({1}); };
     auto loss = [](const Tensor& y, int) { return sum(y); };
     CHECK(contains(error_of([&] { run_pipeline(*pp, one_f_one_b(4, 4), one, input, loss); }),

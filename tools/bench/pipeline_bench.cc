@@ -45,7 +45,7 @@ std::pair<double, std::vector<int>> step(const Schedule& s, double forward_ms) {
   const double f = forward_ms / s.chunks, b = 2 * forward_ms / s.chunks;
   run_threads(s.ranks, [&](CommPtr pp) {
     const Tensor w = ones({1}, DType::f32).requires_grad_();
-    PipelineChunks chunks(s.chunks, [&](const Tensor& x) {
+    PipelineChunks chunks(s.chunks, [&](const Tensor& x, int) {
       sleep_ms(f);
       Tensor y = x * w;
       y.register_hook([b](const Tensor&) {
