@@ -157,6 +157,10 @@ class ZeroDataParallel {
   optim::Optimizer::StateDict optimizer_state_dict(const optim::Optimizer& optimizer);
   void load_optimizer_state_dict(optim::Optimizer& optimizer,
                                  const optim::Optimizer::StateDict& dict);
+  // Collective, after finish(): every parameter's reduced gradient in full, by name (stages
+  // 1-3 all-gather the shards' gradients; zeros where none arrived). For checking a layout
+  // against one device (the equivalence checker), not for training.
+  nn::StateDict gradient_dict();
 
   // Tagged bytes from the calling thread's MemoryScope tracker (or process_memory() when
   // none is open), with the formula for this stage.

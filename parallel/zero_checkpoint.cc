@@ -22,6 +22,29 @@ nn::StateDict ZeroDataParallel::model_state_dict() {
   return out;
 }
 
+nn::StateDict ZeroDataParallel::gradient_dict() {
+  State& st = *state_;
+  NoGradGuard no_grad;
+  nn::StateDict out;
+  if (st.stage() == 0) {
+    for (const State::Param& p : st.params) {
+      const Tensor g = p.tensor.grad();
+      out[p.name] = g.defined() ? g.clone() : zeros(p.tensor.shape(), p.tensor.dtype(), p.tensor.device());
+    }
+    return out;
+  }
+  CommCause cause("zero gather gradients");
+  for (const State::Segment& seg : st.segments) {
+    const Tensor g = seg.shard.grad();
+    const Tensor mine = g.defined() ? g.contiguous()
+                                    : zeros({seg.shard_numel}, seg.dtype, seg.device);
+    const Tensor full = Tensor::empty({seg.numel}, seg.dtype, seg.device);
+    st.comm->all_gather(full, mine, seg.counts);
+    for (int i : seg.params) out[st.params[i].name] = st.param_view(full, st.params[i]).clone();
+  }
+  return out;
+}
+
 void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
   State& st = *state_;
   NoGradGuard no_grad;

@@ -54,6 +54,12 @@ models::Flags gpt_flags(GptCli& cli) {
          "activation recomputation: none, full (each block; with --pp each chunk) or selective "
          "(attention core with dropout, MLP activation)");
   f.bind("sp", cli.config.sp, "sequence parallelism: the residual stream split along the sequence on tp");
+  f.bind("check", cli.config.check,
+         "instead of training, compare the layout with one device tensor by tensor (f64) each step");
+  f.bind("check_tolerance", cli.config.check_tolerance, "--check: largest relative error per tensor");
+  f.bind("inject", cli.config.inject,
+         "--check debugging: a bug to inject (skip_tied_allreduce, grad_times_dp, "
+         "swap_microbatches, drop_dropout_offset)");
   f.bind("nonfinite", cli.config.nonfinite,
          "a step with a NaN/inf loss or gradient norm: error (stop, keep the last checkpoint) "
          "or skip (drop its update)");

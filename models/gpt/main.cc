@@ -3,6 +3,7 @@
 //     [--resume=PATH] [--metrics=PATH] [--sample=N] [--dp=N --zero=0..3 --accum=K] ...
 //   mpirun -np 2 bazel-bin/models/gpt/gpt --dp=2 --zero=3   (one process per rank)
 //   bazel run //models:gpt -- --pp=2 --dp=2 --tp=2 --microbatches=4 --schedule=1f1b
+//   bazel run //models:gpt -- --pp=2 --dp=2 --check --steps=3     (layout vs one device, f64)
 //   bazel run --config=cuda //models:gpt -- --device=cuda --precision=bf16
 //   gpt --device=cuda --precision=bf16 --layers=12 --heads=12 --width=768 --context=1024
 //       --vocab=50257 --synthetic_data --batch=8 --steps=50 --timing_skip=10 --val_every=0
@@ -21,6 +22,11 @@ int main(int argc, char** argv) {
   return tessera::models::run_main([&] {
     flags.parse(argc, argv);
     const tessera::gpt::GptResult r = tessera::gpt::train_gpt(tessera::gpt::finish(cli));
+    if (!r.check_report.empty()) {
+      if (cli.quiet) std::printf("%s\n", r.check_report.c_str());
+      if (!r.check_ok) throw tessera::Error("gpt --check: the layout differs from one device");
+      return;
+    }
     if (cli.quiet) std::printf("val loss %.4f\n", r.val_loss);
     if (!r.sample_error.empty()) throw tessera::Error(r.sample_error);  // after the result
   });

@@ -1,5 +1,7 @@
 #include "models/gpt/model.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 
 #include "autograd/checkpoint.h"
@@ -112,7 +114,11 @@ Tensor Gpt::forward(const Tensor& idx) {
   // a pipeline stage running that layer alone starts it.
   const DropoutKeys keys(config_, is_training(), idx.dim() == 2 ? idx.size(0) : 0,
                          idx.dim() == 2 ? idx.size(1) : 0);
-  Tensor x = embed(idx);
+  const auto observe = [this](const std::string& layer, const Tensor& out) {
+    if (observer_) observer_(layer, out);
+    return out;
+  };
+  Tensor x = observe("embed", embed(idx));
   for (size_t i = 0; i < h->size(); ++i) {
     keys.at(static_cast<int64_t>(i) + 1);
     // Blocks through operator(): ZeRO-3 hooks on each block.
@@ -124,9 +130,10 @@ Tensor Gpt::forward(const Tensor& idx) {
     } else {
       x = (*block)(x);
     }
+    observe(fmt::format("h.{}", i), x);
   }
   keys.end();
-  return head(x);
+  return observe("head", head(x));
 }
 
 Tensor Gpt::embed(const Tensor& idx) {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -86,6 +87,10 @@ class Gpt : public nn::Module {
   static Tensor loss(const Tensor& logits, const Tensor& targets);
 
   const GptConfig& config() const { return config_; }
+  // Called by forward with each pipeline layer's output: "embed", "h.0", ..., "head" (the
+  // logits). For comparing a layout with this model layer by layer (models/gpt/check.h).
+  using LayerObserver = std::function<void(const std::string& layer, const Tensor& output)>;
+  void set_layer_observer(LayerObserver observer) { observer_ = std::move(observer); }
 
   std::shared_ptr<nn::Embedding> wte, wpe;
   std::shared_ptr<nn::Sequential> h;  // the blocks, named h.0, h.1, ...
@@ -94,6 +99,7 @@ class Gpt : public nn::Module {
  private:
   void init_weights();
   GptConfig config_;
+  LayerObserver observer_;
 };
 
 }  // namespace tessera::gpt

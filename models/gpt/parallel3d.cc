@@ -70,6 +70,11 @@ struct Gpt3d::Impl {
   std::vector<std::string> model_order;   // the single-device optimizer's order (paths)
   std::vector<std::string> holder_order;  // this rank's optimizer's order (paths)
   int64_t run = 0;  // the pipeline run (accumulation step) in progress
+  // The last step's shape and, with capture, each layer's outputs (by first batch row) and
+  // the reduced gradients (by holder name).
+  int64_t B = 0, T = 0;
+  std::map<int, std::map<int64_t, Tensor>> outputs;
+  nn::StateDict grads;
   optim::DynamicLossScaler scaler{{.enabled = false}};
 
   Impl(Gpt& m, parallel::CommPtr w, Gpt3dOptions options) : model(m), o(std::move(options)), world(std::move(w)) {}
@@ -90,6 +95,11 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   TS_CHECK(opt.zero >= 0 && opt.zero <= 3, "Gpt3d: ZeRO stage must be 0, 1, 2 or 3, got {}",
            opt.zero);
   TS_CHECK(opt.accum >= 1, "Gpt3d: accum must be >= 1, got {}", opt.accum);
+  TS_CHECK(opt.inject.empty() || opt.inject == "skip_tied_allreduce" ||
+               opt.inject == "grad_times_dp" || opt.inject == "swap_microbatches" ||
+               opt.inject == "drop_dropout_offset",
+           "Gpt3d: inject must be skip_tied_allreduce, grad_times_dp, swap_microbatches or "
+           "drop_dropout_offset, got '{}'", opt.inject);
   // Everything that can fail on the layout is checked before any collective.
   s.schedule = parallel::pipeline::make_schedule(opt.schedule, static_cast<int>(opt.pp),
                                                  static_cast<int>(opt.microbatches),
@@ -183,13 +193,20 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
     const Shape stream_shape{rows, T, config.width};
     chunks.push_back([&s, &config, begin, end, last_layer, stream_shape, first_row, base, B, T,
                       rows](const Tensor& input, int mb) {
-      const BatchSliceScope slice({B, first_row(s.run, mb), rows});
+      const int64_t row = first_row(s.run, mb);
+      const BatchSliceScope slice({B, s.o.inject == "drop_dropout_offset" ? 0 : row, rows});
+      const auto keep = [&](int layer, const parallel::ShardedTensor& out) {
+        if (!s.o.capture) return;
+        NoGradGuard no_grad;  // (a recomputation keeps the same values again)
+        s.outputs[layer][row] = out.detach().full_tensor().clone();
+      };
       const DropoutKeys keys(config, /*training=*/true, rows, T, base);
       int l = begin;
       parallel::ShardedTensor x;
       if (l == 0) {
         keys.at(0);
         x = s.tp->embed(input);
+        keep(0, x);
         ++l;
       } else {
         x = s.tp->stream(input, stream_shape);  // our block of the previous stage's output
@@ -197,20 +214,29 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
       for (; l < end; ++l) {
         keys.at(l);
         x = l == last_layer ? s.tp->head(x) : s.tp->block(l - 1, x);
+        keep(l, x);
       }
       return x.local();
     });
   }
   s.opt->set_lr(lr);
   s.zero->zero_grad();
+  s.B = B;
+  s.T = T;
+  s.outputs.clear();
+  s.grads.clear();
   if (s.o.zero == 3) (*s.holder)(Tensor());  // gathers this rank's shards over dp
+  // Injected: micro-batches 0 and 1 trade tokens (not targets).
+  const auto source = [&s, m](int mb) {
+    return s.o.inject == "swap_microbatches" && m >= 2 && mb < 2 ? 1 - mb : mb;
+  };
   double loss_sum = 0.0;
   {
     auto guard = s.zero->no_sync();  // micro-batches accumulate; dp reduces once, below
     for (s.run = 0; s.run < k; ++s.run) {
       const parallel::pipeline::PipelineStep step = parallel::pipeline::run_pipeline(
           s.pp(), s.schedule, chunks,
-          [&](int mb) { return idx.narrow(0, first_row(s.run, mb), rows); },
+          [&](int mb) { return idx.narrow(0, first_row(s.run, source(mb)), rows); },
           [&](const Tensor& logits, int mb) {
             // The last stage's output is this rank's slice of the vocabulary.
             const Shape full{logits.size(0), logits.size(1), config.vocab};
@@ -222,7 +248,7 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
           {.recompute = s.o.recompute, .loss_scale = s.scaler.scale_value() / static_cast<double>(k)});
       loss_sum += step.loss;
     }
-    if (s.tied) {
+    if (s.tied && s.o.inject != "skip_tied_allreduce") {
       const Tensor g = s.tp->param("wte.weight").local().grad();
       TS_CHECK(g.defined(), "Gpt3d: the token embedding has no gradient on rank {}", s.world->rank());
       parallel::CommCause cause("pipeline tied embedding");
@@ -230,6 +256,8 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
     }
   }
   s.zero->finish();
+  if (s.o.inject == "grad_times_dp") s.zero->scale_grads(static_cast<double>(s.o.dp));
+  if (s.o.capture) s.grads = s.zero->gradient_dict();
   DropoutKeys(config, /*training=*/true, B, T, base).end();  // where one device's step ends
   // f16: the scaler unscales this rank's gradients (its stages' and shards'); every rank
   // skips the step (clipping included) if any rank's overflowed.
@@ -414,6 +442,69 @@ void Gpt3d::load_state_dicts(const nn::StateDict& weights, const optim::Optimize
 }
 
 optim::DynamicLossScaler& Gpt3d::scaler() { return impl_->scaler; }
+
+std::vector<std::pair<std::string, Tensor>> Gpt3d::activations() {
+  Impl& s = *impl_;
+  TS_CHECK(s.o.capture, "Gpt3d::activations: the layout was built without capture");
+  NoGradGuard no_grad;
+  const GptConfig& c = s.model.config();
+  const DType dtype = s.model.wte->weight.dtype();
+  const bool tp_lead = s.tp_mesh->group(0).rank() == 0;
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (int l = 0; l < s.pipe.layers; ++l) {
+    // Each row of each layer was computed by one (stage, dp rank) and gathered over tp: the
+    // first tp rank of it contributes, every other rank adds zeros.
+    Tensor full = zeros({s.B, s.T, l == s.pipe.layers - 1 ? c.vocab : c.width}, dtype);
+    auto it = s.outputs.find(l);
+    if (tp_lead && it != s.outputs.end()) {
+      for (const auto& [row, t] : it->second) full.narrow(0, row, t.size(0)).copy_(t);
+    }
+    parallel::CommCause cause("gpt3d check activations", parallel::CommKind::control);
+    s.world->all_reduce(full, parallel::ReduceOp::sum);
+    out.emplace_back(s.pipe.layer_name(l), full);
+  }
+  return out;
+}
+
+std::map<std::string, Tensor> Gpt3d::full_gradients() {
+  Impl& s = *impl_;
+  TS_CHECK(s.o.capture, "Gpt3d::full_gradients: the layout was built without capture");
+  NoGradGuard no_grad;
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, t] : s.model.named_parameters()) {
+    auto it = s.grads.find(flat_name(name));
+    out[name] = gather_full(s, name, it != s.grads.end() ? it->second : Tensor(), t.shape(), t.dtype());
+  }
+  return out;
+}
+
+std::string Gpt3d::where_row(int layer, int64_t row) const {
+  const Impl& s = *impl_;
+  const int64_t m = s.o.microbatches, k = s.o.accum, rows = s.B / (s.o.dp * k * m);
+  const int64_t per_dp = s.B / s.o.dp, dp_rank = row / per_dp, in_dp = row % per_dp;
+  const int64_t run = in_dp / (m * rows), mb = in_dp % (m * rows) / rows;
+  int stage = 0;
+  while (stage + 1 < s.pipe.num_stages() && s.pipe.first_layer[stage + 1] <= layer) ++stage;
+  const int64_t first = dp_rank * per_dp + (run * m + mb) * rows;
+  return fmt::format("batch row {}: micro-batch {} of dp rank {}, accumulation run {} (rows "
+                     "{}-{}); pipeline stage {} on pp rank {}", row, mb, dp_rank, run, first,
+                     first + rows - 1, stage, s.schedule.rank_of(stage));
+}
+
+std::string Gpt3d::where_param(const std::string& name) const {
+  const Impl& s = *impl_;
+  std::string held = fmt::format("held by pp rank {}", s.owner.at(name));
+  if (name == "wte.weight" && s.pipe.num_stages() > 1) {
+    held += fmt::format(", tied to the head on pp rank {}",
+                        s.schedule.rank_of(s.schedule.num_stages() - 1));
+  }
+  const parallel::Placements& p = s.tp->param(name).placements();
+  if (s.o.tp > 1) {
+    held += p[0].is_shard() ? fmt::format(", split on tp along dim {}", p[0].dim) : ", whole on tp";
+  }
+  if (s.o.zero > 0) held += fmt::format(", ZeRO {} shards over dp", s.o.zero);
+  return held;
+}
 
 std::string Gpt3d::describe() const {
   const Impl& s = *impl_;

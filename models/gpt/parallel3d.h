@@ -19,6 +19,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "models/gpt/model.h"
 #include "optim/loss_scaler.h"
@@ -41,6 +43,15 @@ struct Gpt3dOptions {
   double loss_scale = 0.0;
   bool sequence_parallel = false;  // the residual stream split along the sequence on tp
   double lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95;
+  // For the equivalence checker (models/gpt/check.h): keep each layer's output and the
+  // reduced gradients of a step, for activations() and full_gradients().
+  bool capture = false;
+  // A bug to inject, to show that the checker catches it (empty: none): "skip_tied_allreduce"
+  // (the tied embedding's gradient is not summed over the first and last stages),
+  // "grad_times_dp" (gradients summed over dp instead of averaged), "swap_microbatches" (the
+  // first stage feeds micro-batch 1's tokens as micro-batch 0's and the other way round) or
+  // "drop_dropout_offset" (every micro-batch draws the first rows of the dropout masks).
+  std::string inject;
 };
 
 class Gpt3d {
@@ -71,6 +82,16 @@ class Gpt3d {
   optim::DynamicLossScaler& scaler();
   // "pp 2 x dp 2 x tp 2, 1f1b, 4 micro-batches: stage 0: embed h.0 h.1 | stage 1: ..."
   std::string describe() const;
+
+  // With capture, after train_step. Collective: each pipeline layer's output over the whole
+  // batch, in layer order ("embed", "h.0", ..., "head": the logits), gathered on every rank.
+  std::vector<std::pair<std::string, Tensor>> activations();
+  // Collective: the step's reduced gradient of every parameter (before clipping), in full.
+  std::map<std::string, Tensor> full_gradients();
+  // Which ranks computed batch row `row` at pipeline layer `layer`, and which hold parameter
+  // `name` (for the checker's reports).
+  std::string where_row(int layer, int64_t row) const;
+  std::string where_param(const std::string& name) const;
 
   struct Impl;
 

@@ -76,6 +76,14 @@ void validate_train_config(const GptTrainConfig& c) {
   require_one_of(gpt, "recompute", c.recompute, {"none", "full", "selective"});
   TS_CHECK(!c.sp || c.tp > 1, "gpt: --sp splits the sequence over tensor-parallel ranks; it "
            "needs --tp > 1");
+  TS_CHECK(std::isfinite(c.check_tolerance) && c.check_tolerance > 0,
+           "gpt: --check_tolerance must be a finite number > 0, got {}", c.check_tolerance);
+  if (!c.inject.empty()) {
+    require_one_of(gpt, "inject", c.inject,
+                   {"skip_tied_allreduce", "grad_times_dp", "swap_microbatches", "drop_dropout_offset"});
+    TS_CHECK(c.check, "gpt: --inject={} injects a bug for --check to find; it needs --check",
+             c.inject);
+  }
   // Sizes whose products must fit: the parameter count and one batch's tokens.
   int64_t tokens = 0;
   TS_CHECK(!__builtin_mul_overflow(c.batch, c.context, &tokens),

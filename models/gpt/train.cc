@@ -25,6 +25,7 @@
 #include "parallel/comm/launch.h"
 #include "parallel/comm/mpi.h"
 #include "parallel/zero.h"
+#include "models/gpt/check.h"
 #include "models/gpt/data.h"
 #include "models/gpt/parallel3d.h"
 #include "models/gpt/run_checks.h"
@@ -540,7 +541,7 @@ class Gpt3dReplica final : public models::Replica {
                const std::function<void(const std::string&)>& say)
       : c_(config), world_(std::move(world)), say_(say), batches_(config),
         model_((manual_seed(static_cast<uint64_t>(config.seed)), config.model_config())),
-        after_init_(default_generator().offset()), g_(model_, world_, options(config)),
+        after_init_(default_generator().offset()), g_(model_, world_, gpt3d_options(config)),
         eval_model_(config.model_config()) {
     // The generator continues from where one device's is after building its model (dropout
     // draws from there); building the evaluation model drew more.
@@ -592,27 +593,6 @@ class Gpt3dReplica final : public models::Replica {
   }
 
  private:
-  static Gpt3dOptions options(const GptTrainConfig& c) {
-    Gpt3dOptions o;
-    o.pp = c.pp;
-    o.dp = c.dp;
-    o.tp = c.tp;
-    o.zero = c.zero;
-    o.schedule = c.schedule;
-    o.chunks = c.chunks;
-    o.microbatches = c.microbatches;
-    o.accum = c.accum;
-    o.recompute = c.recompute == "full";
-    if (c.precision == "f16") o.loss_scale = c.loss_scale;
-    o.sequence_parallel = c.sp;
-    o.clip = c.clip;
-    o.lr = c.lr;
-    o.weight_decay = c.weight_decay;
-    o.beta1 = c.beta1;
-    o.beta2 = c.beta2;
-    return o;
-  }
-
   const GptTrainConfig& c_;
   parallel::CommPtr world_;
   const std::function<void(const std::string&)>& say_;
@@ -661,6 +641,27 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
 
 }  // namespace
 
+Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
+  Gpt3dOptions o;
+  o.pp = c.pp;
+  o.dp = c.dp;
+  o.tp = c.tp;
+  o.zero = c.zero;
+  o.schedule = c.schedule;
+  o.chunks = c.chunks;
+  o.microbatches = c.microbatches;
+  o.accum = c.accum;
+  o.recompute = c.recompute == "full";
+  if (c.precision == "f16") o.loss_scale = c.loss_scale;
+  o.sequence_parallel = c.sp;
+  o.clip = c.clip;
+  o.lr = c.lr;
+  o.weight_decay = c.weight_decay;
+  o.beta1 = c.beta1;
+  o.beta2 = c.beta2;
+  return o;
+}
+
 GptResult train_gpt(const GptTrainConfig& config) {
   validate_train_config(config);
   const bool mpi = parallel::mpi_launched();
@@ -687,9 +688,20 @@ GptResult train_gpt(const GptTrainConfig& config) {
   launch.timeout_seconds = config.comm_timeout;
   launch.world_for_one = three_d || config.zero > 0;  // else the plain loop, no wrapper
   GptResult result;
+  if (config.check) launch.world_for_one = true;  // the check runs every layout as 3-D
   parallel::launch(
       static_cast<int>(ranks),
       [&](parallel::CommPtr world) {
+        if (config.check) {
+          const GptCheckResult c = check_gpt(config, world);
+          if (world->rank() == 0 || mpi) {
+            result.check_ok = c.ok;
+            result.check_report = c.report;
+            result.steps = c.steps;
+          }
+          if (world->rank() == 0 && config.verbose) std::printf("%s\n", c.report.c_str());
+          return;
+        }
         GptResult r = three_d ? train_rank_3d(config, world) : train_rank(config, world.get());
         // Rank 0's result (under mpirun this process's rank is the only one here).
         if (world == nullptr || world->rank() == 0 || mpi) result = std::move(r);

@@ -107,6 +107,14 @@ struct GptTrainConfig {
   // selective (the attention core with dropout and the MLP activation, on every layout).
   std::string recompute = "none";
   bool sp = false;  // sequence parallelism over tp
+  // Instead of training: run the layout above and one device side by side in f64 and compare
+  // every layer output, gradient and parameter at each step (models/gpt/check.h); stop at
+  // the first tensor whose relative error exceeds check_tolerance. `inject`: a bug to inject
+  // (skip_tied_allreduce, grad_times_dp, swap_microbatches, drop_dropout_offset), to see
+  // the checker name it.
+  bool check = false;
+  double check_tolerance = 1e-9;
+  std::string inject;
   bool verbose = true;            // progress line and summary on stdout
 
   GptConfig model_config() const;
@@ -133,6 +141,9 @@ struct GptResult {
   // step (ZeroMemory::str()) and the bytes it sent in one step, in units of a ring pass
   // over the parameters (4 Ψ (n - 1) / n bytes: 2 for DDP and stages 1-2, 3 for stage 3).
   std::string memory_report;
+  // --check: whether the layout equalled one device at every step, and the report.
+  bool check_ok = true;
+  std::string check_report;
   double comm_per_step = 0.0;
 };
 

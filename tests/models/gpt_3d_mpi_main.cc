@@ -1,8 +1,11 @@
 // GPT on {pp, dp, tp} under MPI: one copy of this binary per rank, started by
 // tests/parallel/comm_mpi_test.sh with mpirun -np 4. Every factorisation of the 4 ranks, each
 // schedule where pp > 1, ZeRO 0 and 1, against the single-device run each process trains
-// itself (f64, 1e-10), and in f32 with 1F1B and ZeRO 1 (1e-5; tests/models/gpt_3d_cases.h).
+// itself (f64, 1e-10), and in f32 with 1F1B and ZeRO 1 (1e-5; tests/models/gpt_3d_cases.h);
+// part of the composition matrix (ZeRO 2/3, accumulation, recomputation, dropout, bf16).
 #include <doctest/doctest.h>
+
+#include <vector>
 
 #include "parallel/comm/mpi.h"
 #include "tests/models/gpt_3d_cases.h"
@@ -24,6 +27,18 @@ TEST_CASE("3-D over mpi in f32: every factorisation of 4 processes with 1F1B and
   parallel::CommPtr world = parallel::mpi_world();
   const testing3d::Run ref = testing3d::reference(DType::f32);
   CHECK(testing3d::check_factorisations_f32(world, ref) == 6);
+}
+
+TEST_CASE("composition over mpi: accumulation, recomputation and dropout on every layout, f64 and bf16") {
+  // The threads suite's subset (gpt_compose_test) where accumulation or recomputation is
+  // on with dropout, in f64 and bf16: two configurations per layout and precision.
+  std::vector<testing3d::Combo> combos;
+  for (const testing3d::Combo& c : testing3d::composition_subset(4)) {
+    const bool precision = c.precision == DType::f64 || c.precision == DType::bf16;
+    if (precision && c.dropout > 0 && c.recompute != "none") combos.push_back(c);
+  }
+  CHECK(combos.size() == 6 * 2 * 2);
+  CHECK(testing3d::check_compositions(parallel::mpi_world(), combos) == 24);
 }
 
 }  // namespace

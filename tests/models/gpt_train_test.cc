@@ -510,6 +510,64 @@ TEST_CASE("--precision=bf16|f16 with --pp --dp --tp --sp: one rank's losses in t
   CHECK(std::isfinite(r.val_loss));
 }
 
+TEST_CASE("checkpoints across layouts: pp x dp x tp with everything on resumes under tp x dp and on one rank") {
+  // The issue's command, on tiny(): --pp=2 --dp=2 --tp=2 --dropout=0.1 --accum=2
+  // --recompute=selective --zero=2, saved after 4 of 8 steps, resumed under --tp=4 --dp=2 and
+  // on one rank. The file holds the single-device layout (gathered by the 3-D run), so the
+  // resumed runs continue from the same parameters, optimizer state, loader position (the
+  // step) and generator (dropout's next masks): their next losses are the uninterrupted
+  // run's, up to the summation order of the layout they continue in.
+  for (const char* precision : {"f32", "bf16"}) {
+    CAPTURE(precision);
+    const std::string dir = temp_dir() + "/gpt_layouts_" + precision;
+    fs::create_directories(dir);
+    GptTrainConfig c = short_run(8);
+    c.layers = 2;
+    c.heads = 4;
+    c.precision = precision;
+    c.dropout = 0.1;
+    c.accum = 2;
+    c.recompute = "selective";
+    c.pp = 2;
+    c.dp = 2;
+    c.tp = 2;
+    c.zero = 2;
+    const GptResult straight = train_gpt(c);
+    c.max_steps = 4;
+    c.save = dir + "/a.safetensors";
+    const GptResult first = train_gpt(c);
+    REQUIRE(first.losses.size() == 4);
+    for (size_t i = 0; i < 4; ++i) CHECK(first.losses[i] == straight.losses[i]);
+    // The single-device layout, whatever wrote it.
+    const nn::SafetensorsFile file = nn::load_safetensors(c.save);
+    CHECK(file.tensors.at("h.0.attn.c_attn.weight").shape() == Shape{3 * 32, 32});
+    CHECK(file.tensors.at("wte.weight").shape() == Shape{256, 32});
+    // f32: the summation order of another layout moves the losses by rounding only; bf16:
+    // by up to one bf16 rounding (2^-9) of the split products, as between layouts from
+    // scratch (tests/models/gpt_3d_cases.h).
+    const double bound = std::string(precision) == "f32" ? 1e-5 : 0x1p-9;
+    for (const auto& layout : {std::tuple{1, 2, 4, 0}, std::tuple{1, 1, 1, 0}}) {
+      std::tie(c.pp, c.dp, c.tp, c.zero) = layout;
+      CAPTURE(c.tp);
+      CAPTURE(c.dp);
+      c.max_steps = 0;
+      c.resume = dir + "/a.safetensors";
+      c.save = "";
+      const GptResult rest = train_gpt(c);
+      REQUIRE(rest.losses.size() == 4);
+      double worst = 0;
+      for (size_t i = 0; i < 4; ++i) {
+        const double rel = std::abs(rest.losses[i] - straight.losses[4 + i]) / straight.losses[4 + i];
+        worst = std::max(worst, rel);
+        CHECK(rel <= bound);
+      }
+      MESSAGE(precision << ", resumed under pp " << c.pp << " dp " << c.dp << " tp " << c.tp
+                        << ": largest relative loss difference " << worst);
+    }
+    c.resume = "";
+  }
+}
+
 TEST_CASE("--data=FILE, and errors: bad flags, too little text, mismatched checkpoints") {
   const std::string file = temp_dir() + "/gpt_small.txt";
   {
