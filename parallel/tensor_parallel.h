@@ -139,26 +139,40 @@ class TpLayout {
   template <class F>
   std::vector<ShardedTensor> recompute(bool on, F&& fn, const std::vector<ShardedTensor>& inputs) const {
     if (!on) return fn(inputs);
+    // Layouts only: the function (kept by the checkpoint until backward) must not hold a
+    // tensor, or the outputs' graph would point back at it (a cycle that is never freed).
+    struct Layout {
+      MeshPtr mesh;
+      Placements placements;
+      Shape shape;
+    };
     std::vector<tessera::Tensor> locals;
-    for (const ShardedTensor& x : inputs) locals.push_back(x.local());
-    auto outputs = std::make_shared<std::vector<ShardedTensor>>();  // the first run's
+    std::vector<Layout> in_layouts;
+    for (const ShardedTensor& x : inputs) {
+      locals.push_back(x.local());
+      in_layouts.push_back({x.mesh_ptr(), x.placements(), x.shape()});
+    }
+    auto out_layouts = std::make_shared<std::vector<Layout>>();  // the first run's
     std::vector<tessera::Tensor> out = autograd::checkpoint(
-        [fn, inputs, outputs](const std::vector<tessera::Tensor>& in) {
+        [fn, in_layouts, out_layouts](const std::vector<tessera::Tensor>& in) {
           std::vector<ShardedTensor> wrapped;
           for (size_t i = 0; i < in.size(); ++i) {
-            wrapped.emplace_back(in[i], inputs[i].mesh_ptr(), inputs[i].placements(), inputs[i].shape());
+            wrapped.emplace_back(in[i], in_layouts[i].mesh, in_layouts[i].placements, in_layouts[i].shape);
           }
-          std::vector<ShardedTensor> y = fn(wrapped);
+          const std::vector<ShardedTensor> y = fn(wrapped);
           std::vector<tessera::Tensor> local;
-          for (const ShardedTensor& t : y) local.push_back(t.local());
-          if (outputs->empty()) *outputs = std::move(y);
+          const bool first = out_layouts->empty();
+          for (const ShardedTensor& t : y) {
+            local.push_back(t.local());
+            if (first) out_layouts->push_back({t.mesh_ptr(), t.placements(), t.shape()});
+          }
           return local;
         },
         locals);
     std::vector<ShardedTensor> result;
     for (size_t i = 0; i < out.size(); ++i) {
-      const ShardedTensor& o = (*outputs)[i];
-      result.emplace_back(out[i], o.mesh_ptr(), o.placements(), o.shape());
+      const Layout& o = (*out_layouts)[i];
+      result.emplace_back(out[i], o.mesh, o.placements, o.shape);
     }
     return result;
   }

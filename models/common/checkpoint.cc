@@ -146,27 +146,13 @@ bool all_finite(const void* data, int64_t n) {
   return ok;
 }
 
-// Whether every element is finite. f32/f64 on the CPU (what checkpoints hold) are read in
-// place; anything else goes through ops: x - x is 0 for finite x and NaN otherwise, so the
-// sum is finite iff every element is.
-bool finite(const Tensor& t) {
-  if (t.device().is_cpu() && t.is_contiguous() && t.dtype() == DType::f32) {
-    return all_finite<float>(t.raw_data(), t.numel());
-  }
-  if (t.device().is_cpu() && t.is_contiguous() && t.dtype() == DType::f64) {
-    return all_finite<double>(t.raw_data(), t.numel());
-  }
-  NoGradGuard no_grad;
-  return std::isfinite(sum(sub(t, t)).item<double>());
-}
-
 // Error naming the first floating tensor holding NaN or inf: a diverged run must not replace
 // a good checkpoint.
 void check_finite(const std::string& path, const std::string& what,
                   const std::map<std::string, Tensor>& tensors) {
   for (const auto& [name, t] : tensors) {
     if (!is_floating(t.dtype()) || t.numel() == 0) continue;
-    TS_CHECK(finite(t),
+    TS_CHECK(all_values_finite(t),
              "save_checkpoint: refusing to write {}: {} '{}' {} holds NaN or inf (the run "
              "diverged); the files already there are kept",
              path, what, name, shape_str(t.shape()));
@@ -261,6 +247,21 @@ Choice choose(const std::string& path) {
 }
 
 }  // namespace
+
+// Whether every element is finite. f32/f64 on the CPU (what checkpoints hold) are read in
+// place; anything else goes through ops: x - x is 0 for finite x and NaN otherwise, so the
+// sum is finite iff every element is.
+bool all_values_finite(const Tensor& t) {
+  if (t.device().is_cpu() && t.is_contiguous() && t.dtype() == DType::f32) {
+    return all_finite<float>(t.raw_data(), t.numel());
+  }
+  if (t.device().is_cpu() && t.is_contiguous() && t.dtype() == DType::f64) {
+    return all_finite<double>(t.raw_data(), t.numel());
+  }
+  NoGradGuard no_grad;
+  return std::isfinite(sum(sub(t, t)).item<double>());
+}
+
 
 std::string state_path(const std::string& path) {
   if (ends_with(path, kExt)) return path.substr(0, path.size() - kExt.size()) + ".state" + kExt;

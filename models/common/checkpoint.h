@@ -42,6 +42,9 @@ struct TrainingState {
   std::string fallback_reason;
 };
 
+// Whether every element of `t` is finite (what a checkpoint may hold).
+bool all_values_finite(const Tensor& t);
+
 // "x.safetensors" -> "x.state.safetensors"; any other name gets ".state.safetensors" added.
 std::string state_path(const std::string& path);
 // "x.safetensors" -> "x.prev.safetensors" (the previous checkpoint's model file; its state is

@@ -32,6 +32,8 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("log_every", cli.config.log_every, "steps between progress and metrics lines");
   f.bind("save", cli.config.save, "write a checkpoint here at the end (PATH and PATH's .state.safetensors)");
   f.bind("save_every", cli.config.save_every, "also write it every N steps (0: only at the end)");
+  f.bind("save_sharded", cli.config.save_sharded,
+         "--save writes a directory of per-rank shards (no rank gathers the model); any layout resumes it");
   f.bind("resume", cli.config.resume, "continue from this checkpoint");
   f.bind("metrics", cli.config.metrics, "append JSON-lines metrics here (for tools/plot_metrics.py)");
   f.bind("sample", cli.config.sample_length, "bytes to generate at the end (0: no sample)");

@@ -16,6 +16,7 @@
 #include "parallel/sharded_tensor.h"
 #include "parallel/pipeline/executor.h"
 #include "parallel/zero.h"
+#include "tensor/autocast.h"
 #include "tensor/error.h"
 #include "tensor/random.h"
 
@@ -209,13 +210,18 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
         keep(0, x);
         ++l;
       } else {
-        x = s.tp->stream(input, stream_shape);  // our block of the previous stage's output
+        // Our block of the previous stage's output, handed over in the compute dtype; the
+        // stream itself stays in the model's dtype, as on one device.
+        x = s.tp->stream(cast(input, s.model.wte->weight.dtype()), stream_shape);
       }
       for (; l < end; ++l) {
         keys.at(l);
         x = l == last_layer ? s.tp->head(x) : s.tp->block(l - 1, x);
         keep(l, x);
       }
+      // Under autocast the next stage gets the stream in the compute dtype (half the bytes;
+      // its gradient comes back in it too); the last stage's logits stay as they are.
+      if (end - 1 != last_layer && autocast_enabled()) return cast(x.local(), autocast_dtype());
       return x.local();
     });
   }
@@ -320,19 +326,17 @@ Tensor gather_full(Gpt3d::Impl& s, const std::string& name, const Tensor& local,
   return full;
 }
 
-// This rank's tp shard of a single-device tensor of parameter `name` (values of its shape).
-Tensor local_block_of(Gpt3d::Impl& s, const std::string& name, const Tensor& full) {
-  const parallel::ShardedTensor& p = s.tp->param(name);
-  TS_CHECK(full.numel() == numel_of(p.shape()),
-           "Gpt3d: a checkpoint tensor for '{}' has shape {}, the model's parameter {}", name,
-           shape_str(full.shape()), shape_str(p.shape()));
-  return parallel::distribute(full.contiguous().view(p.shape()), s.tp_mesh, p.placements())
-      .local()
-      .contiguous()
-      .clone();
-}
-
 }  // namespace
+
+Tensor region_of(const Tensor& whole, const std::string& key, const Shape& global,
+                 const std::vector<int64_t>& starts, const Shape& shape) {
+  TS_CHECK(whole.numel() == numel_of(global),
+           "Gpt3d: the checkpoint's '{}' has shape {}, the model's {}", key,
+           shape_str(whole.shape()), shape_str(global));
+  Tensor t = whole.contiguous().view(global);
+  for (size_t d = 0; d < shape.size(); ++d) t = t.narrow(static_cast<int64_t>(d), starts[d], shape[d]);
+  return t.contiguous().clone();
+}
 
 std::map<std::string, Tensor> Gpt3d::full_parameters() {
   Impl& s = *impl_;
@@ -400,17 +404,98 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> Gpt3d::state_dicts() {
 
 void Gpt3d::load_state_dicts(const nn::StateDict& weights, const optim::Optimizer::StateDict& dict) {
   Impl& s = *impl_;
+  // The single-device dicts as a block source: a region is cut from the whole tensor.
+  std::map<std::string, int64_t> model_index;
+  for (size_t i = 0; i < s.model_order.size(); ++i) model_index[s.model_order[i]] = static_cast<int64_t>(i);
+  const auto lookup = [&](const std::string& key) -> const Tensor& {
+    if (key.starts_with("model/")) {
+      auto it = weights.find(key.substr(6));
+      TS_CHECK(it != weights.end(), "Gpt3d: the checkpoint has no parameter '{}'", key.substr(6));
+      return it->second;
+    }
+    // "optim/<param>/<field>" is state.<i>.<field>; "optim/<key>" is <key>.
+    const std::string rest = key.substr(6);
+    const size_t slash = rest.find('/');
+    const std::string dict_key =
+        slash == std::string::npos
+            ? rest
+            : fmt::format("state.{}.{}", model_index.at(rest.substr(0, slash)), rest.substr(slash + 1));
+    auto it = dict.find(dict_key);
+    TS_CHECK(it != dict.end(), "Gpt3d: the optimizer state has no '{}'", dict_key);
+    return it->second;
+  };
+  BlockSource source;
+  source.whole = [&](const std::string& key) { return lookup(key).clone(); };
+  source.region = [&](const std::string& key, const Shape& global,
+                      const std::vector<int64_t>& starts, const Shape& shape) {
+    return region_of(lookup(key), key, global, starts, shape);
+  };
+  source.keys = [&](const std::string& prefix) {
+    std::vector<std::string> out;
+    for (const auto& [key, v] : dict) {
+      std::string k;
+      if (key.starts_with("hparam.") || (key.starts_with("group.") && !key.ends_with(".params"))) {
+        k = "optim/" + key;
+      } else if (key.starts_with("state.")) {
+        const size_t dot = key.find('.', 6);
+        const int64_t i = std::stoll(key.substr(6, dot - 6));
+        k = fmt::format("optim/{}/{}", s.model_order.at(static_cast<size_t>(i)), key.substr(dot + 1));
+      }
+      if (!k.empty() && k.starts_with(prefix)) out.push_back(k);
+    }
+    return out;
+  };
+  read_blocks(source);
+}
+
+void Gpt3d::write_blocks(const AddBlock& add) {
+  Impl& s = *impl_;
+  NoGradGuard no_grad;
+  const nn::StateDict holder = s.zero->model_state_dict();                   // over dp
+  const optim::Optimizer::StateDict mine = s.zero->optimizer_state_dict(*s.opt);  // over dp
+  if (s.world->rank() == 0) {
+    for (const auto& [key, v] : mine) {
+      if (key.starts_with("hparam.") || (key.starts_with("group.") && !key.ends_with(".params"))) {
+        add("optim/" + key, v, v.shape(), std::vector<int64_t>(static_cast<size_t>(v.dim()), 0));
+      }
+    }
+  }
+  if (s.dp().rank() != 0) return;  // the dp replicas hold the same shards
+  const bool tp_lead = s.tp_mesh->group(0).rank() == 0;
+  for (size_t k = 0; k < s.holder_order.size(); ++k) {
+    const std::string& name = s.holder_order[k];
+    if (s.owner.at(name) != s.pp().rank()) continue;  // the tied embedding once
+    const parallel::ShardedTensor& p = s.tp->param(name);
+    if (!p.placements()[0].is_shard() && !tp_lead) continue;  // whole on tp: written once
+    const parallel::LocalBlock b = parallel::local_block(p.shape(), *s.tp_mesh, p.placements());
+    add("model/" + name, holder.at(flat_name(name)).contiguous().view(b.shape), p.shape(), b.starts);
+    const std::string prefix = fmt::format("state.{}.", k);
+    for (const auto& [key, v] : mine) {
+      if (!key.starts_with(prefix)) continue;
+      const std::string field = key.substr(prefix.size());
+      if (field == "step") {
+        if (tp_lead) add(fmt::format("optim/{}/step", name), v, v.shape(), {});  // once
+      } else {
+        add(fmt::format("optim/{}/{}", name, field), v.contiguous().view(b.shape), p.shape(), b.starts);
+      }
+    }
+  }
+}
+
+void Gpt3d::read_blocks(const BlockSource& source) {
+  Impl& s = *impl_;
   NoGradGuard no_grad;
   nn::StateDict holder_weights;
+  std::map<std::string, parallel::LocalBlock> blocks;
   for (const std::string& name : s.holder_order) {
-    auto it = weights.find(name);
-    TS_CHECK(it != weights.end(), "Gpt3d: the checkpoint has no parameter '{}'", name);
-    holder_weights[flat_name(name)] = local_block_of(s, name, it->second);
+    const parallel::ShardedTensor& p = s.tp->param(name);
+    blocks[name] = parallel::local_block(p.shape(), *s.tp_mesh, p.placements());
+    holder_weights[flat_name(name)] =
+        source.region("model/" + name, p.shape(), blocks[name].starts, blocks[name].shape);
   }
   s.zero->load_model_state_dict(holder_weights);
 
-  std::map<std::string, int64_t> model_index;
-  for (size_t i = 0; i < s.model_order.size(); ++i) model_index[s.model_order[i]] = static_cast<int64_t>(i);
+  // The dict of an optimizer over this rank's shards (holder_order), as ZeRO loads it.
   optim::Optimizer::StateDict mine;
   int64_t count[2] = {0, 0};
   const nn::NamedTensors named = s.model.named_parameters();
@@ -422,20 +507,18 @@ void Gpt3d::load_state_dicts(const nn::StateDict& weights, const optim::Optimize
     for (int64_t j = 0; j < count[g]; ++j) ids.push_back(next++);
     mine[fmt::format("group.{}.params", g)] = Tensor::from_vector<int64_t>(ids, {count[g]});
   }
-  for (const auto& [key, v] : dict) {
-    if (key.starts_with("hparam.") ||
-        (key.starts_with("group.") && !key.ends_with(".params"))) {
-      mine[key] = v;
-    }
+  for (const std::string& prefix : {"optim/hparam.", "optim/group."}) {
+    for (const std::string& key : source.keys(prefix)) mine[key.substr(6)] = source.whole(key);
   }
   for (size_t k = 0; k < s.holder_order.size(); ++k) {
     const std::string& name = s.holder_order[k];
-    const std::string from = fmt::format("state.{}.", model_index.at(name));
-    const std::string to = fmt::format("state.{}.", k);
-    for (const auto& [key, v] : dict) {
-      if (!key.starts_with(from)) continue;
-      const std::string field = key.substr(from.size());
-      mine[to + field] = field == "step" ? v.clone() : local_block_of(s, name, v);
+    const std::string prefix = fmt::format("optim/{}/", name);
+    for (const std::string& key : source.keys(prefix)) {
+      const std::string field = key.substr(prefix.size());
+      mine[fmt::format("state.{}.{}", k, field)] =
+          field == "step" ? source.whole(key)
+                          : source.region(key, s.tp->param(name).shape(), blocks[name].starts,
+                                          blocks[name].shape);
     }
   }
   s.zero->load_optimizer_state_dict(*s.opt, mine);

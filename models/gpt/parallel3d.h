@@ -16,6 +16,7 @@
 // the ranks of the first and last stages with the same (dp, tp) coordinates.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -54,6 +55,11 @@ struct Gpt3dOptions {
   std::string inject;
 };
 
+// The region [starts, starts + shape) of `whole` viewed as `global` (same size; Error naming
+// `key` otherwise): how a block source cuts a shard from a whole tensor.
+Tensor region_of(const Tensor& whole, const std::string& key, const Shape& global,
+                 const std::vector<int64_t>& starts, const Shape& shape);
+
 class Gpt3d {
  public:
   // Collective over `world` (size pp x dp x tp). Validates the layout before any work
@@ -79,6 +85,29 @@ class Gpt3d {
   std::pair<nn::StateDict, optim::Optimizer::StateDict> state_dicts();
   // Collective (ZeRO's loads are): loads single-device dicts into this rank's shards.
   void load_state_dicts(const nn::StateDict& weights, const optim::Optimizer::StateDict& optimizer);
+
+  // Sharded checkpoints (models/common/sharded_checkpoint.h), through callbacks, so that no
+  // rank holds more than its own shards. Keys: "model/<param>" and "optim/<param>/<field>"
+  // (exp_avg, ...: blocks of the plan's global shape, e.g. attn.c_attn's grouped [3, C, C]),
+  // "optim/<param>/step", "optim/hparam.<name>", "optim/group.<g>.lr|weight_decay" (whole).
+  using AddBlock = std::function<void(const std::string& key, const Tensor& block,
+                                      const Shape& global, const std::vector<int64_t>& starts)>;
+  // Collective: calls add() for each block this rank writes (dp rank 0 of each stage and tp
+  // shard; tensors whole on tp from tp rank 0 only; the optimizer's hyperparameters from
+  // world rank 0).
+  void write_blocks(const AddBlock& add);
+  struct BlockSource {
+    // The region [starts, starts + shape) of a tensor viewed with shape `global` (the plan's;
+    // a writer may have used the single-device shape, of the same size); a whole tensor; the
+    // keys under a prefix.
+    std::function<Tensor(const std::string& key, const Shape& global,
+                         const std::vector<int64_t>& starts, const Shape& shape)>
+        region;
+    std::function<Tensor(const std::string&)> whole;
+    std::function<std::vector<std::string>(const std::string&)> keys;
+  };
+  // Collective: loads this rank's shards from `source` (any layout wrote it).
+  void read_blocks(const BlockSource& source);
   optim::DynamicLossScaler& scaler();
   // "pp 2 x dp 2 x tp 2, 1f1b, 4 micro-batches: stage 0: embed h.0 h.1 | stage 1: ..."
   std::string describe() const;

@@ -9,6 +9,7 @@
 #include "models/common/flags.h"
 #include "models/common/run_control.h"
 #include "models/common/checkpoint.h"
+#include "models/common/sharded_checkpoint.h"
 #include "parallel/comm/mpi.h"
 #include "parallel/zero.h"
 #include "tensor/device.h"
@@ -53,6 +54,8 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "save_every", c.save_every, 0);
   TS_CHECK(c.save_every == 0 || !c.save.empty(),
            "gpt: --save_every {} needs --save (where to write the checkpoints)", c.save_every);
+  TS_CHECK(!c.save_sharded || !c.save.empty(),
+           "gpt: --save_sharded needs --save (the directory to write the shards into)");
   require_at_least(gpt, "sample", c.sample_length, 0);
   require_finite_at_least(gpt, "temperature", c.temperature, 0);
   require_at_least(gpt, "top_k", c.top_k, 0);
@@ -186,7 +189,13 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
 
 GptMemoryEstimate preflight(const GptTrainConfig& config, bool mpi, int ranks_here) {
   const bool writer = !mpi || parallel::mpi_world()->rank() == 0;
-  if (writer && !config.save.empty()) models::check_checkpoint_path(config.save, "gpt: --save");
+  if (writer && !config.save.empty()) {
+    if (config.save_sharded) {
+      models::check_sharded_checkpoint_path(config.save, "gpt: --save");
+    } else {
+      models::check_checkpoint_path(config.save, "gpt: --save");
+    }
+  }
   if (writer && !config.metrics.empty()) {
     models::check_output_file(config.metrics, "gpt: --metrics");
   }

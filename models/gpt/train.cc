@@ -16,6 +16,7 @@
 #include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/common/run_control.h"
+#include "models/common/sharded_checkpoint.h"
 #include "models/common/train_loop.h"
 #include "models/data/text.h"
 #include "optim/adamw.h"
@@ -209,6 +210,112 @@ models::TrainingState training_state(const GptTrainConfig& c, int64_t step) {
   return s;
 }
 
+// A sharded checkpoint at c.save (collective over `comm`; null: one rank). `fill` adds this
+// rank's blocks; rank 0 adds the loss scaler and the training state.
+void save_sharded(const GptTrainConfig& c, parallel::Communicator* comm, int64_t step,
+                  const optim::DynamicLossScaler& scaler,
+                  const std::function<void(models::ShardedCheckpointWriter&)>& fill) {
+  const int rank = comm != nullptr ? comm->rank() : 0;
+  auto barrier = [&] {
+    if (comm != nullptr) comm->barrier();
+  };
+  if (rank == 0) models::prepare_sharded_checkpoint(c.save);
+  barrier();
+  models::ShardedCheckpointWriter w(c.save, rank);
+  fill(w);
+  if (rank == 0) {
+    for (const auto& [k, v] : scaler.state_dict()) w.add("scaler/" + k, v);
+    const models::TrainingState s = training_state(c, step);
+    w.set_metadata("step", std::to_string(s.step));
+    w.set_metadata("rng_seed", std::to_string(s.rng_seed));
+    w.set_metadata("rng_offset", std::to_string(s.rng_offset));
+    for (const auto& [k, v] : s.info) w.set_metadata("info." + k, v);
+  }
+  w.write();
+  barrier();  // every file is complete before the commit
+  if (rank == 0) models::commit_sharded_checkpoint(c.save);
+  barrier();  // nobody reads it before it is in place
+}
+
+// The training state and the loss scaler of a sharded checkpoint.
+models::TrainingState sharded_state(models::ShardedCheckpointReader& r,
+                                    optim::DynamicLossScaler& scaler) {
+  std::map<std::string, Tensor> scaler_state;
+  for (const std::string& key : r.keys("scaler/")) scaler_state[key.substr(7)] = r.read(key);
+  scaler.load_state_dict(scaler_state);
+  models::TrainingState s;
+  const auto number = [&](const char* key) -> uint64_t {
+    auto it = r.metadata().find(key);
+    TS_CHECK(it != r.metadata().end(), "gpt: the sharded checkpoint {} has no '{}'", r.loaded_from(), key);
+    return std::stoull(it->second);
+  };
+  s.step = static_cast<int64_t>(number("step"));
+  s.rng_seed = number("rng_seed");
+  s.rng_offset = number("rng_offset");
+  for (const auto& [k, v] : r.metadata()) {
+    if (k.starts_with("info.")) s.info[k.substr(5)] = v;
+  }
+  s.loaded_from = r.loaded_from();
+  s.fallback_reason = r.fallback_reason();
+  return s;
+}
+
+// The single-device dicts as sharded-checkpoint keys (models/gpt/parallel3d.h), whole:
+// parameters by name, the optimizer's state by parameter name (`order`: its global order).
+void add_single_device(models::ShardedCheckpointWriter& w, const nn::StateDict& weights,
+                       const optim::Optimizer::StateDict& optimizer,
+                       const std::vector<std::string>& order) {
+  for (const auto& [k, v] : weights) w.add("model/" + k, v);
+  for (const auto& [key, v] : optimizer) {
+    if (key.starts_with("hparam.") || (key.starts_with("group.") && !key.ends_with(".params"))) {
+      w.add("optim/" + key, v);
+    } else if (key.starts_with("state.")) {
+      const size_t dot = key.find('.', 6);
+      const size_t i = static_cast<size_t>(std::stoll(key.substr(6, dot - 6)));
+      w.add(fmt::format("optim/{}/{}", order.at(i), key.substr(dot + 1)), v);
+    }
+  }
+}
+
+// And back: the dicts a single-device model (`model`, optimizer order `order`) loads.
+std::pair<nn::StateDict, optim::Optimizer::StateDict> read_single_device(
+    models::ShardedCheckpointReader& r, const Gpt& model, const std::vector<std::string>& order) {
+  nn::StateDict weights;
+  for (const auto& [name, t] : model.named_parameters()) {
+    weights[name] = region_of(r.read("model/" + name), "model/" + name, t.shape(),
+                              std::vector<int64_t>(static_cast<size_t>(t.dim()), 0), t.shape());
+  }
+  optim::Optimizer::StateDict dict;
+  std::vector<int64_t> group[2];
+  for (size_t i = 0; i < order.size(); ++i) {
+    const std::string prefix = fmt::format("optim/{}/", order[i]);
+    const Tensor& p = weights.at(order[i]);
+    group[p.dim() >= 2 ? 0 : 1].push_back(static_cast<int64_t>(i));
+    for (const std::string& key : r.keys(prefix)) {
+      const std::string field = key.substr(prefix.size());
+      const Tensor v = r.read(key);
+      dict[fmt::format("state.{}.{}", i, field)] = field == "step" ? v : v.contiguous().view(p.shape());
+    }
+  }
+  for (int g = 0; g < 2; ++g) {
+    dict[fmt::format("group.{}.params", g)] =
+        Tensor::from_vector<int64_t>(group[g], {static_cast<int64_t>(group[g].size())});
+  }
+  for (const std::string& prefix : {"optim/hparam.", "optim/group."}) {
+    for (const std::string& key : r.keys(prefix)) dict[key.substr(6)] = r.read(key);
+  }
+  return {std::move(weights), std::move(dict)};
+}
+
+// The optimizer's global order on a single-device model: optim::decay_groups' (decayed first).
+std::vector<std::string> optimizer_order(const Gpt& model) {
+  std::vector<std::string> order;
+  for (const optim::ParamGroup& g : optim::decay_groups(model.named_parameters(), 0.0, 0.0)) {
+    order.insert(order.end(), g.names.begin(), g.names.end());
+  }
+  return order;
+}
+
 // After any layout's load_checkpoint: checks the model, restores the generator, reports;
 // returns the step the run continues from.
 int64_t resumed(const GptTrainConfig& c, const models::TrainingState& s, bool lead,
@@ -279,14 +386,24 @@ class GptReplica final : public models::Replica {
   int64_t resume() {
     if (c_.resume.empty()) return 0;
     // A data-parallel run loads the single-device layout every run saves, whatever its own.
+    const auto apply = [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
+      if (zero_) {
+        zero_->load_model_state_dict(weights);
+        zero_->load_optimizer_state_dict(*opt_, state);
+      } else {
+        model_->load_state_dict(weights);
+        opt_->load_state_dict(state);
+      }
+    };
+    if (models::is_sharded_checkpoint(c_.resume)) {
+      // Any layout's shards, assembled whole (this layout holds every parameter).
+      models::ShardedCheckpointReader reader(c_.resume);
+      const auto [weights, state] = read_single_device(reader, *model_, optimizer_order(*model_));
+      apply(weights, state);
+      return resumed(c_, sharded_state(reader, scaler_), rank_ == 0, say_);
+    }
     const models::TrainingState s =
-        zero_ ? models::load_checkpoint(
-                    c_.resume,
-                    [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
-                      zero_->load_model_state_dict(weights);
-                      zero_->load_optimizer_state_dict(*opt_, state);
-                    },
-                    scaler_)
+        zero_ ? models::load_checkpoint(c_.resume, apply, scaler_)
               : models::load_checkpoint(c_.resume, *model_, *opt_, scaler_);
     return resumed(c_, s, rank_ == 0, say_);
   }
@@ -353,6 +470,16 @@ class GptReplica final : public models::Replica {
 
   void save(int64_t step) override {
     const models::TrainingState s = training_state(c_, step);
+    if (c_.save_sharded) {
+      // This layout's ranks each hold the whole model (ZeRO gathers it): rank 0 writes it.
+      const nn::StateDict weights = zero_ ? zero_->model_state_dict() : model_->state_dict();
+      const optim::Optimizer::StateDict state =
+          zero_ ? zero_->optimizer_state_dict(*opt_) : opt_->state_dict();
+      save_sharded(c_, comm_, step, scaler_, [&](models::ShardedCheckpointWriter& w) {
+        if (rank_ == 0) add_single_device(w, weights, state, optimizer_order(*model_));
+      });
+      return;
+    }
     if (!zero_) {
       models::save_checkpoint(c_.save, *model_, *opt_, scaler_, s);
       return;
@@ -556,6 +683,22 @@ class Gpt3dReplica final : public models::Replica {
   // The step a --resume continues from (0 without one): any layout's checkpoint loads.
   int64_t resume() {
     if (c_.resume.empty()) return 0;
+    if (models::is_sharded_checkpoint(c_.resume)) {
+      // Each rank reads the regions of its own shards, from the files that hold them.
+      models::ShardedCheckpointReader reader(c_.resume);
+      Gpt3d::BlockSource source;
+      source.whole = [&](const std::string& key) { return reader.read(key); };
+      source.keys = [&](const std::string& prefix) { return reader.keys(prefix); };
+      source.region = [&](const std::string& key, const Shape& global,
+                          const std::vector<int64_t>& starts, const Shape& shape) {
+        // Written in the plan's shape by a 3-D run: read the region; in the single-device
+        // shape by another layout: that tensor whole, then the region.
+        if (reader.global_shape(key) == global) return reader.read(key, starts, shape);
+        return region_of(reader.read(key), key, global, starts, shape);
+      };
+      g_.read_blocks(source);
+      return resumed(c_, sharded_state(reader, g_.scaler()), world_->rank() == 0, say_);
+    }
     const models::TrainingState s = models::load_checkpoint(
         c_.resume,
         [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
@@ -576,8 +719,16 @@ class Gpt3dReplica final : public models::Replica {
   parallel::Communicator* group() override { return world_.get(); }
   bool loss_is_global() const override { return true; }
 
-  // Collective: every rank gathers; rank 0 writes the single-device layout.
+  // Collective: every rank gathers; rank 0 writes the single-device layout. Sharded: the
+  // writing ranks each write their own shards (no rank gathers the model).
   void save(int64_t step) override {
+    if (c_.save_sharded) {
+      save_sharded(c_, world_.get(), step, g_.scaler(), [&](models::ShardedCheckpointWriter& w) {
+        g_.write_blocks([&](const std::string& key, const Tensor& block, const Shape& global,
+                            const std::vector<int64_t>& starts) { w.add(key, block, global, starts); });
+      });
+      return;
+    }
     const auto [weights, state] = g_.state_dicts();
     if (world_->rank() == 0) {
       models::save_checkpoint(c_.save, weights, state, g_.scaler(), training_state(c_, step));
@@ -699,7 +850,10 @@ GptResult train_gpt(const GptTrainConfig& config) {
             result.check_report = c.report;
             result.steps = c.steps;
           }
-          if (world->rank() == 0 && config.verbose) std::printf("%s\n", c.report.c_str());
+          if (world->rank() == 0 && config.verbose) {
+            std::printf("%s\n", c.report.c_str());
+            std::fflush(stdout);  // before an error line on stderr
+          }
           return;
         }
         GptResult r = three_d ? train_rank_3d(config, world) : train_rank(config, world.get());

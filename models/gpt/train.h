@@ -59,6 +59,10 @@ struct GptTrainConfig {
   std::string save;               // written at the end (and every save_every steps)
   int64_t save_every = 0;
   std::string resume;             // continue from this checkpoint (the newest complete one)
+  // --save writes a sharded checkpoint: `save` is a directory with one file per writing rank
+  // (each its own shards; models/common/sharded_checkpoint.h), for models too large to
+  // gather on one rank. --resume reads either kind into any layout.
+  bool save_sharded = false;
   std::string metrics;            // JSON-lines file (appended to when resuming)
   // The sample generated at the end (sample_length 0: none).
   std::string prompt;             // empty: "\n"

@@ -4,10 +4,15 @@
 // to match one device (f64, 1e-12: the same products, summed over 2 ranks in another order).
 #include <doctest/doctest.h>
 
+#include <map>
+#include <string>
+#include <vector>
+
 #include "nn/layers.h"
 #include "parallel/comm/comm_log.h"
 #include "parallel/comm/threads.h"
 #include "parallel/tensor_parallel.h"
+#include "tensor/allocator.h"
 #include "tensor/random.h"
 #include "tests/testing.h"
 
@@ -86,6 +91,56 @@ TEST_CASE("a second model needs only a plan: the MLP on {dp: 2, tp: 2} equals on
     for (const auto& [name, t] : ref->named_parameters()) {
       CAPTURE(name);
       CHECK(max(abs(params.full_grad(name) - t.grad())).item<double>() <= 1e-12);
+    }
+  });
+}
+
+TEST_CASE("TpLayout::recompute: the plain forward's gradients, and nothing kept after backward") {
+  // The MLP's activation and down projection recomputed in backward (as GPT's selective
+  // recomputation does under tp): same gradients as without; once backward is done every
+  // byte the step allocated is freed (no reference cycle through the kept function).
+  const auto mlp_recomputed = [](const TpLayout& layout, const ShardedParameters& param,
+                                 const ShardedTensor& x) {
+    const ShardedTensor pre =
+        matmul(layout.column_input(x), transpose(param("0.weight"), 0, 1)) + param("0.bias");
+    const ShardedTensor product = layout.recompute(
+        true,
+        [](const std::vector<ShardedTensor>& in) {
+          return std::vector<ShardedTensor>{matmul(relu(in[0]), transpose(in[1], 0, 1))};
+        },
+        {pre, param("2.weight")})[0];
+    return layout.stream(product) + param("2.bias");
+  };
+  run_threads(2, [&](CommPtr world) {
+    MemoryTracker rank;
+    const MemoryScope scope(&rank);
+    const auto model = make_mlp();
+    auto mesh = make_mesh(world, {{"tp", 2}});
+    const ShardedParameters params(*model, mesh, column_wise("0") + row_wise("2"));
+    const TpLayout layout(mesh);
+    manual_seed(4);
+    const Tensor x = randn({4, 8}, DType::f64);
+    std::map<std::string, Tensor> plain;
+    {
+      const ShardedTensor y = mlp_forward(layout, params, layout.input(x));
+      sum(y * y).backward();
+      for (const auto& [name, t] : model->named_parameters()) plain[name] = params.full_grad(name);
+    }
+    for (const auto& [name, p] : params.all()) p.local().set_grad(Tensor());
+    const int64_t before = rank.current();
+    for (int round = 0; round < 2; ++round) {
+      {
+        const ShardedTensor y = mlp_recomputed(layout, params, layout.input(x));
+        CHECK(max(abs(y.full_tensor() - mlp_forward(layout, params, layout.input(x)).full_tensor()))
+                  .item<double>() == 0.0);
+        sum(y * y).backward();
+      }
+      for (const auto& [name, t] : model->named_parameters()) {
+        CAPTURE(name);
+        CHECK(max(abs(params.full_grad(name) - plain.at(name))).item<double>() <= 1e-12);
+      }
+      for (const auto& [name, p] : params.all()) p.local().set_grad(Tensor());
+      CHECK(rank.current() == before);  // the step's tensors, the kept function's included
     }
   });
 }
