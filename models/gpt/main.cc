@@ -23,8 +23,8 @@ int main(int argc, char** argv) {
     flags.parse(argc, argv);
     const tessera::gpt::GptResult r = tessera::gpt::train_gpt(tessera::gpt::finish(cli));
     if (!r.check_report.empty()) {
+      if (!r.check_ok) throw tessera::Error(r.check_report);  // "check: mismatch at step ..."
       if (cli.quiet) std::printf("%s\n", r.check_report.c_str());
-      if (!r.check_ok) throw tessera::Error("gpt --check: the layout differs from one device");
       return;
     }
     if (cli.quiet) std::printf("val loss %.4f\n", r.val_loss);

@@ -123,15 +123,17 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   // once (a pipeline holds up to pp of them under 1F1B, all of them under GPipe).
   double rows = 0, in_flight = 1, layers_here = L, heads_here = H, width_share = 1;
   if (three_d) {
-    rows = static_cast<double>(c.batch) / (dp * static_cast<double>(c.microbatches));
+    rows = static_cast<double>(c.batch) /
+           (dp * static_cast<double>(c.accum) * static_cast<double>(c.microbatches));
     in_flight = c.schedule == "gpipe" ? static_cast<double>(c.microbatches)
                                       : std::min(pp, static_cast<double>(c.microbatches));
     if (c.recompute == "full") in_flight = 1;  // only stage inputs stay; one micro-batch is live
     layers_here = std::ceil(L / pp);
     heads_here = H / tp;
     width_share = 1 / tp;
-    // Parameters of this rank's stage and tensor shard, with AdamW and gradients (ZeRO 1
-    // shards the optimizer state over dp).
+    // Parameters of this rank's stage and tensor shard, with AdamW and gradients (ZeRO 1-3
+    // shard the optimizer state over dp; the pipeline's micro-batches keep full gradients
+    // until the step's one reduction, and stage 3 gathers the stage's parameters for it).
     const double local = psi / (pp * tp);
     m.model_state = c.zero >= 1 ? 8 * local + 8 * local / dp : 16 * local;
     // The single-device model every rank builds first (same seed) and keeps, and rank 0's

@@ -850,10 +850,9 @@ GptResult train_gpt(const GptTrainConfig& config) {
             result.check_report = c.report;
             result.steps = c.steps;
           }
-          if (world->rank() == 0 && config.verbose) {
-            std::printf("%s\n", c.report.c_str());
-            std::fflush(stdout);  // before an error line on stderr
-          }
+          // A mismatch is the program's error (every rank has the same report: under mpirun
+          // whichever rank reports first says it).
+          if (world->rank() == 0 && config.verbose && c.ok) std::printf("%s\n", c.report.c_str());
           return;
         }
         GptResult r = three_d ? train_rank_3d(config, world) : train_rank(config, world.get());

@@ -203,6 +203,51 @@ TEST_CASE("dropout under TP and SP draws the single-device masks; uneven vocabul
   }
 }
 
+TEST_CASE("selective recomputation under TP: one device's gradients, 1/tp of its memory kept less") {
+  // With dropout the attention core is the composite: selective recomputation reruns it and
+  // the MLP activation from each rank's local blocks (TpLayout::recompute) in backward. The
+  // gradients are the plain run's; each rank's peak of untagged bytes (activations and
+  // temporaries) drops by at least its share of what one device's drops: per layer the f64
+  // [B, H/tp, T, T] probabilities and the [B, T, 4C/tp] GELU output.
+  constexpr int64_t tp = 2, heads = 4, width = 16, L = 2;
+  const data::TextBatch b = batch();
+  const auto ref = make_gpt(heads, 0.1, width);
+  manual_seed(42);
+  Gpt::loss((*ref)(b.idx), b.targets).backward();
+  std::vector<int64_t> peak[2];  // per mode (none, selective), per rank
+  for (int mode = 0; mode < 2; ++mode) {
+    peak[mode].assign(tp, 0);
+    parallel::run_threads(static_cast<int>(tp), [&](parallel::CommPtr world) {
+      GptConfig config = make_gpt(heads, 0.1, width)->config();
+      config.recompute = mode == 1 ? GptConfig::Recompute::selective : GptConfig::Recompute::none;
+      manual_seed(0);
+      Gpt model(config);
+      model.to(DType::f64);
+      auto mesh = parallel::make_mesh(world, {{"tp", tp}});
+      TpGpt tpg(model, mesh);
+      MemoryTracker tracker;
+      {
+        MemoryScope scope(&tracker);
+        manual_seed(42);
+        tpg.loss(b.idx, b.targets).backward();
+      }
+      peak[mode][world->rank()] = tracker.peak(MemoryTag::untagged);
+      for (const auto& entry : ref->named_parameters()) {
+        const std::string& name = entry.first;
+        CAPTURE(name);
+        CHECK(max(abs(tpg.full_grad(name) - entry.second.grad())).item<double>() <= 1e-12);
+      }
+    });
+  }
+  const int64_t kept_less = (kBatch * heads / tp * kContext * kContext + kBatch * kContext * 4 * width / tp) * 8;
+  for (int64_t r = 0; r < tp; ++r) {
+    CAPTURE(r);
+    MESSAGE(fmt::format("rank {}: untagged peak none {} B, selective {} B ({} B less per layer)", r,
+                        peak[0][r], peak[1][r], (peak[0][r] - peak[1][r]) / L));
+    CHECK(peak[0][r] - peak[1][r] >= L * kept_less);
+  }
+}
+
 TEST_CASE("tensor parallel GPT: heads must divide by tp") {
   parallel::run_threads(2, [&](parallel::CommPtr world) {
     const auto model = make_gpt(/*heads=*/1);
