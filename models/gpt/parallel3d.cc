@@ -169,6 +169,13 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
 Gpt3d::~Gpt3d() = default;
 
 double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
+  const double loss = forward_backward(idx, targets, lr);
+  unscale_and_clip(impl_->o.clip);
+  update(/*skip=*/false);
+  return loss;
+}
+
+double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double lr) {
   Impl& s = *impl_;
   const int64_t B = idx.size(0), T = idx.size(1), m = s.o.microbatches, k = s.o.accum;
   TS_CHECK(B % (s.o.dp * k * m) == 0,
@@ -265,19 +272,26 @@ double Gpt3d::train_step(const Tensor& idx, const Tensor& targets, double lr) {
   if (s.o.inject == "grad_times_dp") s.zero->scale_grads(static_cast<double>(s.o.dp));
   if (s.o.capture) s.grads = s.zero->gradient_dict();
   DropoutKeys(config, /*training=*/true, B, T, base).end();  // where one device's step ends
-  // f16: the scaler unscales this rank's gradients (its stages' and shards'); every rank
-  // skips the step (clipping included) if any rank's overflowed.
-  s.scaler.step(*s.opt, [&] {
-    if (s.o.clip > 0) clip_grad_norm();
-    s.zero->step(*s.opt);
-  });
-  s.scaler.update();
   Tensor loss = Tensor::from_vector<double>({loss_sum / static_cast<double>(k)}, {1});
   s.dp().all_reduce(loss, parallel::ReduceOp::avg);
   return loss.item<double>();
 }
 
-double Gpt3d::clip_grad_norm() {
+std::optional<double> Gpt3d::unscale_and_clip(double max_norm) {
+  Impl& s = *impl_;
+  // f16: the scaler unscales this rank's gradients (its stages' and shards'); the overflow
+  // check is reduced over the world, so every rank skips the same steps.
+  if (!s.scaler.unscale_and_check(*s.opt)) return std::nullopt;
+  return clip_grad_norm(max_norm);
+}
+
+void Gpt3d::update(bool skip) {
+  Impl& s = *impl_;
+  if (!skip) s.scaler.step(*s.opt, [&] { s.zero->step(*s.opt); });  // (skipped on overflow)
+  s.scaler.update();
+}
+
+double Gpt3d::clip_grad_norm(double max_norm) {
   Impl& s = *impl_;
   // Every element of the single-device gradient counted once over the whole world: a
   // parameter whole on tp only on tp rank 0, the tied embedding only on the first stage,
@@ -300,7 +314,9 @@ double Gpt3d::clip_grad_norm() {
   }
   const double norm = std::sqrt(total.item<double>());
   // optim::clip_grad_norm's rule: scale by max / (norm + 1e-6) when above the limit.
-  if (std::isfinite(norm) && s.o.clip / (norm + 1e-6) < 1.0) s.zero->scale_grads(s.o.clip / (norm + 1e-6));
+  if (max_norm > 0 && std::isfinite(norm) && max_norm / (norm + 1e-6) < 1.0) {
+    s.zero->scale_grads(max_norm / (norm + 1e-6));
+  }
   return norm;
 }
 

@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -70,11 +71,20 @@ class Gpt3d {
   Gpt3d& operator=(const Gpt3d&) = delete;
 
   // One optimizer step on the global batch idx/targets [B, T] (the same on every rank; each
-  // dp rank takes its slice, split into micro-batches). Returns the mean loss.
+  // dp rank takes its slice, split into micro-batches). Returns the mean loss. The same as
+  // forward_backward, unscale_and_clip(options.clip), update(false).
   double train_step(const Tensor& idx, const Tensor& targets, double lr);
-  // Collective (after the reduction, called by train_step when clip > 0): scales the
-  // gradients so that the norm of the whole model's gradient is at most clip; returns it.
-  double clip_grad_norm();
+  // The step in three collectives, for a loop that decides in between (skipping a step with a
+  // NaN/inf loss or gradient norm): the pipeline runs and the reduced gradients (returns the
+  // global mean loss); f16's unscaling (nullopt when any rank overflowed) and the global
+  // gradient norm, clipped to max_norm when > 0; the optimizer step unless `skip` (or the
+  // scaler found an overflow), then the scaler's update.
+  double forward_backward(const Tensor& idx, const Tensor& targets, double lr);
+  std::optional<double> unscale_and_clip(double max_norm);
+  void update(bool skip);
+  // Collective (after the reduction): the norm of the whole model's gradient, each element
+  // counted once over the world; scales the gradients to at most max_norm when max_norm > 0.
+  double clip_grad_norm(double max_norm);
   // Steps skipped for inf/NaN gradients, and the current loss scale (f16; else 0 and 1).
   int64_t skipped_steps() const;
   double loss_scale() const;

@@ -709,13 +709,16 @@ class Gpt3dReplica final : public models::Replica {
   }
 
   void zero_grad(int64_t /*step*/, double lr) override { lr_ = lr; }
+  // The whole step's micro-batches and accumulation runs at once (the loop's accum is 1).
   Tensor forward_backward(int64_t step, int /*micro*/) override {
     const data::TextBatch batch = batches_.train(step);
     AutocastGuard amp(models::precision_dtype(c_.precision, "gpt"));
-    return Tensor::from_vector<double>({g_.train_step(batch.idx, batch.targets, lr_)}, {1});
+    return Tensor::from_vector<double>({g_.forward_backward(batch.idx, batch.targets, lr_)}, {1});
   }
-  std::optional<double> grad_norm(double /*max_norm*/) override { return std::nullopt; }
-  void step(bool /*skip*/) override {}
+  std::optional<double> grad_norm(double max_norm) override {
+    return g_.unscale_and_clip(max_norm);
+  }
+  void step(bool skip) override { g_.update(skip); }
   parallel::Communicator* group() override { return world_.get(); }
   bool loss_is_global() const override { return true; }
 
@@ -823,9 +826,6 @@ GptResult train_gpt(const GptTrainConfig& config) {
              config.device, config.dp, config.zero, config.pp, config.tp);
   }
   const bool three_d = config.pp > 1 || config.tp > 1;
-  TS_CHECK(!three_d || config.nonfinite == "error",
-           "gpt: --nonfinite=skip is not yet supported with --pp/--tp (a diverged step stops "
-           "the run there)");
   const int64_t ranks = three_d ? config.pp * config.dp * config.tp : config.dp;
   const GptMemoryEstimate estimate = preflight(config, mpi, mpi ? 1 : static_cast<int>(ranks));
   const models::MemoryLimitScope memory_limit(config.memory_limit);

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include "models/common/sharded_checkpoint.h"
 #include "models/data/text.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
@@ -367,6 +368,113 @@ int check_compositions(parallel::CommPtr world, const std::vector<Combo>& combos
     }
   }
   return runs;
+}
+
+int check_resume_across_layouts(parallel::CommPtr world, const std::string& dir) {
+  const ComboRun ref = single_device(DType::f64, 0.1);
+  constexpr int kHalf = kComboSteps / 2;
+  struct Pair {
+    Combo save, load;  // load.pp == 0: one device
+    bool sharded;
+  };
+  const auto layout = [](int pp, int dp, int tp, int zero, bool sp, const char* schedule) {
+    return Combo{pp, dp, tp, DType::f64, zero, sp, schedule, 1, "none", 0.1};
+  };
+  const std::vector<Pair> pairs = {
+      {layout(2, 2, 1, 3, false, "1f1b"), layout(1, 1, 4, 0, true, "1f1b"), false},
+      {layout(1, 2, 2, 2, true, "1f1b"), layout(4, 1, 1, 0, false, "interleaved"), true},
+      {layout(4, 1, 1, 0, false, "gpipe"), layout(1, 4, 1, 1, false, "1f1b"), true},
+      {layout(2, 1, 2, 1, false, "1f1b"), layout(0, 0, 0, 0, false, "1f1b"), false},
+  };
+  const auto options = [](const Combo& c) {
+    return Gpt3dOptions{.pp = c.pp, .dp = c.dp, .tp = c.tp, .zero = c.zero,
+                        .schedule = c.schedule, .chunks = c.schedule == "interleaved" ? 2 : 1,
+                        .microbatches = kMicro, .accum = c.accum, .clip = kClip,
+                        .sequence_parallel = c.sp, .lr = kLr, .weight_decay = kWd};
+  };
+  int checked = 0;
+  for (const Pair& p : pairs) {
+    CAPTURE(p.save.str());
+    CAPTURE(p.load.str());
+    CAPTURE(p.sharded);
+    // The first half under `save`, then the checkpoint.
+    nn::StateDict weights;
+    optim::Optimizer::StateDict state;
+    uint64_t offset = 0;
+    {
+      const auto model = make_gpt(DType::f64, 0.1);
+      Gpt3d g(*model, world, options(p.save));
+      for (int step = 0; step < kHalf; ++step) {
+        const data::TextBatch b = windows().get(step, kBatch, kContext);
+        g.train_step(b.idx, b.targets, kLr);
+      }
+      offset = default_generator().offset();
+      if (p.sharded) {
+        if (world->rank() == 0) models::prepare_sharded_checkpoint(dir);
+        world->barrier();
+        models::ShardedCheckpointWriter w(dir, world->rank());
+        g.write_blocks([&](const std::string& key, const Tensor& block, const Shape& global,
+                           const std::vector<int64_t>& starts) { w.add(key, block, global, starts); });
+        w.write();
+        world->barrier();
+        if (world->rank() == 0) models::commit_sharded_checkpoint(dir);
+        world->barrier();
+      } else {
+        std::tie(weights, state) = g.state_dicts();
+      }
+    }
+    // The second half under `load`.
+    std::vector<double> losses;
+    std::map<std::string, std::vector<double>> params;
+    const auto model = make_gpt(DType::f64, 0.1);
+    default_generator().set_state(default_generator().seed(), offset);
+    if (p.load.pp == 0) {  // one device
+      optim::AdamW opt(optim::decay_groups(model->named_parameters(), kLr, kWd),
+                       {.lr = kLr, .betas = {0.9, 0.95}, .weight_decay = kWd});
+      model->load_state_dict(weights);
+      opt.load_state_dict(state);
+      for (int step = kHalf; step < kComboSteps; ++step) {
+        opt.zero_grad();
+        const data::TextBatch b = windows().get(step, kBatch, kContext);
+        const Tensor loss = Gpt::loss((*model)(b.idx), b.targets);
+        losses.push_back(loss.item<double>());
+        loss.backward();
+        optim::clip_grad_norm(model->parameters(), kClip);
+        opt.step();
+      }
+      for (const auto& [name, t] : model->named_parameters()) params[name] = t.to_vector<double>();
+    } else {
+      Gpt3d g(*model, world, options(p.load));
+      if (p.sharded) {
+        models::ShardedCheckpointReader reader(dir);
+        g.read_blocks({.region = [&](const std::string& key, const Shape&,
+                                     const std::vector<int64_t>& starts,
+                                     const Shape& shape) { return reader.read(key, starts, shape); },
+                       .whole = [&](const std::string& key) { return reader.read(key); },
+                       .keys = [&](const std::string& prefix) { return reader.keys(prefix); }});
+      } else {
+        g.load_state_dicts(weights, state);
+      }
+      for (int step = kHalf; step < kComboSteps; ++step) {
+        const data::TextBatch b = windows().get(step, kBatch, kContext);
+        losses.push_back(g.train_step(b.idx, b.targets, kLr));
+      }
+      for (const auto& [name, t] : g.full_parameters()) params[name] = t.to_vector<double>();
+    }
+    REQUIRE(losses.size() == static_cast<size_t>(kComboSteps - kHalf));
+    for (size_t i = 0; i < losses.size(); ++i) {
+      CHECK(std::abs(losses[i] - ref.losses[kHalf + i]) <= 1e-10);
+    }
+    double param_err = 0;
+    for (const auto& [name, v] : params) {
+      const std::vector<double>& w = ref.params.at(name);
+      for (size_t i = 0; i < v.size(); ++i) param_err = std::max(param_err, std::abs(v[i] - w[i]));
+    }
+    CHECK(param_err <= 1e-10);
+    ++checked;
+    world->barrier();  // the next pair rewrites the directory
+  }
+  return checked;
 }
 
 }  // namespace tessera::gpt::testing3d

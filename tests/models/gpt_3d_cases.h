@@ -65,5 +65,10 @@ std::vector<Combo> composition_subset(int ranks);
 // losses within one unit roundoff (2^-9, 2^-11) relative and the same skipped steps. Returns
 // the number run.
 int check_compositions(parallel::CommPtr world, const std::vector<Combo>& combos);
+// Checkpoints across layouts in f64 with dropout: a layout trains half the steps and saves
+// (the single-device dicts, or a sharded checkpoint in `dir`), another layout (or one
+// device) loads it with the generator's state and trains the rest; its losses and final
+// parameters equal the single-device run's (1e-10). Collective; returns the pairs checked.
+int check_resume_across_layouts(parallel::CommPtr world, const std::string& dir);
 
 }  // namespace tessera::gpt::testing3d

@@ -10,6 +10,7 @@
 
 #include "parallel/comm/threads.h"
 #include "tests/models/gpt_3d_cases.h"
+#include "tests/testing.h"
 
 namespace tessera::gpt {
 namespace {
@@ -34,6 +35,17 @@ TEST_CASE("composition subset: every axis's values on every layout of 4 ranks, i
   // sp + GPipe without dropout; plain with dropout) per layout and precision.
   CHECK(subset.size() == kLayouts * kPrecisions * 4);
   CHECK(run_on_threads(subset) == kLayouts * kPrecisions * 4);
+}
+
+TEST_CASE("checkpoints across layouts in f64: one device's losses and parameters to 1e-10") {
+  const std::string dir = testing::temp_dir() + "/gpt_compose_ckpt";
+  std::vector<int> pairs(4);
+  parallel::run_threads(4, [&](parallel::CommPtr world) {
+    pairs[world->rank()] = check_resume_across_layouts(world, dir);
+  });
+  // pp2 x dp2 ZeRO 3 -> tp 4 + sp; dp2 x tp2 ZeRO 2 + sp -> pp 4 interleaved (sharded);
+  // pp 4 GPipe -> dp 4 ZeRO 1 (sharded); pp2 x tp2 ZeRO 1 -> one device.
+  CHECK(pairs == std::vector<int>(4, 4));
 }
 
 TEST_CASE("composition matrix: every combination on every layout of 4 ranks, in every precision") {

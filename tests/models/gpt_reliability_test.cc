@@ -13,6 +13,7 @@
 #include <iterator>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -119,9 +120,8 @@ TEST_CASE("every flag out of range is an Error naming the flag, before any work"
       {[](auto& c) { c.save = "/nonexistent/d/x.safetensors"; },
        "--save=/nonexistent/d/x.safetensors: directory '/nonexistent/d' does not exist"},
       {[](auto& c) { c.metrics = "/nonexistent/m.jsonl"; }, "directory '/nonexistent' does not exist"},
-      {[](auto& c) { c.nonfinite = "skip", c.tp = 2; }, "--nonfinite=skip is not yet supported"},
   };
-  CHECK(cases.size() == 55);
+  CHECK(cases.size() == 54);
   for (size_t i = 0; i < cases.size(); ++i) {
     GptTrainConfig c = tiny();
     c.data = temp_dir() + "/no_such_corpus";  // never reached: the checks come first
@@ -174,15 +174,19 @@ TEST_CASE("a diverged run stops before writing anything; the checkpoint on disk 
   CHECK(!fs::exists(models::previous_path(path)));
 }
 
-TEST_CASE("--nonfinite=skip drops exactly the diverged steps, on one rank and under ZeRO") {
-  for (int64_t dp : {1, 2}) {
+TEST_CASE("--nonfinite=skip drops exactly the diverged steps, on one rank, under ZeRO and 3-D") {
+  for (const auto& [pp, dp, tp] : {std::tuple{1, 1, 1}, std::tuple{1, 2, 1}, std::tuple{2, 1, 2}}) {
+    CAPTURE(pp);
     CAPTURE(dp);
+    CAPTURE(tp);
     GptTrainConfig c = tiny();
     c.lr = 1e30;  // step 1 updates the weights to ~1e30; every later loss overflows
     c.nonfinite = "skip";
+    c.pp = pp;
     c.dp = dp;
+    c.tp = tp;
     c.zero = dp > 1 ? 2 : 0;
-    c.save = temp_dir() + fmt::format("/gpt_skip_{}.safetensors", dp);
+    c.save = temp_dir() + fmt::format("/gpt_skip_{}_{}_{}.safetensors", pp, dp, tp);
     const GptResult r = train_gpt(c);
     REQUIRE(r.losses.size() == 6);
     CHECK(std::isfinite(r.losses[0]));
