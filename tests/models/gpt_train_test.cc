@@ -64,6 +64,22 @@ GptTrainConfig short_run(int64_t steps) {
   return c;
 }
 
+// short_run(8) on pp 2 x dp 2 x tp 2 with dropout, accumulation, selective recomputation
+// and ZeRO `zero` (4 heads: tp 4 divides them too).
+GptTrainConfig everything_on(int zero) {
+  GptTrainConfig c = short_run(8);
+  c.layers = 2;
+  c.heads = 4;
+  c.dropout = 0.1;
+  c.accum = 2;
+  c.recompute = "selective";
+  c.pp = 2;
+  c.dp = 2;
+  c.tp = 2;
+  c.zero = zero;
+  return c;
+}
+
 // Every tensor of two safetensors files, bitwise (f32 compared as f64 values: exact).
 void check_same_tensors(const std::string& a, const std::string& b) {
   const nn::SafetensorsFile fa = nn::load_safetensors(a), fb = nn::load_safetensors(b);
@@ -521,17 +537,8 @@ TEST_CASE("checkpoints across layouts: pp x dp x tp with everything on resumes u
     CAPTURE(precision);
     const std::string dir = temp_dir() + "/gpt_layouts_" + precision;
     fs::create_directories(dir);
-    GptTrainConfig c = short_run(8);
-    c.layers = 2;
-    c.heads = 4;
+    GptTrainConfig c = everything_on(2);
     c.precision = precision;
-    c.dropout = 0.1;
-    c.accum = 2;
-    c.recompute = "selective";
-    c.pp = 2;
-    c.dp = 2;
-    c.tp = 2;
-    c.zero = 2;
     const GptResult straight = train_gpt(c);
     c.max_steps = 4;
     c.save = dir + "/a.safetensors";
@@ -574,16 +581,7 @@ TEST_CASE("--save_sharded: each rank writes its shards; any layout resumes from 
   // whole tensors; and a one-rank run's sharded checkpoint resumes under pp x dp x tp.
   const std::string dir = temp_dir() + "/gpt_sharded";
   fs::create_directories(dir);
-  GptTrainConfig c = short_run(8);
-  c.layers = 2;
-  c.heads = 4;
-  c.dropout = 0.1;
-  c.accum = 2;
-  c.recompute = "selective";
-  c.pp = 2;
-  c.dp = 2;
-  c.tp = 2;
-  c.zero = 3;
+  GptTrainConfig c = everything_on(3);
   const GptResult straight = train_gpt(c);
   c.max_steps = 4;
   c.save = dir + "/a";
