@@ -1,6 +1,7 @@
 #include "parallel/equivalence.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <vector>
@@ -22,8 +23,7 @@ const char* phase_name(CheckPhase phase) {
 }
 
 std::string Mismatch::str() const {
-  std::string at;
-  for (size_t d = 0; d < index.size(); ++d) at += (d > 0 ? ", " : "") + std::to_string(index[d]);
+  const std::string at = fmt::format("{}", fmt::join(index, ", "));
   return fmt::format("mismatch at step {}, {}: {}{}: max abs error {:.3g}, max rel error {:.3g} "
                      "(tolerance {:.3g}) at element [{}]; layout {}",
                      step, phase_name(phase), name, where.empty() ? "" : " (" + where + ")",

@@ -1,6 +1,7 @@
 #include "models/common/sharded_checkpoint.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,9 +26,7 @@ constexpr const char* kBlockPrefix = "block:";  // header metadata: "block:<key>
 constexpr const char* kMetaPrefix = "meta:";     // header metadata: set_metadata's entries
 
 std::string dims_str(const std::vector<int64_t>& d) {
-  std::string s;
-  for (size_t i = 0; i < d.size(); ++i) s += (i > 0 ? "," : "") + std::to_string(d[i]);
-  return s;
+  return fmt::format("{}", fmt::join(d, ","));
 }
 
 std::vector<int64_t> parse_dims(const std::string& s, const std::string& what) {

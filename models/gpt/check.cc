@@ -92,12 +92,17 @@ GptCheckResult check_gpt(const GptTrainConfig& c, parallel::CommPtr world) {
     }
     check.compare(step, CheckPhase::forward, "loss", Tensor::from_vector<double>({loss}, {1}),
                   Tensor::from_vector<double>({one_loss.item<double>()}, {1}));
-    for (const auto& [name, t] : one.named_parameters()) {
+    // (Plain variables, not structured bindings: the lambdas capture them; clang < 16
+    // rejects capturing a binding.)
+    const nn::NamedTensors named = one.named_parameters();
+    for (const auto& entry : named) {
+      const std::string& name = entry.first;
       check.compare(step, CheckPhase::backward, "gradient of " + name, grads.at(name),
                     one_grads.at(name), [&](int64_t) { return g.where_param(name); });
     }
-    for (const auto& [name, t] : one.named_parameters()) {
-      check.compare(step, CheckPhase::update, name, params.at(name), t.detach(),
+    for (const auto& entry : named) {
+      const std::string& name = entry.first;
+      check.compare(step, CheckPhase::update, name, params.at(name), entry.second.detach(),
                     [&](int64_t) { return g.where_param(name); });
     }
   }

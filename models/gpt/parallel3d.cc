@@ -523,7 +523,7 @@ void Gpt3d::read_blocks(const BlockSource& source) {
     for (int64_t j = 0; j < count[g]; ++j) ids.push_back(next++);
     mine[fmt::format("group.{}.params", g)] = Tensor::from_vector<int64_t>(ids, {count[g]});
   }
-  for (const std::string& prefix : {"optim/hparam.", "optim/group."}) {
+  for (const char* prefix : {"optim/hparam.", "optim/group."}) {
     for (const std::string& key : source.keys(prefix)) mine[key.substr(6)] = source.whole(key);
   }
   for (size_t k = 0; k < s.holder_order.size(); ++k) {

@@ -53,7 +53,7 @@ struct Gpt3dOptions {
   // "grad_times_dp" (gradients summed over dp instead of averaged), "swap_microbatches" (the
   // first stage feeds micro-batch 1's tokens as micro-batch 0's and the other way round) or
   // "drop_dropout_offset" (every micro-batch draws the first rows of the dropout masks).
-  std::string inject;
+  std::string inject = {};
 };
 
 // The region [starts, starts + shape) of `whole` viewed as `global` (same size; Error naming

@@ -301,7 +301,7 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> read_single_device(
     dict[fmt::format("group.{}.params", g)] =
         Tensor::from_vector<int64_t>(group[g], {static_cast<int64_t>(group[g].size())});
   }
-  for (const std::string& prefix : {"optim/hparam.", "optim/group."}) {
+  for (const char* prefix : {"optim/hparam.", "optim/group."}) {
     for (const std::string& key : r.keys(prefix)) dict[key.substr(6)] = r.read(key);
   }
   return {std::move(weights), std::move(dict)};

@@ -175,18 +175,16 @@ TEST_CASE("a diverged run stops before writing anything; the checkpoint on disk 
 }
 
 TEST_CASE("--nonfinite=skip drops exactly the diverged steps, on one rank, under ZeRO and 3-D") {
-  for (const auto& [pp, dp, tp] : {std::tuple{1, 1, 1}, std::tuple{1, 2, 1}, std::tuple{2, 1, 2}}) {
-    CAPTURE(pp);
-    CAPTURE(dp);
-    CAPTURE(tp);
+  for (const auto& layout : {std::tuple{1, 1, 1}, std::tuple{1, 2, 1}, std::tuple{2, 1, 2}}) {
     GptTrainConfig c = tiny();
+    std::tie(c.pp, c.dp, c.tp) = layout;
+    CAPTURE(c.pp);
+    CAPTURE(c.dp);
+    CAPTURE(c.tp);
     c.lr = 1e30;  // step 1 updates the weights to ~1e30; every later loss overflows
     c.nonfinite = "skip";
-    c.pp = pp;
-    c.dp = dp;
-    c.tp = tp;
-    c.zero = dp > 1 ? 2 : 0;
-    c.save = temp_dir() + fmt::format("/gpt_skip_{}_{}_{}.safetensors", pp, dp, tp);
+    c.zero = c.dp > 1 ? 2 : 0;
+    c.save = temp_dir() + fmt::format("/gpt_skip_{}_{}_{}.safetensors", c.pp, c.dp, c.tp);
     const GptResult r = train_gpt(c);
     REQUIRE(r.losses.size() == 6);
     CHECK(std::isfinite(r.losses[0]));
