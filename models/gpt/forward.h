@@ -59,7 +59,9 @@ class DropoutKeys {
     rows_ = slice != nullptr ? slice->global_rows : local_rows;
   }
   void at(int64_t layer) const {
-    if (on_) default_generator().set_state(default_generator().seed(), base_ + dropout_draws_before(c_, rows_, T_, layer));
+    if (!on_) return;
+    Generator& gen = default_generator();
+    gen.set_state(gen.seed(), base_ + dropout_draws_before(c_, rows_, T_, layer));
   }
   void end() const { at(c_.layers + 2); }
 
