@@ -22,6 +22,13 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("weight_decay", cli.config.weight_decay, "AdamW decoupled weight decay (not on 1-D params)");
   f.bind("beta1", cli.config.beta1, "AdamW beta1");
   f.bind("beta2", cli.config.beta2, "AdamW beta2");
+  f.bind("optimizer", cli.config.optimizer, "adamw, adafactor (factored second moments) or sgd");
+  f.bind("adafactor_mode", cli.config.adafactor_mode,
+         "Adafactor's reference: hf (transformers/fairseq), torch or optax");
+  f.bind("adafactor_beta1", cli.config.adafactor_beta1, "Adafactor's first moment (0: none)");
+  f.bind("adafactor_scale_parameter", cli.config.adafactor_scale_parameter,
+         "Adafactor: scale the step by the parameter's RMS");
+  f.bind("momentum", cli.config.momentum, "SGD momentum");
   f.bind("clip", cli.config.clip, "max global gradient norm (0: off)");
   f.bind("precision", cli.config.precision, "f32, bf16 or f16 (mixed precision; f16 scales the loss)");
   f.bind("loss_scale", cli.config.loss_scale, "f16: the dynamic loss scale's initial value");

@@ -136,6 +136,20 @@ GptConfig GptTrainConfig::model_config() const {
   return m;
 }
 
+models::OptimizerChoice GptTrainConfig::optimizer_choice() const {
+  models::OptimizerChoice o;
+  o.name = optimizer;
+  o.lr = lr;
+  o.weight_decay = weight_decay;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.adafactor_mode = adafactor_mode;
+  o.adafactor_beta1 = adafactor_beta1;
+  o.adafactor_scale_parameter = adafactor_scale_parameter;
+  o.momentum = momentum;
+  return o;
+}
+
 std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& options) {
   TS_CHECK(!prompt.empty(), "gpt sample: the prompt must hold at least one byte");
   TS_CHECK(options.length >= 0, "gpt sample: length must not be negative, got {}",
@@ -357,14 +371,10 @@ class GptReplica final : public models::Replica {
       for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
     }
-    optim::AdamWOptions aopt;
-    aopt.lr = config.lr;
-    aopt.betas = {config.beta1, config.beta2};
-    aopt.weight_decay = config.weight_decay;
-    opt_ = std::make_unique<optim::AdamW>(
+    opt_ = models::make_optimizer(
+        "gpt", config.optimizer_choice(),
         zero_ ? zero_->param_groups(config.lr, config.weight_decay)
-              : optim::decay_groups(model_->named_parameters(), config.lr, config.weight_decay),
-        aopt);
+              : optim::decay_groups(model_->named_parameters(), config.lr, config.weight_decay));
     params_ = model_->parameters();
     if (comm != nullptr) {
       // Every rank skips the same f16 steps: under ZeRO each holds different gradient shards.
@@ -379,6 +389,10 @@ class GptReplica final : public models::Replica {
 
   Gpt& model() { return *model_; }
   const GptData& batches() const { return batches_; }
+  std::string optimizer_kind() const {
+    if (opt_->kind() != "Adafactor") return opt_->kind();
+    return fmt::format("Adafactor ({})", c_.adafactor_mode);
+  }
   DType low() const { return low_; }
   const optim::DynamicLossScaler& scaler() const { return scaler_; }
 
@@ -538,7 +552,7 @@ class GptReplica final : public models::Replica {
   int64_t rank_, ranks_;
   std::unique_ptr<Gpt> model_;
   std::unique_ptr<parallel::ZeroDataParallel> zero_;
-  std::unique_ptr<optim::AdamW> opt_;
+  std::unique_ptr<optim::Optimizer> opt_;
   optim::DynamicLossScaler scaler_;
   std::vector<Tensor> params_;
   uint64_t step_rng_offset_ = 0;  // the generator's offset when this step began
@@ -621,12 +635,12 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   }
   const int64_t tokens_per_step = config.batch * config.context;
   say(fmt::format("gpt: {} layers, {} heads, width {}, context {}{} ({} parameters); {}; batch {} "
-                  "({} tokens/step), {} steps, AdamW lr {}, precision {}{}",
+                  "({} tokens/step), {} steps, {} lr {}, precision {}{}",
                   config.layers, config.heads, config.width, config.context,
                   config.vocab != data::kByteVocab ? fmt::format(", vocab {}", config.vocab)
                                                    : std::string(),
                   model.num_parameters(), replica.batches().str(), config.batch, tokens_per_step,
-                  config.steps, config.lr, config.precision,
+                  config.steps, replica.optimizer_kind(), config.lr, config.precision,
                   device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
   if (comm != nullptr) {
     say(fmt::format("data parallel: {} ranks ({} backend), ZeRO stage {}, {} micro-batch(es) of "

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/common/optimizers.h"
 #include "models/gpt/model.h"
 #include "tensor/dtype.h"
 
@@ -39,6 +40,13 @@ struct GptTrainConfig {
   int64_t warmup = 100;           // linear warmup steps (at most steps / 2)
   double weight_decay = 0.1;      // on 2-D+ parameters only (optim::decay_groups)
   double beta1 = 0.9, beta2 = 0.95;
+  // adamw | adafactor | sgd (models/common/optimizers.h); adafactor keeps factored second
+  // moments (no ZeRO 1-3, pp or tp yet: its state is per whole matrix).
+  std::string optimizer = "adamw";
+  std::string adafactor_mode = "hf";
+  double adafactor_beta1 = 0.0;
+  bool adafactor_scale_parameter = false;
+  double momentum = 0.9;  // sgd
   double clip = 1.0;              // max global gradient norm; 0 = no clipping
   std::string precision = "f32";  // f32 | bf16 | f16 (f16 with dynamic loss scaling)
   double loss_scale = 65536.0;    // f16: the dynamic loss scale's initial value
@@ -122,6 +130,7 @@ struct GptTrainConfig {
   bool verbose = true;            // progress line and summary on stdout
 
   GptConfig model_config() const;
+  models::OptimizerChoice optimizer_choice() const;
 };
 
 // Validation batches of --synthetic_data (random tokens have no split of their own).

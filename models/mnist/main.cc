@@ -21,6 +21,11 @@ int main(int argc, char** argv) {
   f.bind("lr", c.lr, "peak learning rate (AdamW, warmup then cosine decay)");
   f.bind("weight_decay", c.weight_decay, "AdamW decoupled weight decay (not on biases)");
   f.bind("warmup", c.warmup, "linear warmup steps");
+  f.bind("optimizer", c.optimizer.name, "adamw, adafactor (factored second moments) or sgd");
+  f.bind("adafactor_mode", c.optimizer.adafactor_mode,
+         "Adafactor's reference: hf (transformers/fairseq), torch or optax");
+  f.bind("adafactor_beta1", c.optimizer.adafactor_beta1, "Adafactor's first moment (0: none)");
+  f.bind("momentum", c.optimizer.momentum, "SGD momentum");
   f.bind("clip", c.clip, "max global gradient norm (0: off)");
   f.bind("precision", c.precision, "f32, bf16 or f16 (mixed precision; f16 scales the loss)");
   f.bind("data", c.data_dir, "directory of the IDX files (default /usr/share/datasets/fashion-mnist)");

@@ -58,6 +58,7 @@ void validate(const MnistConfig& c) {
   using models::require_at_least, models::require_finite_at_least, models::require_one_of;
   constexpr const char* mnist = "mnist";
   require_one_of(mnist, "model", c.model, {"mlp", "cnn"});
+  models::validate_optimizer(mnist, c.optimizer);
   require_at_least(mnist, "epochs", c.epochs, 0);
   require_at_least(mnist, "batch", c.batch, 1);
   TS_CHECK(std::isfinite(c.lr) && c.lr > 0, "mnist: --lr must be a finite number > 0, got {}",
@@ -90,17 +91,17 @@ class MnistReplica final : public models::Replica {
       : c_(c), model_(model), loader_(loader), test_(test), epochs_(epochs), low_(low),
         device_(device), progress_(progress), metrics_(metrics), result_(result),
         params_(model.parameters()) {
-    optim::AdamWOptions aopt;
-    aopt.lr = c.lr;
-    aopt.weight_decay = c.weight_decay;
-    opt_ = std::make_unique<optim::AdamW>(
-        optim::decay_groups(model.named_parameters(), c.lr, c.weight_decay), aopt);
+    models::OptimizerChoice choice = c.optimizer;
+    choice.lr = c.lr;
+    choice.weight_decay = c.weight_decay;
+    opt_ = models::make_optimizer("mnist", choice,
+                                  optim::decay_groups(model.named_parameters(), c.lr, c.weight_decay));
     optim::LossScalerOptions sopt;
     sopt.enabled = low == DType::f16;
     scaler_ = std::make_unique<optim::DynamicLossScaler>(sopt);
   }
 
-  optim::AdamW& optimizer() { return *opt_; }
+  optim::Optimizer& optimizer() { return *opt_; }
   optim::DynamicLossScaler& scaler() { return *scaler_; }
 
   // Throughput and, with eval_each_epoch, the test set's accuracy at the end of an epoch.
@@ -195,7 +196,7 @@ class MnistReplica final : public models::Replica {
   models::MetricsWriter& metrics_;
   MnistResult& result_;
   std::vector<Tensor> params_;
-  std::unique_ptr<optim::AdamW> opt_;
+  std::unique_ptr<optim::Optimizer> opt_;
   std::unique_ptr<optim::DynamicLossScaler> scaler_;
   data::Batch batch_;
   int64_t epoch_start_steps_ = 0;
@@ -289,9 +290,10 @@ MnistResult train_mnist(const MnistConfig& config) {
   }
   if (!config.metrics.empty()) metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
   say(fmt::format("mnist: {} ({} parameters), {} train / {} test images, batch {}, {} epochs "
-                  "({} steps), AdamW lr {}, precision {}{}",
+                  "({} steps), {} lr {}, precision {}{}",
                   config.model, model->num_parameters(), loader.num_samples(),
-                  test.labels.numel(), config.batch, epochs, total_steps, config.lr,
+                  test.labels.numel(), config.batch, epochs, total_steps,
+                  replica.optimizer().kind(), config.lr,
                   config.precision,
                   device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
 

@@ -623,6 +623,52 @@ TEST_CASE("--save_sharded: each rank writes its shards; any layout resumes from 
   CHECK(contains(error_of([&] { train_gpt(c); }), "--save_sharded needs --save"));
 }
 
+TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data parallelism, resumes bitwise") {
+  const std::string dir = temp_dir() + "/gpt_optimizers";
+  fs::create_directories(dir);
+  for (const char* name : {"adafactor", "sgd"}) {
+    CAPTURE(std::string(name));
+    GptTrainConfig c = short_run(12);
+    c.optimizer = name;
+    c.adafactor_beta1 = 0.9;  // the first moment's state too
+    const GptResult one = train_gpt(c);
+    CHECK(one.losses.back() < one.losses.front() - 0.3);  // it learns
+    // Two ranks (DDP: the gradients all-reduced, every rank the whole optimizer).
+    c.dp = 2;
+    const GptResult two = train_gpt(c);
+    REQUIRE(two.losses.size() == one.losses.size());
+    for (size_t i = 0; i < one.losses.size(); ++i) {
+      CHECK(std::abs(two.losses[i] - one.losses[i]) <= 1e-5 * one.losses[i]);
+    }
+    // 6 steps, save, resume, 6 more == 12 straight, bitwise (one rank).
+    c.dp = 1;
+    c.max_steps = 6;
+    c.save = fmt::format("{}/{}.safetensors", dir, name);
+    train_gpt(c);
+    c.max_steps = 0;
+    c.resume = c.save;
+    c.save = "";
+    const GptResult rest = train_gpt(c);
+    REQUIRE(rest.losses.size() == 6);
+    for (size_t i = 0; i < 6; ++i) CHECK(rest.losses[i] == one.losses[6 + i]);
+  }
+  GptTrainConfig c = tiny();
+  c.optimizer = "adafactor";
+  c.dp = 2;
+  c.zero = 1;
+  CHECK(contains(error_of([&] { train_gpt(c); }),
+                 "gpt: --optimizer=adafactor keeps per-matrix state, which ZeRO 1-3's flat shards "
+                 "and the pp/tp shards would split"));
+  c = tiny();
+  c.optimizer = "lamb";
+  CHECK(contains(error_of([&] { train_gpt(c); }), "gpt: --optimizer must be adamw, adafactor or sgd, got 'lamb'"));
+  c = tiny();
+  c.optimizer = "adafactor";
+  c.adafactor_mode = "torch";
+  c.adafactor_beta1 = 0.5;
+  CHECK(contains(error_of([&] { train_gpt(c); }), "--adafactor_mode=torch has no first moment"));
+}
+
 TEST_CASE("--data=FILE, and errors: bad flags, too little text, mismatched checkpoints") {
   const std::string file = temp_dir() + "/gpt_small.txt";
   {

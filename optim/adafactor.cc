@@ -1,0 +1,244 @@
+#include "optim/adafactor.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+
+namespace tessera::optim {
+
+const char* adafactor_mode_name(AdafactorMode mode) {
+  switch (mode) {
+    case AdafactorMode::hf:
+      return "hf";
+    case AdafactorMode::torch:
+      return "torch";
+    case AdafactorMode::optax:
+      return "optax";
+  }
+  return "?";
+}
+
+AdafactorMode parse_adafactor_mode(const std::string& name) {
+  for (AdafactorMode m : {AdafactorMode::hf, AdafactorMode::torch, AdafactorMode::optax}) {
+    if (name == adafactor_mode_name(m)) return m;
+  }
+  fail("Adafactor: mode must be hf, torch or optax, got '{}'", name);
+}
+
+Adafactor::Adafactor(std::vector<Tensor> params, AdafactorOptions options)
+    : Adafactor(std::vector<ParamGroup>{ParamGroup{std::move(params), {}}}, options) {}
+
+Adafactor::Adafactor(std::vector<ParamGroup> groups, AdafactorOptions options)
+    : Optimizer("Adafactor", std::move(groups), options.lr, options.weight_decay),
+      options_(checked(options)) {}
+
+AdafactorOptions Adafactor::checked(AdafactorOptions o) {
+  TS_CHECK(std::isfinite(o.lr) && o.lr >= 0, "Adafactor: invalid lr {} (must be >= 0)", o.lr);
+  TS_CHECK(std::isfinite(o.eps1) && o.eps1 >= 0, "Adafactor: invalid eps1 {} (must be >= 0)",
+           o.eps1);
+  TS_CHECK(std::isfinite(o.eps2) && o.eps2 >= 0, "Adafactor: invalid eps2 {} (must be >= 0)",
+           o.eps2);
+  TS_CHECK(std::isfinite(o.clip_threshold) && o.clip_threshold > 0,
+           "Adafactor: invalid clip_threshold {} (must be > 0)", o.clip_threshold);
+  TS_CHECK(std::isfinite(o.decay_rate) && o.decay_rate > 0,
+           "Adafactor: invalid decay_rate {} (must be > 0: beta2_t = 1 - t^-decay_rate)",
+           o.decay_rate);
+  TS_CHECK(o.beta1 >= 0 && o.beta1 < 1, "Adafactor: invalid beta1 {} (must be in [0, 1))",
+           o.beta1);
+  TS_CHECK(o.mode != AdafactorMode::torch || o.beta1 == 0,
+           "Adafactor: mode torch has no first moment; beta1 must be 0, got {}", o.beta1);
+  TS_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0,
+           "Adafactor: invalid weight_decay {} (must be >= 0)", o.weight_decay);
+  TS_CHECK(o.min_dim_size_to_factor >= 1,
+           "Adafactor: invalid min_dim_size_to_factor {} (must be >= 1)",
+           o.min_dim_size_to_factor);
+  return o;
+}
+
+std::pair<int64_t, int64_t> Adafactor::factored_dims(const Shape& shape) const {
+  const int64_t n = static_cast<int64_t>(shape.size());
+  if (n < 2) return {-1, -1};
+  if (options_.mode != AdafactorMode::optax) return {n - 2, n - 1};
+  // optax: the two largest dims (a stable sort, as numpy's argsort: ties keep their order),
+  // when the smaller of them is large enough.
+  std::vector<int64_t> order(shape.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return shape[a] < shape[b]; });
+  const int64_t rows = order[order.size() - 2], cols = order.back();
+  if (shape[rows] < options_.min_dim_size_to_factor) return {-1, -1};
+  return {rows, cols};
+}
+
+namespace {
+Shape without(const Shape& s, int64_t dim) {
+  Shape out = s;
+  out.erase(out.begin() + dim);
+  return out;
+}
+// m <- beta1 m + (1 - beta1) x (no debiasing, as hf and optax); the new m is the update.
+Tensor decay_first_moment(const Tensor& m, const Tensor& x, double beta1) {
+  m.copy_(m * beta1 + x * (1.0 - beta1));
+  return m;
+}
+}  // namespace
+
+std::vector<Optimizer::StateSpec> Adafactor::state_specs(const Tensor& p) const {
+  const DType dt = p.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  std::vector<StateSpec> specs;
+  const auto [r, c] = factored_dims(p.shape());
+  if (r >= 0) {
+    specs.push_back({"exp_avg_sq_row", without(p.shape(), c), dt});  // over the columns
+    specs.push_back({"exp_avg_sq_col", without(p.shape(), r), dt});  // over the rows
+  } else {
+    specs.push_back({"exp_avg_sq", p.shape(), dt});
+  }
+  if (options_.beta1 > 0) specs.push_back({"exp_avg", p.shape(), dt});
+  return specs;
+}
+
+std::map<std::string, double> Adafactor::hyperparameters() const {
+  return {{"mode", static_cast<double>(options_.mode)},
+          {"relative_step", options_.relative_step ? 1.0 : 0.0},
+          {"scale_parameter", options_.scale_parameter ? 1.0 : 0.0},
+          {"eps1", options_.eps1},
+          {"eps2", options_.eps2},
+          {"clip_threshold", options_.clip_threshold},
+          {"decay_rate", options_.decay_rate},
+          {"beta1", options_.beta1},
+          {"min_dim_size_to_factor", static_cast<double>(options_.min_dim_size_to_factor)}};
+}
+
+void Adafactor::set_hyperparameters(const std::map<std::string, double>& v) {
+  const auto flag = [&](const char* name) {
+    const double x = v.at(name);
+    TS_CHECK(x == 0.0 || x == 1.0, "Adafactor: hparam.{} must be 0 or 1, got {}", name, x);
+    return x == 1.0;
+  };
+  const double mode = v.at("mode");
+  TS_CHECK(mode == 0.0 || mode == 1.0 || mode == 2.0,
+           "Adafactor: hparam.mode must be 0 (hf), 1 (torch) or 2 (optax), got {}", mode);
+  TS_CHECK(static_cast<AdafactorMode>(mode) == options_.mode,
+           "Adafactor: the state was saved in mode {}, this optimizer runs mode {} (their state "
+           "differs)", adafactor_mode_name(static_cast<AdafactorMode>(mode)),
+           adafactor_mode_name(options_.mode));
+  AdafactorOptions o = options_;
+  o.relative_step = flag("relative_step");
+  o.scale_parameter = flag("scale_parameter");
+  o.eps1 = v.at("eps1");
+  o.eps2 = v.at("eps2");
+  o.clip_threshold = v.at("clip_threshold");
+  o.decay_rate = v.at("decay_rate");
+  o.beta1 = v.at("beta1");
+  o.min_dim_size_to_factor = static_cast<int64_t>(v.at("min_dim_size_to_factor"));
+  options_ = checked(o);
+}
+
+void Adafactor::step() {
+  NoGradGuard no_grad;
+  for_each_bucket_with_grad(
+      [&](const Tensor& p) {
+        std::map<std::string, Tensor> s;
+        for (const StateSpec& spec : state_specs(p)) {
+          s[spec.name] = zeros(spec.shape, spec.dtype, p.device());
+        }
+        return s;
+      },
+      [&](const ParamGroup& group, std::span<const Pending> bucket) {
+        // Not elementwise: each parameter on its own (the bucket only shares the group).
+        for (const Pending& item : bucket) update(group, item);
+      });
+}
+
+void Adafactor::update(const ParamGroup& group, const Pending& item) {
+  const AdafactorOptions& o = options_;
+  const Tensor& param = item.param;
+  std::map<std::string, Tensor>& st = item.state->tensors;
+  const DType dt = param.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  const Tensor g = cast(item.grad, dt), w = cast(param, dt);
+  const double t = static_cast<double>(item.state->step + 1);
+  const double numel = static_cast<double>(std::max<int64_t>(param.numel(), 1));
+  const auto rms = [&](const Tensor& x) { return std::sqrt(sum(x * x).item<double>() / numel); };
+  const double lr = group.lr, wd = group.weight_decay;
+
+  // The step size.
+  double alpha = 0;
+  const double scale = std::max(o.eps2, rms(w));
+  switch (o.mode) {
+    case AdafactorMode::hf: {
+      TS_CHECK(!o.relative_step || lr == 0,
+               "Adafactor (hf): relative_step sets the step size itself, but lr is {}; set "
+               "relative_step = false to follow lr", lr);
+      const double rel = o.relative_step ? std::min(1e-2, 1.0 / std::sqrt(t)) : lr;
+      alpha = o.scale_parameter ? scale * rel : rel;
+      break;
+    }
+    case AdafactorMode::torch:
+      TS_CHECK(lr > 0, "Adafactor (torch): lr must be > 0 (the largest step), got {}", lr);
+      alpha = scale * std::min(lr, 1.0 / std::sqrt(t));
+      break;
+    case AdafactorMode::optax:
+      alpha = o.scale_parameter ? lr * scale : lr;
+      break;
+  }
+  const double beta2t = 1.0 - std::pow(t, -o.decay_rate);
+  const bool torch = o.mode == AdafactorMode::torch;
+  const auto decay = [&](const std::string& name, const Tensor& x) {
+    Tensor& v = st.at(name);
+    // torch interpolates (lerp); the others decay and add. Equal in exact arithmetic.
+    const Tensor next = torch ? v + (x - v) * (1.0 - beta2t) : v * beta2t + x * (1.0 - beta2t);
+    v.copy_(next);
+    return v;
+  };
+
+  // The second-moment estimate and the preconditioned update.
+  const Tensor u = torch ? g * g : g * g + o.eps1;
+  const auto [r, c] = factored_dims(param.shape());
+  Tensor update;
+  if (r >= 0) {
+    const Tensor row = decay("exp_avg_sq_row", mean(u, {c}));
+    const Tensor col = decay("exp_avg_sq_col", mean(u, {r}));
+    const int64_t r_in_row = r < c ? r : r - 1;  // the row dim in `row`'s shape
+    const Tensor row_mean = mean(row, {r_in_row}, /*keepdim=*/true);
+    if (torch) {
+      const Tensor floor = full({}, o.eps1, dt, param.device());
+      const Tensor v = unsqueeze(row, c) * unsqueeze(col, r) / unsqueeze(maximum(row_mean, floor), c);
+      update = g * rsqrt(maximum(v, full({}, o.eps1 * o.eps1, dt, param.device())));
+    } else {
+      update = g * unsqueeze(rsqrt(row / row_mean), c) * unsqueeze(rsqrt(col), r);
+    }
+  } else {
+    const Tensor v = decay("exp_avg_sq", u);
+    update = torch ? g * rsqrt(maximum(v, full({}, o.eps1 * o.eps1, dt, param.device())))
+                   : g * rsqrt(v);
+  }
+  const double denom = std::max(1.0, rms(update) / o.clip_threshold);
+
+  Tensor next;
+  switch (o.mode) {
+    case AdafactorMode::hf: {
+      update = update * (alpha / denom);
+      if (o.beta1 > 0) update = decay_first_moment(st.at("exp_avg"), update, o.beta1);
+      next = wd > 0 ? w - w * (wd * alpha) - update : w - update;
+      break;
+    }
+    case AdafactorMode::torch:
+      next = (wd > 0 ? w * (1.0 - lr * wd) : w) - update * (alpha / denom);
+      break;
+    case AdafactorMode::optax: {
+      update = update * (alpha / denom);
+      if (o.beta1 > 0) update = decay_first_moment(st.at("exp_avg"), update, o.beta1);
+      next = wd > 0 ? w - (update + w * wd) : w - update;
+      break;
+    }
+  }
+  param.copy_(next);  // (rounded to the parameter's dtype)
+  ++item.state->step;
+}
+
+}  // namespace tessera::optim

@@ -1,0 +1,79 @@
+// Adafactor (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory
+// Cost", 2018): the second moment of every parameter with >= 2 dims kept as running averages
+// of its rows and columns (m + n numbers for an m x n matrix, instead of m n), update
+// clipping by the update's RMS, and a step size that may follow the parameter's scale.
+// Written with ops, so it runs on any device.
+//
+//   Adafactor opt(model.parameters(), {.mode = AdafactorMode::hf});   // relative step size
+//   loss.backward();
+//   opt.step();
+//
+// The references differ in details, so each is a mode, matching it (the tests hold each to an
+// f64 reference of its published code, 1e-12):
+//   hf     Hugging Face transformers / fairseq: factors the last two dims; u = g^2 + eps1;
+//          rows R and columns C are means of u, decayed by beta2_t = 1 - t^-decay_rate;
+//          V = (R / mean(R)) C; update = g / sqrt(V), divided by max(1, RMS(update) / d);
+//          step size relative_step ? min(1e-2, 1/sqrt(t)) : lr, times max(eps2, RMS(param))
+//          when scale_parameter; first moment (beta1 > 0) on the scaled update; decoupled
+//          weight decay p -= weight_decay x step size x p.
+//   torch  torch.optim.Adafactor (PyTorch 2.5): factors the last two dims; row and column
+//          means of g^2 (no eps1 inside), V = R C / max(mean(R), eps1), update =
+//          g / sqrt(max(V, eps1^2)); step size min(lr, 1/sqrt(t)) x max(eps2, RMS(param));
+//          weight decay p *= 1 - lr x weight_decay before the update; no first moment.
+//   optax  optax.adafactor: factors the two largest dims, and only when the second largest
+//          is >= min_dim_size_to_factor (128); u = g^2 + eps1; the update clipped as in hf,
+//          times lr, times max(eps2, RMS(param)) when scale_parameter; first moment (beta1 >
+//          0, no debiasing); weight decay adds weight_decay x p to the step (not scaled by lr).
+// A parameter of the f64 model keeps f64 state; any other keeps f32 state and is updated in
+// f32, then rounded to its dtype. Not elementwise: ZeRO's flat shards refuse it.
+#pragma once
+
+#include <cstdint>
+
+#include "optim/optimizer.h"
+
+namespace tessera::optim {
+
+enum class AdafactorMode { hf, torch, optax };
+const char* adafactor_mode_name(AdafactorMode mode);
+AdafactorMode parse_adafactor_mode(const std::string& name);  // Error naming the choices
+
+struct AdafactorOptions {
+  AdafactorMode mode = AdafactorMode::hf;
+  double lr = 0.0;               // hf with relative_step: unused; torch: the maximum step (1e-2)
+  bool relative_step = true;     // hf: min(1e-2, 1/sqrt(t)) instead of lr
+  bool scale_parameter = true;   // hf, optax: the step times max(eps2, RMS(param)) (torch: always)
+  double eps1 = 1e-30;           // regularises g^2 (torch: clamps the estimate at eps1^2)
+  double eps2 = 1e-3;            // the smallest parameter scale
+  double clip_threshold = 1.0;   // d: the update's RMS is at most d
+  double decay_rate = 0.8;       // beta2_t = 1 - t^-decay_rate
+  double beta1 = 0.0;            // first moment (hf, optax); 0: none
+  double weight_decay = 0.0;
+  int64_t min_dim_size_to_factor = 128;  // optax
+};
+
+class Adafactor : public Optimizer {
+ public:
+  explicit Adafactor(std::vector<Tensor> params, AdafactorOptions options = {});
+  explicit Adafactor(std::vector<ParamGroup> groups, AdafactorOptions options = {});
+
+  void step() override;
+  bool elementwise() const override { return false; }
+  const AdafactorOptions& options() const { return options_; }
+  // The dims a parameter of `shape` is factored over (rows, columns), or {-1, -1} when its
+  // second moment is kept whole.
+  std::pair<int64_t, int64_t> factored_dims(const Shape& shape) const;
+
+ protected:
+  std::vector<StateSpec> state_specs(const Tensor& param) const override;
+  std::map<std::string, double> hyperparameters() const override;
+  void set_hyperparameters(const std::map<std::string, double>& values) override;
+
+ private:
+  static AdafactorOptions checked(AdafactorOptions options);
+  void update(const ParamGroup& group, const Pending& item);
+
+  AdafactorOptions options_;
+};
+
+}  // namespace tessera::optim
