@@ -91,6 +91,17 @@ Tensor decay_first_moment(const Tensor& m, const Tensor& x, double beta1) {
 std::vector<Optimizer::StateSpec> Adafactor::state_specs(const Tensor& p) const {
   const DType dt = p.dtype() == DType::f64 ? DType::f64 : DType::f32;
   std::vector<StateSpec> specs;
+  if (const RowShard* rs = row_shard(p)) {
+    // This shard's rows of the row statistics, all of the column statistics.
+    if (factored_dims(rs->global).first >= 0) {
+      specs.push_back({"exp_avg_sq_row", {rs->rows}, dt});
+      specs.push_back({"exp_avg_sq_col", {rs->global.back()}, dt});
+    } else {
+      specs.push_back({"exp_avg_sq", p.shape(), dt});
+    }
+    if (options_.beta1 > 0) specs.push_back({"exp_avg", p.shape(), dt});
+    return specs;
+  }
   const auto [r, c] = factored_dims(p.shape());
   if (r >= 0) {
     specs.push_back({"exp_avg_sq_row", without(p.shape(), c), dt});  // over the columns
@@ -151,7 +162,13 @@ void Adafactor::step() {
       },
       [&](const ParamGroup& group, std::span<const Pending> bucket) {
         // Not elementwise: each parameter on its own (the bucket only shares the group).
-        for (const Pending& item : bucket) update(group, item);
+        for (const Pending& item : bucket) {
+          if (const RowShard* rs = row_shard(item.param)) {
+            update_rows(group, item, *rs);
+          } else {
+            update(group, item);
+          }
+        }
       });
 }
 
@@ -166,26 +183,7 @@ void Adafactor::update(const ParamGroup& group, const Pending& item) {
   const auto rms = [&](const Tensor& x) { return std::sqrt(sum(x * x).item<double>() / numel); };
   const double lr = group.lr, wd = group.weight_decay;
 
-  // The step size.
-  double alpha = 0;
-  const double scale = std::max(o.eps2, rms(w));
-  switch (o.mode) {
-    case AdafactorMode::hf: {
-      TS_CHECK(!o.relative_step || lr == 0,
-               "Adafactor (hf): relative_step sets the step size itself, but lr is {}; set "
-               "relative_step = false to follow lr", lr);
-      const double rel = o.relative_step ? std::min(1e-2, 1.0 / std::sqrt(t)) : lr;
-      alpha = o.scale_parameter ? scale * rel : rel;
-      break;
-    }
-    case AdafactorMode::torch:
-      TS_CHECK(lr > 0, "Adafactor (torch): lr must be > 0 (the largest step), got {}", lr);
-      alpha = scale * std::min(lr, 1.0 / std::sqrt(t));
-      break;
-    case AdafactorMode::optax:
-      alpha = o.scale_parameter ? lr * scale : lr;
-      break;
-  }
+  const double alpha = step_size(lr, t, rms(w));
   const double beta2t = 1.0 - std::pow(t, -o.decay_rate);
   const bool torch = o.mode == AdafactorMode::torch;
   const auto decay = [&](const std::string& name, const Tensor& x) {
@@ -218,26 +216,108 @@ void Adafactor::update(const ParamGroup& group, const Pending& item) {
                    : g * rsqrt(v);
   }
   const double denom = std::max(1.0, rms(update) / o.clip_threshold);
+  param.copy_(next_param(w, update, alpha, denom, lr, wd, st));  // (rounded to its dtype)
+  ++item.state->step;
+}
 
-  Tensor next;
+double Adafactor::step_size(double lr, double t, double rms_param) const {
+  const AdafactorOptions& o = options_;
+  const double scale = std::max(o.eps2, rms_param);
   switch (o.mode) {
     case AdafactorMode::hf: {
-      update = update * (alpha / denom);
-      if (o.beta1 > 0) update = decay_first_moment(st.at("exp_avg"), update, o.beta1);
-      next = wd > 0 ? w - w * (wd * alpha) - update : w - update;
-      break;
+      TS_CHECK(!o.relative_step || lr == 0,
+               "Adafactor (hf): relative_step sets the step size itself, but lr is {}; set "
+               "relative_step = false to follow lr", lr);
+      const double rel = o.relative_step ? std::min(1e-2, 1.0 / std::sqrt(t)) : lr;
+      return o.scale_parameter ? scale * rel : rel;
     }
     case AdafactorMode::torch:
-      next = (wd > 0 ? w * (1.0 - lr * wd) : w) - update * (alpha / denom);
-      break;
-    case AdafactorMode::optax: {
+      TS_CHECK(lr > 0, "Adafactor (torch): lr must be > 0 (the largest step), got {}", lr);
+      return scale * std::min(lr, 1.0 / std::sqrt(t));
+    case AdafactorMode::optax:
+      return o.scale_parameter ? lr * scale : lr;
+  }
+  return 0;
+}
+
+Tensor Adafactor::next_param(const Tensor& w, Tensor update, double alpha, double denom,
+                             double lr, double wd, std::map<std::string, Tensor>& st) const {
+  const AdafactorOptions& o = options_;
+  switch (o.mode) {
+    case AdafactorMode::hf:
       update = update * (alpha / denom);
       if (o.beta1 > 0) update = decay_first_moment(st.at("exp_avg"), update, o.beta1);
-      next = wd > 0 ? w - (update + w * wd) : w - update;
-      break;
-    }
+      return wd > 0 ? w - w * (wd * alpha) - update : w - update;
+    case AdafactorMode::torch:
+      return (wd > 0 ? w * (1.0 - lr * wd) : w) - update * (alpha / denom);
+    case AdafactorMode::optax:
+      update = update * (alpha / denom);
+      if (o.beta1 > 0) update = decay_first_moment(st.at("exp_avg"), update, o.beta1);
+      return wd > 0 ? w - (update + w * wd) : w - update;
   }
-  param.copy_(next);  // (rounded to the parameter's dtype)
+  return w;
+}
+
+void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const RowShard& rs) {
+  const AdafactorOptions& o = options_;
+  const Tensor& param = item.param;
+  std::map<std::string, Tensor>& st = item.state->tensors;
+  const DType dt = param.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  const bool torch = o.mode == AdafactorMode::torch;
+  const auto [fr, fc] = factored_dims(rs.global);
+  TS_CHECK(fr < 0 || (fr == 0 && fc == 1),
+           "Adafactor ({}): on row shards a factored parameter must be factored rows then "
+           "columns; shape {} is factored over dims {} and {}", adafactor_mode_name(o.mode),
+           shape_str(rs.global), fr, fc);
+  const bool factored = fr >= 0;
+  const int64_t M = rs.global[0], N = rs.global.size() == 2 ? rs.global[1] : 1;
+  const double numel = static_cast<double>(numel_of(rs.global));
+  const Shape local = factored ? Shape{rs.rows, N} : param.shape();
+  const Tensor g = cast(item.grad, dt).reshape(local), w = cast(param, dt).reshape(local);
+  const double t = static_cast<double>(item.state->step + 1), lr = group.lr;
+  const double beta2t = 1.0 - std::pow(t, -o.decay_rate);
+  const auto blend = [&](const Tensor& v, const Tensor& x) {
+    return torch ? v + (x - v) * (1.0 - beta2t) : v * beta2t + x * (1.0 - beta2t);
+  };
+  const Tensor u = torch ? g * g : g * g + o.eps1;
+  // One sum over the shards: the parameter's squares, then (factored) the columns' sums of u
+  // and the new row statistics' sum.
+  Tensor stats = zeros({factored ? N + 2 : 1}, DType::f64, param.device());
+  stats.narrow(0, 0, 1).copy_(sum(w * w).reshape({1}));
+  Tensor rows_new;
+  if (factored) {
+    rows_new = blend(st.at("exp_avg_sq_row"), mean(u, {1}));
+    stats.narrow(0, 1, N).copy_(sum(u, {0}));
+    stats.narrow(0, N + 1, 1).copy_(sum(rows_new).reshape({1}));
+  }
+  rs.sum(stats);
+  const std::vector<double> s = stats.to_vector<double>();
+  const double alpha = step_size(lr, t, std::sqrt(s[0] / numel));
+  Tensor update;
+  if (factored) {
+    st.at("exp_avg_sq_row").copy_(rows_new);
+    const Tensor& col = st.at("exp_avg_sq_col");
+    col.copy_(blend(col, cast(stats.narrow(0, 1, N), dt) / static_cast<double>(M)));
+    const double row_mean = s[N + 1] / static_cast<double>(M);
+    if (torch) {
+      const Tensor v = unsqueeze(rows_new, 1) * unsqueeze(col, 0) / std::max(row_mean, o.eps1);
+      update = g * rsqrt(maximum(v, full({}, o.eps1 * o.eps1, dt, param.device())));
+    } else {
+      update = g * unsqueeze(rsqrt(rows_new / row_mean), 1) * unsqueeze(rsqrt(col), 0);
+    }
+  } else {
+    Tensor& v = st.at("exp_avg_sq");
+    v.copy_(blend(v, u));
+    update = torch ? g * rsqrt(maximum(v, full({}, o.eps1 * o.eps1, dt, param.device())))
+                   : g * rsqrt(v);
+  }
+  Tensor squares = sum(update * update).reshape({1});
+  squares = cast(squares, DType::f64);
+  rs.sum(squares);
+  const double denom = std::max(1.0, std::sqrt(squares.item<double>() / numel) / o.clip_threshold);
+  // (The first moment has the shard's flat shape.)
+  param.copy_(next_param(w.reshape(param.shape()), update.reshape(param.shape()), alpha, denom,
+                         lr, group.weight_decay, st));
   ++item.state->step;
 }
 

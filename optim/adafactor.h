@@ -25,7 +25,9 @@
 //          times lr, times max(eps2, RMS(param)) when scale_parameter; first moment (beta1 >
 //          0, no debiasing); weight decay adds weight_decay x p to the step (not scaled by lr).
 // A parameter of the f64 model keeps f64 state; any other keeps f32 state and is updated in
-// f32, then rounded to its dtype. Not elementwise: ZeRO's flat shards refuse it.
+// f32, then rounded to its dtype. Not elementwise: ZeRO's flat shards refuse it, its row
+// shards (ZeroOptions::row_shards) run it for 1-D and 2-D parameters (optax: when it factors
+// the two dims in order, rows then columns).
 #pragma once
 
 #include <cstdint>
@@ -59,6 +61,10 @@ class Adafactor : public Optimizer {
 
   void step() override;
   bool elementwise() const override { return false; }
+  // On ZeRO's row shards (optim::RowShard) each rank keeps its rows' statistics and the whole
+  // columns' (one all-reduce of [columns + 2] values per factored parameter and step: the
+  // columns' sums, the parameter's and the rows' squares), and one more for the update's RMS.
+  bool supports_row_shards() const override { return true; }
   const AdafactorOptions& options() const { return options_; }
   // The dims a parameter of `shape` is factored over (rows, columns), or {-1, -1} when its
   // second moment is kept whole.
@@ -72,6 +78,11 @@ class Adafactor : public Optimizer {
  private:
   static AdafactorOptions checked(AdafactorOptions options);
   void update(const ParamGroup& group, const Pending& item);
+  void update_rows(const ParamGroup& group, const Pending& item, const RowShard& shard);
+  // The step size and the final update, shared by whole tensors and row shards.
+  double step_size(double lr, double t, double rms_param) const;
+  Tensor next_param(const Tensor& w, Tensor update, double alpha, double denom, double lr,
+                    double wd, std::map<std::string, Tensor>& state) const;
 
   AdafactorOptions options_;
 };

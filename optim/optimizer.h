@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <map>
@@ -28,6 +29,17 @@ struct Attrs;
 }  // namespace tessera
 
 namespace tessera::optim {
+
+// A parameter an optimizer steps that is a block of whole rows of a larger tensor (ZeRO with
+// ZeroOptions::row_shards): the tensor's shape (1-D or 2-D), and the rows this block holds of
+// it viewed [rows, last dim] (a 1-D tensor: rows of one element). `sum` adds a tensor over
+// every block of the same parameter (an all-reduce over the shard group), in place; every
+// holder calls it alike, in the same order, a holder of no rows too.
+struct RowShard {
+  Shape global;
+  int64_t first_row = 0, rows = 0;
+  std::function<void(const Tensor&)> sum;
+};
 
 struct ParamGroup {
   // Marks lr / weight_decay as "the optimizer's default" (the options it was built with).
@@ -79,6 +91,12 @@ class Optimizer {
   // on the whole. An optimizer that looks at a tensor as a whole (per-tensor norms as in
   // LAMB, shapes as in Shampoo or Muon) returns false, and ZeRO stages 1-3 refuse it.
   virtual bool elementwise() const = 0;
+  // Whether an optimizer that is not elementwise still gives the whole-tensor update on row
+  // shards, given each one's RowShard (set_row_shards; Adafactor does).
+  virtual bool supports_row_shards() const { return false; }
+  // For a wrapper that hands the optimizer row shards: `shards` maps a parameter (the shard
+  // tensor the optimizer was built on) to where it sits. Before the first step.
+  void set_row_shards(std::map<const TensorImpl*, RowShard> shards) { row_shards_ = std::move(shards); }
   // The optimizer's name in messages ("AdamW").
   const std::string& kind() const { return kind_; }
 
@@ -158,9 +176,16 @@ class Optimizer {
   static void call_update(OpId op, std::vector<Tensor> inputs, const Attrs& attrs, size_t width,
                           std::initializer_list<size_t> written);
 
+  // The row shard a parameter is (null: a whole tensor).
+  const RowShard* row_shard(const Tensor& param) const {
+    auto it = row_shards_.find(param.impl());
+    return it == row_shards_.end() ? nullptr : &it->second;
+  }
+
   const std::string kind_;
   std::vector<ParamGroup> groups_;
   std::vector<ParamState> state_;  // by global index
+  std::map<const TensorImpl*, RowShard> row_shards_;
 
  private:
   std::string describe_param(int64_t i) const;

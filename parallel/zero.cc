@@ -93,9 +93,13 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
                                        p.tensor.device().str());
       auto o = open.find(key);
       const int64_t bytes = p.tensor.nbytes();
-      if (o == open.end() || (st.segments[o->second].numel > 0 &&
-                              st.segments[o->second].numel * dtype_size(p.tensor.dtype()) +
-                                      bytes > cap)) {
+      TS_CHECK(!options.row_shards || p.tensor.dim() <= 2,
+               "{}: row_shards cover 1-D and 2-D parameters; '{}' has shape {}", kName, p.name,
+               shape_str(p.tensor.shape()));
+      // (Row shards: a segment per parameter, so that every shard is whole rows of one.)
+      if (o == open.end() || options.row_shards ||
+          (st.segments[o->second].numel > 0 &&
+           st.segments[o->second].numel * dtype_size(p.tensor.dtype()) + bytes > cap)) {
         st.segments.push_back({u, p.decay, p.tensor.dtype(), p.tensor.device()});
         st.units[u].segments.push_back(static_cast<int>(st.segments.size()) - 1);
         o = open.insert_or_assign(key, static_cast<int>(st.segments.size()) - 1).first;
@@ -111,8 +115,11 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   // Flat buffers: the parameters become views of them (stage 3: of a buffer released below).
   NoGradGuard no_grad;
   for (State::Segment& seg : st.segments) {
+    // Row shards split the parameter's rows (of its last dim's length) instead of elements.
+    const Tensor& first = st.params[seg.params.front()].tensor;
+    const int64_t row = options.row_shards && first.dim() == 2 ? first.size(1) : 1;
     for (int r = 0; r < n; ++r) {
-      seg.counts.push_back(block_size(seg.numel, n, r));
+      seg.counts.push_back(block_size(seg.numel / row, n, r) * row);
       if (r < comm.rank()) seg.shard_start += seg.counts.back();
     }
     seg.shard_numel = seg.counts[comm.rank()];
@@ -342,7 +349,22 @@ void ZeroDataParallel::scale_grads(double coef) {
 
 void ZeroDataParallel::step(optim::Optimizer& optimizer) {
   State& st = *state_;
-  check_elementwise(optimizer, st.stage(), "step");
+  check_elementwise(optimizer, st.stage(), "step", st.options.row_shards);
+  if (st.stage() > 0 && st.options.row_shards) {
+    // Where each shard sits, and the sum over the dp group the optimizer reduces with.
+    std::map<const TensorImpl*, optim::RowShard> shards;
+    Communicator* comm = st.comm;
+    for (const State::Segment& seg : st.segments) {
+      const Tensor& p = st.params[seg.params.front()].tensor;
+      const int64_t row = p.dim() == 2 ? p.size(1) : 1;
+      shards[seg.shard.impl()] = {p.shape(), seg.shard_start / row, seg.shard_numel / row,
+                                  [comm](const Tensor& t) {
+                                    CommCause cause("zero row-shard statistics");
+                                    comm->all_reduce(t, ReduceOp::sum);
+                                  }};
+    }
+    optimizer.set_row_shards(std::move(shards));
+  }
   {
     MemoryTagScope tag(MemoryTag::optimizer_state);
     optimizer.step();

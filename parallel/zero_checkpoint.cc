@@ -66,6 +66,10 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
 
 optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
   State& st = *state_;
+  TS_CHECK(st.stage() == 0 || optimizer.elementwise(),
+           "{}::optimizer_state_dict: {}'s per-row and per-column state on ZeRO stage {}'s row "
+           "shards cannot be gathered yet (its step runs); checkpoint it under stage 0",
+           kName, optimizer.kind(), st.stage());
   check_elementwise(optimizer, st.stage(), "optimizer_state_dict");
   optim::Optimizer::StateDict shard_dict = optimizer.state_dict();
   if (st.stage() == 0) return shard_dict;
@@ -117,6 +121,10 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
 void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
                                                  const optim::Optimizer::StateDict& dict) {
   State& st = *state_;
+  TS_CHECK(st.stage() == 0 || optimizer.elementwise(),
+           "{}::load_optimizer_state_dict: {}'s per-row and per-column state cannot be loaded "
+           "into ZeRO stage {}'s row shards yet; load it under stage 0", kName, optimizer.kind(),
+           st.stage());
   check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict");
   if (st.stage() == 0) {
     optimizer.load_state_dict(dict);

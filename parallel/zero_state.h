@@ -290,12 +290,17 @@ struct ZeroDataParallel::State {
 
 // Stages 1-3 hand the optimizer flat 1-D shards that cut across parameters: only an
 // elementwise optimizer (optim::Optimizer::elementwise) computes the same update on them.
-inline void check_elementwise(const optim::Optimizer& optimizer, int stage, const char* call) {
-  TS_CHECK(stage == 0 || optimizer.elementwise(),
+// With row_shards, an optimizer that supports them (optim::Optimizer::supports_row_shards)
+// gets whole rows of one parameter per shard instead.
+inline void check_elementwise(const optim::Optimizer& optimizer, int stage, const char* call,
+                              bool row_shards = false) {
+  TS_CHECK(stage == 0 || optimizer.elementwise() ||
+               (row_shards && optimizer.supports_row_shards()),
            "ZeroDataParallel::{}: ZeRO stage {} runs the optimizer on flat 1-D shards of the "
            "parameters, but {} is not elementwise (its update depends on whole tensors); use "
-           "stage 0 or an elementwise optimizer such as AdamW or SGD",
-           call, stage, optimizer.kind());
+           "stage 0, an elementwise optimizer such as AdamW or SGD{}",
+           call, stage, optimizer.kind(),
+           optimizer.supports_row_shards() ? ", or ZeroOptions::row_shards" : "");
 }
 
 }  // namespace tessera::parallel

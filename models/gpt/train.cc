@@ -368,6 +368,8 @@ class GptReplica final : public models::Replica {
       parallel::ZeroOptions zopt;
       zopt.stage = static_cast<int>(config.zero);
       zopt.average = false;  // each rank backpropagates its share of the global mean
+      // An optimizer with per-matrix state (Adafactor) gets whole rows of each parameter.
+      zopt.row_shards = !models::optimizer_is_elementwise(config.optimizer);
       for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
     }
