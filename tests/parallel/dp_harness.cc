@@ -1,5 +1,7 @@
 #include "tests/parallel/dp_harness.h"
 
+#include "parallel/comm/comm_log.h"
+
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
@@ -203,6 +205,56 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
     run.params.push_back(full.at(name).to_vector<double>());
   }
   return run;
+}
+
+optim::AdafactorOptions adafactor_options(optim::AdafactorMode mode) {
+  optim::AdafactorOptions o;
+  o.mode = mode;
+  o.lr = 1e-2;
+  o.relative_step = false;
+  o.beta1 = mode == optim::AdafactorMode::torch ? 0.0 : 0.9;
+  o.weight_decay = kWeightDecay;
+  o.min_dim_size_to_factor = 1;  // optax: factor every matrix, as the others do
+  return o;
+}
+
+std::vector<std::vector<double>> adafactor_reference(const Task& task, optim::AdafactorMode mode) {
+  std::shared_ptr<nn::Module> model = make_model(task, DType::f64);
+  optim::Adafactor opt(optim::decay_groups(model->named_parameters(), 1e-2, kWeightDecay),
+                       adafactor_options(mode));
+  for (int64_t step = 0; step < kAdafactorSteps; ++step) {
+    opt.zero_grad();
+    task.loss(*model, DType::f64, step, 0, 1).backward();
+    opt.step();
+  }
+  return values_of(*model);
+}
+
+RowShardResult adafactor_row_shards(Communicator& world, const Task& task, optim::AdafactorMode mode,
+                                    int stage, const std::vector<std::vector<double>>& want) {
+  RowShardResult out;
+  std::shared_ptr<nn::Module> model = make_model(task, DType::f64);
+  out.params = static_cast<int64_t>(model->parameters().size());
+  ZeroDataParallel zero(*model, world, {.stage = stage, .units = task.units, .row_shards = true});
+  optim::Adafactor opt(zero.param_groups(1e-2, kWeightDecay), adafactor_options(mode));
+  CommLog log;
+  for (int64_t step = 0; step < kAdafactorSteps; ++step) {
+    zero.zero_grad();
+    zero.backward(task.loss(*model, DType::f64, step, world.rank(), world.size()));
+    CommLogScope scope(log);
+    zero.step(opt);
+  }
+  for (const CommRecord& r : log.records) out.reduces += r.cause == "zero row-shard statistics";
+  const nn::StateDict full = zero.model_state_dict();
+  size_t i = 0;
+  for (const auto& entry : model->named_parameters()) {
+    const std::vector<double> v = full.at(entry.first).to_vector<double>();
+    for (size_t k = 0; k < v.size(); ++k) {
+      if (!task.zero_gradient(entry.first, k)) out.worst = std::max(out.worst, std::abs(v[k] - want[i][k]));
+    }
+    ++i;
+  }
+  return out;
 }
 
 }  // namespace tessera::parallel::testing_dp

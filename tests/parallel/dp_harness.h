@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "nn/module.h"
+#include "optim/adafactor.h"
 #include "parallel/comm/communicator.h"
 #include "tensor/tensor.h"
 
@@ -91,5 +92,22 @@ struct ZeroRun {
   Checkpoint* save = nullptr;        // filled after step `stop` - 1 (on every rank)
 };
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec);
+
+// Adafactor (optim/adafactor.h) on ZeRO's row shards (ZeroOptions::row_shards), in f64:
+// lr 1e-2, weight decay 0.1 on matrices, a first moment but in torch mode, every matrix
+// factored (optax's min_dim_size_to_factor 1), kAdafactorSteps steps.
+inline constexpr int kAdafactorSteps = 6;
+optim::AdafactorOptions adafactor_options(optim::AdafactorMode mode);
+// The single-device run's final parameters.
+std::vector<std::vector<double>> adafactor_reference(const Task& task, optim::AdafactorMode mode);
+// This rank's part of the ZeRO `stage` run over `world`: the largest difference of the final
+// parameters from `want` over the elements whose gradient is not exactly zero
+// (task.zero_gradient), and the row-shard all-reduces this rank made.
+struct RowShardResult {
+  double worst = 0;
+  int64_t reduces = 0, params = 0;
+};
+RowShardResult adafactor_row_shards(Communicator& world, const Task& task, optim::AdafactorMode mode,
+                                    int stage, const std::vector<std::vector<double>>& want);
 
 }  // namespace tessera::parallel::testing_dp

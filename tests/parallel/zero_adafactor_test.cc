@@ -22,67 +22,12 @@ namespace {
 
 using namespace testing_dp;
 
-constexpr int kAdaSteps = 6;
-
-optim::AdafactorOptions options(optim::AdafactorMode mode) {
-  optim::AdafactorOptions o;
-  o.mode = mode;
-  o.lr = 1e-2;
-  o.relative_step = false;
-  o.beta1 = mode == optim::AdafactorMode::torch ? 0.0 : 0.9;
-  o.weight_decay = 0.1;
-  o.min_dim_size_to_factor = 1;  // optax: factor every matrix, as the others do
-  return o;
-}
-
-std::vector<std::vector<double>> reference(const Task& task, optim::AdafactorMode mode) {
-  std::shared_ptr<nn::Module> model = make_model(task, DType::f64);
-  optim::Adafactor opt(optim::decay_groups(model->named_parameters(), 1e-2, 0.1), options(mode));
-  for (int64_t step = 0; step < kAdaSteps; ++step) {
-    opt.zero_grad();
-    task.loss(*model, DType::f64, step, 0, 1).backward();
-    opt.step();
-  }
-  return values_of(*model);
-}
-
-// Every rank's parameters after kAdaSteps of ZeRO `stage` on `dp` ranks, against `want`, the
-// largest difference over elements whose gradient is not exactly zero (task.zero_gradient),
-// and the row-shard all-reduces each rank made.
-struct ShardRun {
-  std::vector<double> worst;
-  std::vector<int64_t> reduces;
-  int64_t params = 0;
-};
-ShardRun run_row_shards(const Task& task, optim::AdafactorMode mode, int dp, int stage,
-                        const std::vector<std::vector<double>>& want) {
-  ShardRun out{std::vector<double>(dp, 0.0), std::vector<int64_t>(dp, 0), 0};
+// Every rank's result of the row-shard run on `dp` threads.
+std::vector<RowShardResult> on_threads(const Task& task, optim::AdafactorMode mode, int dp,
+                                       int stage, const std::vector<std::vector<double>>& want) {
+  std::vector<RowShardResult> out(dp);
   run_threads(dp, [&](CommPtr world) {
-    std::shared_ptr<nn::Module> model = make_model(task, DType::f64);
-    out.params = static_cast<int64_t>(model->parameters().size());
-    ZeroDataParallel zero(*model, *world, {.stage = stage, .units = task.units, .row_shards = true});
-    optim::Adafactor opt(zero.param_groups(1e-2, 0.1), options(mode));
-    CommLog log;
-    for (int64_t step = 0; step < kAdaSteps; ++step) {
-      zero.zero_grad();
-      zero.backward(task.loss(*model, DType::f64, step, world->rank(), dp));
-      CommLogScope scope(log);
-      zero.step(opt);
-    }
-    for (const CommRecord& r : log.records) {
-      out.reduces[world->rank()] += r.cause == "zero row-shard statistics";
-    }
-    const nn::StateDict full = zero.model_state_dict();
-    size_t i = 0;
-    for (const auto& entry : model->named_parameters()) {
-      const std::vector<double> v = full.at(entry.first).to_vector<double>();
-      for (size_t k = 0; k < v.size(); ++k) {
-        if (task.zero_gradient(entry.first, k)) continue;
-        double& w = out.worst[world->rank()];
-        w = std::max(w, std::abs(v[k] - want[i][k]));
-      }
-      ++i;
-    }
+    out[world->rank()] = adafactor_row_shards(*world, task, mode, stage, want);
   });
   return out;
 }
@@ -92,20 +37,20 @@ TEST_CASE("Adafactor on ZeRO 1-3 row shards equals one device (f64 1e-10)") {
   int runs = 0;
   for (optim::AdafactorMode mode :
        {optim::AdafactorMode::hf, optim::AdafactorMode::torch, optim::AdafactorMode::optax}) {
-    const std::vector<std::vector<double>> want = reference(task, mode);
+    const std::vector<std::vector<double>> want = adafactor_reference(task, mode);
     for (int dp : {2, 4}) {
       for (int stage : {1, 2, 3}) {
         CAPTURE(std::string(optim::adafactor_mode_name(mode)));
         CAPTURE(dp);
         CAPTURE(stage);
-        const ShardRun r = run_row_shards(task, mode, dp, stage, want);
+        const std::vector<RowShardResult> r = on_threads(task, mode, dp, stage, want);
         for (int k = 0; k < dp; ++k) {
-          CHECK(r.worst[k] <= 1e-10);
+          CHECK(r[k].worst <= 1e-10);
           // Two all-reduces per parameter and step: [columns + 2] statistics, the update's RMS.
-          CHECK(r.reduces[k] == 2 * r.params * kAdaSteps);
+          CHECK(r[k].reduces == 2 * r[k].params * kAdafactorSteps);
         }
         MESSAGE(fmt::format("{} dp {} stage {}: max |param - one device| {:.3g}",
-                            optim::adafactor_mode_name(mode), dp, stage, r.worst[0]));
+                            optim::adafactor_mode_name(mode), dp, stage, r[0].worst));
         ++runs;
       }
     }
@@ -122,13 +67,13 @@ TEST_CASE("Adafactor (hf) on ZeRO row shards: GPT-mini equals one device but for
   // the same tensor; optax factors c_attn's [3C, C] as columns then rows, which row shards
   // refuse.)
   const Task task = gpt_task();
-  const std::vector<std::vector<double>> want = reference(task, optim::AdafactorMode::hf);
+  const std::vector<std::vector<double>> want = adafactor_reference(task, optim::AdafactorMode::hf);
   for (int dp : {2, 4}) {
     CAPTURE(dp);
-    const ShardRun r = run_row_shards(task, optim::AdafactorMode::hf, dp, 3, want);
-    for (int k = 0; k < dp; ++k) CHECK(r.worst[k] <= 1e-10);
+    const std::vector<RowShardResult> r = on_threads(task, optim::AdafactorMode::hf, dp, 3, want);
+    for (int k = 0; k < dp; ++k) CHECK(r[k].worst <= 1e-10);
     MESSAGE(fmt::format("GPT-mini, hf, dp {} stage 3: max |param - one device| {:.3g}", dp,
-                        r.worst[0]));
+                        r[0].worst));
   }
 }
 
@@ -137,7 +82,7 @@ TEST_CASE("Adafactor on flat shards is refused; row shards of a 3-D parameter ar
   run_threads(2, [&](CommPtr world) {
     std::shared_ptr<nn::Module> model = make_model(task, DType::f64);
     ZeroDataParallel zero(*model, *world, {.stage = 1, .units = task.units});
-    optim::Adafactor opt(zero.param_groups(1e-2, 0.0), options(optim::AdafactorMode::hf));
+    optim::Adafactor opt(zero.param_groups(1e-2, 0.0), adafactor_options(optim::AdafactorMode::hf));
     zero.zero_grad();
     zero.backward(task.loss(*model, DType::f64, 0, world->rank(), 2));
     const std::string msg = testing::error_of([&] { zero.step(opt); });

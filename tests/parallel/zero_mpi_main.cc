@@ -41,6 +41,24 @@ TEST_CASE("zero over mpi: GPT-mini, stages x accumulation equal one rank") {
   check_mpi(gpt_task(), DType::f32);
 }
 
+TEST_CASE("zero over mpi: Adafactor on row shards, stages 1-3 x every mode, equals one rank") {
+  CommPtr world = mpi_world();
+  const Task task = mlp_task();
+  int runs = 0;
+  for (optim::AdafactorMode mode :
+       {optim::AdafactorMode::hf, optim::AdafactorMode::torch, optim::AdafactorMode::optax}) {
+    const std::vector<std::vector<double>> want = adafactor_reference(task, mode);
+    for (int stage : {1, 2, 3}) {
+      CAPTURE(stage);
+      const RowShardResult r = adafactor_row_shards(*world, task, mode, stage, want);
+      CHECK(r.worst <= 1e-10);
+      CHECK(r.reduces == 2 * r.params * kAdafactorSteps);
+      ++runs;
+    }
+  }
+  CHECK(runs == 9);
+}
+
 TEST_CASE("zero over mpi: a stage 3 checkpoint resumes under stage 1") {
   CommPtr world = mpi_world();
   const Task task = gpt_task();
