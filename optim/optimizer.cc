@@ -100,6 +100,14 @@ const std::map<std::string, Tensor>& Optimizer::state(int64_t i) const {
   return state_[static_cast<size_t>(i)].tensors;
 }
 
+int64_t Optimizer::state_bytes() const {
+  int64_t total = 0;
+  for (const ParamState& s : state_) {
+    for (const auto& [name, t] : s.tensors) total += t.nbytes();
+  }
+  return total;
+}
+
 void Optimizer::call_update(OpId op, std::vector<Tensor> inputs, const Attrs& attrs, size_t width,
                             std::initializer_list<size_t> written) {
   const size_t tuples = inputs.size() / width;

@@ -110,6 +110,8 @@ class Optimizer {
   // The state tensors of parameter i by name ("exp_avg", "master", ...); empty before its
   // first step.
   const std::map<std::string, Tensor>& state(int64_t i) const;
+  // Bytes of every state tensor (moments, statistics, master copies) this optimizer holds.
+  int64_t state_bytes() const;
 
   // Everything needed to resume, as tensors (scalars 0-d f64 / i64), so the dict can be
   // written to a safetensors file as is:

@@ -391,6 +391,7 @@ class GptReplica final : public models::Replica {
 
   Gpt& model() { return *model_; }
   const GptData& batches() const { return batches_; }
+  int64_t optimizer_state_bytes() const { return opt_->state_bytes(); }
   std::string optimizer_kind() const {
     if (opt_->kind() != "Adafactor") return opt_->kind();
     return fmt::format("Adafactor ({})", c_.adafactor_mode);
@@ -657,6 +658,7 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
 
   result.skipped_steps = replica.scaler().skipped_steps();
+  result.optimizer_state_bytes = replica.optimizer_state_bytes();
   finish_run(result, config, replica, loop, meter, metrics, device, [&] {
     return fmt::format("{}; {} in all{}",
                        config.timing_skip > 0
@@ -665,7 +667,12 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
                        models::format_duration(models::seconds_since(run_start)),
                        replica.scaler().enabled()
                            ? fmt::format("; {} f16 steps skipped", result.skipped_steps)
-                           : std::string());
+                           : std::string()) +
+           fmt::format("; {} state {} ({:.3g} bytes per parameter{})", replica.optimizer_kind(),
+                       models::format_bytes(static_cast<double>(result.optimizer_state_bytes)),
+                       static_cast<double>(result.optimizer_state_bytes) /
+                           static_cast<double>(model.num_parameters()),
+                       comm != nullptr && config.zero > 0 ? ", this rank's shards" : "");
   }, verbose, say);
   if (config.sample_length > 0 && config.synthetic_data) {
     say("no sample: the model was trained on random tokens");

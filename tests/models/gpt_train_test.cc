@@ -626,6 +626,20 @@ TEST_CASE("--save_sharded: each rank writes its shards; any layout resumes from 
 TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data parallelism, resumes bitwise") {
   const std::string dir = temp_dir() + "/gpt_optimizers";
   fs::create_directories(dir);
+  // State bytes against the formulas, from the model's shapes: AdamW two f32 moments (8 per
+  // parameter); SGD its momentum (4); Adafactor 4 (m + n) per m x n matrix and 4 n per
+  // vector, plus the first moment's 4 per parameter when beta1 > 0.
+  const Gpt shapes(short_run(1).model_config());
+  int64_t psi = 0, factored = 0;
+  for (const auto& entry : shapes.named_parameters()) {
+    const Tensor& t = entry.second;
+    psi += t.numel();
+    factored += 4 * (t.dim() == 2 ? t.size(0) + t.size(1) : t.numel());
+  }
+  {
+    GptTrainConfig c = short_run(2);
+    CHECK(train_gpt(c).optimizer_state_bytes == 8 * psi);
+  }
   for (const char* name : {"adafactor", "sgd"}) {
     CAPTURE(std::string(name));
     GptTrainConfig c = short_run(12);
@@ -633,6 +647,7 @@ TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data paralle
     c.adafactor_beta1 = 0.9;  // the first moment's state too
     const GptResult one = train_gpt(c);
     CHECK(one.losses.back() < one.losses.front() - 0.3);  // it learns
+    CHECK(one.optimizer_state_bytes == (std::string(name) == "sgd" ? 4 * psi : factored + 4 * psi));
     // Two ranks (DDP: the gradients all-reduced, every rank the whole optimizer).
     c.dp = 2;
     const GptResult two = train_gpt(c);
