@@ -162,6 +162,12 @@ void Adafactor::step() {
       },
       [&](const ParamGroup& group, std::span<const Pending> bucket) {
         // Not elementwise: each parameter on its own (the bucket only shares the group).
+        // Everything that can refuse is checked before any parameter changes (the bucket is
+        // retried one parameter at a time after an Error).
+        step_size(group.lr, 1.0, 0.0);
+        for (const Pending& item : bucket) {
+          if (const RowShard* rs = row_shard(item.param)) check_row_shard(*rs);
+        }
         for (const Pending& item : bucket) {
           if (const RowShard* rs = row_shard(item.param)) {
             update_rows(group, item, *rs);
@@ -258,18 +264,23 @@ Tensor Adafactor::next_param(const Tensor& w, Tensor update, double alpha, doubl
   return w;
 }
 
+void Adafactor::check_row_shard(const RowShard& rs) const {
+  const auto [r, c] = factored_dims(rs.global);
+  TS_CHECK(rs.global.size() <= 2, "Adafactor: row shards cover 1-D and 2-D parameters, got {}",
+           shape_str(rs.global));
+  TS_CHECK(r < 0 || (r == 0 && c == 1),
+           "Adafactor ({}): on row shards a factored parameter must be factored rows then "
+           "columns; shape {} is factored over dims {} and {}", adafactor_mode_name(options_.mode),
+           shape_str(rs.global), r, c);
+}
+
 void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const RowShard& rs) {
   const AdafactorOptions& o = options_;
   const Tensor& param = item.param;
   std::map<std::string, Tensor>& st = item.state->tensors;
   const DType dt = param.dtype() == DType::f64 ? DType::f64 : DType::f32;
   const bool torch = o.mode == AdafactorMode::torch;
-  const auto [fr, fc] = factored_dims(rs.global);
-  TS_CHECK(fr < 0 || (fr == 0 && fc == 1),
-           "Adafactor ({}): on row shards a factored parameter must be factored rows then "
-           "columns; shape {} is factored over dims {} and {}", adafactor_mode_name(o.mode),
-           shape_str(rs.global), fr, fc);
-  const bool factored = fr >= 0;
+  const bool factored = factored_dims(rs.global).first >= 0;
   const int64_t M = rs.global[0], N = rs.global.size() == 2 ? rs.global[1] : 1;
   const double numel = static_cast<double>(numel_of(rs.global));
   const Shape local = factored ? Shape{rs.rows, N} : param.shape();

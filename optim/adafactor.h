@@ -79,6 +79,7 @@ class Adafactor : public Optimizer {
   static AdafactorOptions checked(AdafactorOptions options);
   void update(const ParamGroup& group, const Pending& item);
   void update_rows(const ParamGroup& group, const Pending& item, const RowShard& shard);
+  void check_row_shard(const RowShard& shard) const;
   // The step size and the final update, shared by whole tensors and row shards.
   double step_size(double lr, double t, double rms_param) const;
   Tensor next_param(const Tensor& w, Tensor update, double alpha, double denom, double lr,

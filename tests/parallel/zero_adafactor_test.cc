@@ -89,6 +89,19 @@ TEST_CASE("Adafactor on flat shards is refused; row shards of a 3-D parameter ar
     CHECK(testing::contains(msg, "Adafactor is not elementwise"));
     CHECK(testing::contains(msg, "or ZeroOptions::row_shards"));
   });
+  // optax factors a taller-than-wide matrix (GPT's c_attn [3C, C], c_fc [4C, C]) columns
+  // before rows: row shards refuse it before any parameter changes.
+  const Task gpt = gpt_task();
+  run_threads(2, [&](CommPtr world) {
+    std::shared_ptr<nn::Module> model = make_model(gpt, DType::f64);
+    ZeroDataParallel zero(*model, *world, {.stage = 2, .units = gpt.units, .row_shards = true});
+    optim::Adafactor opt(zero.param_groups(1e-2, 0.0), adafactor_options(optim::AdafactorMode::optax));
+    zero.zero_grad();
+    zero.backward(gpt.loss(*model, DType::f64, 0, world->rank(), 2));
+    const std::string msg = testing::error_of([&] { zero.step(opt); });
+    CHECK(testing::contains(msg, "Adafactor (optax): on row shards a factored parameter must be "
+                                 "factored rows then columns"));
+  });
 }
 
 }  // namespace
