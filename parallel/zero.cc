@@ -74,7 +74,7 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   check_same_parameters(comm, kName, st.named(),
                         static_cast<uint64_t>(options.stage) * 1000003u +
                             static_cast<uint64_t>(options.bucket_bytes) * 7 +
-                            options.units.size());
+                            options.units.size() + (options.row_shards ? 1000u : 0u));
   if (options.check_replicas) check_same_values(comm, kName, st.named());
 
   // Segments in the order backward completes them: the wrapped units last to first, then
