@@ -7,7 +7,8 @@
 #include <vector>
 
 #include "models/gpt/data.h"
-#include "optim/adamw.h"
+#include "models/common/optimizers.h"
+#include "optim/optimizer.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
 #include "parallel/equivalence.h"
@@ -32,11 +33,10 @@ GptCheckResult check_gpt(const GptTrainConfig& c, parallel::CommPtr world) {
   Gpt one(one_config);
   one.to(DType::f64);
   uint64_t one_offset = default_generator().offset();
-  optim::AdamWOptions aopt;
-  aopt.lr = c.lr;
-  aopt.betas = {c.beta1, c.beta2};
-  aopt.weight_decay = c.weight_decay;
-  optim::AdamW one_opt(optim::decay_groups(one.named_parameters(), c.lr, c.weight_decay), aopt);
+  // The optimizer the layout runs (--optimizer), on the whole parameters.
+  const std::unique_ptr<optim::Optimizer> one_opt = models::make_optimizer(
+      "gpt --check", c.optimizer_choice(),
+      optim::decay_groups(one.named_parameters(), c.lr, c.weight_decay));
   const std::vector<Tensor> one_params = one.parameters();
   // The layout, from the same seed.
   manual_seed(seed);
@@ -63,14 +63,14 @@ GptCheckResult check_gpt(const GptTrainConfig& c, parallel::CommPtr world) {
     one.set_layer_observer([&](const std::string& layer, const Tensor& out) {
       one_outputs.emplace_back(layer, out.detach().clone());
     });
-    one_opt.set_lr(lr);
-    one_opt.zero_grad();
+    one_opt->set_lr(lr);
+    one_opt->zero_grad();
     const Tensor one_loss = Gpt::loss(one(b.idx), b.targets);
     one_loss.backward();
     std::map<std::string, Tensor> one_grads;
     for (const auto& [name, t] : one.named_parameters()) one_grads[name] = t.grad().clone();
     if (c.clip > 0) optim::clip_grad_norm(one_params, c.clip);
-    one_opt.step();
+    one_opt->step();
     one_offset = default_generator().offset();
     // The layout.
     default_generator().set_state(seed, layout_offset);

@@ -64,7 +64,7 @@ struct Gpt3d::Impl {
   std::unique_ptr<TpGpt> tp;
   std::shared_ptr<ShardHolder> holder;
   std::unique_ptr<parallel::ZeroDataParallel> zero;
-  std::unique_ptr<optim::AdamW> opt;
+  std::unique_ptr<optim::Optimizer> opt;
   parallel::CommPtr tied;  // first + last stage ranks with our (dp, tp), when they differ
   std::set<std::string> mine;  // parameter paths this rank's stages hold
   std::map<std::string, int> owner;  // parameter path -> the pp rank of its first stage
@@ -142,11 +142,18 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   zopt.stage = static_cast<int>(opt.zero);
   zopt.decay = [dims](const std::string& name, const Tensor&) { return dims.at(name) >= 2; };
   s.zero = std::make_unique<parallel::ZeroDataParallel>(*s.holder, s.dp(), zopt);
-  optim::AdamWOptions aopt;
-  aopt.lr = opt.lr;
-  aopt.betas = {opt.beta1, opt.beta2};
-  aopt.weight_decay = opt.weight_decay;
-  s.opt = std::make_unique<optim::AdamW>(s.zero->param_groups(opt.lr, opt.weight_decay), aopt);
+  if (opt.make_optimizer) {
+    s.opt = opt.make_optimizer(s.zero->param_groups(opt.lr, opt.weight_decay));
+    TS_CHECK(s.opt->elementwise(),
+             "Gpt3d: {} is not elementwise; pipeline and tensor-parallel shards would split its "
+             "per-tensor state", s.opt->kind());
+  } else {
+    optim::AdamWOptions aopt;
+    aopt.lr = opt.lr;
+    aopt.betas = {opt.beta1, opt.beta2};
+    aopt.weight_decay = opt.weight_decay;
+    s.opt = std::make_unique<optim::AdamW>(s.zero->param_groups(opt.lr, opt.weight_decay), aopt);
+  }
   if (opt.loss_scale > 0) {
     s.scaler = optim::DynamicLossScaler({.init_scale = opt.loss_scale});
     s.scaler.reduce_found_inf_with([world = s.world](bool here) {

@@ -45,6 +45,10 @@ struct Gpt3dOptions {
   double loss_scale = 0.0;
   bool sequence_parallel = false;  // the residual stream split along the sequence on tp
   double lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95;
+  // The optimizer over this rank's shards' groups (elementwise: an Error otherwise); null:
+  // AdamW with the values above.
+  std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>
+      make_optimizer = nullptr;
   // For the equivalence checker (models/gpt/check.h): keep each layer's output and the
   // reduced gradients of a step, for activations() and full_gradients().
   bool capture = false;

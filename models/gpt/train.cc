@@ -836,6 +836,9 @@ Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
   o.weight_decay = c.weight_decay;
   o.beta1 = c.beta1;
   o.beta2 = c.beta2;
+  o.make_optimizer = [choice = c.optimizer_choice()](std::vector<optim::ParamGroup> groups) {
+    return models::make_optimizer("gpt", choice, std::move(groups));
+  };
   return o;
 }
 

@@ -648,12 +648,23 @@ TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data paralle
     const GptResult one = train_gpt(c);
     CHECK(one.losses.back() < one.losses.front() - 0.3);  // it learns
     CHECK(one.optimizer_state_bytes == (std::string(name) == "sgd" ? 4 * psi : factored + 4 * psi));
-    // Two ranks (DDP: the gradients all-reduced, every rank the whole optimizer).
+    // Two ranks (DDP: the gradients all-reduced, every rank the whole optimizer); SGD also
+    // on a pipeline (elementwise: it runs on the stages' shards).
     c.dp = 2;
     const GptResult two = train_gpt(c);
     REQUIRE(two.losses.size() == one.losses.size());
     for (size_t i = 0; i < one.losses.size(); ++i) {
       CHECK(std::abs(two.losses[i] - one.losses[i]) <= 1e-5 * one.losses[i]);
+    }
+    if (std::string(name) == "sgd") {
+      c.dp = 1;
+      c.pp = 2;
+      const GptResult piped = train_gpt(c);
+      REQUIRE(piped.losses.size() == one.losses.size());
+      for (size_t i = 0; i < one.losses.size(); ++i) {
+        CHECK(std::abs(piped.losses[i] - one.losses[i]) <= 1e-5 * one.losses[i]);
+      }
+      c.pp = 1;
     }
     // 6 steps, save, resume, 6 more == 12 straight, bitwise (one rank).
     c.dp = 1;
