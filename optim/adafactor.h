@@ -65,6 +65,11 @@ class Adafactor : public Optimizer {
   // columns' (one all-reduce of [columns + 2] values per factored parameter and step: the
   // columns' sums, the parameter's and the rows' squares), and one more for the update's RMS.
   bool supports_row_shards() const override { return true; }
+  RowShardState row_shard_state(const std::string& name) const override {
+    return name == "exp_avg_sq_row"   ? RowShardState::rows
+           : name == "exp_avg_sq_col" ? RowShardState::whole
+                                      : RowShardState::elements;
+  }
   const AdafactorOptions& options() const { return options_; }
   // The dims a parameter of `shape` is factored over (rows, columns), or {-1, -1} when its
   // second moment is kept whole.

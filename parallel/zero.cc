@@ -116,8 +116,7 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   NoGradGuard no_grad;
   for (State::Segment& seg : st.segments) {
     // Row shards split the parameter's rows (of its last dim's length) instead of elements.
-    const Tensor& first = st.params[seg.params.front()].tensor;
-    const int64_t row = options.row_shards && first.dim() == 2 ? first.size(1) : 1;
+    const int64_t row = st.row_length(seg);
     for (int r = 0; r < n; ++r) {
       seg.counts.push_back(block_size(seg.numel / row, n, r) * row);
       if (r < comm.rank()) seg.shard_start += seg.counts.back();
@@ -347,24 +346,27 @@ void ZeroDataParallel::scale_grads(double coef) {
   }
 }
 
+void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer) {
+  if (st.stage() == 0 || !st.options.row_shards) return;
+  // Where each shard sits, and the sum over the dp group the optimizer reduces with.
+  std::map<const TensorImpl*, optim::RowShard> shards;
+  Communicator* comm = st.comm;
+  for (const ZeroDataParallel::State::Segment& seg : st.segments) {
+    const int64_t row = st.row_length(seg);
+    shards[seg.shard.impl()] = {st.params[seg.params.front()].tensor.shape(),
+                                seg.shard_start / row, seg.shard_numel / row,
+                                [comm](const Tensor& t) {
+                                  CommCause cause("zero row-shard statistics");
+                                  comm->all_reduce(t, ReduceOp::sum);
+                                }};
+  }
+  optimizer.set_row_shards(std::move(shards));
+}
+
 void ZeroDataParallel::step(optim::Optimizer& optimizer) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "step", st.options.row_shards);
-  if (st.stage() > 0 && st.options.row_shards) {
-    // Where each shard sits, and the sum over the dp group the optimizer reduces with.
-    std::map<const TensorImpl*, optim::RowShard> shards;
-    Communicator* comm = st.comm;
-    for (const State::Segment& seg : st.segments) {
-      const Tensor& p = st.params[seg.params.front()].tensor;
-      const int64_t row = p.dim() == 2 ? p.size(1) : 1;
-      shards[seg.shard.impl()] = {p.shape(), seg.shard_start / row, seg.shard_numel / row,
-                                  [comm](const Tensor& t) {
-                                    CommCause cause("zero row-shard statistics");
-                                    comm->all_reduce(t, ReduceOp::sum);
-                                  }};
-    }
-    optimizer.set_row_shards(std::move(shards));
-  }
+  attach_row_shards(st, optimizer);
   {
     MemoryTagScope tag(MemoryTag::optimizer_state);
     optimizer.step();

@@ -62,8 +62,8 @@ struct ZeroOptions {
   // Stages 1-3: shard every parameter on its own, by whole rows (a 2-D parameter's rows, a
   // 1-D one's elements), and tell the optimizer where each shard sits (optim::RowShard), so
   // that an optimizer with per-matrix statistics (Adafactor: each rank its rows' statistics,
-  // the columns' after one all-reduce) computes the whole-tensor update. Parameters of more
-  // than 2 dims are an error.
+  // the columns' after one all-reduce) computes the whole-tensor update; its checkpoints
+  // gather per Optimizer::row_shard_state. Parameters of more than 2 dims are an error.
   bool row_shards = false;
   // Which parameters weight decay applies to (param_groups' group 0); default
   // optim::decay_groups' rule, dim() >= 2. A wrapper of reshaped shards (tensor parallel)

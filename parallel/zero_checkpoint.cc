@@ -66,11 +66,7 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
 
 optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
   State& st = *state_;
-  TS_CHECK(st.stage() == 0 || optimizer.elementwise(),
-           "{}::optimizer_state_dict: {}'s per-row and per-column state on ZeRO stage {}'s row "
-           "shards cannot be gathered yet (its step runs); checkpoint it under stage 0",
-           kName, optimizer.kind(), st.stage());
-  check_elementwise(optimizer, st.stage(), "optimizer_state_dict");
+  check_elementwise(optimizer, st.stage(), "optimizer_state_dict", st.options.row_shards);
   optim::Optimizer::StateDict shard_dict = optimizer.state_dict();
   if (st.stage() == 0) return shard_dict;
   NoGradGuard no_grad;
@@ -104,6 +100,26 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
         for (int i : seg.params) out[fmt::format("state.{}.step", index_of[i])] = v.clone();
         continue;
       }
+      // Row shards (one parameter per segment): per-row state gathers by rows, state the
+      // same on every shard is the whole tensor's.
+      const auto layout = st.options.row_shards ? optimizer.row_shard_state(name)
+                                                : optim::Optimizer::RowShardState::elements;
+      if (layout == optim::Optimizer::RowShardState::whole) {
+        out[fmt::format("state.{}.{}", index_of[seg.params.front()], name)] = v.clone();
+        continue;
+      }
+      if (layout == optim::Optimizer::RowShardState::rows) {
+        const int64_t row = st.row_length(seg);
+        std::vector<int64_t> counts;
+        for (int64_t c : seg.counts) counts.push_back(c / row);
+        TS_CHECK(v.dim() == 1 && v.numel() == seg.shard_numel / row,
+                 "{}: optimizer state '{}' has shape {}, expected [{}] (the shard's rows)", kName,
+                 k, shape_str(v.shape()), seg.shard_numel / row);
+        const Tensor full = Tensor::empty({seg.numel / row}, v.dtype(), v.device());
+        st.comm->all_gather(full, v.contiguous(), counts);
+        out[fmt::format("state.{}.{}", index_of[seg.params.front()], name)] = full;
+        continue;
+      }
       TS_CHECK(v.dim() == 1 && v.numel() == seg.shard_numel,
                "{}: optimizer state '{}' has shape {}, expected [{}] (the shard)", kName, k,
                shape_str(v.shape()), seg.shard_numel);
@@ -121,11 +137,8 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
 void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
                                                  const optim::Optimizer::StateDict& dict) {
   State& st = *state_;
-  TS_CHECK(st.stage() == 0 || optimizer.elementwise(),
-           "{}::load_optimizer_state_dict: {}'s per-row and per-column state cannot be loaded "
-           "into ZeRO stage {}'s row shards yet; load it under stage 0", kName, optimizer.kind(),
-           st.stage());
-  check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict");
+  check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict", st.options.row_shards);
+  attach_row_shards(st, optimizer);  // the optimizer checks the shards' state shapes
   if (st.stage() == 0) {
     optimizer.load_state_dict(dict);
     return;
@@ -183,6 +196,20 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
              with_state, seg.params.size(), seg_order[j]);
     out[fmt::format("state.{}.step", j)] = Tensor::from_vector<int64_t>({step}, {});
     for (const std::string& name : names) {
+      const auto layout = st.options.row_shards ? optimizer.row_shard_state(name)
+                                                : optim::Optimizer::RowShardState::elements;
+      if (layout != optim::Optimizer::RowShardState::elements) {
+        // One parameter: its per-row state's block of rows, or the whole state.
+        const std::string key = fmt::format("state.{}.{}", index_of[seg.params.front()], name);
+        auto it = dict.find(key);
+        TS_CHECK(it != dict.end(), "{}: optimizer state dict has no '{}'", kName, key);
+        const int64_t row = st.row_length(seg);
+        out[fmt::format("state.{}.{}", j, name)] =
+            layout == optim::Optimizer::RowShardState::whole
+                ? it->second.clone()
+                : it->second.narrow(0, seg.shard_start / row, seg.shard_numel / row).clone();
+        continue;
+      }
       Tensor full;
       for (int i : seg.params) {
         const State::Param& p = st.params[i];

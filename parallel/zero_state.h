@@ -278,6 +278,12 @@ struct ZeroDataParallel::State {
   }
   // The single-device optimizer's parameter k is params[canonical_order()[k]].
   std::vector<int> canonical_order() const { return decay_first(params); }
+  // Row shards: the length of a row of the segment's (one) parameter; 1 otherwise.
+  int64_t row_length(const Segment& seg) const {
+    const Tensor& p = params[seg.params.front()].tensor;
+    return options.row_shards && p.dim() == 2 ? p.size(1) : 1;
+  }
+
   // The sharded optimizer's parameter j is the shard of segments[optimizer_order()[j]].
   std::vector<int> optimizer_order() const { return decay_first(segments); }
 
@@ -287,6 +293,9 @@ struct ZeroDataParallel::State {
     return out;
   }
 };
+
+// Tells a row-sharding optimizer where each shard sits (zero.cc).
+void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer);
 
 // Stages 1-3 hand the optimizer flat 1-D shards that cut across parameters: only an
 // elementwise optimizer (optim::Optimizer::elementwise) computes the same update on them.

@@ -46,11 +46,6 @@ void validate_train_config(const GptTrainConfig& c) {
   TS_CHECK(models::optimizer_is_elementwise(c.optimizer) || (c.pp == 1 && c.tp == 1),
            "gpt: --optimizer={} keeps per-matrix state, which the pp/tp shards would split; use "
            "it without --pp/--tp (got --pp {}, --tp {})", c.optimizer, c.pp, c.tp);
-  TS_CHECK(models::optimizer_is_elementwise(c.optimizer) || c.zero == 0 ||
-               (c.save.empty() && c.resume.empty()),
-           "gpt: --optimizer={} with --zero {} runs on row shards, whose per-row and per-column "
-           "state checkpoints cannot gather yet; drop --save/--resume or use --zero=0",
-           c.optimizer, c.zero);
   TS_CHECK(std::isfinite(c.clip) && c.clip >= 0,
            "gpt: --clip must be a finite number >= 0 (0: no clipping), got {}", c.clip);
   models::precision_dtype(c.precision, gpt);

@@ -231,21 +231,29 @@ std::vector<std::vector<double>> adafactor_reference(const Task& task, optim::Ad
 }
 
 RowShardResult adafactor_row_shards(Communicator& world, const Task& task, optim::AdafactorMode mode,
-                                    int stage, const std::vector<std::vector<double>>& want) {
+                                    int stage, const std::vector<std::vector<double>>& want,
+                                    const Checkpoint* load, Checkpoint* save, int64_t start,
+                                    int64_t stop) {
   RowShardResult out;
   std::shared_ptr<nn::Module> model = make_model(task, DType::f64);
   out.params = static_cast<int64_t>(model->parameters().size());
   ZeroDataParallel zero(*model, world, {.stage = stage, .units = task.units, .row_shards = true});
   optim::Adafactor opt(zero.param_groups(1e-2, kWeightDecay), adafactor_options(mode));
+  if (load != nullptr) {
+    zero.load_model_state_dict(load->model);
+    zero.load_optimizer_state_dict(opt, load->optimizer);
+  }
   CommLog log;
-  for (int64_t step = 0; step < kAdafactorSteps; ++step) {
+  for (int64_t step = start; step < stop; ++step) {
     zero.zero_grad();
     zero.backward(task.loss(*model, DType::f64, step, world.rank(), world.size()));
     CommLogScope scope(log);
     zero.step(opt);
   }
   for (const CommRecord& r : log.records) out.reduces += r.cause == "zero row-shard statistics";
+  if (save != nullptr) save->optimizer = zero.optimizer_state_dict(opt);
   const nn::StateDict full = zero.model_state_dict();
+  if (save != nullptr) save->model = full;
   size_t i = 0;
   for (const auto& entry : model->named_parameters()) {
     const std::vector<double> v = full.at(entry.first).to_vector<double>();

@@ -108,6 +108,8 @@ struct RowShardResult {
   int64_t reduces = 0, params = 0;
 };
 RowShardResult adafactor_row_shards(Communicator& world, const Task& task, optim::AdafactorMode mode,
-                                    int stage, const std::vector<std::vector<double>>& want);
+                                    int stage, const std::vector<std::vector<double>>& want,
+                                    const Checkpoint* load = nullptr, Checkpoint* save = nullptr,
+                                    int64_t start = 0, int64_t stop = kAdafactorSteps);
 
 }  // namespace tessera::parallel::testing_dp
