@@ -86,6 +86,15 @@ Tensor decay_first_moment(const Tensor& m, const Tensor& x, double beta1) {
   m.copy_(m * beta1 + x * (1.0 - beta1));
   return m;
 }
+// The second-moment average: beta2_t v + (1 - beta2_t) x, or (torch) its interpolation
+// form v + (1 - beta2_t)(x - v), equal in exact arithmetic but rounded as each reference does.
+Tensor decayed(bool torch, const Tensor& v, const Tensor& x, double beta2t) {
+  return torch ? v + (x - v) * (1.0 - beta2t) : v * beta2t + x * (1.0 - beta2t);
+}
+// g / sqrt(max(v, floor)) (torch floors the estimate at eps1^2).
+Tensor scaled_by_floored_rsqrt(const Tensor& g, const Tensor& v, double floor) {
+  return g * rsqrt(maximum(v, full({}, floor, v.dtype(), v.device())));
+}
 }  // namespace
 
 std::vector<Optimizer::StateSpec> Adafactor::state_specs(const Tensor& p) const {
@@ -194,9 +203,7 @@ void Adafactor::update(const ParamGroup& group, const Pending& item) {
   const bool torch = o.mode == AdafactorMode::torch;
   const auto decay = [&](const std::string& name, const Tensor& x) {
     Tensor& v = st.at(name);
-    // torch interpolates (lerp); the others decay and add. Equal in exact arithmetic.
-    const Tensor next = torch ? v + (x - v) * (1.0 - beta2t) : v * beta2t + x * (1.0 - beta2t);
-    v.copy_(next);
+    v.copy_(decayed(torch, v, x, beta2t));
     return v;
   };
 
@@ -212,13 +219,13 @@ void Adafactor::update(const ParamGroup& group, const Pending& item) {
     if (torch) {
       const Tensor floor = full({}, o.eps1, dt, param.device());
       const Tensor v = unsqueeze(row, c) * unsqueeze(col, r) / unsqueeze(maximum(row_mean, floor), c);
-      update = g * rsqrt(maximum(v, full({}, o.eps1 * o.eps1, dt, param.device())));
+      update = scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1);
     } else {
       update = g * unsqueeze(rsqrt(row / row_mean), c) * unsqueeze(rsqrt(col), r);
     }
   } else {
     const Tensor v = decay("exp_avg_sq", u);
-    update = torch ? g * rsqrt(maximum(v, full({}, o.eps1 * o.eps1, dt, param.device())))
+    update = torch ? scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1)
                    : g * rsqrt(v);
   }
   const double denom = std::max(1.0, rms(update) / o.clip_threshold);
@@ -287,9 +294,7 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
   const Tensor g = cast(item.grad, dt).reshape(local), w = cast(param, dt).reshape(local);
   const double t = static_cast<double>(item.state->step + 1), lr = group.lr;
   const double beta2t = 1.0 - std::pow(t, -o.decay_rate);
-  const auto blend = [&](const Tensor& v, const Tensor& x) {
-    return torch ? v + (x - v) * (1.0 - beta2t) : v * beta2t + x * (1.0 - beta2t);
-  };
+  const auto blend = [&](const Tensor& v, const Tensor& x) { return decayed(torch, v, x, beta2t); };
   const Tensor u = torch ? g * g : g * g + o.eps1;
   // One sum over the shards: the parameter's squares, then (factored) the columns' sums of u
   // and the new row statistics' sum.
@@ -312,14 +317,14 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
     const double row_mean = s[N + 1] / static_cast<double>(M);
     if (torch) {
       const Tensor v = unsqueeze(rows_new, 1) * unsqueeze(col, 0) / std::max(row_mean, o.eps1);
-      update = g * rsqrt(maximum(v, full({}, o.eps1 * o.eps1, dt, param.device())));
+      update = scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1);
     } else {
       update = g * unsqueeze(rsqrt(rows_new / row_mean), 1) * unsqueeze(rsqrt(col), 0);
     }
   } else {
     Tensor& v = st.at("exp_avg_sq");
     v.copy_(blend(v, u));
-    update = torch ? g * rsqrt(maximum(v, full({}, o.eps1 * o.eps1, dt, param.device())))
+    update = torch ? scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1)
                    : g * rsqrt(v);
   }
   Tensor squares = sum(update * update).reshape({1});
