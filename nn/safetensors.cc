@@ -34,7 +34,7 @@ struct DTypeName {
 };
 constexpr DTypeName kDTypeNames[] = {
     {DType::f32, "F32"}, {DType::f64, "F64"}, {DType::f16, "F16"}, {DType::bf16, "BF16"},
-    {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::b8, "BOOL"},
+    {DType::i32, "I32"}, {DType::i64, "I64"}, {DType::b8, "BOOL"}, {DType::u8, "U8"},
 };
 
 bool dtype_from_safetensors(const std::string& name, DType* out) {
@@ -174,7 +174,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
            path, name, dtype.dump());
   TS_CHECK(dtype_from_safetensors(dtype.get<std::string>(), &e.dtype),
            "load_safetensors: '{}': tensor '{}' has dtype '{}', which Tessera does not support "
-           "(F32, F64, F16, BF16, I32, I64, BOOL)",
+           "(F32, F64, F16, BF16, I32, I64, BOOL, U8)",
            path, name, dtype.get<std::string>());
 
   const json& shape = info["shape"];

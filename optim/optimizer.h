@@ -35,10 +35,16 @@ namespace tessera::optim {
 // it viewed [rows, last dim] (a 1-D tensor: rows of one element). `sum` adds a tensor over
 // every block of the same parameter (an all-reduce over the shard group), in place; every
 // holder calls it alike, in the same order, a holder of no rows too.
+//
+// Block shards (ZeroOptions::block_shards, `block` > 0): the "rows" are instead blocks of
+// `block` consecutive elements of the flattened parameter (its last block may be short).
+// `name` is the parameter's (for per-parameter options such as AdamW8bit's f32_state).
 struct RowShard {
   Shape global;
   int64_t first_row = 0, rows = 0;
   std::function<void(const Tensor&)> sum;
+  int64_t block = 0;
+  std::string name = {};
 };
 
 struct ParamGroup {
@@ -94,6 +100,10 @@ class Optimizer {
   // Whether an optimizer that is not elementwise still gives the whole-tensor update on row
   // shards, given each one's RowShard (set_row_shards; Adafactor does).
   virtual bool supports_row_shards() const { return false; }
+  // > 0: an optimizer that is not elementwise but gives the whole-tensor update on shards cut
+  // at multiples of this many elements of each parameter (block shards, see RowShard), as
+  // AdamW8bit does with its quantization blocks.
+  virtual int64_t shard_block() const { return 0; }
   // For a wrapper that hands the optimizer row shards: `shards` maps a parameter (the shard
   // tensor the optimizer was built on) to where it sits. Before the first step.
   void set_row_shards(std::map<const TensorImpl*, RowShard> shards) { row_shards_ = std::move(shards); }

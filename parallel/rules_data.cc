@@ -106,6 +106,16 @@ AxisOptions like_param(const AxisCtx& c) {
   return options;
 }
 
+// adamw8bit_: a block's scale is its largest element, so no placement splits a tensor; the
+// update runs on whole tensors (ZeRO cuts shards at block boundaries itself, see
+// ZeroOptions::block_shards).
+AxisOptions replicated_update(const AxisCtx& c) {
+  AxisOptions options;
+  options.push_back(uniform(c, R, R));
+  for (AxisOption& o : options) o.out.assign(c.out.size(), o.in[0]);
+  return options;
+}
+
 // ---- views ---------------------------------------------------------------------------------
 
 AxisOptions view_options(const AxisCtx& c) {
@@ -244,6 +254,7 @@ TS_REGISTER_SHARDING_RULE(split, {.composite = true});
 
 TS_REGISTER_SHARDING_RULE(copy_, {.options = copy_options});
 TS_REGISTER_SHARDING_RULE(adamw_, {.options = like_param});
+TS_REGISTER_SHARDING_RULE(adamw8bit_, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(sgd_, {.options = like_param});
 
 TS_REGISTER_SHARDING_RULE(view, {.options = view_options});

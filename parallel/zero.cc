@@ -29,6 +29,10 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
            kName, options.stage);
   TS_CHECK(options.bucket_bytes > 0, "{}: bucket_bytes must be positive, got {}", kName,
            options.bucket_bytes);
+  TS_CHECK(options.block_shards >= 0 && !(options.block_shards > 0 && options.row_shards),
+           "{}: block_shards must be >= 0 and not combined with row_shards, got block_shards {} "
+           "with row_shards {}",
+           kName, options.block_shards, options.row_shards);
   State& st = *state_;
   st.module = &module;
   st.comm = &comm;
@@ -74,7 +78,8 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   check_same_parameters(comm, kName, st.named(),
                         static_cast<uint64_t>(options.stage) * 1000003u +
                             static_cast<uint64_t>(options.bucket_bytes) * 7 +
-                            options.units.size() + (options.row_shards ? 1000u : 0u));
+                            options.units.size() + (options.row_shards ? 1000u : 0u) +
+                            static_cast<uint64_t>(options.block_shards) * 10007u);
   if (options.check_replicas) check_same_values(comm, kName, st.named());
 
   // Segments in the order backward completes them: the wrapped units last to first, then
@@ -96,8 +101,9 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
       TS_CHECK(!options.row_shards || p.tensor.dim() <= 2,
                "{}: row_shards cover 1-D and 2-D parameters; '{}' has shape {}", kName, p.name,
                shape_str(p.tensor.shape()));
-      // (Row shards: a segment per parameter, so that every shard is whole rows of one.)
-      if (o == open.end() || options.row_shards ||
+      // (Row/block shards: a segment per parameter, so that every shard is whole rows or
+      // blocks of one.)
+      if (o == open.end() || st.per_param_shards() ||
           (st.segments[o->second].numel > 0 &&
            st.segments[o->second].numel * dtype_size(p.tensor.dtype()) + bytes > cap)) {
         st.segments.push_back({u, p.decay, p.tensor.dtype(), p.tensor.device()});
@@ -115,11 +121,16 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   // Flat buffers: the parameters become views of them (stage 3: of a buffer released below).
   NoGradGuard no_grad;
   for (State::Segment& seg : st.segments) {
-    // Row shards split the parameter's rows (of its last dim's length) instead of elements.
+    // Row (block) shards split the parameter's rows (blocks) instead of elements; a short
+    // last block stays with the rank holding it.
     const int64_t row = st.row_length(seg);
+    int64_t start = 0;
     for (int r = 0; r < n; ++r) {
-      seg.counts.push_back(block_size(seg.numel / row, n, r) * row);
-      if (r < comm.rank()) seg.shard_start += seg.counts.back();
+      const int64_t count =
+          std::min(block_size(st.rows_in(seg, seg.numel), n, r) * row, seg.numel - start);
+      seg.counts.push_back(count);
+      if (r < comm.rank()) seg.shard_start += count;
+      start += count;
     }
     seg.shard_numel = seg.counts[comm.rank()];
     {
@@ -347,25 +358,27 @@ void ZeroDataParallel::scale_grads(double coef) {
 }
 
 void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer) {
-  if (st.stage() == 0 || !st.options.row_shards) return;
+  if (st.stage() == 0 || !st.per_param_shards()) return;
   // Where each shard sits, and the sum over the dp group the optimizer reduces with.
   std::map<const TensorImpl*, optim::RowShard> shards;
   Communicator* comm = st.comm;
   for (const ZeroDataParallel::State::Segment& seg : st.segments) {
     const int64_t row = st.row_length(seg);
-    shards[seg.shard.impl()] = {st.params[seg.params.front()].tensor.shape(),
-                                seg.shard_start / row, seg.shard_numel / row,
+    const ZeroDataParallel::State::Param& p = st.params[seg.params.front()];
+    shards[seg.shard.impl()] = {p.tensor.shape(), seg.shard_start / row,
+                                st.rows_in(seg, seg.shard_numel),
                                 [comm](const Tensor& t) {
                                   CommCause cause("zero row-shard statistics");
                                   comm->all_reduce(t, ReduceOp::sum);
-                                }};
+                                },
+                                st.options.block_shards, p.name};
   }
   optimizer.set_row_shards(std::move(shards));
 }
 
 void ZeroDataParallel::step(optim::Optimizer& optimizer) {
   State& st = *state_;
-  check_elementwise(optimizer, st.stage(), "step", st.options.row_shards);
+  check_elementwise(optimizer, st.stage(), "step", st.options);
   attach_row_shards(st, optimizer);
   {
     MemoryTagScope tag(MemoryTag::optimizer_state);

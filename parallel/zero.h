@@ -65,6 +65,13 @@ struct ZeroOptions {
   // the columns' after one all-reduce) computes the whole-tensor update; its checkpoints
   // gather per Optimizer::row_shard_state. Parameters of more than 2 dims are an error.
   bool row_shards = false;
+  // Stages 1-3: shard every parameter on its own, each rank a run of whole blocks of this
+  // many consecutive elements of the flattened parameter (its last block may be short), and
+  // tell the optimizer where each shard sits (optim::RowShard::block). An optimizer with
+  // per-block state (AdamW8bit: 256, its quantization block) then keeps every block, and
+  // its scale, on one rank: the single-device update. Checkpoints gather per-block state by
+  // blocks (Optimizer::row_shard_state rows). 0: off. Not with row_shards.
+  int64_t block_shards = 0;
   // Which parameters weight decay applies to (param_groups' group 0); default
   // optim::decay_groups' rule, dim() >= 2. A wrapper of reshaped shards (tensor parallel)
   // passes the rule on the original shapes.

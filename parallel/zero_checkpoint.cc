@@ -66,7 +66,7 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
 
 optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
   State& st = *state_;
-  check_elementwise(optimizer, st.stage(), "optimizer_state_dict", st.options.row_shards);
+  check_elementwise(optimizer, st.stage(), "optimizer_state_dict", st.options);
   optim::Optimizer::StateDict shard_dict = optimizer.state_dict();
   if (st.stage() == 0) return shard_dict;
   NoGradGuard no_grad;
@@ -102,20 +102,19 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
       }
       // Row shards (one parameter per segment): per-row state gathers by rows, state the
       // same on every shard is the whole tensor's.
-      const auto layout = st.options.row_shards ? optimizer.row_shard_state(name)
+      const auto layout = st.per_param_shards() ? optimizer.row_shard_state(name)
                                                 : optim::Optimizer::RowShardState::elements;
       if (layout == optim::Optimizer::RowShardState::whole) {
         out[fmt::format("state.{}.{}", index_of[seg.params.front()], name)] = v.clone();
         continue;
       }
       if (layout == optim::Optimizer::RowShardState::rows) {
-        const int64_t row = st.row_length(seg);
         std::vector<int64_t> counts;
-        for (int64_t c : seg.counts) counts.push_back(c / row);
-        TS_CHECK(v.dim() == 1 && v.numel() == seg.shard_numel / row,
+        for (int64_t c : seg.counts) counts.push_back(st.rows_in(seg, c));
+        TS_CHECK(v.dim() == 1 && v.numel() == st.rows_in(seg, seg.shard_numel),
                  "{}: optimizer state '{}' has shape {}, expected [{}] (the shard's rows)", kName,
-                 k, shape_str(v.shape()), seg.shard_numel / row);
-        const Tensor full = Tensor::empty({seg.numel / row}, v.dtype(), v.device());
+                 k, shape_str(v.shape()), st.rows_in(seg, seg.shard_numel));
+        const Tensor full = Tensor::empty({st.rows_in(seg, seg.numel)}, v.dtype(), v.device());
         st.comm->all_gather(full, v.contiguous(), counts);
         out[fmt::format("state.{}.{}", index_of[seg.params.front()], name)] = full;
         continue;
@@ -137,7 +136,7 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
 void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
                                                  const optim::Optimizer::StateDict& dict) {
   State& st = *state_;
-  check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict", st.options.row_shards);
+  check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict", st.options);
   attach_row_shards(st, optimizer);  // the optimizer checks the shards' state shapes
   if (st.stage() == 0) {
     optimizer.load_state_dict(dict);
@@ -196,7 +195,7 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
              with_state, seg.params.size(), seg_order[j]);
     out[fmt::format("state.{}.step", j)] = Tensor::from_vector<int64_t>({step}, {});
     for (const std::string& name : names) {
-      const auto layout = st.options.row_shards ? optimizer.row_shard_state(name)
+      const auto layout = st.per_param_shards() ? optimizer.row_shard_state(name)
                                                 : optim::Optimizer::RowShardState::elements;
       if (layout != optim::Optimizer::RowShardState::elements) {
         // One parameter: its per-row state's block of rows, or the whole state.
@@ -207,7 +206,8 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
         out[fmt::format("state.{}.{}", j, name)] =
             layout == optim::Optimizer::RowShardState::whole
                 ? it->second.clone()
-                : it->second.narrow(0, seg.shard_start / row, seg.shard_numel / row).clone();
+                : it->second.narrow(0, seg.shard_start / row, st.rows_in(seg, seg.shard_numel))
+                      .clone();
         continue;
       }
       Tensor full;

@@ -278,10 +278,19 @@ struct ZeroDataParallel::State {
   }
   // The single-device optimizer's parameter k is params[canonical_order()[k]].
   std::vector<int> canonical_order() const { return decay_first(params); }
-  // Row shards: the length of a row of the segment's (one) parameter; 1 otherwise.
+  // Row or block shards: one parameter per segment, each shard whole rows (blocks) of it.
+  bool per_param_shards() const { return options.row_shards || options.block_shards > 0; }
+  // The unit a shard holds whole runs of: a row of the segment's (one) parameter (row
+  // shards), a block (block shards; the parameter's last may be short); 1 otherwise.
   int64_t row_length(const Segment& seg) const {
+    if (options.block_shards > 0) return options.block_shards;
     const Tensor& p = params[seg.params.front()].tensor;
     return options.row_shards && p.dim() == 2 ? p.size(1) : 1;
+  }
+  // Rows (blocks) in `count` elements of a segment starting at a row boundary.
+  int64_t rows_in(const Segment& seg, int64_t count) const {
+    const int64_t row = row_length(seg);
+    return (count + row - 1) / row;
   }
 
   // The sharded optimizer's parameter j is the shard of segments[optimizer_order()[j]].
@@ -302,14 +311,23 @@ void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer)
 // With row_shards, an optimizer that supports them (optim::Optimizer::supports_row_shards)
 // gets whole rows of one parameter per shard instead.
 inline void check_elementwise(const optim::Optimizer& optimizer, int stage, const char* call,
-                              bool row_shards = false) {
-  TS_CHECK(stage == 0 || optimizer.elementwise() ||
-               (row_shards && optimizer.supports_row_shards()),
-           "ZeroDataParallel::{}: ZeRO stage {} runs the optimizer on flat 1-D shards of the "
-           "parameters, but {} is not elementwise (its update depends on whole tensors); use "
-           "stage 0, an elementwise optimizer such as AdamW or SGD{}",
-           call, stage, optimizer.kind(),
-           optimizer.supports_row_shards() ? ", or ZeroOptions::row_shards" : "");
+                              const ZeroOptions& options) {
+  const int64_t block = optimizer.shard_block();
+  if (stage == 0 || optimizer.elementwise() ||
+      (options.row_shards && optimizer.supports_row_shards()) ||
+      (block > 0 && options.block_shards > 0 && options.block_shards % block == 0)) {
+    return;
+  }
+  fail("ZeroDataParallel::{}: ZeRO stage {} runs the optimizer on {}, but {} is not elementwise "
+       "(its update depends on {}); use stage 0, an elementwise optimizer such as AdamW or SGD{}",
+       call, stage,
+       options.block_shards > 0 ? fmt::format("shards of {}-element blocks", options.block_shards)
+       : options.row_shards     ? std::string("row shards")
+                                : std::string("flat 1-D shards of the parameters"),
+       optimizer.kind(), block > 0 ? fmt::format("blocks of {} elements", block) : "whole tensors",
+       optimizer.supports_row_shards()
+           ? ", or ZeroOptions::row_shards"
+           : (block > 0 ? fmt::format(", or ZeroOptions::block_shards = {}", block) : ""));
 }
 
 }  // namespace tessera::parallel

@@ -12,7 +12,8 @@ DType dtype_from_name(std::string_view name) {
   if (name == "bfloat16") return DType::bf16;
   if (name == "int32") return DType::i32;
   if (name == "int64") return DType::i64;
-  fail("dtype: unknown name '{}' (expected f32, f64, f16, bf16, i32, i64 or bool)", name);
+  if (name == "uint8") return DType::u8;
+  fail("dtype: unknown name '{}' (expected f32, f64, f16, bf16, i32, i64, bool or u8)", name);
 }
 
 }  // namespace tessera

@@ -1,5 +1,7 @@
 // Element types. f16 and bf16 are 16-bit storage types with round-to-nearest-even conversion
-// from f32; kernels compute on them in f32 (compute_t<T>).
+// from f32; kernels compute on them in f32 (compute_t<T>). u8 holds bytes such as the codes of
+// 8-bit optimizer state (optim/quantize.h): it is created, copied, cast, sliced, moved between
+// devices and ranks and saved, but arithmetic ops refuse it (cast to i32 or f32 first).
 //
 //   DType dt = DType::bf16;
 //   visit_dtype(dt, [&]<typename T>() { ... T is BFloat16 here ... });
@@ -15,10 +17,10 @@
 
 namespace tessera {
 
-enum class DType : uint8_t { f32, f64, f16, bf16, i32, i64, b8 };
-inline constexpr int kNumDTypes = 7;
+enum class DType : uint8_t { f32, f64, f16, bf16, i32, i64, b8, u8 };
+inline constexpr int kNumDTypes = 8;
 inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
-                                       DType::i32, DType::i64, DType::b8};
+                                       DType::i32, DType::i64, DType::b8, DType::u8};
 
 namespace detail {
 
@@ -127,6 +129,7 @@ template <> struct dtype_of<BFloat16> { static constexpr DType value = DType::bf
 template <> struct dtype_of<int32_t> { static constexpr DType value = DType::i32; };
 template <> struct dtype_of<int64_t> { static constexpr DType value = DType::i64; };
 template <> struct dtype_of<bool> { static constexpr DType value = DType::b8; };
+template <> struct dtype_of<uint8_t> { static constexpr DType value = DType::u8; };
 template <typename T>
 inline constexpr DType dtype_of_v = dtype_of<T>::value;
 
@@ -139,6 +142,7 @@ constexpr int64_t dtype_size(DType dt) {
     case DType::i32: return 4;
     case DType::i64: return 8;
     case DType::b8: return 1;
+    case DType::u8: return 1;
   }
   return 0;
 }
@@ -152,6 +156,7 @@ constexpr std::string_view dtype_name(DType dt) {
     case DType::i32: return "i32";
     case DType::i64: return "i64";
     case DType::b8: return "bool";
+    case DType::u8: return "u8";
   }
   return "?";
 }
@@ -175,6 +180,7 @@ decltype(auto) visit_dtype(DType dt, F&& f) {
     case DType::i32: return f.template operator()<int32_t>();
     case DType::i64: return f.template operator()<int64_t>();
     case DType::b8: return f.template operator()<bool>();
+    case DType::u8: return f.template operator()<uint8_t>();
   }
   fail("visit_dtype: invalid dtype {}", static_cast<int>(dt));
 }

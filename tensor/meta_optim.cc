@@ -1,4 +1,4 @@
-// Shape inference for the fused optimizer updates (adamw_, sgd_). They write into their
+// Shape inference for the fused optimizer updates (adamw_, adamw8bit_, sgd_). They write into their
 // inputs, so these only validate and return no outputs (see call_inplace in tensor/op.h).
 //
 // Multi-tensor form (what optim/ issues, one call per bucket of like parameters): the inputs
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "tensor/internal/meta_util.h"
+#include "tensor/quant8.h"
 
 namespace tessera {
 namespace {
@@ -105,6 +106,50 @@ std::vector<TensorSpec> adamw_meta(std::span<const TensorSpec> in, const Attrs& 
   return {};
 }
 
+// Inputs: param, grad, exp_avg (u8), exp_avg_sq (u8), exp_avg_absmax, exp_avg_sq_absmax,
+// [master]; or k such tuples of 7 (master undefined where there is none).
+std::vector<TensorSpec> adamw8bit_meta(std::span<const TensorSpec> in, const Attrs& a) {
+  constexpr OpId op = OpId::adamw8bit_;
+  TS_CHECK(in.size() == 6 || (in.size() >= 7 && in.size() % 7 == 0),
+           "adamw8bit_: expected 6 or 7 inputs (param, grad, exp_avg, exp_avg_sq, "
+           "exp_avg_absmax, exp_avg_sq_absmax[, master]), or 7k for k such tuples, got {}",
+           in.size());
+  for_each_tuple(op, in, 7, [&](const Label& label, std::span<const TensorSpec> t) {
+    static constexpr const char* kNames[] = {"param", "grad", "exp_avg", "exp_avg_sq",
+                                             "exp_avg_absmax", "exp_avg_sq_absmax"};
+    for (size_t i = 2; i < 6; ++i) {
+      TS_CHECK(t[i].defined, "{}: {} (input {}) is an undefined tensor", label.str(), kNames[i], i);
+    }
+    check_update_operands(label, t, {}, 6);
+    const TensorSpec& p = t[0];
+    for (size_t i : {size_t{2}, size_t{3}}) {
+      TS_CHECK(t[i].dtype == DType::u8 && t[i].shape == p.shape,
+               "{}: {} must be u8 {} (codes shaped like param), got {} {}", label.str(), kNames[i],
+               shape_str(p.shape), t[i].dtype, shape_str(t[i].shape));
+      TS_CHECK(t[i].device == p.device, "{}: {} is on {} but param {} is on {}", label.str(),
+               kNames[i], t[i].device, shape_str(p.shape), p.device);
+    }
+    const Shape blocks = {quant8_blocks(numel_of(p.shape))};
+    for (size_t i : {size_t{4}, size_t{5}}) {
+      TS_CHECK(t[i].dtype == stats_dtype(p.dtype) && t[i].shape == blocks,
+               "{}: {} must be {} {} (one scale per block of {} elements of a {} param {}), got "
+               "{} {}",
+               label.str(), kNames[i], stats_dtype(p.dtype), shape_str(blocks), kQuant8Block,
+               p.dtype, shape_str(p.shape), t[i].dtype, shape_str(t[i].shape));
+      TS_CHECK(t[i].device == p.device, "{}: {} is on {} but param {} is on {}", label.str(),
+               kNames[i], t[i].device, shape_str(p.shape), p.device);
+    }
+  });
+  TS_CHECK(a.step_count >= 1, "adamw8bit_: step_count must be >= 1 (1-based), got {}",
+           a.step_count);
+  TS_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
+           "adamw8bit_: betas must be in [0, 1), got ({}, {})", a.beta1, a.beta2);
+  check_finite(op, a.lr, "lr");
+  check_finite(op, a.eps, "eps");
+  check_finite(op, a.weight_decay, "weight_decay");
+  return {};
+}
+
 // Inputs: param, grad, momentum_buffer (undefined iff momentum == 0), [master]; or k tuples
 // of 4 (master undefined where there is none).
 std::vector<TensorSpec> sgd_meta(std::span<const TensorSpec> in, const Attrs& a) {
@@ -132,6 +177,7 @@ std::vector<TensorSpec> sgd_meta(std::span<const TensorSpec> in, const Attrs& a)
 }
 
 TS_REGISTER_META(adamw_, adamw_meta);
+TS_REGISTER_META(adamw8bit_, adamw8bit_meta);
 TS_REGISTER_META(sgd_, sgd_meta);
 
 }  // namespace

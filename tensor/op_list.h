@@ -116,6 +116,7 @@
   X(copy_, Compute, NoDiff, Copy, None)                           \
   /* optimizer updates (in place) */                              \
   X(adamw_, Compute, NoDiff, InplaceUpdate, None)                 \
+  X(adamw8bit_, Compute, NoDiff, InplaceUpdate, None)             \
   X(sgd_, Compute, NoDiff, InplaceUpdate, None)                   \
   /* views */                                                     \
   X(view, View, Diff, View, None)                                 \

@@ -253,6 +253,16 @@ void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                {0, 2, 3, 4});
 }
 
+void adamw8bit_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                const Tensor& exp_avg_sq, const Tensor& exp_avg_absmax,
+                const Tensor& exp_avg_sq_absmax, int64_t step, double lr, double beta1,
+                double beta2, double eps, double weight_decay, const Tensor& master) {
+  std::vector<Tensor> in = {param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax};
+  if (master.defined()) in.push_back(master);
+  call_inplace(OpId::adamw8bit_, std::move(in),
+               op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay), {0, 2, 3, 4, 5, 6});
+}
+
 void sgd_(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer, int64_t step,
           double lr, double momentum, double dampening, double weight_decay, bool nesterov,
           const Tensor& master) {

@@ -139,6 +139,20 @@ void copy_(const Tensor& dst, const Tensor& src);
 void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
             const Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
             double eps, double weight_decay, const Tensor& master = Tensor());
+// adamw_ with both moments held in 8 bits, block-wise (tensor/quant8.h): exp_avg and
+// exp_avg_sq are u8 codes shaped like param, on the signed and the unsigned dynamic map, and
+// exp_avg_absmax / exp_avg_sq_absmax their blocks' scales, [ceil(numel / 256)] in the state
+// dtype (f32; f64 for an f64 param). Per block of 256 elements (the last may be shorter):
+//   m = map_signed[exp_avg] * exp_avg_absmax;  v = map_unsigned[exp_avg_sq] * exp_avg_sq_absmax
+//   m, v and param updated exactly as adamw_ does (same order of operations, state dtype)
+//   exp_avg_absmax = max |m|, exp_avg_sq_absmax = max v over the block (0 for an all-zero one)
+//   exp_avg = code of m / exp_avg_absmax, exp_avg_sq = code of v / exp_avg_sq_absmax
+//     (the nearest map entry, ties to the larger; x / 0 counts as 0).
+// Every operand must be contiguous. `master` as for adamw_.
+void adamw8bit_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                const Tensor& exp_avg_sq, const Tensor& exp_avg_absmax,
+                const Tensor& exp_avg_sq_absmax, int64_t step, double lr, double beta1,
+                double beta2, double eps, double weight_decay, const Tensor& master = Tensor());
 // One SGD step, as torch.optim.SGD:
 //   d = grad + weight_decay * param
 //   with momentum: buf = (step == 1 ? d : momentum * buf + (1 - dampening) * d)

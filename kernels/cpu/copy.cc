@@ -24,6 +24,9 @@ To convert(From v) {
     } else {
       return To(static_cast<float>(v));
     }
+  } else if constexpr (std::is_same_v<To, uint8_t> && !std::is_integral_v<From>) {
+    // Floats truncate toward zero, then wrap modulo 256 as integers do.
+    return static_cast<uint8_t>(static_cast<int64_t>(static_cast<compute_t<From>>(v)));
   } else if constexpr (is_low_precision_v<From>) {
     return static_cast<To>(static_cast<float>(v));
   } else {

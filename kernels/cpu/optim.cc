@@ -1,4 +1,4 @@
-// CPU optimizer updates, fused: adamw_ and sgd_ read the gradient and write param, moments
+// CPU optimizer updates, fused: adamw_, adamw8bit_ and sgd_ read the gradient and write param, moments
 // and the optional f32 master copy in one pass (PyTorch's single-tensor semantics, see
 // tensor/ops.h). f16/bf16 params are updated in f32 (on the master when there is one) and
 // written back rounded once; the moments are f32 (f64 for f64 params). Both also take the
@@ -15,6 +15,7 @@
 #include "kernels/cpu/loops.h"
 #include "kernels/cpu/update_checks.h"
 #include "tensor/op.h"
+#include "tensor/quant8.h"
 
 namespace tessera::cpu {
 namespace {
@@ -134,6 +135,127 @@ void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a)
   for (std::span<const Tensor> t : tuples) adamw_one(t, a);
 }
 
+// ---- AdamW with 8-bit state ---------------------------------------------------------------
+// Block by block (tensor/quant8.h): dequantize both moments, the AdamW step of adamw_run in
+// the state type, the blocks' new absmax, requantize. Blocks are independent, so threads
+// take runs of whole blocks.
+
+template <typename P, typename S, bool kMaster>
+struct Adam8Operands {
+  P* p;
+  const P* g;
+  uint8_t* c1;
+  uint8_t* c2;
+  S* a1;
+  S* a2;
+  float* w;
+};
+
+template <typename P, typename S, bool kMaster>
+void adamw8bit_block(const Adam8Operands<P, S, kMaster>& o, int64_t b, int64_t n,
+                     const AdamConsts<S>& k, const Quant8Map& q1, const Quant8Map& q2) {
+  const int64_t i0 = b * kQuant8Block;
+  const int64_t len = std::min<int64_t>(kQuant8Block, n - i0);
+  P* __restrict p = o.p + i0;
+  const P* __restrict g = o.g + i0;
+  uint8_t* __restrict c1 = o.c1 + i0;
+  uint8_t* __restrict c2 = o.c2 + i0;
+  float* __restrict w = kMaster ? o.w + i0 : nullptr;
+  alignas(64) S m[kQuant8Block], v[kQuant8Block];
+  const S s1 = o.a1[b], s2 = o.a2[b];
+  S max1 = 0, max2 = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    S x;
+    if constexpr (kMaster) x = w[i];
+    else x = S(p[i]);
+    const S gi = S(g[i]);
+    x *= k.decay;
+    S mi = S(q1.values[c1[i]]) * s1;
+    mi += k.w1 * (gi - mi);
+    const S vi = (S(q2.values[c2[i]]) * s2) * k.beta2 + k.w2 * (gi * gi);
+    const S denom = std::sqrt(vi) / k.bc2_sqrt + k.eps;
+    x -= k.step_size * (mi / denom);
+    if constexpr (kMaster) w[i] = x;
+    p[i] = P(x);
+    m[i] = mi;
+    v[i] = vi;
+    const S am = std::fabs(mi);
+    max1 = max1 < am ? am : max1;
+    max2 = max2 < vi ? vi : max2;
+  }
+  o.a1[b] = max1;
+  o.a2[b] = max2;
+  // x / 0 counts as 0: an all-zero block keeps the zero codes.
+  const S d1 = max1 > 0 ? max1 : S(1), d2 = max2 > 0 ? max2 : S(1);
+  for (int64_t i = 0; i < len; ++i) c1[i] = q1.code(m[i] / d1);
+  for (int64_t i = 0; i < len; ++i) c2[i] = q2.code(v[i] / d2);
+}
+
+template <typename P, bool kMaster>
+void adamw8bit_typed(std::span<const Tensor> in, const Attrs& a) {
+  using S = std::conditional_t<std::is_same_v<P, double>, double, float>;
+  const double t = static_cast<double>(a.step_count);
+  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
+  const AdamConsts<S> k{S(1.0 - a.lr * a.weight_decay), S(1.0 - a.beta1), S(a.beta2),
+                        S(1.0 - a.beta2), S(std::sqrt(bc2)), S(a.eps), S(a.lr / bc1)};
+  const Adam8Operands<P, S, kMaster> o{
+      static_cast<P*>(in[0].raw_data()),       static_cast<const P*>(in[1].raw_data()),
+      static_cast<uint8_t*>(in[2].raw_data()), static_cast<uint8_t*>(in[3].raw_data()),
+      static_cast<S*>(in[4].raw_data()),       static_cast<S*>(in[5].raw_data()),
+      kMaster ? static_cast<float*>(in[6].raw_data()) : nullptr};
+  const Quant8Map& q1 = quant8_map(Quant8Kind::signed_dynamic);
+  const Quant8Map& q2 = quant8_map(Quant8Kind::unsigned_dynamic);
+  const int64_t n = in[0].numel();
+  parallel_for(0, quant8_blocks(n), std::max<int64_t>(1, kUpdateGrain / kQuant8Block),
+               [&](int64_t b0, int64_t b1) {
+                 for (int64_t b = b0; b < b1; ++b) adamw8bit_block(o, b, n, k, q1, q2);
+               });
+}
+
+void adamw8bit_one(std::span<const Tensor> in, const Attrs& a) {
+  const bool master = in.size() > 6 && in[6].defined();
+  visit_float_dtype(in[0].dtype(), "adamw8bit_", [&]<typename P>() {
+    if constexpr (std::is_same_v<P, double>) {
+      adamw8bit_typed<P, false>(in, a);  // the meta function rejects an f64 param's master
+    } else {
+      if (master) adamw8bit_typed<P, true>(in, a);
+      else adamw8bit_typed<P, false>(in, a);
+    }
+  });
+}
+
+void adamw8bit_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  const auto tuples = tuples_of(in, 7);
+  const size_t count = in.size() < 14 ? 0 : tuples.size();  // 0: the single-tensor form
+  static constexpr const char* kNames[] = {"param",          "grad",
+                                           "exp_avg",        "exp_avg_sq",
+                                           "exp_avg_absmax", "exp_avg_sq_absmax",
+                                           "master"};
+  for (size_t j = 0; j < tuples.size(); ++j) {
+    check_no_overlap("adamw8bit_", j, count, tuples[j],
+                     {"param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_absmax",
+                      "exp_avg_sq_absmax", "master"});
+    for (size_t i = 0; i < tuples[j].size(); ++i) {
+      const Tensor& x = tuples[j][i];
+      if (i == 1) continue;  // grad: any layout
+      TS_CHECK(!x.defined() || x.is_contiguous(),
+               "adamw8bit_{}: {} {} must be contiguous (blocks are runs of {} consecutive "
+               "elements)",
+               count == 0 ? std::string() : fmt::format(" tuple {} of {}", j, count), kNames[i],
+               shape_str(x.shape()), kQuant8Block);
+    }
+  }
+  for (std::span<const Tensor> t : tuples) {
+    if (t[1].is_contiguous()) {
+      adamw8bit_one(t, a);
+    } else {  // grad is only read: a contiguous copy will do
+      std::vector<Tensor> copy(t.begin(), t.end());
+      copy[1] = t[1].contiguous();
+      adamw8bit_one(copy, a);
+    }
+  }
+}
+
 // ---- SGD -----------------------------------------------------------------------------------
 
 template <typename C>
@@ -238,6 +360,7 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
 }
 
 TS_REGISTER_KERNEL(cpu, adamw_, adamw_kernel);
+TS_REGISTER_KERNEL(cpu, adamw8bit_, adamw8bit_kernel);
 TS_REGISTER_KERNEL(cpu, sgd_, sgd_kernel);
 
 }  // namespace

@@ -100,6 +100,9 @@ __device__ __forceinline__ To convert(From v) {
     } else {
       return from_acc<To, float>(static_cast<float>(v));
     }
+  } else if constexpr (std::is_same_v<To, uint8_t> && !std::is_integral_v<From>) {
+    // Floats truncate toward zero, then wrap modulo 256 as integers do (the CPU's rule).
+    return static_cast<uint8_t>(static_cast<long long>(static_cast<double>(to_acc(v))));
   } else if constexpr (is_16bit_float_v<From>) {
     return static_cast<To>(to_acc(v));
   } else {
@@ -174,6 +177,7 @@ template <typename T> __host__ __device__ __forceinline__ T* typed(const DevTens
     TS_CUDA_CASE(::tessera::cuda_kernels::kI32, int32_t, __VA_ARGS__)                 \
     TS_CUDA_CASE(::tessera::cuda_kernels::kI64, int64_t, __VA_ARGS__)                 \
     TS_CUDA_CASE(::tessera::cuda_kernels::kB8, bool, __VA_ARGS__)                     \
+    TS_CUDA_CASE(::tessera::cuda_kernels::kU8, uint8_t, __VA_ARGS__)                  \
     default: throw ::tessera::cuda_kernels::CudaLaunchError(                          \
         std::string(what) + ": unsupported dtype " + std::to_string(dtype));          \
   }

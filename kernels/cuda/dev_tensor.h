@@ -15,7 +15,7 @@ namespace tessera::cuda_kernels {
 
 inline constexpr int kMaxDims = 8;
 
-enum DevDType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI32 = 4, kI64 = 5, kB8 = 6 };
+enum DevDType : int { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI32 = 4, kI64 = 5, kB8 = 6, kU8 = 7 };
 
 struct DevTensor {
   void* data = nullptr;

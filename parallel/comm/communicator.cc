@@ -68,6 +68,9 @@ void check_pair(const Communicator& c, const char* op, const Tensor& out, const 
 void check_reduce(const Communicator& c, const char* op, DType dt, ReduceOp rop) {
   TS_CHECK(rop != ReduceOp::avg || is_floating(dt),
            "{} on group '{}': avg needs a floating dtype, got {}", op, c.name(), dt);
+  TS_CHECK(dt != DType::u8,
+           "{} on group '{}': u8 tensors hold codes and are not reduced (gather or broadcast them)",
+           op, c.name());
 }
 
 std::vector<int64_t> fill_counts(const Communicator& c, const char* op, const char* which,

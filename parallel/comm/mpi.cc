@@ -158,7 +158,8 @@ MPI_Datatype move_type(DType dt) {
     case DType::bf16: return MPI_UINT16_T;
     case DType::i32: return MPI_INT32_T;
     case DType::i64: return MPI_INT64_T;
-    case DType::b8: return MPI_UINT8_T;
+    case DType::b8:
+    case DType::u8: return MPI_UINT8_T;
   }
   return MPI_DATATYPE_NULL;
 }

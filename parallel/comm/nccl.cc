@@ -33,7 +33,8 @@ ncclDataType_t nccl_type(DType dt) {
     case DType::bf16: return ncclBfloat16;
     case DType::i32: return ncclInt32;
     case DType::i64: return ncclInt64;
-    case DType::b8: return ncclUint8;
+    case DType::b8:
+    case DType::u8: return ncclUint8;
   }
   return ncclUint8;
 }

@@ -92,6 +92,7 @@ void reduce_into(DType dt, ReduceOp op, char* out, const std::vector<const char*
     case DType::i32: return reduce_typed<int32_t, int32_t>(op, out, src, count);
     case DType::i64: return reduce_typed<int64_t, int64_t>(op, out, src, count);
     case DType::b8: return reduce_typed<uint8_t, uint8_t>(op, out, src, count);
+    case DType::u8: fail("threads backend: u8 tensors hold codes and are not reduced");
   }
 }
 

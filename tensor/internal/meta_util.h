@@ -30,6 +30,8 @@ inline void require_float(OpId op, const TensorSpec& t, const char* what) {
 inline void require_numeric(OpId op, const TensorSpec& t, const char* what) {
   TS_CHECK(t.dtype != DType::b8, "{}: {} must be numeric, got bool {}", name_of(op), what,
            shape_str(t.shape));
+  TS_CHECK(t.dtype != DType::u8, "{}: {} is u8 {} (codes, no arithmetic); cast it to i32 or f32 first",
+           name_of(op), what, shape_str(t.shape));
 }
 
 inline void require_index(OpId op, const TensorSpec& t, const char* what) {

@@ -23,9 +23,11 @@ constexpr DType kFewDTypes[] = {DType::f32, DType::bf16, DType::i64, DType::b8};
 constexpr ReduceOp kAllOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min};
 
 // Member `rank`'s element i: integers in [-5, 5], exact in every dtype, and so are sums over
-// 8 members; 0/1 for bool. `salt` gives every call its own data.
+// 8 members; 0/1 for bool; [0, 250] for u8 (moved, never reduced). `salt` gives every call
+// its own data.
 double value(DType dt, int rank, int64_t i, int salt) {
   if (dt == DType::b8) return (rank + i + salt) % 3 == 0 ? 1.0 : 0.0;
+  if (dt == DType::u8) return static_cast<double>((rank * 37 + i * 11 + salt * 5) % 251);
   return static_cast<double>((rank * 7 + i * 3 + salt * 5) % 11 - 5);
 }
 
@@ -120,6 +122,7 @@ void finish(const WorkHandle& h) {
 
 void check_all_reduce(Communicator& c, std::span<const DType> dtypes, int& salt) {
   for (DType dt : dtypes) {
+    if (dt == DType::u8) continue;  // codes: refused (check_argument_errors)
     for (ReduceOp op : kAllOps) {
       if (op == ReduceOp::avg && !is_floating(dt)) continue;
       // 37: blocks shorter than a cache line; 3000: several reduction chunks per block.
@@ -168,6 +171,7 @@ void check_all_gather(Communicator& c, std::span<const DType> dtypes, int& salt)
 void check_reduce_scatter(Communicator& c, std::span<const DType> dtypes, int& salt) {
   const int n = c.size(), me = c.rank();
   for (DType dt : dtypes) {
+    if (dt == DType::u8) continue;  // codes: refused (check_argument_errors)
     for (ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
       for (bool uneven : {false, true}) {
         for (bool async : {false, true}) {
@@ -419,6 +423,13 @@ void check_argument_errors(Communicator& c) {
   CHECK(contains(error_of([&] { c.all_reduce(buffer({3}, DType::i32), ReduceOp::avg); }),
                  "avg"));
   CHECK_THROWS_AS(c.all_reduce(buffer({3}, DType::b8), ReduceOp::avg), Error);
+  // u8 holds codes: moved, never reduced.
+  CHECK(contains(error_of([&] { c.all_reduce(buffer({3}, DType::u8), ReduceOp::max); }),
+                 "u8 tensors hold codes"));
+  CHECK(contains(error_of([&] {
+                   c.reduce_scatter(buffer({1}, DType::u8), buffer({n}, DType::u8), ReduceOp::sum);
+                 }),
+                 "u8 tensors hold codes"));
   CHECK_THROWS_AS(c.reduce_scatter(buffer({1}, DType::i64),
                                    buffer({n}, DType::i64), ReduceOp::avg),
                   Error);

@@ -7,14 +7,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "models/data/text.h"
 #include "models/gpt/model.h"
 #include "models/mnist/model.h"
 #include "optim/adamw.h"
+#include "optim/adamw8bit.h"
 #include "optim/clip.h"
 #include "parallel/zero.h"
 #include "tensor/ops.h"
+#include "tensor/quant8.h"
 #include "tensor/random.h"
 
 namespace tessera::parallel::testing_dp {
@@ -147,10 +150,21 @@ std::shared_ptr<nn::Module> make_model(const Task& task, DType dtype) {
   return model;
 }
 
-Run train_reference(const Task& task, DType dtype) {
+std::unique_ptr<optim::Optimizer> make_optimizer(Opt opt, std::vector<optim::ParamGroup> groups,
+                                                 double lr) {
+  if (opt == Opt::adamw8bit) {
+    return std::make_unique<optim::AdamW8bit>(std::move(groups),
+                                              optim::AdamW8bitOptions{.lr = lr, .weight_decay = kWeightDecay});
+  }
+  return std::make_unique<optim::AdamW>(std::move(groups),
+                                        optim::AdamWOptions{.lr = lr, .weight_decay = kWeightDecay});
+}
+
+Run train_reference(const Task& task, DType dtype, Opt which) {
   std::shared_ptr<nn::Module> model = make_model(task, dtype);
-  optim::AdamW opt(optim::decay_groups(model->named_parameters(), task.lr, kWeightDecay),
-                   {.lr = task.lr, .weight_decay = kWeightDecay});
+  std::unique_ptr<optim::Optimizer> optimizer =
+      make_optimizer(which, optim::decay_groups(model->named_parameters(), task.lr, kWeightDecay), task.lr);
+  optim::Optimizer& opt = *optimizer;
   const std::vector<Tensor> params = model->parameters();
   Run run;
   for (int64_t step = 0; step < kSteps; ++step) {
@@ -168,9 +182,12 @@ Run train_reference(const Task& task, DType dtype) {
 
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec) {
   std::shared_ptr<nn::Module> model = make_model(task, dtype);
-  ZeroDataParallel zero(*model, world, {.stage = spec.stage, .units = task.units});
-  optim::AdamW opt(zero.param_groups(task.lr, kWeightDecay),
-                   {.lr = task.lr, .weight_decay = kWeightDecay});
+  ZeroOptions zopt{.stage = spec.stage, .units = task.units};
+  if (spec.opt == Opt::adamw8bit) zopt.block_shards = kQuant8Block;
+  ZeroDataParallel zero(*model, world, zopt);
+  std::unique_ptr<optim::Optimizer> optimizer =
+      make_optimizer(spec.opt, zero.param_groups(task.lr, kWeightDecay), task.lr);
+  optim::Optimizer& opt = *optimizer;
   if (spec.load != nullptr) {
     zero.load_model_state_dict(spec.load->model);
     zero.load_optimizer_state_dict(opt, spec.load->optimizer);
@@ -192,7 +209,11 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
       }
     }
     zero.clip_grad_norm(kClip);
-    zero.step(opt);
+    {
+      std::optional<CommLogScope> scope;
+      if (spec.step_log != nullptr) scope.emplace(*spec.step_log);
+      zero.step(opt);
+    }
     Tensor total = Tensor::from_vector<double>({local}, {1});
     world.all_reduce(total, ReduceOp::sum);
     run.losses.push_back(total.item<double>() / (ranks * accum));

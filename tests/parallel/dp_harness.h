@@ -11,6 +11,7 @@
 
 #include "nn/module.h"
 #include "optim/adafactor.h"
+#include "parallel/comm/comm_log.h"
 #include "parallel/comm/communicator.h"
 #include "tensor/tensor.h"
 
@@ -75,8 +76,14 @@ inline constexpr double kClip = 1.0;
 // task.make() cast to `dtype` and moved to task.device.
 std::shared_ptr<nn::Module> make_model(const Task& task, DType dtype);
 
+// The optimizer of a run: AdamW, or 8-bit AdamW (optim/adamw8bit.h; ZeRO then shards at its
+// 256-element blocks, ZeroOptions::block_shards), with the same lr and weight decay.
+enum class Opt { adamw, adamw8bit };
+std::unique_ptr<optim::Optimizer> make_optimizer(Opt opt, std::vector<optim::ParamGroup> groups,
+                                                 double lr);
+
 // The single-device run: one rank, one micro-batch, no wrapper.
-Run train_reference(const Task& task, DType dtype);
+Run train_reference(const Task& task, DType dtype, Opt opt = Opt::adamw);
 // This rank's part of a ZeRO run over `world` (every member calls it): kSteps steps of the
 // global batch split into world.size() x accum equal slices. The losses are global (averaged
 // over the ranks); the parameters are the full ones (ZeroDataParallel::model_state_dict).
@@ -90,6 +97,8 @@ struct ZeroRun {
   int64_t start = 0, stop = kSteps;  // steps [start, stop)
   const Checkpoint* load = nullptr;  // restored before step `start`
   Checkpoint* save = nullptr;        // filled after step `stop` - 1 (on every rank)
+  Opt opt = Opt::adamw;
+  CommLog* step_log = nullptr;       // records the collectives of every zero.step()
 };
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec);
 

@@ -145,6 +145,7 @@ std::vector<OpCase> record_cases() {
       oc.mesh_2x4 = s.op == OpId::matmul;  // 8 ranks: both mesh axes shard its operands
       // In-place ops: the written inputs keep one shared placement and are the outputs.
       oc.written = sweep::written_inputs(s, c);
+      oc.written_replicated = s.op == OpId::adamw8bit_;
       if (!oc.written.empty()) {
         oc.single = [op = s.op, w = oc.written](const Tensors& t, const Attrs& a) {
           if (op == OpId::copy_) {

@@ -68,6 +68,10 @@ struct OpCase {
   // In-place ops: the inputs written (they share one Replicate/Shard placement, as the
   // rule must keep them); the written tensors are the outputs compared.
   std::vector<size_t> written;
+  // In-place ops whose rule keeps the written inputs replicated (adamw8bit_: a block's scale
+  // spans the block): only Replicate is tried for them (sharded_ops_test checks that a
+  // sharded one is refused).
+  bool written_replicated = false;
   // Factories: no inputs; every output placement is tried.
   FactorySingleFn factory_single;
   FactoryShardedFn factory_sharded;

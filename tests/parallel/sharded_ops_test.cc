@@ -47,6 +47,7 @@
 #include "parallel/sharding_rule.h"
 #include "tensor/autocast.h"
 #include "tensor/error.h"
+#include "tensor/op_attrs.h"
 #include "tensor/ops.h"
 #include "tests/parallel/sharded_cases.h"
 #include "tests/reference/cases.h"
@@ -262,7 +263,8 @@ std::vector<Slot> slots_of(const OpCase& c) {
     return {s};
   }
   if (!c.written.empty()) {
-    const int64_t rank = static_cast<int64_t>(c.inputs[c.written[0]].shape.size());
+    const int64_t rank =
+        c.written_replicated ? 0 : static_cast<int64_t>(c.inputs[c.written[0]].shape.size());
     slots.push_back(Slot{c.written, shard_options(rank, false), shard_options(rank, false)});
   }
   for (size_t i = 0; i < c.inputs.size(); ++i) {
@@ -673,6 +675,32 @@ TEST_CASE("sharded ops: every op has a case and a sharding rule") {
       CHECK_MESSAGE(has_options, info.name, ": its sharding rule lists no options");
     }
   }
+}
+
+TEST_CASE("sharded ops: adamw8bit_ refuses written inputs that are not replicated") {
+  // Its rule keeps param, codes and scales whole (a block's scale spans the block); ZeRO
+  // shards at block boundaries itself. A sharded param must be an error on every rank.
+  run_threads(2, [&](CommPtr world) {
+    auto mesh = make_mesh(world, {{"n", 2}});
+    auto rep = [&](const Tensor& t) { return distribute(t, mesh, {Replicate()}); };
+    const ShardedTensor p = distribute(tessera::zeros({4, 8}), mesh, {Shard(0)});
+    const ShardedTensors in = {p,
+                               rep(tessera::zeros({4, 8})),
+                               rep(tessera::zeros({4, 8}, DType::u8)),
+                               rep(tessera::zeros({4, 8}, DType::u8)),
+                               rep(tessera::zeros({1})),
+                               rep(tessera::zeros({1}))};
+    std::string msg;
+    try {
+      parallel::call_inplace(OpId::adamw8bit_, in, op_attrs::adamw(1, 0.1, 0.9, 0.999, 1e-8, 0.0),
+                             {0, 2, 3, 4, 5});
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    CHECK_MESSAGE(msg.find("adamw8bit_: input 0 is written in place with placements [S(0)] but "
+                           "the op needs [R]") != std::string::npos,
+                  msg);
+  });
 }
 
 TEST_CASE("sharded ops: forward and backward equal one device for every placement") {

@@ -2,7 +2,7 @@
 // Each process trains the single-rank reference itself, then every stage 0-3 with
 // accumulation 1 and 2 over the MPI world, on the MNIST MLP and GPT-mini in f64 and f32, and
 // compares with dp_harness.h's tolerances; a resume under another stage continues the same
-// losses.
+// losses. 8-bit AdamW runs on block shards under every stage.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
@@ -57,6 +57,31 @@ TEST_CASE("zero over mpi: Adafactor on row shards, stages 1-3 x every mode, equa
     }
   }
   CHECK(runs == 9);
+}
+
+TEST_CASE("zero over mpi: 8-bit AdamW on block shards, stages 1-3, equals one rank (f64) and "
+          "unsharded dp bitwise (f32)") {
+  CommPtr world = mpi_world();
+  const Task task = mlp_task();
+  const Run reference = train_reference(task, DType::f64, Opt::adamw8bit);
+  // Two ranks: the reduced gradient is (g0 + g1) / 2 in any backend, so the f32 runs of
+  // every stage are bitwise the same arithmetic as stage 0's.
+  const Run base = train_zero(*world, task, DType::f32, {.stage = 0, .opt = Opt::adamw8bit});
+  int runs = 0;
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    const Run run64 = train_zero(*world, task, DType::f64, {.stage = stage, .opt = Opt::adamw8bit});
+    check_close(task, DType::f64, run64, reference,
+                fmt::format("mpi rank {} of 2, 8-bit AdamW, zero={}", world->rank(), stage));
+    CommLog log;
+    const Run run32 = train_zero(*world, task, DType::f32,
+                                 {.stage = stage, .opt = Opt::adamw8bit, .step_log = &log});
+    CHECK(run32.losses == base.losses);
+    CHECK(run32.params == base.params);
+    CHECK(log.count("all_reduce") == 0);
+    ++runs;
+  }
+  CHECK(runs == 3);
 }
 
 TEST_CASE("zero over mpi: a stage 3 checkpoint resumes under stage 1") {

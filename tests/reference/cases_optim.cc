@@ -1,4 +1,4 @@
-// The records of the fused optimizer updates adamw_ and sgd_. They write into their inputs
+// The records of the fused optimizer updates adamw_, adamw8bit_ and sgd_. They write into their inputs
 // (Arg::expandable false), which are their outputs (param, the state, and the master copy
 // when there is one); written inputs are never laid out as expanded (stride-0) views, the
 // gradient is.
@@ -199,6 +199,111 @@ OpSweep adamw_sweep() {
   return s;
 }
 
+// ---- adamw8bit_ ---------------------------------------------------------------------------
+// Exact: the reference emulates the kernel's arithmetic in the state type operation by
+// operation (ref::adamw8bit) on maps decoded independently from their bit patterns, and
+// finds codes by a linear scan of midpoints; every output must match bitwise.
+
+// Inputs: param, grad, exp_avg, exp_avg_sq (u8 codes), exp_avg_absmax, exp_avg_sq_absmax
+// [, master]. Outputs: the same without grad.
+Case adamw8bit_case(std::string label, Shape shape, AdamSetup h, bool master) {
+  Case c;
+  c.label = std::move(label);
+  const int64_t blocks = (numel_of(shape) + 255) / 256;
+  auto codes = [&] { return written(index_arg(shape, 0, 255, DType::u8)); };
+  c.args = {written(arg(shape)), arg(shape), codes(), codes(),
+            state_arg({blocks}, uniform(0.01, 2)), state_arg({blocks}, uniform(0.01, 2))};
+  if (master) {
+    c.args.push_back(master_arg(shape));
+    c.dtypes = {DType::f32, DType::f16, DType::bf16};
+    c.prepare = [](Arrays& in, DType) { in[0] = in[6]; };
+  }
+  c.ref = [h](const Arrays& in, DType dt) {
+    return ref::adamw8bit(in, h.t, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, dt);
+  };
+  c.exact = true;
+  c.layouts = {Layout::contiguous};  // the op takes contiguous operands only
+  c.attrs = op_attrs::adamw(h.t, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay);
+  c.out_dtype = [](DType dt, size_t k) {
+    return k == 0 ? dt : k <= 2 ? DType::u8 : k <= 4 ? state_dtype(dt) : DType::f32;
+  };
+  return c;
+}
+
+void adamw8bit_errors() {
+  const Tensor p = zeros({2, 300}), g = zeros({2, 300});
+  const Tensor c1 = zeros({2, 300}, DType::u8), c2 = zeros({2, 300}, DType::u8);
+  const Tensor a1 = zeros({3}), a2 = zeros({3});
+  auto step = [](const Tensor& p, const Tensor& g, const Tensor& c1, const Tensor& c2,
+                 const Tensor& a1, const Tensor& a2, const Tensor& master = Tensor()) {
+    adamw8bit_(p, g, c1, c2, a1, a2, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, master);
+  };
+  expect_error("adamw8bit_ f32 codes", [&] { step(p, g, zeros({2, 300}), c2, a1, a2); });
+  expect_error("adamw8bit_ codes of another shape",
+               [&] { step(p, g, c1, zeros({300, 2}, DType::u8), a1, a2); });
+  expect_error("adamw8bit_ absmax [2] for 600 elements (3 blocks)",
+               [&] { step(p, g, c1, c2, zeros({2}), a2); });
+  expect_error("adamw8bit_ f64 absmax for an f32 param",
+               [&] { step(p, g, c1, c2, a1, zeros({3}, DType::f64)); });
+  expect_error("adamw8bit_ transposed param", [&] {
+    step(zeros({300, 2}).t(), zeros({300, 2}).t(), c1, c2, a1, a2);
+  });
+  expect_error("adamw8bit_ strided codes", [&] {
+    step(p, g, zeros({2, 600}, DType::u8).narrow(1, 0, 300), c2, a1, a2);
+  });
+  expect_error("adamw8bit_ codes aliasing each other", [&] { step(p, g, c1, c1, a1, a2); });
+  expect_error("adamw8bit_ bf16 master", [&] {
+    step(zeros({2, 300}, DType::bf16), zeros({2, 300}, DType::bf16), c1, c2, a1, a2,
+         zeros({2, 300}, DType::bf16));
+  });
+  expect_error("adamw8bit_ i32 param", [&] {
+    step(zeros({2, 300}, DType::i32), zeros({2, 300}, DType::i32), c1, c2, a1, a2);
+  });
+  expect_error("adamw8bit_ step 0",
+               [&] { adamw8bit_(p, g, c1, c2, a1, a2, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0); });
+  // Error messages name the op, the operand and the expected shape.
+  try {
+    step(p, g, c1, c2, zeros({2}), a2);
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK_MESSAGE(msg.find("adamw8bit_: exp_avg_absmax must be f32 [3]") != std::string::npos,
+                  msg);
+  }
+}
+
+OpSweep adamw8bit_sweep() {
+  OpSweep s{OpId::adamw8bit_, kFloats, kNonFloat, {}, {}};
+  s.cases.push_back(adamw8bit_case("[5, 7] t 1 (one short block)", {5, 7}, {}, false));
+  s.cases.push_back(adamw8bit_case("[3, 300] t 10 betas (0.8, 0.99) eps 1e-6 (4 blocks)",
+                                   {3, 300}, {10, 0.05, 0.8, 0.99, 1e-6, 0.01}, false));
+  s.cases.push_back(adamw8bit_case("[512] t 3 no weight decay (2 whole blocks)", {512},
+                                   {3, 0.01, 0.9, 0.999, 1e-8, 0.0}, false));
+  s.cases.push_back(adamw8bit_case("0-d t 2", {}, {2}, false));
+  s.cases.push_back(adamw8bit_case("[0, 3] (empty: no blocks)", {0, 3}, {}, false));
+  s.cases.push_back(adamw8bit_case("[2, 300] t 5 f32 master", {2, 300}, {5, 0.02}, true));
+  // Over kUpdateGrain elements: threads take runs of blocks.
+  s.cases.push_back(adamw8bit_case("[130, 257] t 2 (parallel blocks)", {130, 257}, {2}, false));
+  s.cases.push_back(
+      adamw8bit_case("[130, 257] t 7 master (parallel blocks)", {130, 257}, {7}, true));
+  // Edges: a zero gradient on zero moments (the block's absmax becomes 0, its codes those of
+  // 0), large values, and the extreme codes.
+  Case edge = adamw8bit_case("edges: an all-zero block, large values", {300}, {1}, false);
+  std::vector<double> p(300, 0.0), g(300, 0.0), c1(300, 127), c2(300, 0);
+  for (int i = 256; i < 300; ++i) {
+    p[i] = (i % 2 ? 300 : -2);
+    g[i] = (i % 3 == 0 ? 0 : (i % 2 ? -200 : 1e-3));
+    c1[i] = i % 2 ? 255 : 0;
+    c2[i] = i % 2 ? 255 : 1;
+  }
+  edge.args[0] = written(arg({300}, fixed(p)));
+  edge.args[1] = arg({300}, fixed(g));
+  edge.args[2] = written(fixed_arg({300}, c1, DType::u8));
+  edge.args[3] = written(fixed_arg({300}, c2, DType::u8));
+  s.cases.push_back(std::move(edge));
+  s.extra = [] { adamw8bit_errors(); };
+  return s;
+}
+
 // ---- sgd_ ---------------------------------------------------------------------------------
 
 struct SgdSetup {
@@ -313,6 +418,6 @@ OpSweep sgd_sweep() {
 
 }  // namespace
 
-std::vector<OpSweep> optim_sweeps() { return {adamw_sweep(), sgd_sweep()}; }
+std::vector<OpSweep> optim_sweeps() { return {adamw_sweep(), adamw8bit_sweep(), sgd_sweep()}; }
 
 }  // namespace tessera::sweep

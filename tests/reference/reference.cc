@@ -133,6 +133,8 @@ double round_to(double v, DType dt) {
       return std::trunc(v);
     case DType::b8:
       return v != 0.0 ? 1.0 : 0.0;
+    case DType::u8:  // truncated, then modulo 256 (the cast's rule)
+      return static_cast<double>(static_cast<uint8_t>(static_cast<int64_t>(v)));
   }
   return v;
 }

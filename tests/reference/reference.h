@@ -166,6 +166,22 @@ NdArray unsqueeze(const NdArray& x, int64_t dim);
 std::vector<NdArray> adamw(const NdArray& param, const NdArray& grad, const NdArray& exp_avg,
                            const NdArray& exp_avg_sq, int64_t t, double lr, double beta1,
                            double beta2, double eps, double weight_decay);
+// The dynamic ("tree") quantization maps of Dettmers et al. (8-bit optimizers), decoded from
+// their bit patterns: signed, the sign bit, then E zero bits (scale 10^-E, E <= 6), a 1,
+// and 6 - E fraction bits j giving 10^-E (0.1 + 0.9 (j + 1/2) / 2^(6-E)), the pattern
+// "minus zero" standing for 1; unsigned, the same with the sign bit as one more fraction bit
+// (7 - E of them), the pattern 00000001 standing for 1. Each value rounded to f32; sorted.
+std::vector<double> dynamic_map(bool is_signed);
+// The index of the entry of `map` (ascending) nearest x, ties to the larger: the number of
+// exact midpoints of neighbours that x reaches.
+int nearest_code(const std::vector<double>& map, double x);
+// One adamw8bit_ step (tensor/ops.h) emulated operation by operation in the state type
+// (f32 for f32/f16/bf16 params, f64 for f64), each result rounded as the kernel's: inputs
+// param, grad, exp_avg codes, exp_avg_sq codes, exp_avg_absmax, exp_avg_sq_absmax and master
+// (absent: none); outputs the same but grad, master only when present. `dt` is param's dtype.
+std::vector<NdArray> adamw8bit(const std::vector<NdArray>& in, int64_t t, double lr,
+                               double beta1, double beta2, double eps, double weight_decay,
+                               DType dt);
 // One torch.optim.SGD step at 1-based step t: {param, momentum_buffer (absent when
 // momentum == 0)}; at t == 1 the buffer starts as the decayed gradient (its input is
 // ignored, and may be absent).

@@ -1,5 +1,6 @@
 // The f64 reference: AdamW and SGD steps, written from the update rules in PyTorch's
 // documentation of torch.optim.AdamW / torch.optim.SGD, one element at a time.
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -58,6 +59,99 @@ std::vector<NdArray> sgd(const NdArray& param, const NdArray& grad, const NdArra
     p.data[i] -= lr * d;
   }
   return {p, buf};
+}
+
+std::vector<double> dynamic_map(bool is_signed) {
+  std::vector<double> out;
+  for (int b = 0; b < 256; ++b) {
+    const bool negative = is_signed && (b & 0x80);
+    const int rest = is_signed ? (b & 0x7f) : b;
+    const int bits = is_signed ? 7 : 8;
+    double v;
+    if (rest == 0) {
+      v = negative ? 1.0 : 0.0;  // "minus zero" stands for 1
+    } else if (!is_signed && rest == 1) {
+      v = 1.0;  // the pattern whose exponent would be 10^-7
+    } else {
+      int e = 0;  // leading zeros below the sign
+      while (!(rest & (1 << (bits - 1 - e)))) ++e;
+      const int f = bits - 1 - e;
+      const int j = rest & ((1 << f) - 1);
+      v = std::pow(10.0, -e) * (0.1 + 0.9 * (j + 0.5) / std::ldexp(1.0, f));
+      if (negative) v = -v;
+    }
+    out.push_back(static_cast<double>(static_cast<float>(v)));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int nearest_code(const std::vector<double>& map, double x) {
+  int code = 0;
+  for (size_t k = 0; k + 1 < map.size(); ++k) code += x >= (map[k] + map[k + 1]) / 2 ? 1 : 0;
+  return code;
+}
+
+namespace {
+
+template <typename S>
+std::vector<NdArray> adamw8bit_in(const std::vector<NdArray>& in, int64_t t, double lr,
+                                  double beta1, double beta2, double eps, double weight_decay,
+                                  DType dt) {
+  static const std::vector<double> map1 = dynamic_map(true), map2 = dynamic_map(false);
+  const bool master = in.size() > 6 && in[6].defined;
+  NdArray p = in[0], c1 = in[2], c2 = in[3], a1 = in[4], a2 = in[5];
+  NdArray w = master ? in[6] : NdArray();
+  const double tt = static_cast<double>(t);
+  const S decay = S(1.0 - lr * weight_decay), w1 = S(1.0 - beta1), b2 = S(beta2),
+          w2 = S(1.0 - beta2), bc2_sqrt = S(std::sqrt(1.0 - std::pow(beta2, tt))), e = S(eps),
+          step_size = S(lr / (1.0 - std::pow(beta1, tt)));
+  const int64_t n = p.numel();
+  for (int64_t b0 = 0; b0 < n; b0 += 256) {
+    const int64_t b = b0 / 256, len = std::min<int64_t>(256, n - b0);
+    const S s1 = S(a1.data[b]), s2 = S(a2.data[b]);
+    std::vector<S> m(len), v(len);
+    S max1 = 0, max2 = 0;
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t i = b0 + k;
+      S x = master ? S(w.data[i]) : S(p.data[i]);
+      const S g = S(in[1].data[i]);
+      x = x * decay;
+      S mi = S(map1[static_cast<size_t>(c1.data[i])]) * s1;
+      mi = mi + w1 * (g - mi);
+      const S vi = (S(map2[static_cast<size_t>(c2.data[i])]) * s2) * b2 + w2 * (g * g);
+      const S denom = std::sqrt(vi) / bc2_sqrt + e;
+      x = x - step_size * (mi / denom);
+      if (master) w.data[i] = x;
+      p.data[i] = round_to(static_cast<double>(x), dt);
+      m[k] = mi;
+      v[k] = vi;
+      max1 = std::max(max1, std::fabs(mi));
+      max2 = std::max(max2, vi);
+    }
+    a1.data[b] = max1;
+    a2.data[b] = max2;
+    for (int64_t k = 0; k < len; ++k) {
+      // The normalised value in the state type; 0 for an all-zero block.
+      const S x1 = max1 > 0 ? m[k] / max1 : S(0), x2 = max2 > 0 ? v[k] / max2 : S(0);
+      c1.data[b0 + k] = nearest_code(map1, static_cast<double>(x1));
+      c2.data[b0 + k] = nearest_code(map2, static_cast<double>(x2));
+    }
+  }
+  std::vector<NdArray> out = {p, c1, c2, a1, a2};
+  if (master) out.push_back(w);
+  return out;
+}
+
+}  // namespace
+
+std::vector<NdArray> adamw8bit(const std::vector<NdArray>& in, int64_t t, double lr,
+                               double beta1, double beta2, double eps, double weight_decay,
+                               DType dt) {
+  if (in.size() < 6) throw std::invalid_argument("ref::adamw8bit: expected 6 or 7 inputs");
+  if (t < 1) throw std::invalid_argument("ref::adamw8bit: t must be >= 1");
+  if (dt == DType::f64) return adamw8bit_in<double>(in, t, lr, beta1, beta2, eps, weight_decay, dt);
+  return adamw8bit_in<float>(in, t, lr, beta1, beta2, eps, weight_decay, dt);
 }
 
 }  // namespace tessera::ref

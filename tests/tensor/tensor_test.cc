@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "tensor/ops.h"
+#include "tests/testing.h"
 
 using namespace tessera;
 
@@ -46,7 +47,7 @@ TEST_CASE("bf16 conversion rounds to nearest even") {
 TEST_CASE("every dtype round-trips through a tensor and casts") {
   const std::vector<double> values = {0, 1, -2, 3, 100, -7};
   for (DType dt : kAllDTypes) {
-    if (dt == DType::b8) continue;
+    if (dt == DType::b8 || dt == DType::u8) continue;  // both below
     Tensor t = cast(Tensor::from_vector<double>(values, {2, 3}), dt);
     CHECK(t.dtype() == dt);
     CHECK(t.nbytes() == 6 * dtype_size(dt));
@@ -55,6 +56,12 @@ TEST_CASE("every dtype round-trips through a tensor and casts") {
   Tensor b = cast(Tensor::from_vector<double>({0, 2, -1, 0}, {4}), DType::b8);
   CHECK(b.to_vector<bool>() == std::vector<bool>{false, true, true, false});
   CHECK(cast(b, DType::f32).to_vector<float>() == std::vector<float>{0, 1, 1, 0});
+  // u8 holds 0..255; casts to it truncate, then wrap modulo 256 (as PyTorch's integer casts).
+  Tensor u = cast(Tensor::from_vector<double>({0, 1, 255, 7.9, 256, -1}, {6}), DType::u8);
+  CHECK(u.nbytes() == 6);
+  CHECK(u.to_vector<uint8_t>() == std::vector<uint8_t>{0, 1, 255, 7, 0, 255});
+  CHECK(cast(u, DType::f32).to_vector<float>() == std::vector<float>{0, 1, 255, 7, 0, 255});
+  CHECK(testing::contains(testing::error_of([&] { (void)(u + u); }), "u8"));
   // Float to int truncates toward zero, as in C and PyTorch.
   CHECK(cast(Tensor::from_vector<float>({2.7f, -2.7f}, {2}), DType::i32).to_vector<int32_t>() ==
         std::vector<int32_t>{2, -2});
@@ -64,6 +71,8 @@ TEST_CASE("dtype names parse and print") {
   CHECK(dtype_from_name("bf16") == DType::bf16);
   CHECK(dtype_from_name("float32") == DType::f32);
   CHECK(fmt::format("{}", DType::b8) == "bool");
+  CHECK(dtype_from_name("u8") == DType::u8);
+  CHECK(dtype_from_name("uint8") == DType::u8);
   CHECK_THROWS_AS(dtype_from_name("f8"), Error);
   CHECK(Device::parse("cuda:3") == cuda(3));
   CHECK(Device::parse("cpu") == kCPU);

@@ -1,0 +1,148 @@
+#include "optim/adamw8bit.h"
+
+#include <cmath>
+
+#include "tensor/grad_mode.h"
+#include "tensor/op.h"
+#include "tensor/op_attrs.h"
+#include "tensor/ops.h"
+#include "tensor/quant8.h"
+
+namespace tessera::optim {
+
+AdamW8bit::AdamW8bit(std::vector<Tensor> params, AdamW8bitOptions options)
+    : AdamW8bit(std::vector<ParamGroup>{ParamGroup{std::move(params), {}}}, std::move(options)) {}
+
+AdamW8bit::AdamW8bit(std::vector<ParamGroup> groups, AdamW8bitOptions options)
+    : Optimizer("AdamW8bit", std::move(groups), options.lr, options.weight_decay),
+      options_(checked(std::move(options))) {}
+
+AdamW8bitOptions AdamW8bit::checked(AdamW8bitOptions o) {
+  TS_CHECK(std::isfinite(o.lr) && o.lr >= 0, "AdamW8bit: invalid learning rate {} (must be >= 0)",
+           o.lr);
+  TS_CHECK(std::isfinite(o.eps) && o.eps >= 0, "AdamW8bit: invalid eps {} (must be >= 0)", o.eps);
+  auto [b1, b2] = o.betas;
+  TS_CHECK(b1 >= 0 && b1 < 1, "AdamW8bit: invalid beta1 {} (must be in [0, 1))", b1);
+  TS_CHECK(b2 >= 0 && b2 < 1, "AdamW8bit: invalid beta2 {} (must be in [0, 1))", b2);
+  TS_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0,
+           "AdamW8bit: invalid weight_decay {} (must be >= 0)", o.weight_decay);
+  TS_CHECK(o.min_8bit_numel >= 0, "AdamW8bit: invalid min_8bit_numel {} (must be >= 0)",
+           o.min_8bit_numel);
+  return o;
+}
+
+int64_t AdamW8bit::shard_block() const { return kQuant8Block; }
+
+Optimizer::RowShardState AdamW8bit::row_shard_state(const std::string& name) const {
+  return name.ends_with("_absmax") ? RowShardState::rows : RowShardState::elements;
+}
+
+bool AdamW8bit::uses_master(const Tensor& p) const {
+  return options_.master_weights && (p.dtype() == DType::f16 || p.dtype() == DType::bf16);
+}
+
+std::string AdamW8bit::name_of(const Tensor& p) const {
+  if (const RowShard* rs = row_shard(p)) return rs->name;
+  for (const ParamGroup& g : groups_) {
+    for (size_t k = 0; k < g.params.size() && k < g.names.size(); ++k) {
+      if (g.params[k].is_same(p)) return g.names[k];
+    }
+  }
+  return "";
+}
+
+bool AdamW8bit::quantized(const Tensor& p) const {
+  const RowShard* rs = row_shard(p);
+  const int64_t numel = rs ? numel_of(rs->global) : p.numel();
+  if (numel < options_.min_8bit_numel) return false;
+  return !(options_.f32_state && options_.f32_state(name_of(p)));
+}
+
+std::vector<Optimizer::StateSpec> AdamW8bit::state_specs(const Tensor& p) const {
+  const DType stats = p.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  std::vector<StateSpec> specs;
+  if (quantized(p)) {
+    const Shape blocks = {quant8_blocks(p.numel())};
+    specs = {{"exp_avg", p.shape(), DType::u8},
+             {"exp_avg_sq", p.shape(), DType::u8},
+             {"exp_avg_absmax", blocks, stats},
+             {"exp_avg_sq_absmax", blocks, stats}};
+  } else {
+    specs = {{"exp_avg", p.shape(), stats}, {"exp_avg_sq", p.shape(), stats}};
+  }
+  if (uses_master(p)) specs.push_back({"master", p.shape(), DType::f32});
+  return specs;
+}
+
+std::map<std::string, double> AdamW8bit::hyperparameters() const {
+  return {{"beta1", options_.betas.first},
+          {"beta2", options_.betas.second},
+          {"eps", options_.eps},
+          {"min_8bit_numel", static_cast<double>(options_.min_8bit_numel)}};
+}
+
+void AdamW8bit::set_hyperparameters(const std::map<std::string, double>& values) {
+  AdamW8bitOptions o = options_;
+  o.betas = {values.at("beta1"), values.at("beta2")};
+  o.eps = values.at("eps");
+  const double min_numel = values.at("min_8bit_numel");
+  TS_CHECK(min_numel == o.min_8bit_numel,
+           "AdamW8bit: the state dict was saved with min_8bit_numel {}, this optimizer has {} "
+           "(which tensors hold 8-bit state would change)",
+           min_numel, o.min_8bit_numel);
+  options_ = checked(std::move(o));
+}
+
+void AdamW8bit::step() {
+  NoGradGuard no_grad;
+  for_each_bucket_with_grad(
+      [&](const Tensor& p) {
+        if (const RowShard* rs = row_shard(p)) {
+          TS_CHECK(rs->block > 0 && rs->block % kQuant8Block == 0,
+                   "AdamW8bit: a shard of parameter '{}' {} cuts its {}-element quantization "
+                   "blocks; shard with ZeroOptions::block_shards = {}",
+                   rs->name, shape_str(rs->global), kQuant8Block, kQuant8Block);
+        }
+        const Quant8Map& q1 = quant8_map(Quant8Kind::signed_dynamic);
+        const Quant8Map& q2 = quant8_map(Quant8Kind::unsigned_dynamic);
+        std::map<std::string, Tensor> s;
+        for (const StateSpec& spec : state_specs(p)) {
+          Tensor t;
+          if (spec.name == "master") {
+            t = cast(p, DType::f32).contiguous();
+          } else if (spec.dtype == DType::u8) {  // the codes of 0
+            const uint8_t zero = spec.name == "exp_avg" ? q1.zero_code() : q2.zero_code();
+            t = full(spec.shape, zero, DType::u8, p.device());
+          } else {
+            t = zeros(spec.shape, spec.dtype, p.device());
+          }
+          s[spec.name] = t;
+        }
+        return s;
+      },
+      [&](const ParamGroup& group, std::span<const Pending> bucket) {
+        const std::map<std::string, Tensor>& first = bucket.front().state->tensors;
+        const bool eight_bit = first.count("exp_avg_absmax") > 0;
+        const size_t width = eight_bit ? 7 : 5;
+        std::vector<Tensor> in;
+        in.reserve(width * bucket.size());
+        for (const Pending& item : bucket) {
+          const std::map<std::string, Tensor>& s = item.state->tensors;
+          const auto master = s.find("master");
+          in.insert(in.end(), {item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq")});
+          if (eight_bit) in.insert(in.end(), {s.at("exp_avg_absmax"), s.at("exp_avg_sq_absmax")});
+          in.push_back(master == s.end() ? Tensor() : master->second);
+        }
+        const Attrs a = op_attrs::adamw(bucket.front().state->step + 1, group.lr,
+                                        options_.betas.first, options_.betas.second, options_.eps,
+                                        group.weight_decay);
+        if (eight_bit) {
+          call_update(OpId::adamw8bit_, std::move(in), a, 7, {0, 2, 3, 4, 5, 6});
+        } else {
+          call_update(OpId::adamw_, std::move(in), a, 5, {0, 2, 3, 4});
+        }
+        for (const Pending& item : bucket) ++item.state->step;
+      });
+}
+
+}  // namespace tessera::optim
