@@ -418,12 +418,12 @@ ZeroMemory ZeroDataParallel::memory_report() const {
 }
 
 double ZeroMemory::formula() const {
-  const double psi = static_cast<double>(numel), n = ranks;
+  const double psi = static_cast<double>(numel), n = ranks, k = state_per_param;
   switch (stage) {
-    case 0: return 16 * psi;
-    case 1: return 8 * psi + 8 * psi / n;
-    case 2: return 4 * psi + 12 * psi / n;
-    default: return 16 * psi / n;
+    case 0: return (8 + k) * psi;
+    case 1: return 8 * psi + k * psi / n;
+    case 2: return 4 * psi + (4 + k) * psi / n;
+    default: return (8 + k) * psi / n;
   }
 }
 
@@ -431,10 +431,11 @@ std::string ZeroMemory::str() const {
   auto mib = [](double b) { return fmt::format("{:.2f} MiB", b / (1 << 20)); };
   std::string s = fmt::format(
       "memory per rank (ZeRO stage {}, {} ranks, Ψ = {} parameters): parameters {}, gradients "
-      "{} (peak {}), optimizer state {}; sum {} vs formula {} ({:.3f}x)",
+      "{} (peak {}), optimizer state {}; sum {} vs formula {} ({:.3f}x; optimizer state {:.3g} "
+      "bytes per parameter)",
       stage, ranks, numel, mib(parameters), mib(gradients), mib(gradients_peak),
       mib(optimizer_state), mib(measured()), mib(formula()),
-      measured() / std::max(formula(), 1.0));
+      measured() / std::max(formula(), 1.0), state_per_param);
   if (stage == 3) {
     s += fmt::format("; gathered peak {} (root unit {}, largest unit {})", mib(gathered_peak),
                      mib(root_unit), mib(largest_unit));

@@ -88,8 +88,13 @@ struct ZeroMemory {
   int64_t gathered_peak = 0;   // tagged "gathered" high-water mark (stage 3)
   int64_t largest_unit = 0;    // bytes of the largest gathered unit (stage 3)
   int64_t root_unit = 0;       // bytes of the root unit (stage 3: kept gathered in a step)
-  // The ZeRO paper's figure for AdamW in f32 (bytes): DDP 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2
-  // 4Ψ + 12Ψ/N, stage 3 16Ψ/N; measured = parameters + gradients + optimizer state.
+  // Optimizer-state bytes per parameter element in the formula: AdamW's 8 by default; the
+  // caller sets its optimizer's (8-bit AdamW ~2.03, Adafactor ~4(m+n)/(mn); see
+  // models::optimizer_state_formula).
+  double state_per_param = 8.0;
+  // The ZeRO paper's figure in f32 (bytes), K = state_per_param: DDP (8 + K)Ψ, stage 1
+  // 8Ψ + KΨ/N, stage 2 4Ψ + (4 + K)Ψ/N, stage 3 (8 + K)Ψ/N (for AdamW, K = 8: 16Ψ, ...);
+  // measured = parameters + gradients + optimizer state.
   double formula() const;
   int64_t measured() const { return parameters + gradients + optimizer_state; }
   std::string str() const;  // one line: each tag, the sum, the formula and their ratio

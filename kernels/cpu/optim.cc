@@ -17,6 +17,10 @@
 #include "tensor/op.h"
 #include "tensor/quant8.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace tessera::cpu {
 namespace {
 
@@ -151,9 +155,162 @@ struct Adam8Operands {
   float* w;
 };
 
+#if defined(__AVX512F__)
+// Quant8Map::code's search, 16 lanes at a time. The search adds s = 128, 64, ..., 1 to the
+// code c when thresholds[c + s - 1] <= x; before step s, c is a multiple of 2s, so step s
+// reads one of 256 / (2s) thresholds, all held in registers (no gathers): s >= 8 reads one
+// register (at most 16 candidates), s = 4 a pair (32), s = 2 two pairs (64), s = 1 four (128),
+// the pairs by permutex2var, then a blend on the index's high bits.
+struct Quant8Search {
+  __m512 t64, t32, t16, t8, t4a, t4b;
+  __m512 t2[4], t1[8];
+  __m512 values[16];  // the map, for dequantizing without gathers
+  float t127;
+  explicit Quant8Search(const Quant8Map& q) {
+    alignas(64) float tab[6][16] = {};
+    auto fill = [&](float* dst, int s, int first, int count) {
+      for (int k = 0; k < count; ++k) dst[k] = q.thresholds[(first + k) * 2 * s + s - 1];
+    };
+    fill(tab[0], 64, 0, 2);
+    fill(tab[1], 32, 0, 4);
+    fill(tab[2], 16, 0, 8);
+    fill(tab[3], 8, 0, 16);
+    fill(tab[4], 4, 0, 16);
+    fill(tab[5], 4, 16, 16);
+    t64 = _mm512_load_ps(tab[0]);
+    t32 = _mm512_load_ps(tab[1]);
+    t16 = _mm512_load_ps(tab[2]);
+    t8 = _mm512_load_ps(tab[3]);
+    t4a = _mm512_load_ps(tab[4]);
+    t4b = _mm512_load_ps(tab[5]);
+    t127 = q.thresholds[127];
+    alignas(64) float wide[8][16];
+    for (int r = 0; r < 4; ++r) fill(wide[r], 2, 16 * r, 16);
+    for (int r = 0; r < 4; ++r) t2[r] = _mm512_load_ps(wide[r]);
+    for (int r = 0; r < 8; ++r) fill(wide[r], 1, 16 * r, 16);
+    for (int r = 0; r < 8; ++r) t1[r] = _mm512_load_ps(wide[r]);
+    for (int r = 0; r < 16; ++r) values[r] = _mm512_loadu_ps(q.values.data() + 16 * r);
+  }
+  // values[code] for 16 codes (0..255).
+  __m512 value(__m512i code) const {
+    const __m512 lo = lookup(values, 4, code), hi = lookup(values + 8, 4, code);
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(code, _mm512_set1_epi32(128)), lo, hi);
+  }
+  // Entry k (k < 32 x pairs) of the registers regs[0..2 pairs): pair k / 32, lane k % 32.
+  static __m512 lookup(const __m512* regs, int pairs, __m512i k) {
+    __m512 v[4];
+    for (int p = 0; p < pairs; ++p) v[p] = _mm512_permutex2var_ps(regs[2 * p], k, regs[2 * p + 1]);
+    if (pairs == 1) return v[0];
+    const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
+    if (pairs == 2) return _mm512_mask_blend_ps(b5, v[0], v[1]);
+    const __mmask16 b6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
+    return _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, v[0], v[1]),
+                                _mm512_mask_blend_ps(b5, v[2], v[3]));
+  }
+  __m512i code(__m512 x) const {
+    auto step = [&](__m512i c, __m512 t, int s) {
+      return _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(t, x, _CMP_LE_OQ), c,
+                                   _mm512_set1_epi32(s));
+    };
+    __m512i c = step(_mm512_setzero_si512(), _mm512_set1_ps(t127), 128);
+    c = step(c, _mm512_permutexvar_ps(_mm512_srli_epi32(c, 7), t64), 64);
+    c = step(c, _mm512_permutexvar_ps(_mm512_srli_epi32(c, 6), t32), 32);
+    c = step(c, _mm512_permutexvar_ps(_mm512_srli_epi32(c, 5), t16), 16);
+    c = step(c, _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), t8), 8);
+    c = step(c, _mm512_permutex2var_ps(t4a, _mm512_srli_epi32(c, 3), t4b), 4);
+    c = step(c, lookup(t2, 2, _mm512_srli_epi32(c, 2)), 2);
+    return step(c, lookup(t1, 4, _mm512_srli_epi32(c, 1)), 1);
+  }
+};
+
+// The f32-state block with AVX-512: 16 lanes, the maps read from registers (Quant8Search),
+// the codes found by the same 8-step search over the thresholds as Quant8Map::code, each
+// lane's arithmetic the
+// scalar loop's operation for operation (mul, add, sub, div, sqrt round once each; this
+// target is built with -ffp-contract=off), so the results are bitwise the scalar ones.
+template <typename P, bool kMaster>
+void adamw8bit_block_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t b, int64_t n,
+                            const AdamConsts<float>& k) {
+  static const Quant8Search search1(quant8_map(Quant8Kind::signed_dynamic));
+  static const Quant8Search search2(quant8_map(Quant8Kind::unsigned_dynamic));
+  const int64_t i0 = b * kQuant8Block;
+  const int len = static_cast<int>(std::min<int64_t>(kQuant8Block, n - i0));
+  P* __restrict p = o.p + i0;
+  const P* __restrict g = o.g + i0;
+  uint8_t* __restrict c1 = o.c1 + i0;
+  uint8_t* __restrict c2 = o.c2 + i0;
+  float* __restrict w = kMaster ? o.w + i0 : nullptr;
+  alignas(64) float x[kQuant8Block], gf[kQuant8Block], m[kQuant8Block], v[kQuant8Block];
+  if constexpr (std::is_same_v<P, float> && !kMaster) {
+    std::memcpy(x, p, sizeof(float) * static_cast<size_t>(len));
+  } else {
+    for (int i = 0; i < len; ++i) x[i] = kMaster ? w[i] : float(p[i]);
+  }
+  if constexpr (std::is_same_v<P, float>) {
+    std::memcpy(gf, g, sizeof(float) * static_cast<size_t>(len));
+  } else {
+    for (int i = 0; i < len; ++i) gf[i] = float(g[i]);
+  }
+  const __m512 s1 = _mm512_set1_ps(o.a1[b]), s2 = _mm512_set1_ps(o.a2[b]);
+  const __m512 decay = _mm512_set1_ps(k.decay), w1 = _mm512_set1_ps(k.w1),
+               beta2 = _mm512_set1_ps(k.beta2), w2 = _mm512_set1_ps(k.w2),
+               bc2 = _mm512_set1_ps(k.bc2_sqrt), eps = _mm512_set1_ps(k.eps),
+               step = _mm512_set1_ps(k.step_size);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  __m512 max1 = _mm512_setzero_ps(), max2 = _mm512_setzero_ps();
+  for (int i = 0; i < len; i += 16) {
+    const __mmask16 lanes = len - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - i)) - 1);
+    const __m512i k1 = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, c1 + i));
+    const __m512i k2 = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, c2 + i));
+    const __m512 gi = _mm512_maskz_loadu_ps(lanes, gf + i);
+    __m512 xi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + i), decay);
+    __m512 mi = _mm512_mul_ps(search1.value(k1), s1);
+    mi = _mm512_add_ps(mi, _mm512_mul_ps(w1, _mm512_sub_ps(gi, mi)));
+    const __m512 vi =
+        _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(search2.value(k2), s2), beta2),
+                      _mm512_mul_ps(w2, _mm512_mul_ps(gi, gi)));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+    xi = _mm512_sub_ps(xi, _mm512_mul_ps(step, _mm512_div_ps(mi, denom)));
+    _mm512_store_ps(x + i, xi);
+    _mm512_store_ps(m + i, mi);
+    _mm512_store_ps(v + i, vi);
+    // Lanes past the block's end hold 0 and leave the maxima alone.
+    max1 = _mm512_mask_max_ps(max1, lanes, max1, _mm512_andnot_ps(sign, mi));
+    max2 = _mm512_mask_max_ps(max2, lanes, max2, vi);
+  }
+  if constexpr (std::is_same_v<P, float> && !kMaster) {
+    std::memcpy(p, x, sizeof(float) * static_cast<size_t>(len));
+  } else {
+    for (int i = 0; i < len; ++i) {
+      if constexpr (kMaster) w[i] = x[i];
+      p[i] = P(x[i]);
+    }
+  }
+  const float a1 = _mm512_reduce_max_ps(max1), a2 = _mm512_reduce_max_ps(max2);
+  o.a1[b] = a1;
+  o.a2[b] = a2;
+  const __m512 d1 = _mm512_set1_ps(a1 > 0 ? a1 : 1.0f), d2 = _mm512_set1_ps(a2 > 0 ? a2 : 1.0f);
+  auto quantize = [&](const float* src, uint8_t* dst, const Quant8Search& q, __m512 d) {
+    for (int i = 0; i < len; i += 16) {
+      const __mmask16 lanes =
+          len - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - i)) - 1);
+      const __m512i c = q.code(_mm512_div_ps(_mm512_load_ps(src + i), d));
+      _mm512_mask_cvtepi32_storeu_epi8(dst + i, lanes, c);
+    }
+  };
+  quantize(m, c1, search1, d1);
+  quantize(v, c2, search2, d2);
+}
+#endif
+
 template <typename P, typename S, bool kMaster>
 void adamw8bit_block(const Adam8Operands<P, S, kMaster>& o, int64_t b, int64_t n,
                      const AdamConsts<S>& k, const Quant8Map& q1, const Quant8Map& q2) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<S, float>) {
+    return adamw8bit_block_avx512<P, kMaster>(o, b, n, k);
+  }
+#endif
   const int64_t i0 = b * kQuant8Block;
   const int64_t len = std::min<int64_t>(kQuant8Block, n - i0);
   P* __restrict p = o.p + i0;

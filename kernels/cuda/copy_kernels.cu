@@ -50,9 +50,9 @@ void launch_copy(const DevTensor& dst, const DevTensor& src, cudaStream_t stream
     return;
   }
   const bool flat = dst.contiguous() && src.contiguous() && same_strides(dst, src);
-  TS_CUDA_DISPATCH_ALL(dst.dtype, "copy", [&] {
+  TS_CUDA_DISPATCH_STORAGE(dst.dtype, "copy", [&] {
     using D = scalar_t;
-    TS_CUDA_DISPATCH_ALL(src.dtype, "copy", [&] {
+    TS_CUDA_DISPATCH_STORAGE(src.dtype, "copy", [&] {
       using S = scalar_t;
       if (flat) {
         convert_kernel<D, S><<<grid_for(n), 256, 0, stream>>>(typed<D>(dst), typed<S>(src), n);

@@ -1,9 +1,13 @@
-// The fused optimizer updates on CUDA (adamw_, sgd_), single- and multi-tensor forms (see
-// tensor/meta_optim.cc): host glue around optim.cu's multi-tensor apply. Same semantics and
-// errors as kernels/cpu/optim.cc (the spec): operands of one tuple must not overlap; every
-// tuple is checked before any is written. One launch sequence per (param dtype, master)
-// among the tuples; non-contiguous operands are packed into temporaries and, when written,
-// copied back after the update.
+// The fused optimizer updates on CUDA (adamw_, adamw8bit_, sgd_), single- and multi-tensor
+// forms (see tensor/meta_optim.cc): host glue around optim.cu's multi-tensor apply. Same
+// semantics and errors as kernels/cpu/optim.cc (the spec): operands of one tuple must not
+// overlap; every tuple is checked before any is written. One launch sequence per (param
+// dtype, master) among the tuples; non-contiguous operands are packed into temporaries and,
+// when written, copied back after the update.
+//
+// The update's constants are computed here in f64 exactly as the CPU computes them; this
+// library is built with -ffp-contract=off (kernels/cuda/BUILD), like kernels/cpu:optim, so
+// that -march=native's FMA does not round 1 - lr * weight_decay differently.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -13,12 +17,15 @@
 #include "kernels/cuda/optim.cuh"
 #include "kernels/cuda/runtime.h"
 #include "tensor/op.h"
+#include "tensor/quant8.h"
 
 namespace tessera::cuda_kernels {
 namespace {
 
 using cpu::check_no_overlap;
 using cpu::tuples_of;
+
+static_assert(kAdam8Block == kQuant8Block, "optim.cu's quantization block is tensor/quant8.h's");
 
 // Calls launch(dtype, master, tuples, count) once per (param dtype, has master) found among
 // the tuples, each OptimTuple holding the defined operands' contiguous device pointers in
@@ -89,6 +96,51 @@ void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a)
   });
 }
 
+// Inputs: (param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax[, master]),
+// or k tuples of 7. Every operand but grad must be contiguous (the CPU's check and message);
+// a strided grad is packed.
+void adamw8bit_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  const auto tuples = tuples_of(in, 7);
+  const size_t count = in.size() < 14 ? 0 : tuples.size();  // 0: the single-tensor form
+  static constexpr const char* kNames[] = {"param",          "grad",
+                                           "exp_avg",        "exp_avg_sq",
+                                           "exp_avg_absmax", "exp_avg_sq_absmax",
+                                           "master"};
+  for (size_t j = 0; j < tuples.size(); ++j) {
+    check_no_overlap("adamw8bit_", j, count, tuples[j],
+                     {"param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_absmax",
+                      "exp_avg_sq_absmax", "master"});
+    for (size_t i = 0; i < tuples[j].size(); ++i) {
+      const Tensor& x = tuples[j][i];
+      if (i == 1) continue;  // grad: any layout
+      TS_CHECK(!x.defined() || x.is_contiguous(),
+               "adamw8bit_{}: {} {} must be contiguous (blocks are runs of {} consecutive "
+               "elements)",
+               count == 0 ? std::string() : fmt::format(" tuple {} of {}", j, count), kNames[i],
+               shape_str(x.shape()), kQuant8Block);
+    }
+  }
+  const double t = static_cast<double>(a.step_count);
+  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
+  const AdamWConsts k{1.0 - a.lr * a.weight_decay, 1.0 - a.beta1, a.beta2, 1.0 - a.beta2,
+                      std::sqrt(bc2), a.eps, a.lr / bc1};
+  const Quant8Map& q1 = quant8_map(Quant8Kind::signed_dynamic);
+  const Quant8Map& q2 = quant8_map(Quant8Kind::unsigned_dynamic);
+  const Quant8Maps maps{{q1.values.data(), q2.values.data()},
+                        {q1.thresholds.data(), q2.thresholds.data()},
+                        {q1.mid64.data(), q2.mid64.data()}};
+  const Device d = in[0].device();
+  DeviceGuard guard(d);
+  const cudaStream_t stream = compute_stream(d);
+  run_launch("adamw8bit_", d, [&] {
+    // Only grad can be packed (the others are contiguous), so nothing is copied back.
+    run_grouped(tuples, 6, {0, 2, 3, 4, 5, 6},
+                [&](int dtype, bool master, const OptimTuple* ts, int64_t count) {
+                  launch_adamw8bit(dtype, master, ts, count, k, maps, stream);
+                });
+  });
+}
+
 // Inputs: (param, grad, momentum_buffer[, master]), or k tuples of 4; the buffer is defined
 // in every tuple or in none (momentum != 0).
 void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
@@ -113,6 +165,7 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
 }
 
 TS_REGISTER_KERNEL(cuda, adamw_, adamw_kernel);
+TS_REGISTER_KERNEL(cuda, adamw8bit_, adamw8bit_kernel);
 TS_REGISTER_KERNEL(cuda, sgd_, sgd_kernel);
 
 }  // namespace

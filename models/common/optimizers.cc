@@ -2,14 +2,18 @@
 
 #include "models/common/flags.h"
 #include "optim/adafactor.h"
+#include <cmath>
+
 #include "optim/adamw.h"
+#include "optim/adamw8bit.h"
+#include "tensor/quant8.h"
 #include "optim/sgd.h"
 #include "tensor/error.h"
 
 namespace tessera::models {
 
 void validate_optimizer(const char* program, const OptimizerChoice& c) {
-  require_one_of(program, "optimizer", c.name, {"adamw", "adafactor", "sgd"});
+  require_one_of(program, "optimizer", c.name, {"adamw", "adamw8bit", "adafactor", "sgd"});
   if (c.name == "adafactor") {
     require_one_of(program, "adafactor_mode", c.adafactor_mode, {"hf", "torch", "optax"});
     TS_CHECK(c.adafactor_beta1 >= 0 && c.adafactor_beta1 < 1,
@@ -24,7 +28,47 @@ void validate_optimizer(const char* program, const OptimizerChoice& c) {
   }
 }
 
-bool optimizer_is_elementwise(const std::string& name) { return name != "adafactor"; }
+bool optimizer_is_elementwise(const std::string& name) {
+  return name != "adafactor" && name != "adamw8bit";
+}
+
+bool optimizer_needs_row_shards(const std::string& name) { return name == "adafactor"; }
+
+int64_t optimizer_shard_block(const std::string& name) {
+  return name == "adamw8bit" ? kQuant8Block : 0;
+}
+
+double optimizer_state_formula(const OptimizerChoice& c, const Shape& shape, bool f32_state) {
+  const double n = static_cast<double>(numel_of(shape));
+  if (c.name == "adamw8bit") {
+    if (f32_state || n < 4096) return 8.0;
+    return 2.0 + 8.0 * std::ceil(n / kQuant8Block) / n;
+  }
+  if (c.name == "adafactor") {
+    const double first = c.adafactor_beta1 > 0 ? 4.0 : 0.0;
+    if (shape.size() < 2) return 4.0 + first;
+    // hf/torch factor the last two dims, the rest batched: rows + columns per matrix.
+    const double rows = static_cast<double>(shape[shape.size() - 2]);
+    const double cols = static_cast<double>(shape.back());
+    return 4.0 * (rows + cols) / (rows * cols) + first;
+  }
+  if (c.name == "sgd") return c.momentum > 0 ? 4.0 : 0.0;
+  return 8.0;
+}
+
+double optimizer_state_formula_bytes(const OptimizerChoice& c,
+                                     const std::vector<std::pair<std::string, Tensor>>& params,
+                                     bool master) {
+  double total = 0;
+  for (const auto& [name, t] : params) {
+    bool f32 = false;
+    for (const std::string& part : c.f32_state_names) f32 = f32 || name.find(part) != std::string::npos;
+    const double n = static_cast<double>(t.numel());
+    total += n * optimizer_state_formula(c, t.shape(), f32);
+    if (master && (c.name == "adamw" || c.name == "adamw8bit")) total += 4 * n;
+  }
+  return total;
+}
 
 std::unique_ptr<optim::Optimizer> make_optimizer(const char* program, const OptimizerChoice& c,
                                                  std::vector<optim::ParamGroup> groups) {
@@ -38,6 +82,21 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const char* program, const Opti
     o.beta1 = c.adafactor_beta1;
     o.weight_decay = c.weight_decay;
     return std::make_unique<optim::Adafactor>(std::move(groups), o);
+  }
+  if (c.name == "adamw8bit") {
+    optim::AdamW8bitOptions o;
+    o.lr = c.lr;
+    o.betas = {c.beta1, c.beta2};
+    o.weight_decay = c.weight_decay;
+    if (!c.f32_state_names.empty()) {
+      o.f32_state = [names = c.f32_state_names](const std::string& name) {
+        for (const std::string& part : names) {
+          if (name.find(part) != std::string::npos) return true;
+        }
+        return false;
+      };
+    }
+    return std::make_unique<optim::AdamW8bit>(std::move(groups), o);
   }
   if (c.name == "sgd") {
     optim::SGDOptions o;

@@ -22,7 +22,10 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("weight_decay", cli.config.weight_decay, "AdamW decoupled weight decay (not on 1-D params)");
   f.bind("beta1", cli.config.beta1, "AdamW beta1");
   f.bind("beta2", cli.config.beta2, "AdamW beta2");
-  f.bind("optimizer", cli.config.optimizer, "adamw, adafactor (factored second moments) or sgd");
+  f.bind("optimizer", cli.config.optimizer,
+         "adamw, adamw8bit (8-bit block-wise moments), adafactor (factored second moments) or sgd");
+  f.bind("stable_embedding", cli.config.stable_embedding,
+         "adamw8bit: keep f32 state for the embeddings (wte, wpe)");
   f.bind("adafactor_mode", cli.config.adafactor_mode,
          "Adafactor's reference: hf (transformers/fairseq), torch or optax");
   f.bind("adafactor_beta1", cli.config.adafactor_beta1, "Adafactor's first moment (0: none)");

@@ -141,12 +141,22 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   parallel::ZeroOptions zopt;
   zopt.stage = static_cast<int>(opt.zero);
   zopt.decay = [dims](const std::string& name, const Tensor&) { return dims.at(name) >= 2; };
+  zopt.block_shards = opt.block_shards;
   s.zero = std::make_unique<parallel::ZeroDataParallel>(*s.holder, s.dp(), zopt);
   if (opt.make_optimizer) {
     s.opt = opt.make_optimizer(s.zero->param_groups(opt.lr, opt.weight_decay));
-    TS_CHECK(s.opt->elementwise(),
-             "Gpt3d: {} is not elementwise; pipeline and tensor-parallel shards would split its "
-             "per-tensor state", s.opt->kind());
+    // Not elementwise: per-block state needs every parameter whole on this rank (tp 1; the
+    // pipeline keeps whole parameters per stage) and ZeRO to cut at blocks. Per-matrix state
+    // (Adafactor) is refused: the stages hold c_attn's weight as [3, C, C], which it would
+    // factor per q/k/v, not as one device's [3C, C].
+    TS_CHECK(s.opt->elementwise() ||
+                 (opt.tp == 1 && s.opt->shard_block() > 0 && opt.block_shards > 0 &&
+                  opt.block_shards % s.opt->shard_block() == 0),
+             "Gpt3d: {} is not elementwise; {}", s.opt->kind(),
+             s.opt->shard_block() > 0
+                 ? "tensor-parallel shards (or ZeRO shards without Gpt3dOptions::block_shards) "
+                   "would cut its blocks"
+                 : "pipeline and tensor-parallel shards would split its per-tensor state");
   } else {
     optim::AdamWOptions aopt;
     aopt.lr = opt.lr;

@@ -49,6 +49,11 @@ struct Gpt3dOptions {
   // AdamW with the values above.
   std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>
       make_optimizer = nullptr;
+  // ZeroOptions::block_shards over dp, for an optimizer with per-block state (8-bit AdamW:
+  // 256); with tp 1 only, as each block must lie in one whole parameter. (The stages hold
+  // c_attn's weight as [3, C, C], the single device's [3C, C] in the same memory order, so
+  // the blocks are the same elements.)
+  int64_t block_shards = 0;
   // For the equivalence checker (models/gpt/check.h): keep each layer's output and the
   // reduced gradients of a step, for activations() and full_gradients().
   bool capture = false;

@@ -134,6 +134,7 @@ models::OptimizerChoice GptTrainConfig::optimizer_choice() const {
   o.adafactor_beta1 = adafactor_beta1;
   o.adafactor_scale_parameter = adafactor_scale_parameter;
   o.momentum = momentum;
+  if (stable_embedding) o.f32_state_names = {"wte", "wpe"};
   return o;
 }
 
@@ -220,8 +221,10 @@ class GptReplica final : public models::Replica {
       parallel::ZeroOptions zopt;
       zopt.stage = static_cast<int>(config.zero);
       zopt.average = false;  // each rank backpropagates its share of the global mean
-      // An optimizer with per-matrix state (Adafactor) gets whole rows of each parameter.
-      zopt.row_shards = !models::optimizer_is_elementwise(config.optimizer);
+      // An optimizer with per-matrix state (Adafactor) gets whole rows of each parameter, one
+      // with per-block state (8-bit AdamW) whole blocks.
+      zopt.row_shards = models::optimizer_needs_row_shards(config.optimizer);
+      zopt.block_shards = models::optimizer_shard_block(config.optimizer);
       for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
     }
@@ -367,7 +370,11 @@ class GptReplica final : public models::Replica {
   // ZeRO's memory after the first step and its traffic in the second (rank 0 reports).
   void after_step(int64_t run_step, const parallel::CommLog& log) override {
     if (zero_ && run_step == 0) {
-      result_.memory_report = zero_->memory_report().str();
+      parallel::ZeroMemory m = zero_->memory_report();
+      m.state_per_param = models::optimizer_state_formula_bytes(
+                              c_.optimizer_choice(), model_->named_parameters(), false) /
+                          static_cast<double>(model_->num_parameters());
+      result_.memory_report = m.str();
       say_(result_.memory_report);
     }
     if (!zero_ || run_step != 1) return;
@@ -511,6 +518,8 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
 
   result.skipped_steps = replica.scaler().skipped_steps();
   result.optimizer_state_bytes = replica.optimizer_state_bytes();
+  result.optimizer_state_formula = models::optimizer_state_formula_bytes(
+      config.optimizer_choice(), model.named_parameters(), replica.low() != DType::f32);
   finish_run(result, config, replica, loop, meter, metrics, device, [&] {
     return fmt::format("{}; {} in all{}",
                        config.timing_skip > 0
@@ -520,11 +529,15 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
                        replica.scaler().enabled()
                            ? fmt::format("; {} f16 steps skipped", result.skipped_steps)
                            : std::string()) +
-           fmt::format("; {} state {} ({:.3g} bytes per parameter{})", replica.optimizer_kind(),
+           fmt::format("; {} state {} ({:.3g} bytes per parameter{}; formula {:.3g} for the "
+                       "whole model)",
+                       replica.optimizer_kind(),
                        models::format_bytes(static_cast<double>(result.optimizer_state_bytes)),
                        static_cast<double>(result.optimizer_state_bytes) /
                            static_cast<double>(model.num_parameters()),
-                       comm != nullptr && config.zero > 0 ? ", this rank's shards" : "");
+                       comm != nullptr && config.zero > 0 ? ", this rank's shards" : "",
+                       result.optimizer_state_formula /
+                           static_cast<double>(model.num_parameters()));
   }, verbose, say);
   if (config.sample_length > 0 && config.synthetic_data) {
     say("no sample: the model was trained on random tokens");
@@ -688,6 +701,7 @@ Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
   o.weight_decay = c.weight_decay;
   o.beta1 = c.beta1;
   o.beta2 = c.beta2;
+  o.block_shards = models::optimizer_shard_block(c.optimizer);
   o.make_optimizer = [choice = c.optimizer_choice()](std::vector<optim::ParamGroup> groups) {
     return models::make_optimizer("gpt", choice, std::move(groups));
   };

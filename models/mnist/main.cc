@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
   f.bind("lr", c.lr, "peak learning rate (AdamW, warmup then cosine decay)");
   f.bind("weight_decay", c.weight_decay, "AdamW decoupled weight decay (not on biases)");
   f.bind("warmup", c.warmup, "linear warmup steps");
-  f.bind("optimizer", c.optimizer.name, "adamw, adafactor (factored second moments) or sgd");
+  f.bind("optimizer", c.optimizer.name,
+         "adamw, adamw8bit (8-bit block-wise moments), adafactor (factored second moments) or sgd");
   f.bind("adafactor_mode", c.optimizer.adafactor_mode,
          "Adafactor's reference: hf (transformers/fairseq), torch or optax");
   f.bind("adafactor_beta1", c.optimizer.adafactor_beta1, "Adafactor's first moment (0: none)");

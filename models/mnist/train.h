@@ -24,7 +24,7 @@ struct MnistConfig {
   double min_lr_ratio = 0.05;     // the cosine decays to lr * this
   int64_t warmup = 100;           // linear warmup steps
   double weight_decay = 0.05;
-  // adamw | adafactor | sgd, with their hyper-parameters (models/common/optimizers.h).
+  // adamw | adamw8bit | adafactor | sgd, with their hyper-parameters (models/common/optimizers.h).
   models::OptimizerChoice optimizer = {.name = "adamw"};
   double clip = 0.0;              // max global gradient norm; 0 = no clipping
   std::string precision = "f32";  // f32 | bf16 | f16

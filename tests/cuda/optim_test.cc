@@ -1,6 +1,6 @@
-// GPU-tagged: the fused optimizer updates (adamw_, sgd_) on CUDA, single- and multi-tensor
-// forms, and optim::AdamW / optim::SGD stepping CUDA parameters, against the CPU kernels
-// (the spec). Needs a GPU and --config=cuda:
+// GPU-tagged: the fused optimizer updates (adamw_, adamw8bit_, sgd_) on CUDA, single- and
+// multi-tensor forms, and optim::AdamW / optim::SGD stepping CUDA parameters, against the
+// CPU kernels (the spec). Needs a GPU and --config=cuda:
 //   bazel test --config=cuda --test_tag_filters=gpu //tests/cuda:optim_test
 //
 // Tolerances: the CUDA kernels do the CPU's operations in the CPU's order, but either
@@ -8,13 +8,16 @@
 // the operands: f32 |got - want| <= 1e-6 (|want| + max|want|), f64 the same with 1e-12; a
 // bf16 param within one bf16 ulp (2^-7 relative) of the CPU's and exactly its own master
 // rounded. The max|want| term covers cancellation in exp_avg += (1 - b1) (g - exp_avg).
+// adamw8bit_ has no tolerance: its kernel forbids the FMA, so it equals the CPU bitwise.
 //
 // The multi-tensor form against one call per tensor, its shape errors and AdamW's retry
 // param by param need no GPU: tests/optim/multi_tensor_test.cc.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -197,6 +200,201 @@ TEST_CASE("adamw_ on CUDA: an overlap in one tuple names it and writes nothing")
     CHECK_MESSAGE(msg.find("overlap") != std::string::npos, msg);
   }
   CHECK(p.to(kCPU).to_vector<float>() == std::vector<float>(8, 1.0f));
+}
+
+// ---- adamw8bit_ ----------------------------------------------------------------------------
+// Bitwise: optim.cu's kernel rounds every operation once, in the CPU kernel's order (both
+// without FMA contraction), and the block maxima and codes are exact functions of the
+// rounded values, so param, master, codes and scales must equal the CPU's bit for bit.
+
+// One adamw8bit_ call on consecutive tuples of `width` (6 or 7) inputs, every operand but
+// grad written (call_tuples' fixed table holds too few indices for the longest list here).
+void call_adam8(std::vector<Tensor> in, const Attrs& a, size_t width) {
+  std::vector<size_t> written;
+  for (size_t j = 0; j < in.size() / width; ++j) {
+    for (size_t k : {0, 2, 3, 4, 5, 6}) {
+      if (k < width) written.push_back(j * width + k);
+    }
+  }
+  NoGradGuard no_grad;
+  call_inplace(OpId::adamw8bit_, std::move(in), a, written);
+}
+
+// One tuple: param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, master.
+// grad_base: the storage grad views (grad itself may be a transposed view of it).
+struct Adam8Tuple {
+  std::array<Tensor, 7> t;
+  Tensor grad_base;
+};
+
+Adam8Tuple adam8_on(const Adam8Tuple& x, Device d) {
+  Adam8Tuple y;
+  for (size_t i = 0; i < 7; ++i) {
+    if (i != 1 && x.t[i].defined()) y.t[i] = x.t[i].to(d);
+  }
+  y.grad_base = x.grad_base.to(d);
+  y.t[1] = x.t[1].is_contiguous() ? y.grad_base : y.grad_base.t();
+  return y;
+}
+
+// Random codes and scales (a moment of any size), or the all-zero state when `zero`.
+Adam8Tuple make_adam8(const Shape& shape, DType dt, bool master, bool zero, uint64_t seed) {
+  const DType st = state_dtype(dt);
+  Generator gen(seed);
+  std::mt19937 bytes(static_cast<uint32_t>(seed));
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  const int64_t blocks = (n + 255) / 256;
+  auto codes = [&](uint8_t fill) {
+    std::vector<uint8_t> c(static_cast<size_t>(n), fill);
+    if (!zero) {
+      for (uint8_t& x : c) x = static_cast<uint8_t>(bytes() & 0xff);
+    }
+    return Tensor::from_vector(c, shape);
+  };
+  Adam8Tuple x;
+  x.t[0] = cast(randn(shape, DType::f64, kCPU, &gen), dt);
+  x.t[2] = codes(127);  // 127, 0: the zero codes of the signed and the unsigned map
+  x.t[3] = codes(0);
+  x.t[4] = zero ? zeros({blocks}, st)
+                : cast(abs(randn({blocks}, DType::f64, kCPU, &gen)) * 0.1, st);
+  x.t[5] = zero ? zeros({blocks}, st)
+                : cast(abs(randn({blocks}, DType::f64, kCPU, &gen)) * 0.01, st);
+  if (master) {  // the master holds the param's value, the param its rounding
+    x.t[6] = cast(x.t[0], DType::f32);
+    x.t[0] = cast(x.t[6], dt);
+  }
+  // A 2-D param gets a transposed (non-contiguous) grad: packed by the CUDA glue.
+  if (shape.size() == 2) {
+    x.grad_base = zeros({shape[1], shape[0]}, dt);
+    x.t[1] = x.grad_base.t();
+  } else {
+    x.grad_base = zeros(shape, dt);
+    x.t[1] = x.grad_base;
+  }
+  return x;
+}
+
+// got == want bit for bit (through f64, exact for every dtype here), failing once with the
+// first differing element.
+void check_same_bits(const Tensor& got, const Tensor& want, const std::string& what) {
+  REQUIRE(got.dtype() == want.dtype());
+  REQUIRE(got.shape() == want.shape());
+  const std::vector<double> g = cast(got.to(kCPU), DType::f64).to_vector<double>();
+  const std::vector<double> w = cast(want, DType::f64).to_vector<double>();
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const bool same = std::isnan(w[i]) ? std::isnan(g[i])
+                                       : g[i] == w[i] && std::signbit(g[i]) == std::signbit(w[i]);
+    if (!same && bad++ == 0) first = i;
+  }
+  CHECK_MESSAGE(bad == 0, what, ": ", bad, " of ", g.size(), " elements differ; first [", first,
+                "] got ", bad ? g[first] : 0.0, " want ", bad ? w[first] : 0.0);
+}
+
+// Three steps of adamw8bit_ over tensors of `shapes` (one call each step, multi-tensor form
+// unless `single`), the same on the CPU and on cuda:0. Tensor `zero_at` starts from the
+// all-zero state and gets zero gradients (its blocks' scales stay 0: the x / 0 rule).
+void adamw8bit_against_cpu(DType dt, bool master, double weight_decay,
+                           const std::vector<Shape>& shapes, bool single = false,
+                           size_t zero_at = SIZE_MAX) {
+  CAPTURE(dt);
+  CAPTURE(master);
+  CAPTURE(weight_decay);
+  std::vector<Adam8Tuple> cpu, gpu;
+  for (size_t j = 0; j < shapes.size(); ++j) {
+    cpu.push_back(make_adam8(shapes[j], dt, master, j == zero_at, 40 + j));
+    gpu.push_back(adam8_on(cpu.back(), cuda(0)));
+  }
+  for (int64_t step = 1; step <= 3; ++step) {
+    Attrs a;
+    a.step_count = step;
+    a.lr = 1e-2;
+    a.beta1 = 0.9;
+    a.beta2 = 0.99;
+    a.eps = 1e-8;
+    a.weight_decay = weight_decay;
+    Generator gen(500 + step);
+    for (size_t j = 0; j < shapes.size(); ++j) {  // fresh gradients, same on both devices
+      const Shape& s = cpu[j].grad_base.shape();
+      Tensor g = j == zero_at ? zeros(s, dt) : cast(randn(s, DType::f32, kCPU, &gen), dt);
+      cpu[j].grad_base.copy_(g);
+      gpu[j].grad_base.copy_(g);
+    }
+    for (std::vector<Adam8Tuple>* side : {&cpu, &gpu}) {
+      std::vector<Tensor> in;
+      for (const Adam8Tuple& x : *side) {
+        in.insert(in.end(), x.t.begin(), single && !master ? x.t.end() - 1 : x.t.end());
+      }
+      call_adam8(std::move(in), a, single && !master ? 6 : 7);
+    }
+  }
+  static constexpr const char* kRoles[] = {"param",          "grad",
+                                           "exp_avg",        "exp_avg_sq",
+                                           "exp_avg_absmax", "exp_avg_sq_absmax",
+                                           "master"};
+  for (size_t j = 0; j < shapes.size(); ++j) {
+    const std::string at = "tensor " + std::to_string(j) + " " + shape_str(shapes[j]);
+    for (size_t i : {0, 2, 3, 4, 5, 6}) {
+      if (cpu[j].t[i].defined()) check_same_bits(gpu[j].t[i], cpu[j].t[i], kRoles[i] + (" " + at));
+    }
+    // The update did something: the scales moved off their start (bar the all-zero state).
+    if (j != zero_at && cpu[j].t[0].numel() > 0) {
+      CHECK(cpu[j].t[4].to_vector<double>() !=
+            make_adam8(shapes[j], dt, master, false, 40 + j).t[4].to_vector<double>());
+    }
+  }
+}
+
+// A single element, a partial block, one block exactly, one past it, a partial last block
+// after several, a whole chunk of 8 blocks, several chunks with a partial last block, an
+// empty tensor, and a 2-D param with a transposed grad.
+const std::vector<Shape> kAdam8Shapes = {{1},    {255},           {256}, {257},    {1000},
+                                         {2048}, {5 * 2048 + 300}, {0},   {37, 20}, {4097}};
+
+TEST_CASE("adamw8bit_ multi-tensor on CUDA equals the CPU bitwise: f32 and f64, decay on/off") {
+  for (DType dt : {DType::f32, DType::f64}) {
+    adamw8bit_against_cpu(dt, false, 0.1, kAdam8Shapes, false, 4);
+    adamw8bit_against_cpu(dt, false, 0.0, {{513}, {300}});
+  }
+}
+
+TEST_CASE("adamw8bit_ on CUDA equals the CPU bitwise with f32 masters: f32, f16, bf16") {
+  adamw8bit_against_cpu(DType::f32, true, 0.1, kAdam8Shapes, false, 2);
+  adamw8bit_against_cpu(DType::f16, true, 0.0, kAdam8Shapes);
+  adamw8bit_against_cpu(DType::bf16, true, 0.1, kAdam8Shapes, false, 0);
+}
+
+TEST_CASE("adamw8bit_ single-tensor form on CUDA equals the CPU bitwise") {
+  adamw8bit_against_cpu(DType::f32, false, 0.05, {{1000}}, true);
+  adamw8bit_against_cpu(DType::bf16, true, 0.05, {{777}}, true);
+}
+
+TEST_CASE("adamw8bit_ on CUDA: lists longer than one launch") {
+  // 250 tensors (a launch takes at most 204 with 6 operands).
+  std::vector<Shape> shapes;
+  for (int64_t j = 0; j < 250; ++j) shapes.push_back({j * 389 % 3001 + 1});
+  adamw8bit_against_cpu(DType::f32, false, 0.1, shapes);
+}
+
+TEST_CASE("adamw8bit_ on CUDA: a non-contiguous code tensor is an error naming the tuple") {
+  const Tensor p = zeros({4, 4}, DType::f32, cuda(0)), g = zeros({4, 4}, DType::f32, cuda(0));
+  const Tensor c1 = zeros({4, 4}, DType::u8, cuda(0)), c2 = zeros({4, 4}, DType::u8, cuda(0));
+  const Tensor a1 = zeros({1}, DType::f32, cuda(0)), a2 = zeros({1}, DType::f32, cuda(0));
+  const Tensor q = ones({8}, DType::f32, cuda(0)), qg = ones({8}, DType::f32, cuda(0));
+  const Tensor qc1 = zeros({8}, DType::u8, cuda(0)), qc2 = zeros({8}, DType::u8, cuda(0));
+  const Tensor qa1 = zeros({1}, DType::f32, cuda(0)), qa2 = zeros({1}, DType::f32, cuda(0));
+  Attrs a;
+  a.lr = 0.1;
+  try {
+    call_adam8({q, qg, qc1, qc2, qa1, qa2, Tensor(), p, g, c1.t(), c2, a1, a2, Tensor()}, a, 7);
+    FAIL("no error");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK_MESSAGE(msg.find("tuple 1 of 2") != std::string::npos, msg);
+    CHECK_MESSAGE(msg.find("exp_avg [4, 4] must be contiguous") != std::string::npos, msg);
+  }
+  CHECK(q.to(kCPU).to_vector<float>() == std::vector<float>(8, 1.0f));  // nothing written
 }
 
 // ---- sgd_ ----------------------------------------------------------------------------------

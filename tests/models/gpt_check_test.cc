@@ -72,6 +72,40 @@ TEST_CASE("--check: correct layouts equal one device at every tensor of every st
   }
 }
 
+TEST_CASE("--check --optimizer=adamw8bit: ZeRO's block shards on pp x dp equal one device") {
+  // Width 64: the blocks' c_attn and MLP weights (>= 4096 elements) hold 8-bit state, the
+  // rest f32. The checker's single-device side runs the same optimizer; in f64 the layouts'
+  // gradients differ by rounding only, too little to move a code across a threshold.
+  struct L {
+    int pp, dp, zero, accum, microbatches;
+    const char* recompute;
+    double dropout;
+  };
+  for (const L& l : {L{2, 2, 3, 2, 2, "selective", 0.1}, L{1, 4, 1, 1, 1, "none", 0.0},
+                     L{2, 1, 0, 1, 2, "full", 0.0}}) {
+    GptTrainConfig c = tiny_check();
+    c.width = 64;
+    c.optimizer = "adamw8bit";
+    c.pp = l.pp;
+    c.dp = l.dp;
+    c.zero = l.zero;
+    c.accum = l.accum;
+    c.microbatches = l.microbatches;
+    c.recompute = l.recompute;
+    c.dropout = l.dropout;
+    int64_t eight_bit = 0;
+    for (const auto& entry : Gpt(c.model_config()).named_parameters()) {
+      eight_bit += entry.second.numel() >= 4096;
+    }
+    // wte, and each block's c_attn, attn.c_proj, c_fc and mlp.c_proj.
+    CHECK(eight_bit == 4 * c.layers + 1);
+    const GptResult r = train_gpt(c);
+    MESSAGE(r.check_report);
+    CHECK(r.check_ok);
+    CHECK(contains(r.check_report, fmt::format("{} tensors compared", comparisons(c))));
+  }
+}
+
 TEST_CASE("--check --inject: each injected bug is named by step, phase, tensor and ranks") {
   struct Bug {
     const char* inject;

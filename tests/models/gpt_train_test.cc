@@ -623,6 +623,96 @@ TEST_CASE("--save_sharded: each rank writes its shards; any layout resumes from 
   CHECK(contains(error_of([&] { train_gpt(c); }), "--save_sharded needs --save"));
 }
 
+TEST_CASE("--optimizer=adamw8bit: learns; state bytes the formula; ZeRO, dp and pp as one rank; resumes") {
+  // 8-bit state for tensors of 4096 elements or more: 2 bytes per element and two f32 scales
+  // per 256; 8 bytes per element below (and for wte/wpe under --stable_embedding).
+  const Gpt shapes(short_run(1).model_config());
+  int64_t want = 0, want_stable = 0;
+  for (const auto& entry : shapes.named_parameters()) {
+    const int64_t n = entry.second.numel();
+    const int64_t eight = n >= 4096 ? 2 * n + 8 * ((n + 255) / 256) : 8 * n;
+    const bool embedding = entry.first.find("wte") != std::string::npos ||
+                           entry.first.find("wpe") != std::string::npos;
+    want += eight;
+    want_stable += embedding ? 8 * n : eight;
+  }
+  GptTrainConfig c = short_run(12);
+  c.optimizer = "adamw8bit";
+  const GptResult one = train_gpt(c);
+  CHECK(one.losses.back() < one.losses.front() - 0.3);  // it learns
+  CHECK(one.optimizer_state_bytes == want);
+  CHECK(one.optimizer_state_formula == static_cast<double>(want));
+  // Two ranks: every ZeRO stage (block shards) is bitwise DDP (the same reduced gradients: a
+  // sum of two is the same in either order), and DDP is the one-rank run to f32 rounding.
+  c.dp = 2;
+  const GptResult ddp = train_gpt(c);
+  for (size_t i = 0; i < one.losses.size(); ++i) {
+    CHECK(std::abs(ddp.losses[i] - one.losses[i]) <= 1e-5 * one.losses[i]);
+  }
+  for (int zero : {1, 2, 3}) {
+    CAPTURE(zero);
+    c.zero = zero;
+    const GptResult r = train_gpt(c);
+    CHECK(r.losses == ddp.losses);
+  }
+  // A pipeline of two stages (whole parameters per stage).
+  c.dp = 1;
+  c.zero = 0;
+  c.pp = 2;
+  const GptResult piped = train_gpt(c);
+  for (size_t i = 0; i < one.losses.size(); ++i) {
+    CHECK(std::abs(piped.losses[i] - one.losses[i]) <= 1e-5 * one.losses[i]);
+  }
+  // pp 2 x dp 2 with ZeRO 2's block shards per stage.
+  c.dp = 2;
+  c.zero = 2;
+  const GptResult all3 = train_gpt(c);
+  for (size_t i = 0; i < one.losses.size(); ++i) {
+    CHECK(std::abs(all3.losses[i] - one.losses[i]) <= 1e-5 * one.losses[i]);
+  }
+  c.pp = 1;
+  c.dp = 1;
+  c.zero = 0;
+  // --stable_embedding keeps the embeddings' state in f32.
+  c.stable_embedding = true;
+  CHECK(train_gpt(c).optimizer_state_bytes == want_stable);
+  c.stable_embedding = false;
+  // 6 steps, save, resume, 6 more == 12 straight, bitwise; and from a ZeRO 2 checkpoint on
+  // two ranks, ZeRO 3 resumes with DDP's losses bitwise.
+  c.max_steps = 6;
+  c.save = temp_dir() + "/gpt_adamw8bit.safetensors";
+  train_gpt(c);
+  c.max_steps = 0;
+  c.resume = c.save;
+  c.save = "";
+  const GptResult rest = train_gpt(c);
+  REQUIRE(rest.losses.size() == 6);
+  for (size_t i = 0; i < 6; ++i) CHECK(rest.losses[i] == one.losses[6 + i]);
+  c.resume = "";
+  c.dp = 2;
+  c.zero = 2;
+  c.max_steps = 6;
+  c.save = temp_dir() + "/gpt_adamw8bit_zero.safetensors";
+  train_gpt(c);
+  c.max_steps = 0;
+  c.resume = c.save;
+  c.save = "";
+  c.zero = 3;
+  const GptResult rest2 = train_gpt(c);
+  REQUIRE(rest2.losses.size() == 6);
+  for (size_t i = 0; i < 6; ++i) CHECK(rest2.losses[i] == ddp.losses[6 + i]);
+  // Errors: tp would cut its blocks; --stable_embedding belongs to adamw8bit.
+  c = tiny();
+  c.optimizer = "adamw8bit";
+  c.tp = 2;
+  CHECK(contains(error_of([&] { train_gpt(c); }),
+                 "gpt: --optimizer=adamw8bit quantizes 256-element blocks of each whole parameter, "
+                 "which tp shards would cut"));
+  c = tiny();
+  c.stable_embedding = true;
+  CHECK(contains(error_of([&] { train_gpt(c); }), "--stable_embedding keeps adamw8bit's"));
+}
+
 TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data parallelism, resumes bitwise") {
   const std::string dir = temp_dir() + "/gpt_optimizers";
   fs::create_directories(dir);
@@ -730,7 +820,7 @@ TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data paralle
   }
   c = tiny();
   c.optimizer = "lamb";
-  CHECK(contains(error_of([&] { train_gpt(c); }), "gpt: --optimizer must be adamw, adafactor or sgd, got 'lamb'"));
+  CHECK(contains(error_of([&] { train_gpt(c); }), "gpt: --optimizer must be adamw, adamw8bit, adafactor or sgd, got 'lamb'"));
   c = tiny();
   c.optimizer = "adafactor";
   c.adafactor_mode = "torch";

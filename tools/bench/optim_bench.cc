@@ -1,0 +1,77 @@
+// The fused optimizer updates' throughput on the CPU: adamw_ (f32 moments) and adamw8bit_
+// (8-bit moments, tensor/quant8.h) over the same f32 parameter, beside a plain copy of the
+// same bytes (the machine's memory bandwidth, the ceiling for an update). Rounds alternate
+// the three; each figure is the median over the rounds of each round's median time.
+//
+//   bazel run -c opt //tools/bench:optim_bench -- --numel 16777216 --threads 2 --rounds 5
+//
+// Bytes per element, read + written once each: adamw_ 28 (param, grad, exp_avg, exp_avg_sq
+// read; param and both moments written), adamw8bit_ 12 + 4 + 2 x 8/256 (param and grad read,
+// param written: 12; two u8 codes read and written: 4; the f32 absmax of each block read and
+// written), copy 8 (read + write of an f32). elements/s is the figure that matters to a
+// training step: the 8-bit update moves fewer bytes, so its GB/s is lower at equal speed.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/parallel.h"
+#include "models/common/flags.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+#include "tensor/quant8.h"
+#include "tensor/random.h"
+#include "tools/bench/timing.h"
+
+int main(int argc, char** argv) {
+  using namespace tessera;
+  int64_t numel = int64_t{1} << 24;
+  int64_t threads = 2, rounds = 5, reps = 9;
+  models::Flags f("optim_bench", "adamw_ and adamw8bit_ throughput beside a copy.");
+  f.bind("numel", numel, "parameter elements (f32)");
+  f.bind("threads", threads, "kernel threads");
+  f.bind("rounds", rounds, "alternating rounds");
+  f.bind("reps", reps, "timed repetitions per round");
+  f.parse(argc, argv);
+  cpu::set_num_threads(static_cast<int>(threads));
+  NoGradGuard no_grad;
+  manual_seed(1);
+  const int64_t blocks = quant8_blocks(numel);
+  const Tensor p = randn({numel}), g = randn({numel}) * 1e-2;
+  const Tensor m = zeros({numel}), v = zeros({numel});
+  const Tensor c1 = full({numel}, quant8_map(Quant8Kind::signed_dynamic).zero_code(), DType::u8);
+  const Tensor c2 = zeros({numel}, DType::u8);
+  const Tensor a1 = zeros({blocks}), a2 = zeros({blocks});
+  const Tensor src = randn({numel}), dst = zeros({numel});
+  int64_t t = 0, t8 = 0;
+  const bench::Timing timing{static_cast<int>(reps), 2, 50.0, false};
+  struct Row {
+    const char* name;
+    double bytes_per_element;
+    std::vector<double> ms;
+  };
+  std::vector<Row> rows = {{"adamw_ (f32 moments)", 28.0, {}},
+                           {"adamw8bit_ (8-bit moments)", 16.0 + 16.0 / kQuant8Block, {}},
+                           {"copy (f32)", 8.0, {}}};
+  for (int64_t r = 0; r < rounds; ++r) {
+    rows[0].ms.push_back(bench::median_ms(timing, [&] {
+      adamw_(p, g, m, v, ++t, 1e-4, 0.9, 0.999, 1e-8, 0.01);
+    }));
+    rows[1].ms.push_back(bench::median_ms(timing, [&] {
+      adamw8bit_(p, g, c1, c2, a1, a2, ++t8, 1e-4, 0.9, 0.999, 1e-8, 0.01);
+    }));
+    rows[2].ms.push_back(bench::median_ms(timing, [&] { dst.copy_(src); }));
+  }
+  std::printf("%lld f32 elements, %lld threads, median of %lld rounds x %lld reps\n",
+              static_cast<long long>(numel), static_cast<long long>(threads),
+              static_cast<long long>(rounds), static_cast<long long>(reps));
+  std::printf("%-28s %10s %12s %10s\n", "op", "ms", "Gelem/s", "GB/s");
+  for (Row& row : rows) {
+    std::sort(row.ms.begin(), row.ms.end());
+    const double ms = row.ms[row.ms.size() / 2];
+    const double eps = static_cast<double>(numel) / (ms * 1e-3);
+    std::printf("%-28s %10.3f %12.3f %10.2f\n", row.name, ms, eps / 1e9,
+                eps * row.bytes_per_element / 1e9);
+  }
+  return p.numel() > 0 ? 0 : 1;
+}
