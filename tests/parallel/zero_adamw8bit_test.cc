@@ -20,6 +20,7 @@
 #include "optim/adamw8bit.h"
 #include "parallel/comm/comm_log.h"
 #include "parallel/comm/threads.h"
+#include "parallel/placement.h"
 #include "parallel/zero.h"
 #include "tests/parallel/dp_harness.h"
 #include "tests/testing.h"
@@ -141,6 +142,53 @@ TEST_CASE("AdamW8bit block-shard checkpoints: single-device layout, bitwise resu
   for (const auto& [k, v] : ckpt.optimizer) {
     CAPTURE(k);
     CHECK(cast(again.at(k), DType::f64).to_vector<double>() == cast(v, DType::f64).to_vector<double>());
+  }
+}
+
+TEST_CASE("AdamW8bit's state per rank on block shards: 1/N of the blocks, bytes by the formula") {
+  // Each rank holds whole blocks of every parameter (block_size's split of its blocks; the
+  // short last block with its rank): for an 8-bit parameter 2 bytes per element it holds and
+  // two f32 scales per block; for one under 4096 elements (f32 state) 8 bytes per element.
+  // The ranks' sum is one device's.
+  const Task task = mlp_task();
+  for (int dp : {2, 4}) {
+    CAPTURE(dp);
+    std::vector<int64_t> bytes(dp), want(dp);
+    int64_t single = 0;
+    run_threads(dp, [&](CommPtr world) {
+      std::shared_ptr<nn::Module> model = make_model(task, DType::f32);
+      ZeroDataParallel zero(*model, *world, {.stage = 2, .block_shards = 256});
+      optim::AdamW8bit opt(zero.param_groups(1e-3, 0.0));
+      zero.zero_grad();
+      zero.backward(task.loss(*model, DType::f32, 0, world->rank(), dp));
+      zero.step(opt);
+      const int r = world->rank();
+      bytes[r] = opt.state_bytes();
+      int64_t w = 0, one = 0;
+      for (const auto& entry : model->named_parameters()) {
+        const int64_t n = entry.second.numel(), blocks = (n + 255) / 256;
+        const int64_t mine = block_size(blocks, dp, r);
+        int64_t first = 0;
+        for (int k = 0; k < r; ++k) first += block_size(blocks, dp, k);
+        const int64_t elements = std::min(mine * 256, std::max<int64_t>(0, n - first * 256));
+        if (n < 4096) {  // f32 state, on the same block split
+          w += 8 * elements;
+          one += 8 * n;
+        } else {
+          w += 2 * elements + 8 * mine;
+          one += 2 * n + 8 * blocks;
+        }
+      }
+      want[r] = w;
+      if (r == 0) single = one;
+    });
+    int64_t total = 0;
+    for (int r = 0; r < dp; ++r) {
+      CAPTURE(r);
+      CHECK(bytes[r] == want[r]);
+      total += bytes[r];
+    }
+    CHECK(total == single);
   }
 }
 
