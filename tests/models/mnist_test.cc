@@ -45,19 +45,26 @@ TEST_CASE("the MLP learns Fashion-MNIST: a 2-epoch run on 4096 images beats 75% 
   CHECK(r.epoch_samples_per_s.size() == 2);
 }
 
-TEST_CASE("--optimizer=adafactor trains the MLP as far as AdamW on the small run") {
+TEST_CASE("--optimizer=adafactor|adamw8bit train the MLP as far as AdamW on the small run") {
   // Adafactor (hf mode, explicit lr, no first moment) keeps 4 (m + n) bytes per m x n matrix
-  // instead of AdamW's 8 m n; on this run it ends within two points of AdamW's accuracy.
+  // instead of AdamW's 8 m n; 8-bit AdamW 2 + 8/256 per element of its two weights (the
+  // biases, under 4096 elements, keep f32 state). On this run each ends within two points of
+  // AdamW's accuracy.
   const MnistResult adamw = train_mnist(small());
   MnistConfig c = small();
   c.optimizer.name = "adafactor";
   const MnistResult adafactor = train_mnist(c);
-  MESSAGE("test accuracy: AdamW " << adamw.test_accuracy << ", Adafactor " << adafactor.test_accuracy);
+  c.optimizer.name = "adamw8bit";
+  const MnistResult eight = train_mnist(c);
+  MESSAGE("test accuracy: AdamW " << adamw.test_accuracy << ", Adafactor " << adafactor.test_accuracy
+                                  << ", AdamW8bit " << eight.test_accuracy);
   CHECK(adafactor.test_accuracy > 0.75);
   CHECK(adafactor.test_accuracy > adamw.test_accuracy - 0.02);
+  CHECK(eight.test_accuracy > 0.75);
+  CHECK(eight.test_accuracy > adamw.test_accuracy - 0.02);
   c.optimizer.name = "adagrad";
   CHECK(testing::contains(testing::error_of([&] { train_mnist(c); }),
-                          "mnist: --optimizer must be adamw, adafactor or sgd, got 'adagrad'"));
+                          "mnist: --optimizer must be adamw, adamw8bit, adafactor or sgd, got 'adagrad'"));
 }
 
 TEST_CASE("resume from a checkpoint continues bitwise: 2N straight == N, save, load, N") {
