@@ -274,9 +274,11 @@ void adamw8bit_block_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t b
     _mm512_store_ps(x + i, xi);
     _mm512_store_ps(m + i, mi);
     _mm512_store_ps(v + i, vi);
-    // Lanes past the block's end hold 0 and leave the maxima alone.
-    max1 = _mm512_mask_max_ps(max1, lanes, max1, _mm512_andnot_ps(sign, mi));
-    max2 = _mm512_mask_max_ps(max2, lanes, max2, vi);
+    // Lanes past the block's end leave the maxima alone. vmaxps returns its second operand
+    // when either is NaN: with the running max second, a NaN moment is skipped, as the
+    // scalar loop's max1 < am ? am : max1 skips it.
+    max1 = _mm512_mask_max_ps(max1, lanes, _mm512_andnot_ps(sign, mi), max1);
+    max2 = _mm512_mask_max_ps(max2, lanes, vi, max2);
   }
   if constexpr (std::is_same_v<P, float> && !kMaster) {
     std::memcpy(p, x, sizeof(float) * static_cast<size_t>(len));

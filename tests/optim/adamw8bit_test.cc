@@ -122,6 +122,42 @@ TEST_CASE("adamw8bit_ quantizes block by block: codes and absmax of an independe
   }
 }
 
+TEST_CASE("adamw8bit_ with a NaN gradient: the scales skip it, its codes are 0, as the reference") {
+  // A NaN moment is left out of its block's absmax (the running max skips it) and takes
+  // code 0 (no threshold is <= NaN); the parameter becomes NaN. Every path agrees: the
+  // vectorised kernel (f32 state) and the emulating reference, in f32 and f64.
+  for (DType dt : {DType::f32, DType::f64}) {
+    CAPTURE(dt);
+    manual_seed(4);
+    const int64_t n = 600;
+    std::vector<double> gv = randn({n}, DType::f64).to_vector<double>();
+    // In the first and the last 16 elements of a block (the vector kernel's first and last
+    // chunk), and in the short last block's last chunk.
+    for (int64_t i : {3, 250, 300, 597}) gv[i] = std::numeric_limits<double>::quiet_NaN();
+    const Tensor p = randn({n}).cast(dt), g = Tensor::from_vector<double>(gv, {n}).cast(dt);
+    const Tensor c1 = full({n}, 127, DType::u8), c2 = zeros({n}, DType::u8);
+    const DType st = dt == DType::f64 ? DType::f64 : DType::f32;
+    const Tensor a1 = zeros({3}, st), a2 = zeros({3}, st);
+    const std::vector<ref::NdArray> in = {nd(p), nd(g), nd(c1), nd(c2), nd(a1), nd(a2)};
+    adamw8bit_(p, g, c1, c2, a1, a2, 1, 1e-2, 0.9, 0.999, 1e-8, 0.1);
+    const std::vector<ref::NdArray> want = ref::adamw8bit(in, 1, 1e-2, 0.9, 0.999, 1e-8, 0.1, dt);
+    const std::vector<Tensor> got = {p, c1, c2, a1, a2};
+    for (size_t k = 0; k < got.size(); ++k) {
+      CAPTURE(k);
+      const std::vector<double> v = cast(got[k], DType::f64).to_vector<double>();
+      int64_t differ = 0;
+      for (size_t i = 0; i < v.size(); ++i) {
+        const double w = want[k].data[i];
+        differ += !(v[i] == w || (std::isnan(v[i]) && std::isnan(w)));
+      }
+      CHECK(differ == 0);
+    }
+    CHECK(std::isnan(p.to_vector<double>()[3]));
+    CHECK(c1.to_vector<double>()[3] == 0);
+    CHECK(std::isfinite(a1.to_vector<double>()[0]));
+  }
+}
+
 struct Model {
   std::vector<Tensor> params;
   std::vector<std::string> names;
