@@ -147,8 +147,10 @@ void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
 //   m, v and param updated exactly as adamw_ does (same order of operations, state dtype)
 //   exp_avg_absmax = max |m|, exp_avg_sq_absmax = max v over the block (0 for an all-zero one)
 //   exp_avg = code of m / exp_avg_absmax, exp_avg_sq = code of v / exp_avg_sq_absmax
-//     (the nearest map entry, ties to the larger; x / 0 counts as 0).
-// Every operand must be contiguous. `master` as for adamw_.
+//     (the nearest map entry, ties to the larger; x / 0 counts as 0; a NaN moment is left
+//     out of its block's max and takes code 0)
+// param, the codes, the scales and master must be contiguous (grad may have any layout).
+// `master` as for adamw_.
 void adamw8bit_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                 const Tensor& exp_avg_sq, const Tensor& exp_avg_absmax,
                 const Tensor& exp_avg_sq_absmax, int64_t step, double lr, double beta1,

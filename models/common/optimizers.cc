@@ -2,6 +2,7 @@
 
 #include "models/common/flags.h"
 #include "optim/adafactor.h"
+#include <algorithm>
 #include <cmath>
 
 #include "optim/adamw.h"
@@ -47,9 +48,18 @@ double optimizer_state_formula(const OptimizerChoice& c, const Shape& shape, boo
   if (c.name == "adafactor") {
     const double first = c.adafactor_beta1 > 0 ? 4.0 : 0.0;
     if (shape.size() < 2) return 4.0 + first;
-    // hf/torch factor the last two dims, the rest batched: rows + columns per matrix.
-    const double rows = static_cast<double>(shape[shape.size() - 2]);
-    const double cols = static_cast<double>(shape.back());
+    // hf/torch factor the last two dims, the rest batched: rows + columns per matrix. optax
+    // factors the two largest dims, when the smaller of them is at least 128 (its default
+    // min_dim_size_to_factor, which the programs keep).
+    double rows = static_cast<double>(shape[shape.size() - 2]);
+    double cols = static_cast<double>(shape.back());
+    if (c.adafactor_mode == "optax") {
+      std::vector<int64_t> dims(shape.begin(), shape.end());
+      std::sort(dims.begin(), dims.end());
+      rows = static_cast<double>(dims[dims.size() - 2]);
+      cols = static_cast<double>(dims.back());
+      if (rows < 128) return 4.0 + first;
+    }
     return 4.0 * (rows + cols) / (rows * cols) + first;
   }
   if (c.name == "sgd") return c.momentum > 0 ? 4.0 : 0.0;
