@@ -16,21 +16,27 @@ AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions options)
     : Optimizer("AdamW", std::move(groups), options.lr, options.weight_decay),
       options_(checked(options)) {}
 
+void check_adamw_values(const char* kind, double lr, std::pair<double, double> betas, double eps,
+                        double weight_decay) {
+  TS_CHECK(std::isfinite(lr) && lr >= 0, "{}: invalid learning rate {} (must be >= 0)", kind, lr);
+  TS_CHECK(std::isfinite(eps) && eps >= 0, "{}: invalid eps {} (must be >= 0)", kind, eps);
+  auto [b1, b2] = betas;
+  TS_CHECK(b1 >= 0 && b1 < 1, "{}: invalid beta1 {} (must be in [0, 1))", kind, b1);
+  TS_CHECK(b2 >= 0 && b2 < 1, "{}: invalid beta2 {} (must be in [0, 1))", kind, b2);
+  TS_CHECK(std::isfinite(weight_decay) && weight_decay >= 0,
+           "{}: invalid weight_decay {} (must be >= 0)", kind, weight_decay);
+}
+
+bool wants_master(bool master_weights, const Tensor& p) {
+  return master_weights && (p.dtype() == DType::f16 || p.dtype() == DType::bf16);
+}
+
 AdamWOptions AdamW::checked(AdamWOptions o) {
-  TS_CHECK(std::isfinite(o.lr) && o.lr >= 0, "AdamW: invalid learning rate {} (must be >= 0)",
-           o.lr);
-  TS_CHECK(std::isfinite(o.eps) && o.eps >= 0, "AdamW: invalid eps {} (must be >= 0)", o.eps);
-  auto [b1, b2] = o.betas;
-  TS_CHECK(b1 >= 0 && b1 < 1, "AdamW: invalid beta1 {} (must be in [0, 1))", b1);
-  TS_CHECK(b2 >= 0 && b2 < 1, "AdamW: invalid beta2 {} (must be in [0, 1))", b2);
-  TS_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0,
-           "AdamW: invalid weight_decay {} (must be >= 0)", o.weight_decay);
+  check_adamw_values("AdamW", o.lr, o.betas, o.eps, o.weight_decay);
   return o;
 }
 
-bool AdamW::uses_master(const Tensor& p) const {
-  return options_.master_weights && (p.dtype() == DType::f16 || p.dtype() == DType::bf16);
-}
+bool AdamW::uses_master(const Tensor& p) const { return wants_master(options_.master_weights, p); }
 
 std::vector<Optimizer::StateSpec> AdamW::state_specs(const Tensor& p) const {
   const DType moments = p.dtype() == DType::f64 ? DType::f64 : DType::f32;

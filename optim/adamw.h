@@ -25,6 +25,13 @@ struct AdamWOptions {
   bool master_weights = true;  // f32 master copies of f16/bf16 params
 };
 
+// The checks AdamW and AdamW8bit share: Error naming `kind` and the value for lr or eps < 0,
+// a beta outside [0, 1), weight_decay < 0 or anything non-finite.
+void check_adamw_values(const char* kind, double lr, std::pair<double, double> betas, double eps,
+                        double weight_decay);
+// Whether `param` gets an f32 master copy: f16/bf16 with master weights on.
+bool wants_master(bool master_weights, const Tensor& param);
+
 class AdamW : public Optimizer {
  public:
   explicit AdamW(std::vector<Tensor> params, AdamWOptions options = {});

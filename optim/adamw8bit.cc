@@ -1,5 +1,7 @@
 #include "optim/adamw8bit.h"
 
+#include "optim/adamw.h"
+
 #include <cmath>
 
 #include "tensor/grad_mode.h"
@@ -18,14 +20,7 @@ AdamW8bit::AdamW8bit(std::vector<ParamGroup> groups, AdamW8bitOptions options)
       options_(checked(std::move(options))) {}
 
 AdamW8bitOptions AdamW8bit::checked(AdamW8bitOptions o) {
-  TS_CHECK(std::isfinite(o.lr) && o.lr >= 0, "AdamW8bit: invalid learning rate {} (must be >= 0)",
-           o.lr);
-  TS_CHECK(std::isfinite(o.eps) && o.eps >= 0, "AdamW8bit: invalid eps {} (must be >= 0)", o.eps);
-  auto [b1, b2] = o.betas;
-  TS_CHECK(b1 >= 0 && b1 < 1, "AdamW8bit: invalid beta1 {} (must be in [0, 1))", b1);
-  TS_CHECK(b2 >= 0 && b2 < 1, "AdamW8bit: invalid beta2 {} (must be in [0, 1))", b2);
-  TS_CHECK(std::isfinite(o.weight_decay) && o.weight_decay >= 0,
-           "AdamW8bit: invalid weight_decay {} (must be >= 0)", o.weight_decay);
+  check_adamw_values("AdamW8bit", o.lr, o.betas, o.eps, o.weight_decay);
   TS_CHECK(o.min_8bit_numel >= 0, "AdamW8bit: invalid min_8bit_numel {} (must be >= 0)",
            o.min_8bit_numel);
   return o;
@@ -38,7 +33,7 @@ Optimizer::RowShardState AdamW8bit::row_shard_state(const std::string& name) con
 }
 
 bool AdamW8bit::uses_master(const Tensor& p) const {
-  return options_.master_weights && (p.dtype() == DType::f16 || p.dtype() == DType::bf16);
+  return wants_master(options_.master_weights, p);
 }
 
 std::string AdamW8bit::name_of(const Tensor& p) const {

@@ -386,24 +386,7 @@ void adamw8bit_one(std::span<const Tensor> in, const Attrs& a) {
 void adamw8bit_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
   const auto tuples = tuples_of(in, 7);
   const size_t count = in.size() < 14 ? 0 : tuples.size();  // 0: the single-tensor form
-  static constexpr const char* kNames[] = {"param",          "grad",
-                                           "exp_avg",        "exp_avg_sq",
-                                           "exp_avg_absmax", "exp_avg_sq_absmax",
-                                           "master"};
-  for (size_t j = 0; j < tuples.size(); ++j) {
-    check_no_overlap("adamw8bit_", j, count, tuples[j],
-                     {"param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_absmax",
-                      "exp_avg_sq_absmax", "master"});
-    for (size_t i = 0; i < tuples[j].size(); ++i) {
-      const Tensor& x = tuples[j][i];
-      if (i == 1) continue;  // grad: any layout
-      TS_CHECK(!x.defined() || x.is_contiguous(),
-               "adamw8bit_{}: {} {} must be contiguous (blocks are runs of {} consecutive "
-               "elements)",
-               count == 0 ? std::string() : fmt::format(" tuple {} of {}", j, count), kNames[i],
-               shape_str(x.shape()), kQuant8Block);
-    }
-  }
+  check_adamw8bit_operands(tuples, count);
   for (std::span<const Tensor> t : tuples) {
     if (t[1].is_contiguous()) {
       adamw8bit_one(t, a);

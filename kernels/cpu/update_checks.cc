@@ -3,6 +3,7 @@
 #include <string>
 
 #include "tensor/error.h"
+#include "tensor/quant8.h"
 
 namespace tessera::cpu {
 
@@ -34,6 +35,26 @@ void check_no_overlap(std::string_view op, size_t tuple, size_t tuples,
         fail("{}: {} {} and {} {} overlap in memory; each needs its own buffer", where, name[i],
              shape_str(a.shape()), name[j], shape_str(b.shape()));
       }
+    }
+  }
+}
+
+void check_adamw8bit_operands(std::span<const std::span<const Tensor>> tuples, size_t count) {
+  static constexpr const char* kNames[] = {"param",          "grad",
+                                           "exp_avg",        "exp_avg_sq",
+                                           "exp_avg_absmax", "exp_avg_sq_absmax",
+                                           "master"};
+  for (size_t j = 0; j < tuples.size(); ++j) {
+    check_no_overlap("adamw8bit_", j, count, tuples[j],
+                     {kNames[0], kNames[1], kNames[2], kNames[3], kNames[4], kNames[5], kNames[6]});
+    for (size_t i = 0; i < tuples[j].size(); ++i) {
+      const Tensor& x = tuples[j][i];
+      if (i == 1) continue;  // grad: any layout
+      TS_CHECK(!x.defined() || x.is_contiguous(),
+               "adamw8bit_{}: {} {} must be contiguous (blocks are runs of {} consecutive "
+               "elements)",
+               count == 0 ? std::string() : fmt::format(" tuple {} of {}", j, count), kNames[i],
+               shape_str(x.shape()), kQuant8Block);
     }
   }
 }

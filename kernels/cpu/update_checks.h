@@ -24,6 +24,11 @@ std::pair<int64_t, int64_t> byte_extent(const Tensor& t);
 void check_no_overlap(std::string_view op, size_t tuple, size_t tuples,
                       std::span<const Tensor> in, std::initializer_list<const char*> names);
 
+// adamw8bit_'s tuples (tuples_of(in, 7); `tuples` 0 for the single-tensor form): no overlap,
+// and every operand but grad contiguous (blocks are runs of consecutive elements). Checks
+// every tuple before any is written.
+void check_adamw8bit_operands(std::span<const std::span<const Tensor>> tuples, size_t count);
+
 // The tuples of `width` inputs of a multi-tensor call; the short single-tensor form is one
 // tuple.
 std::vector<std::span<const Tensor>> tuples_of(std::span<const Tensor> in, size_t width);

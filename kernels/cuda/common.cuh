@@ -159,38 +159,28 @@ template <typename T> __host__ __device__ __forceinline__ T* typed(const DevTens
 // Dispatch on a DevDType value: the body sees `scalar_t`.
 #define TS_CUDA_CASE(DT, TYPE, ...) \
   case DT: { using scalar_t = TYPE; __VA_ARGS__(); break; }
+#define TS_CUDA_UNSUPPORTED(dtype, what)                                              \
+  default: throw ::tessera::cuda_kernels::CudaLaunchError(                            \
+      std::string(what) + ": unsupported dtype " + std::to_string(dtype));
+#define TS_CUDA_CASES_FLOATS(...)                                                     \
+  TS_CUDA_CASE(::tessera::cuda_kernels::kF32, float, __VA_ARGS__)                     \
+  TS_CUDA_CASE(::tessera::cuda_kernels::kF64, double, __VA_ARGS__)                    \
+  TS_CUDA_CASE(::tessera::cuda_kernels::kF16, __half, __VA_ARGS__)                    \
+  TS_CUDA_CASE(::tessera::cuda_kernels::kBF16, __nv_bfloat16, __VA_ARGS__)
+#define TS_CUDA_CASES_ALL(...)                                                        \
+  TS_CUDA_CASES_FLOATS(__VA_ARGS__)                                                   \
+  TS_CUDA_CASE(::tessera::cuda_kernels::kI32, int32_t, __VA_ARGS__)                   \
+  TS_CUDA_CASE(::tessera::cuda_kernels::kI64, int64_t, __VA_ARGS__)                   \
+  TS_CUDA_CASE(::tessera::cuda_kernels::kB8, bool, __VA_ARGS__)
 #define TS_CUDA_DISPATCH_FLOATS(dtype, what, ...)                                     \
-  switch (dtype) {                                                                    \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF32, float, __VA_ARGS__)                   \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF64, double, __VA_ARGS__)                  \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF16, __half, __VA_ARGS__)                  \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kBF16, __nv_bfloat16, __VA_ARGS__)          \
-    default: throw ::tessera::cuda_kernels::CudaLaunchError(                          \
-        std::string(what) + ": unsupported dtype " + std::to_string(dtype));          \
-  }
+  switch (dtype) { TS_CUDA_CASES_FLOATS(__VA_ARGS__) TS_CUDA_UNSUPPORTED(dtype, what) }
+// Every dtype but u8 (codes are never computed on).
 #define TS_CUDA_DISPATCH_ALL(dtype, what, ...)                                        \
-  switch (dtype) {                                                                    \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF32, float, __VA_ARGS__)                   \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF64, double, __VA_ARGS__)                  \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF16, __half, __VA_ARGS__)                  \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kBF16, __nv_bfloat16, __VA_ARGS__)          \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kI32, int32_t, __VA_ARGS__)                 \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kI64, int64_t, __VA_ARGS__)                 \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kB8, bool, __VA_ARGS__)                     \
-    default: throw ::tessera::cuda_kernels::CudaLaunchError(                          \
-        std::string(what) + ": unsupported dtype " + std::to_string(dtype));          \
-  }
-// Every dtype including u8 (codes: moved and cast, never computed on), for copies.
+  switch (dtype) { TS_CUDA_CASES_ALL(__VA_ARGS__) TS_CUDA_UNSUPPORTED(dtype, what) }
+// Every dtype including u8 (codes: moved and cast), for copies.
 #define TS_CUDA_DISPATCH_STORAGE(dtype, what, ...)                                    \
   switch (dtype) {                                                                    \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF32, float, __VA_ARGS__)                   \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF64, double, __VA_ARGS__)                  \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kF16, __half, __VA_ARGS__)                  \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kBF16, __nv_bfloat16, __VA_ARGS__)          \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kI32, int32_t, __VA_ARGS__)                 \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kI64, int64_t, __VA_ARGS__)                 \
-    TS_CUDA_CASE(::tessera::cuda_kernels::kB8, bool, __VA_ARGS__)                     \
+    TS_CUDA_CASES_ALL(__VA_ARGS__)                                                    \
     TS_CUDA_CASE(::tessera::cuda_kernels::kU8, uint8_t, __VA_ARGS__)                  \
-    default: throw ::tessera::cuda_kernels::CudaLaunchError(                          \
-        std::string(what) + ": unsupported dtype " + std::to_string(dtype));          \
+    TS_CUDA_UNSUPPORTED(dtype, what)                                                  \
   }

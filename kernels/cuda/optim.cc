@@ -22,6 +22,7 @@
 namespace tessera::cuda_kernels {
 namespace {
 
+using cpu::check_adamw8bit_operands;
 using cpu::check_no_overlap;
 using cpu::tuples_of;
 
@@ -102,24 +103,7 @@ void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a)
 void adamw8bit_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
   const auto tuples = tuples_of(in, 7);
   const size_t count = in.size() < 14 ? 0 : tuples.size();  // 0: the single-tensor form
-  static constexpr const char* kNames[] = {"param",          "grad",
-                                           "exp_avg",        "exp_avg_sq",
-                                           "exp_avg_absmax", "exp_avg_sq_absmax",
-                                           "master"};
-  for (size_t j = 0; j < tuples.size(); ++j) {
-    check_no_overlap("adamw8bit_", j, count, tuples[j],
-                     {"param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_absmax",
-                      "exp_avg_sq_absmax", "master"});
-    for (size_t i = 0; i < tuples[j].size(); ++i) {
-      const Tensor& x = tuples[j][i];
-      if (i == 1) continue;  // grad: any layout
-      TS_CHECK(!x.defined() || x.is_contiguous(),
-               "adamw8bit_{}: {} {} must be contiguous (blocks are runs of {} consecutive "
-               "elements)",
-               count == 0 ? std::string() : fmt::format(" tuple {} of {}", j, count), kNames[i],
-               shape_str(x.shape()), kQuant8Block);
-    }
-  }
+  check_adamw8bit_operands(tuples, count);
   const double t = static_cast<double>(a.step_count);
   const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
   const AdamWConsts k{1.0 - a.lr * a.weight_decay, 1.0 - a.beta1, a.beta2, 1.0 - a.beta2,
