@@ -98,9 +98,16 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
                                        p.tensor.device().str());
       auto o = open.find(key);
       const int64_t bytes = p.tensor.nbytes();
-      TS_CHECK(!options.row_shards || p.tensor.dim() <= 2,
-               "{}: row_shards cover 1-D and 2-D parameters; '{}' has shape {}", kName, p.name,
-               shape_str(p.tensor.shape()));
+      if (options.row_shards) {
+        const Shape shown = st.row_shape(p);
+        TS_CHECK(shown.size() <= 2,
+                 "{}: row_shards cover 1-D and 2-D parameters; '{}' has shape {}", kName, p.name,
+                 shape_str(shown));
+        TS_CHECK(numel_of(shown) == p.tensor.numel() &&
+                     (shown.size() < 2 || shown.back() == p.tensor.shape().back()),
+                 "{}: row_shape presents '{}' of shape {} as {}; it must keep the elements "
+                 "and (2-D) the last dim", kName, p.name, shape_str(p.tensor.shape()), shape_str(shown));
+      }
       // (Row/block shards: a segment per parameter, so that every shard is whole rows or
       // blocks of one.)
       if (o == open.end() || st.per_param_shards() ||
@@ -358,14 +365,26 @@ void ZeroDataParallel::scale_grads(double coef) {
 }
 
 void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer) {
-  if (st.stage() == 0 || !st.per_param_shards()) return;
-  // Where each shard sits, and the sum over the dp group the optimizer reduces with.
+  if (!st.per_param_shards()) return;
   std::map<const TensorImpl*, optim::RowShard> shards;
+  if (st.stage() == 0) {
+    // The optimizer steps the parameters themselves (whole on every rank): only those
+    // presented in another shape are row shards, of all their rows, with nothing to sum.
+    for (const ZeroDataParallel::State::Param& p : st.params) {
+      const Shape shown = st.row_shape(p);
+      if (!st.options.row_shards || shown == p.tensor.shape()) continue;
+      shards[p.tensor.impl()] = {shown, 0, shown.size() == 2 ? shown[0] : p.tensor.numel(),
+                                 [](const Tensor&) {}, 0, p.name};
+    }
+    if (!shards.empty()) optimizer.set_row_shards(std::move(shards));
+    return;
+  }
+  // Where each shard sits, and the sum over the dp group the optimizer reduces with.
   Communicator* comm = st.comm;
   for (const ZeroDataParallel::State::Segment& seg : st.segments) {
     const int64_t row = st.row_length(seg);
     const ZeroDataParallel::State::Param& p = st.params[seg.params.front()];
-    shards[seg.shard.impl()] = {p.tensor.shape(), seg.shard_start / row,
+    shards[seg.shard.impl()] = {st.row_shape(p), seg.shard_start / row,
                                 st.rows_in(seg, seg.shard_numel),
                                 [comm](const Tensor& t) {
                                   CommCause cause("zero row-shard statistics");

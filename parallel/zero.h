@@ -63,8 +63,14 @@ struct ZeroOptions {
   // 1-D one's elements), and tell the optimizer where each shard sits (optim::RowShard), so
   // that an optimizer with per-matrix statistics (Adafactor: each rank its rows' statistics,
   // the columns' after one all-reduce) computes the whole-tensor update; its checkpoints
-  // gather per Optimizer::row_shard_state. Parameters of more than 2 dims are an error.
+  // gather per Optimizer::row_shard_state. Parameters of more than 2 dims are an error
+  // (unless row_shape presents them as 2-D).
   bool row_shards = false;
+  // With row_shards: the shape the optimizer sees parameter `name` (of shape `shape`) as, the
+  // same elements in the same order (2-D: with the same last dim; a wrapper holding a [3C, C]
+  // weight as [3, C, C] presents [3C, C]); also at stage 0, where the optimizer steps the
+  // parameters themselves. Null: the parameter's own shape.
+  std::function<Shape(const std::string& name, const Shape& shape)> row_shape = nullptr;
   // Stages 1-3: shard every parameter on its own, each rank a run of whole blocks of this
   // many consecutive elements of the flattened parameter (its last block may be short), and
   // tell the optimizer where each shard sits (optim::RowShard::block). An optimizer with

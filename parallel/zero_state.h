@@ -284,8 +284,12 @@ struct ZeroDataParallel::State {
   // shards), a block (block shards; the parameter's last may be short); 1 otherwise.
   int64_t row_length(const Segment& seg) const {
     if (options.block_shards > 0) return options.block_shards;
-    const Tensor& p = params[seg.params.front()].tensor;
-    return options.row_shards && p.dim() == 2 ? p.size(1) : 1;
+    const Shape shape = row_shape(params[seg.params.front()]);
+    return options.row_shards && shape.size() == 2 ? shape[1] : 1;
+  }
+  // The shape an optimizer on row shards sees parameter p as (ZeroOptions::row_shape).
+  Shape row_shape(const Param& p) const {
+    return options.row_shape ? options.row_shape(p.name, p.tensor.shape()) : p.tensor.shape();
   }
   // Rows (blocks) in `count` elements of a segment starting at a row boundary.
   int64_t rows_in(const Segment& seg, int64_t count) const {

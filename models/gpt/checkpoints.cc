@@ -129,7 +129,11 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> read_single_device(
     for (const std::string& key : r.keys(prefix)) {
       const std::string field = key.substr(prefix.size());
       const Tensor v = r.read(key);
-      dict[fmt::format("state.{}.{}", i, field)] = field == "step" ? v : v.contiguous().view(p.shape());
+      // State with the parameter's elements takes its shape; per-row or per-block state
+      // (Adafactor's row statistics, 8-bit AdamW's scales) and whole state (Adafactor's
+      // column statistics) were written in the single device's shape already.
+      dict[fmt::format("state.{}.{}", i, field)] =
+          field == "step" || v.numel() != p.numel() ? v : v.contiguous().view(p.shape());
     }
   }
   for (int g = 0; g < 2; ++g) {

@@ -128,8 +128,8 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
                                  [&](const std::string& name) { return s.mine.count(name) == 1; });
   s.tp->set_sequence_parallel(opt.sequence_parallel);
   s.holder = std::make_shared<ShardHolder>();
-  std::map<std::string, int64_t> dims;  // flat name -> the single-device parameter's dims
-  for (const auto& [name, t] : model.named_parameters()) dims[flat_name(name)] = t.dim();
+  std::map<std::string, Shape> shapes;  // flat name -> the single-device parameter's shape
+  for (const auto& [name, t] : model.named_parameters()) shapes[flat_name(name)] = t.shape();
   std::vector<std::string> names;
   for (const auto& [name, p] : s.tp->params()) names.push_back(name);
   for (const std::string& name : names) {
@@ -140,22 +140,35 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   s.holder_order = decay_first(holder_names);
   parallel::ZeroOptions zopt;
   zopt.stage = static_cast<int>(opt.zero);
-  zopt.decay = [dims](const std::string& name, const Tensor&) { return dims.at(name) >= 2; };
+  zopt.decay = [shapes](const std::string& name, const Tensor&) {
+    return shapes.at(name).size() >= 2;
+  };
   zopt.block_shards = opt.block_shards;
+  TS_CHECK(!opt.row_shards || (opt.tp == 1 && opt.block_shards == 0),
+           "Gpt3d: row_shards need tp 1 and no block_shards (got tp {}, block_shards {})", opt.tp,
+           opt.block_shards);
+  zopt.row_shards = opt.row_shards;
+  if (opt.row_shards) {  // (tp 1: each holder parameter is the single device's, reshaped)
+    zopt.row_shape = [shapes](const std::string& name, const Shape&) { return shapes.at(name); };
+  }
   s.zero = std::make_unique<parallel::ZeroDataParallel>(*s.holder, s.dp(), zopt);
   if (opt.make_optimizer) {
     s.opt = opt.make_optimizer(s.zero->param_groups(opt.lr, opt.weight_decay));
     // Not elementwise: per-block state needs every parameter whole on this rank (tp 1; the
-    // pipeline keeps whole parameters per stage) and ZeRO to cut at blocks. Per-matrix state
-    // (Adafactor) is refused: the stages hold c_attn's weight as [3, C, C], which it would
-    // factor per q/k/v, not as one device's [3C, C].
+    // pipeline keeps whole parameters per stage) and ZeRO to cut at blocks; per-matrix state
+    // (Adafactor) whole parameters and ZeRO's row shards, which present each parameter in
+    // the single device's shape.
     TS_CHECK(s.opt->elementwise() ||
                  (opt.tp == 1 && s.opt->shard_block() > 0 && opt.block_shards > 0 &&
-                  opt.block_shards % s.opt->shard_block() == 0),
+                  opt.block_shards % s.opt->shard_block() == 0) ||
+                 (opt.tp == 1 && s.opt->supports_row_shards() && opt.row_shards),
              "Gpt3d: {} is not elementwise; {}", s.opt->kind(),
              s.opt->shard_block() > 0
                  ? "tensor-parallel shards (or ZeRO shards without Gpt3dOptions::block_shards) "
                    "would cut its blocks"
+             : s.opt->supports_row_shards()
+                 ? "tensor-parallel shards (or stages without Gpt3dOptions::row_shards) would "
+                   "split its per-matrix state"
                  : "pipeline and tensor-parallel shards would split its per-tensor state");
   } else {
     optim::AdamWOptions aopt;
@@ -359,6 +372,56 @@ Tensor gather_full(Gpt3d::Impl& s, const std::string& name, const Tensor& local,
   return full;
 }
 
+// One state field of a parameter: its name, dtype and shape on the parameter's owner.
+struct Field {
+  std::string name;
+  DType dtype = DType::f32;
+  Shape shape;
+};
+
+// The state fields of parameter `name` (the owner's `fields`) on every pp rank: optimizers
+// keep different fields per parameter (8-bit AdamW f32 state below its size threshold,
+// Adafactor whole second moments for vectors), so the ranks that do not hold it learn them
+// from the owner. Two broadcasts over pp: the length, then the encoding.
+std::vector<Field> fields_from_owner(Gpt3d::Impl& s, const std::string& name,
+                                     const std::vector<Field>& fields) {
+  const int owner = s.owner.at(name);
+  std::vector<int64_t> code;
+  if (s.pp().rank() == owner) {
+    code.push_back(static_cast<int64_t>(fields.size()));
+    for (const Field& f : fields) {
+      code.push_back(static_cast<int64_t>(f.dtype));
+      code.push_back(static_cast<int64_t>(f.shape.size()));
+      code.insert(code.end(), f.shape.begin(), f.shape.end());
+      code.push_back(static_cast<int64_t>(f.name.size()));
+      for (char c : f.name) code.push_back(static_cast<unsigned char>(c));
+    }
+  }
+  Tensor length = Tensor::from_vector<int64_t>({static_cast<int64_t>(code.size())}, {1});
+  s.pp().broadcast(length, owner);
+  const int64_t n = length.to_vector<int64_t>()[0];
+  Tensor encoded = s.pp().rank() == owner ? Tensor::from_vector<int64_t>(code, {n})
+                                          : zeros({n}, DType::i64);
+  s.pp().broadcast(encoded, owner);
+  code = encoded.to_vector<int64_t>();
+  std::vector<Field> out(static_cast<size_t>(code.at(0)));
+  size_t at = 1;
+  for (Field& f : out) {
+    f.dtype = static_cast<DType>(code.at(at++));
+    f.shape.resize(static_cast<size_t>(code.at(at++)));
+    for (int64_t& d : f.shape) d = code.at(at++);
+    f.name.resize(static_cast<size_t>(code.at(at++)));
+    for (char& c : f.name) c = static_cast<char>(code.at(at++));
+  }
+  return out;
+}
+
+// Whether optimizer state `field` has the parameter's elements (cut like the parameter by
+// tp), rather than one value per row or block, or the same tensor on every shard.
+bool per_element(const Gpt3d::Impl& s, const std::string& field) {
+  return s.opt->row_shard_state(field) == optim::Optimizer::RowShardState::elements;
+}
+
 }  // namespace
 
 Tensor region_of(const Tensor& whole, const std::string& key, const Shape& global,
@@ -408,16 +471,6 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> Gpt3d::state_dicts() {
     out[fmt::format("group.{}.params", g)] =
         Tensor::from_vector<int64_t>(group[g], {static_cast<int64_t>(group[g].size())});
   }
-  // Every rank's optimizer holds the same kinds of state (one optimizer kind, and every
-  // parameter steps in every step that is not skipped on every rank).
-  std::vector<std::string> fields;
-  DType field_dtype = DType::f32;
-  for (const auto& [key, v] : mine) {
-    if (key.starts_with("state.0.") && key != "state.0.step") {
-      fields.push_back(key.substr(8));
-      field_dtype = v.dtype();
-    }
-  }
   const bool stepped = mine.count("state.0.step") == 1;  // false before the first step
   for (size_t i = 0; stepped && i < s.model_order.size(); ++i) {
     const std::string& name = s.model_order[i];
@@ -427,9 +480,26 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> Gpt3d::state_dicts() {
     Tensor step = here ? mine.at(from + "step").clone() : zeros({}, DType::i64);
     s.pp().broadcast(step, s.owner.at(name));
     out[fmt::format("state.{}.step", i)] = step;
-    for (const std::string& f : fields) {
-      out[fmt::format("state.{}.{}", i, f)] =
-          gather_full(s, name, here ? mine.at(from + f) : Tensor(), param.shape(), field_dtype);
+    std::vector<Field> held;
+    if (here) {
+      for (const auto& [key, v] : mine) {
+        if (key.starts_with(from) && key != from + "step") {
+          held.push_back({key.substr(from.size()), v.dtype(), v.shape()});
+        }
+      }
+    }
+    for (const Field& f : fields_from_owner(s, name, held)) {
+      const Tensor local = here ? mine.at(from + f.name) : Tensor();
+      if (per_element(s, f.name)) {
+        out[fmt::format("state.{}.{}", i, f.name)] =
+            gather_full(s, name, local, param.shape(), f.dtype);
+        continue;
+      }
+      // Per row or block, or whole: with tp 1 (the constructor refuses such an optimizer on
+      // tp shards) the owner's tensor is the single device's.
+      Tensor t = here ? local.contiguous().clone() : zeros(f.shape, f.dtype);
+      s.pp().broadcast(t, s.owner.at(name));
+      out[fmt::format("state.{}.{}", i, f.name)] = t;
     }
   }
   return {std::move(weights), std::move(out)};
@@ -506,8 +576,12 @@ void Gpt3d::write_blocks(const AddBlock& add) {
     for (const auto& [key, v] : mine) {
       if (!key.starts_with(prefix)) continue;
       const std::string field = key.substr(prefix.size());
-      if (field == "step") {
-        if (tp_lead) add(fmt::format("optim/{}/step", name), v, v.shape(), {});  // once
+      if (field == "step" || !per_element(s, field)) {
+        // (Per row or block, or whole: tp 1, so the tensor is the single device's.)
+        if (tp_lead) {
+          add(fmt::format("optim/{}/{}", name, field), v, v.shape(),
+              std::vector<int64_t>(static_cast<size_t>(v.dim()), 0));  // once
+        }
       } else {
         add(fmt::format("optim/{}/{}", name, field), v.contiguous().view(b.shape), p.shape(), b.starts);
       }
@@ -549,8 +623,9 @@ void Gpt3d::read_blocks(const BlockSource& source) {
     for (const std::string& key : source.keys(prefix)) {
       const std::string field = key.substr(prefix.size());
       mine[fmt::format("state.{}.{}", k, field)] =
-          field == "step" ? source.whole(key)
-                          : source.region(key, s.tp->param(name).shape(), blocks[name].starts,
+          field == "step" || !per_element(s, field)
+              ? source.whole(key)
+              : source.region(key, s.tp->param(name).shape(), blocks[name].starts,
                                           blocks[name].shape);
     }
   }
@@ -558,6 +633,7 @@ void Gpt3d::read_blocks(const BlockSource& source) {
 }
 
 optim::DynamicLossScaler& Gpt3d::scaler() { return impl_->scaler; }
+const optim::Optimizer& Gpt3d::optimizer() const { return *impl_->opt; }
 
 std::vector<std::pair<std::string, Tensor>> Gpt3d::activations() {
   Impl& s = *impl_;
@@ -614,9 +690,16 @@ std::string Gpt3d::where_param(const std::string& name) const {
     held += fmt::format(", tied to the head on pp rank {}",
                         s.schedule.rank_of(s.schedule.num_stages() - 1));
   }
-  const parallel::Placements& p = s.tp->param(name).placements();
   if (s.o.tp > 1) {
-    held += p[0].is_shard() ? fmt::format(", split on tp along dim {}", p[0].dim) : ", whole on tp";
+    // From the plan, so that a rank of another stage (which holds no handle) says the same.
+    parallel::Placement p = parallel::Replicate();
+    for (const parallel::TpRule& rule : megatron_plan()) {
+      if (parallel::path_matches(rule.pattern, name)) {
+        p = rule.placement;
+        break;
+      }
+    }
+    held += p.is_shard() ? fmt::format(", split on tp along dim {}", p.dim) : ", whole on tp";
   }
   if (s.o.zero > 0) held += fmt::format(", ZeRO {} shards over dp", s.o.zero);
   return held;

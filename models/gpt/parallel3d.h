@@ -54,6 +54,10 @@ struct Gpt3dOptions {
   // c_attn's weight as [3, C, C], the single device's [3C, C] in the same memory order, so
   // the blocks are the same elements.)
   int64_t block_shards = 0;
+  // ZeroOptions::row_shards over dp (also at ZeRO 0), for an optimizer with per-matrix state
+  // (Adafactor); with tp 1 only. The optimizer sees each parameter in the single device's
+  // shape (c_attn's weight as [3C, C], not the stages' [3, C, C]).
+  bool row_shards = false;
   // For the equivalence checker (models/gpt/check.h): keep each layer's output and the
   // reduced gradients of a step, for activations() and full_gradients().
   bool capture = false;
@@ -128,6 +132,8 @@ class Gpt3d {
   // Collective: loads this rank's shards from `source` (any layout wrote it).
   void read_blocks(const BlockSource& source);
   optim::DynamicLossScaler& scaler();
+  // The optimizer over this rank's shards.
+  const optim::Optimizer& optimizer() const;
   // "pp 2 x dp 2 x tp 2, 1f1b, 4 micro-batches: stage 0: embed h.0 h.1 | stage 1: ..."
   std::string describe() const;
 

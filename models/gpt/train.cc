@@ -196,6 +196,12 @@ namespace {
 // clip_grad_norm's max_norm that never clips (it must be finite): a norm without clipping.
 constexpr double kNoClip = std::numeric_limits<double>::max();
 
+// The optimizer in the run's first line ("AdamW8bit", "Adafactor (hf)").
+std::string optimizer_label(const optim::Optimizer& opt, const GptTrainConfig& c) {
+  if (opt.kind() != "Adafactor") return opt.kind();
+  return fmt::format("Adafactor ({})", c.adafactor_mode);
+}
+
 // One rank of a single-device, data-parallel or ZeRO run (comm null: one rank, no wrapper),
 // as the training loop (models/common/train_loop.h) drives it.
 class GptReplica final : public models::Replica {
@@ -247,10 +253,7 @@ class GptReplica final : public models::Replica {
   Gpt& model() { return *model_; }
   const GptData& batches() const { return batches_; }
   int64_t optimizer_state_bytes() const { return opt_->state_bytes(); }
-  std::string optimizer_kind() const {
-    if (opt_->kind() != "Adafactor") return opt_->kind();
-    return fmt::format("Adafactor ({})", c_.adafactor_mode);
-  }
+  std::string optimizer_kind() const { return optimizer_label(*opt_, c_); }
   DType low() const { return low_; }
   const optim::DynamicLossScaler& scaler() const { return scaler_; }
 
@@ -565,6 +568,8 @@ class Gpt3dReplica final : public models::Replica {
 
   Gpt& eval_model() { return eval_model_; }
   std::string describe() const { return g_.describe(); }
+  std::string optimizer_kind() const { return optimizer_label(g_.optimizer(), c_); }
+  const optim::Optimizer& optimizer() const { return g_.optimizer(); }
   int64_t skipped_steps() const { return g_.skipped_steps(); }
   int64_t num_parameters() const { return model_.num_parameters(); }
 
@@ -655,9 +660,10 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   });
   Gpt3dReplica replica(config, world, say);
   say(fmt::format("gpt: {} layers, {} heads, width {}, context {} ({} parameters); batch {}, {} "
-                  "steps, AdamW lr {}; {} ({} backend)",
+                  "steps, {} lr {}; {} ({} backend)",
                   config.layers, config.heads, config.width, config.context,
-                  replica.num_parameters(), config.batch, config.steps, config.lr,
+                  replica.num_parameters(), config.batch, config.steps, replica.optimizer_kind(),
+                  config.lr,
                   replica.describe(), world->backend()));
   models::MetricsWriter metrics;
   if (!config.metrics.empty() && lead) {
@@ -673,8 +679,28 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
 
   GptResult result;
   result.skipped_steps = replica.skipped_steps();
-  finish_run(result, config, replica, loop, meter, metrics, kCPU, [] { return std::string(); },
-             verbose, say);
+  // This rank's optimizer state over its shards (a stage's parameters, cut by tp and ZeRO),
+  // per element it steps, beside the formula's figure for the whole model.
+  const optim::Optimizer& opt = replica.optimizer();
+  int64_t stepped = 0;
+  for (const optim::ParamGroup& g : opt.param_groups()) {
+    for (const Tensor& t : g.params) stepped += t.numel();
+  }
+  result.optimizer_state_bytes = opt.state_bytes();
+  result.optimizer_state_formula = models::optimizer_state_formula_bytes(
+      config.optimizer_choice(), replica.eval_model().named_parameters(),
+      /*master=*/false);  // (the stages keep f32 parameters and autocast)
+  finish_run(result, config, replica, loop, meter, metrics, kCPU, [&] {
+    return fmt::format("; {} state {} on rank {} ({:.3g} bytes per parameter of its shards; "
+                       "formula {:.3g} for the whole model)",
+                       replica.optimizer_kind(),
+                       models::format_bytes(static_cast<double>(result.optimizer_state_bytes)),
+                       world->rank(),
+                       static_cast<double>(result.optimizer_state_bytes) /
+                           static_cast<double>(std::max<int64_t>(stepped, 1)),
+                       result.optimizer_state_formula /
+                           static_cast<double>(replica.num_parameters()));
+  }, verbose, say);
   if (config.sample_length > 0 && lead && !config.synthetic_data) {
     sample_into(result, replica.eval_model(), config, DType::f32, say);
   }
@@ -702,6 +728,7 @@ Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
   o.beta1 = c.beta1;
   o.beta2 = c.beta2;
   o.block_shards = models::optimizer_shard_block(c.optimizer);
+  o.row_shards = models::optimizer_needs_row_shards(c.optimizer);
   o.make_optimizer = [choice = c.optimizer_choice()](std::vector<optim::ParamGroup> groups) {
     return models::make_optimizer("gpt", choice, std::move(groups));
   };

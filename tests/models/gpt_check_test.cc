@@ -106,6 +106,54 @@ TEST_CASE("--check --optimizer=adamw8bit: ZeRO's block shards on pp x dp equal o
   }
 }
 
+TEST_CASE("--check --optimizer=adafactor: ZeRO's row shards on pp x dp equal one device") {
+  // The stages hold c_attn's weight as [3, C, C]; ZeRO's row shards present it to Adafactor
+  // as the single device's [3C, C] (its row and column statistics span q, k and v), cut by
+  // rows over dp; ZeRO 0 steps it whole. With the first moment (beta1 0.9) in the state.
+  //
+  // Tolerance 1e-5, not 1e-9, for one tensor's sake: the attention key bias (c_attn's bias,
+  // elements [C, 2C)) has an exact gradient of zero (softmax ignores a constant per query
+  // row), so each layout's is its own f64 rounding noise (~1e-17), and Adafactor divides it
+  // by sqrt(eps1) = 1e-15 (hf: u = g^2 + eps1): a step of ~1e-2 of the step size, different
+  // per layout. Measured: 4.1e-6 relative on that bias after one step. So each layout is
+  // also checked at 1e-9, where the first mismatch must be that bias's key part at step 0's
+  // update: every layer output, the loss and every gradient of step 0 (compared before the
+  // updates) agree to 1e-9. A misfactored c_attn weight ([3, C, C] per q/k/v instead of
+  // [3C, C]) moves its update by O(1).
+  struct L {
+    int pp, dp, zero, accum, microbatches;
+    const char* recompute;
+    double dropout;
+  };
+  for (const L& l : {L{2, 2, 3, 2, 2, "selective", 0.1}, L{1, 4, 1, 1, 1, "none", 0.0},
+                     L{2, 1, 0, 1, 2, "full", 0.0}, L{2, 2, 2, 1, 2, "none", 0.0}}) {
+    GptTrainConfig c = tiny_check();
+    c.optimizer = "adafactor";
+    c.adafactor_beta1 = 0.9;
+    c.pp = l.pp;
+    c.dp = l.dp;
+    c.zero = l.zero;
+    c.accum = l.accum;
+    c.microbatches = l.microbatches;
+    c.recompute = l.recompute;
+    c.dropout = l.dropout;
+    c.check_tolerance = 1e-5;
+    const GptResult r = train_gpt(c);
+    MESSAGE(r.check_report);
+    CHECK(r.check_ok);
+    CHECK(contains(r.check_report, fmt::format("{} tensors compared", comparisons(c))));
+    c.check_tolerance = 1e-9;
+    const GptResult tight = train_gpt(c);
+    CHECK_FALSE(tight.check_ok);
+    CHECK(contains(tight.check_report, "mismatch at step 0, update: h.0.attn.c_attn.bias"));
+    const size_t at = tight.check_report.find("at element [");
+    REQUIRE(at != std::string::npos);
+    const int64_t element = std::stoll(tight.check_report.substr(at + 12));
+    CHECK(element >= c.width);
+    CHECK(element < 2 * c.width);
+  }
+}
+
 TEST_CASE("--check --inject: each injected bug is named by step, phase, tensor and ranks") {
   struct Bug {
     const char* inject;
