@@ -76,6 +76,11 @@ std::pair<int64_t, int64_t> Adafactor::factored_dims(const Shape& shape) const {
 }
 
 namespace {
+// The columns a row shard holds: all of the whole's, or (cols_sum) its numel / rows.
+int64_t shard_cols(const RowShard& rs, const Tensor& p) {
+  if (rs.global.size() < 2) return 1;
+  return rs.cols_sum ? p.numel() / std::max<int64_t>(rs.rows, 1) : rs.global[1];
+}
 Shape without(const Shape& s, int64_t dim) {
   Shape out = s;
   out.erase(out.begin() + dim);
@@ -104,7 +109,7 @@ std::vector<Optimizer::StateSpec> Adafactor::state_specs(const Tensor& p) const 
     // This shard's rows of the row statistics, all of the column statistics.
     if (factored_dims(rs->global).first >= 0) {
       specs.push_back({"exp_avg_sq_row", {rs->rows}, dt});
-      specs.push_back({"exp_avg_sq_col", {rs->global.back()}, dt});
+      specs.push_back({"exp_avg_sq_col", {shard_cols(*rs, p)}, dt});
     } else {
       specs.push_back({"exp_avg_sq", p.shape(), dt});
     }
@@ -175,7 +180,7 @@ void Adafactor::step() {
         // retried one parameter at a time after an Error).
         step_size(group.lr, 1.0, 0.0);
         for (const Pending& item : bucket) {
-          if (const RowShard* rs = row_shard(item.param)) check_row_shard(*rs);
+          if (const RowShard* rs = row_shard(item.param)) check_row_shard(*rs, item.param);
         }
         for (const Pending& item : bucket) {
           if (const RowShard* rs = row_shard(item.param)) {
@@ -271,8 +276,12 @@ Tensor Adafactor::next_param(const Tensor& w, Tensor update, double alpha, doubl
   return w;
 }
 
-void Adafactor::check_row_shard(const RowShard& rs) const {
+void Adafactor::check_row_shard(const RowShard& rs, const Tensor& p) const {
   const auto [r, c] = factored_dims(rs.global);
+  TS_CHECK(rs.rows >= 0 && rs.rows * shard_cols(rs, p) == p.numel() &&
+               (!rs.cols_sum || rs.global.size() == 2),
+           "Adafactor: a row shard of {} with {} rows{} cannot hold {} elements", shape_str(rs.global),
+           rs.rows, rs.cols_sum ? " and some of the columns" : "", p.numel());
   TS_CHECK(rs.global.size() <= 2, "Adafactor: row shards cover 1-D and 2-D parameters, got {}",
            shape_str(rs.global));
   TS_CHECK(r < 0 || (r == 0 && c == 1),
@@ -288,23 +297,49 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
   const DType dt = param.dtype() == DType::f64 ? DType::f64 : DType::f32;
   const bool torch = o.mode == AdafactorMode::torch;
   const bool factored = factored_dims(rs.global).first >= 0;
+  // The whole is M x N; this shard its `rows` rows of `cols` of the columns (all, unless
+  // cols_sum is given).
   const int64_t M = rs.global[0], N = rs.global.size() == 2 ? rs.global[1] : 1;
+  const int64_t cols = shard_cols(rs, param);
   const double numel = static_cast<double>(numel_of(rs.global));
-  const Shape local = factored ? Shape{rs.rows, N} : param.shape();
+  const Shape local = factored ? Shape{rs.rows, cols} : param.shape();
   const Tensor g = cast(item.grad, dt).reshape(local), w = cast(param, dt).reshape(local);
   const double t = static_cast<double>(item.state->step + 1), lr = group.lr;
   const double beta2t = 1.0 - std::pow(t, -o.decay_rate);
   const auto blend = [&](const Tensor& v, const Tensor& x) { return decayed(torch, v, x, beta2t); };
+  // A sum over every block of the parameter: over the other columns' holders, then the
+  // other rows'.
+  const auto sum_all = [&](const Tensor& x) {
+    if (rs.cols_sum) rs.cols_sum(x);
+    rs.sum(x);
+  };
   const Tensor u = torch ? g * g : g * g + o.eps1;
-  // One sum over the shards: the parameter's squares, then (factored) the columns' sums of u
-  // and the new row statistics' sum.
-  Tensor stats = zeros({factored ? N + 2 : 1}, DType::f64, param.device());
-  stats.narrow(0, 0, 1).copy_(sum(w * w).reshape({1}));
+  // The rows' means of u: this shard's columns' sums, plus the other columns' (cols_sum,
+  // one all-reduce of [rows + 1] values with the parameter's squares).
+  Tensor w_squares = sum(w * w).reshape({1});
+  Tensor row_means;
+  if (factored && rs.cols_sum) {
+    Tensor part = zeros({rs.rows + 1}, DType::f64, param.device());
+    part.narrow(0, 0, rs.rows).copy_(sum(u, {1}));
+    part.narrow(0, rs.rows, 1).copy_(w_squares);
+    rs.cols_sum(part);
+    row_means = cast(part.narrow(0, 0, rs.rows), dt) / static_cast<double>(N);
+    w_squares = part.narrow(0, rs.rows, 1);
+  } else if (factored) {
+    row_means = mean(u, {1});
+  } else if (rs.cols_sum) {  // (a matrix kept whole: optax below its factoring size)
+    w_squares = cast(w_squares, DType::f64);
+    rs.cols_sum(w_squares);
+  }
+  // One sum over the other rows' holders: the parameter's squares, then (factored) the
+  // columns' sums of u and the new row statistics' sum.
+  Tensor stats = zeros({factored ? cols + 2 : 1}, DType::f64, param.device());
+  stats.narrow(0, 0, 1).copy_(w_squares);
   Tensor rows_new;
   if (factored) {
-    rows_new = blend(st.at("exp_avg_sq_row"), mean(u, {1}));
-    stats.narrow(0, 1, N).copy_(sum(u, {0}));
-    stats.narrow(0, N + 1, 1).copy_(sum(rows_new).reshape({1}));
+    rows_new = blend(st.at("exp_avg_sq_row"), row_means);
+    stats.narrow(0, 1, cols).copy_(sum(u, {0}));
+    stats.narrow(0, cols + 1, 1).copy_(sum(rows_new).reshape({1}));
   }
   rs.sum(stats);
   const std::vector<double> s = stats.to_vector<double>();
@@ -313,8 +348,8 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
   if (factored) {
     st.at("exp_avg_sq_row").copy_(rows_new);
     const Tensor& col = st.at("exp_avg_sq_col");
-    col.copy_(blend(col, cast(stats.narrow(0, 1, N), dt) / static_cast<double>(M)));
-    const double row_mean = s[N + 1] / static_cast<double>(M);
+    col.copy_(blend(col, cast(stats.narrow(0, 1, cols), dt) / static_cast<double>(M)));
+    const double row_mean = s[cols + 1] / static_cast<double>(M);
     if (torch) {
       const Tensor v = unsqueeze(rows_new, 1) * unsqueeze(col, 0) / std::max(row_mean, o.eps1);
       update = scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1);
@@ -329,7 +364,7 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
   }
   Tensor squares = sum(update * update).reshape({1});
   squares = cast(squares, DType::f64);
-  rs.sum(squares);
+  sum_all(squares);
   const double denom = std::max(1.0, std::sqrt(squares.item<double>() / numel) / o.clip_threshold);
   // (The first moment has the shard's flat shape.)
   param.copy_(next_param(w.reshape(param.shape()), update.reshape(param.shape()), alpha, denom,

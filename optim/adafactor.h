@@ -63,7 +63,10 @@ class Adafactor : public Optimizer {
   bool elementwise() const override { return false; }
   // On ZeRO's row shards (optim::RowShard) each rank keeps its rows' statistics and the whole
   // columns' (one all-reduce of [columns + 2] values per factored parameter and step: the
-  // columns' sums, the parameter's and the rows' squares), and one more for the update's RMS.
+  // columns' sums, the parameter's squares and the rows' statistics' sum), and one more for
+  // the update's RMS. A shard of some of the columns too (tensor parallel, RowShard::cols_sum)
+  // keeps its columns' statistics, and sums its rows' over the other columns' holders first
+  // (one more all-reduce of [rows + 1] values, and one for the update's RMS).
   bool supports_row_shards() const override { return true; }
   RowShardState row_shard_state(const std::string& name) const override {
     return name == "exp_avg_sq_row"   ? RowShardState::rows
@@ -84,7 +87,7 @@ class Adafactor : public Optimizer {
   static AdafactorOptions checked(AdafactorOptions options);
   void update(const ParamGroup& group, const Pending& item);
   void update_rows(const ParamGroup& group, const Pending& item, const RowShard& shard);
-  void check_row_shard(const RowShard& shard) const;
+  void check_row_shard(const RowShard& shard, const Tensor& param) const;
   // The step size and the final update, shared by whole tensors and row shards.
   double step_size(double lr, double t, double rms_param) const;
   Tensor next_param(const Tensor& w, Tensor update, double alpha, double denom, double lr,

@@ -39,12 +39,18 @@ namespace tessera::optim {
 // Block shards (ZeroOptions::block_shards, `block` > 0): the "rows" are instead blocks of
 // `block` consecutive elements of the flattened parameter (its last block may be short).
 // `name` is the parameter's (for per-parameter options such as AdamW8bit's f32_state).
+//
+// A tensor-parallel shard of a matrix may hold only some of its columns too: then `cols_sum`
+// adds a tensor over the ranks holding the same rows' other columns (the shard's columns are
+// its numel / rows), and `sum` is over the ranks holding the other rows of the same columns.
+// Null: the shard has whole rows.
 struct RowShard {
   Shape global;
   int64_t first_row = 0, rows = 0;
   std::function<void(const Tensor&)> sum;
   int64_t block = 0;
   std::string name = {};
+  std::function<void(const Tensor&)> cols_sum = nullptr;
 };
 
 struct ParamGroup {

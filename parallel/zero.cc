@@ -99,14 +99,21 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
       auto o = open.find(key);
       const int64_t bytes = p.tensor.nbytes();
       if (options.row_shards) {
-        const Shape shown = st.row_shape(p);
+        const ZeroOptions::RowLayout l = st.row_layout(p);
+        const Shape& shown = l.shape;
         TS_CHECK(shown.size() <= 2,
                  "{}: row_shards cover 1-D and 2-D parameters; '{}' has shape {}", kName, p.name,
                  shape_str(shown));
         TS_CHECK(numel_of(shown) == p.tensor.numel() &&
                      (shown.size() < 2 || shown.back() == p.tensor.shape().back()),
-                 "{}: row_shape presents '{}' of shape {} as {}; it must keep the elements "
+                 "{}: row_layout presents '{}' of shape {} as {}; it must keep the elements "
                  "and (2-D) the last dim", kName, p.name, shape_str(p.tensor.shape()), shape_str(shown));
+        TS_CHECK(l.global.size() == shown.size() && (shown.empty() || shown[0] <= l.global[0]) &&
+                     (shown.size() < 2 || shown[1] == l.global[1] ||
+                      (l.cols_sum && shown[1] < l.global[1])),
+                 "{}: row_layout presents '{}' as {}, a block of {}: it must be some of the "
+                 "rows of the whole, and all of its columns unless cols_sum is given", kName,
+                 p.name, shape_str(shown), shape_str(l.global));
       }
       // (Row/block shards: a segment per parameter, so that every shard is whole rows or
       // blocks of one.)
@@ -371,10 +378,12 @@ void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer)
     // The optimizer steps the parameters themselves (whole on every rank): only those
     // presented in another shape are row shards, of all their rows, with nothing to sum.
     for (const ZeroDataParallel::State::Param& p : st.params) {
-      const Shape shown = st.row_shape(p);
-      if (!st.options.row_shards || shown == p.tensor.shape()) continue;
-      shards[p.tensor.impl()] = {shown, 0, shown.size() == 2 ? shown[0] : p.tensor.numel(),
-                                 [](const Tensor&) {}, 0, p.name};
+      if (!st.options.row_shards || !st.options.row_layout) continue;
+      const ZeroOptions::RowLayout l = st.row_layout(p);
+      if (l.shape == p.tensor.shape() && l.global == l.shape && !l.rows_sum && !l.cols_sum) continue;
+      shards[p.tensor.impl()] = {l.global, 0, l.shape.size() == 2 ? l.shape[0] : p.tensor.numel(),
+                                 l.rows_sum ? l.rows_sum : [](const Tensor&) {}, 0, p.name,
+                                 l.cols_sum};
     }
     if (!shards.empty()) optimizer.set_row_shards(std::move(shards));
     return;
@@ -384,13 +393,17 @@ void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer)
   for (const ZeroDataParallel::State::Segment& seg : st.segments) {
     const int64_t row = st.row_length(seg);
     const ZeroDataParallel::State::Param& p = st.params[seg.params.front()];
-    shards[seg.shard.impl()] = {st.row_shape(p), seg.shard_start / row,
+    const ZeroOptions::RowLayout l = st.row_layout(p);
+    shards[seg.shard.impl()] = {l.global, seg.shard_start / row,
                                 st.rows_in(seg, seg.shard_numel),
-                                [comm](const Tensor& t) {
-                                  CommCause cause("zero row-shard statistics");
-                                  comm->all_reduce(t, ReduceOp::sum);
+                                [comm, rows_sum = l.rows_sum](const Tensor& t) {
+                                  {
+                                    CommCause cause("zero row-shard statistics");
+                                    comm->all_reduce(t, ReduceOp::sum);
+                                  }
+                                  if (rows_sum) rows_sum(t);
                                 },
-                                st.options.block_shards, p.name};
+                                st.options.block_shards, p.name, l.cols_sum};
   }
   optimizer.set_row_shards(std::move(shards));
 }

@@ -64,13 +64,24 @@ struct ZeroOptions {
   // that an optimizer with per-matrix statistics (Adafactor: each rank its rows' statistics,
   // the columns' after one all-reduce) computes the whole-tensor update; its checkpoints
   // gather per Optimizer::row_shard_state. Parameters of more than 2 dims are an error
-  // (unless row_shape presents them as 2-D).
+  // (unless row_layout presents them as 2-D).
   bool row_shards = false;
-  // With row_shards: the shape the optimizer sees parameter `name` (of shape `shape`) as, the
-  // same elements in the same order (2-D: with the same last dim; a wrapper holding a [3C, C]
-  // weight as [3, C, C] presents [3C, C]); also at stage 0, where the optimizer steps the
-  // parameters themselves. Null: the parameter's own shape.
-  std::function<Shape(const std::string& name, const Shape& shape)> row_shape = nullptr;
+  // With row_shards: how the optimizer sees parameter `name` (of shape `shape`), when the
+  // module holds it otherwise than as a whole 1-D or 2-D tensor (also at stage 0, where the
+  // optimizer steps the parameters themselves; null: every parameter as itself).
+  struct RowLayout {
+    // The same elements in the same order (2-D: the same last dim), cut by rows over dp: a
+    // wrapper holding a [3C, C] weight as [3, C, C] presents [3C, C].
+    Shape shape;
+    // The whole parameter that tensor is a block of whole rows and (with cols_sum) some of
+    // the columns of, as a tensor-parallel shard is (empty: `shape`), and the sums over the
+    // ranks holding its other blocks: its other rows beyond dp (rows_sum), its other columns
+    // (cols_sum); null where there are none. optim::RowShard says how they are used.
+    Shape global = {};
+    std::function<void(const Tensor&)> rows_sum = nullptr;
+    std::function<void(const Tensor&)> cols_sum = nullptr;
+  };
+  std::function<RowLayout(const std::string& name, const Shape& shape)> row_layout = nullptr;
   // Stages 1-3: shard every parameter on its own, each rank a run of whole blocks of this
   // many consecutive elements of the flattened parameter (its last block may be short), and
   // tell the optimizer where each shard sits (optim::RowShard::block). An optimizer with

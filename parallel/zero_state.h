@@ -284,12 +284,16 @@ struct ZeroDataParallel::State {
   // shards), a block (block shards; the parameter's last may be short); 1 otherwise.
   int64_t row_length(const Segment& seg) const {
     if (options.block_shards > 0) return options.block_shards;
-    const Shape shape = row_shape(params[seg.params.front()]);
+    const Shape shape = row_layout(params[seg.params.front()]).shape;
     return options.row_shards && shape.size() == 2 ? shape[1] : 1;
   }
-  // The shape an optimizer on row shards sees parameter p as (ZeroOptions::row_shape).
-  Shape row_shape(const Param& p) const {
-    return options.row_shape ? options.row_shape(p.name, p.tensor.shape()) : p.tensor.shape();
+  // How an optimizer on row shards sees parameter p (ZeroOptions::row_layout; global filled).
+  ZeroOptions::RowLayout row_layout(const Param& p) const {
+    ZeroOptions::RowLayout l;
+    if (options.row_layout) l = options.row_layout(p.name, p.tensor.shape());
+    else l.shape = p.tensor.shape();
+    if (l.global.empty()) l.global = l.shape;
+    return l;
   }
   // Rows (blocks) in `count` elements of a segment starting at a row boundary.
   int64_t rows_in(const Segment& seg, int64_t count) const {

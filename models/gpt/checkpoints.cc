@@ -131,9 +131,12 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> read_single_device(
       const Tensor v = r.read(key);
       // State with the parameter's elements takes its shape; per-row or per-block state
       // (Adafactor's row statistics, 8-bit AdamW's scales) and whole state (Adafactor's
-      // column statistics) were written in the single device's shape already.
+      // column statistics) are 1-D (a tensor-parallel run writes the rows of c_attn's
+      // [3, C, C] stage weight as [3, C]).
       dict[fmt::format("state.{}.{}", i, field)] =
-          field == "step" || v.numel() != p.numel() ? v : v.contiguous().view(p.shape());
+          field == "step"            ? v
+          : v.numel() == p.numel()   ? v.contiguous().view(p.shape())
+                                     : v.contiguous().view({v.numel()});
     }
   }
   for (int g = 0; g < 2; ++g) {

@@ -144,31 +144,58 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
     return shapes.at(name).size() >= 2;
   };
   zopt.block_shards = opt.block_shards;
-  TS_CHECK(!opt.row_shards || (opt.tp == 1 && opt.block_shards == 0),
-           "Gpt3d: row_shards need tp 1 and no block_shards (got tp {}, block_shards {})", opt.tp,
+  TS_CHECK(!opt.row_shards || opt.block_shards == 0,
+           "Gpt3d: row_shards and block_shards exclude each other (got block_shards {})",
            opt.block_shards);
   zopt.row_shards = opt.row_shards;
-  if (opt.row_shards) {  // (tp 1: each holder parameter is the single device's, reshaped)
-    zopt.row_shape = [shapes](const std::string& name, const Shape&) { return shapes.at(name); };
+  if (opt.row_shards) {
+    // Each holder parameter as a block of the single device's 1-D or 2-D parameter: whole
+    // (tp 1, or whole on tp; c_attn's [3, C, C] as [3C, C]), some of its rows (tp splits
+    // dim 0, or c_attn's q, k and v row blocks alike) or some of its columns (tp splits the
+    // last dim), with the sums over the tp group that holds the rest.
+    parallel::MeshPtr tp_mesh = s.tp_mesh;
+    const auto tp_sum = [tp_mesh](const Tensor& t) {
+      parallel::CommCause cause("gpt3d tp optimizer statistics");
+      tp_mesh->group(0).all_reduce(t, parallel::ReduceOp::sum);
+    };
+    std::map<std::string, parallel::ZeroOptions::RowLayout> layouts;
+    for (const auto& [name, p] : s.tp->params()) {
+      const Shape& whole = shapes.at(flat_name(name));
+      const parallel::Placement& on_tp = p.placements()[0];
+      const bool split = opt.tp > 1 && on_tp.is_shard();
+      const bool by_cols = split && whole.size() == 2 &&
+                           on_tp.dim == static_cast<int64_t>(p.shape().size()) - 1;
+      parallel::ZeroOptions::RowLayout l;
+      l.global = whole;
+      const int64_t n = p.local().numel();
+      if (whole.size() < 2) {
+        l.shape = {n};
+      } else {
+        const int64_t cols = by_cols ? p.local().shape().back() : whole[1];
+        l.shape = {n / cols, cols};
+      }
+      if (split) (by_cols ? l.cols_sum : l.rows_sum) = tp_sum;
+      layouts[flat_name(name)] = l;
+    }
+    zopt.row_layout = [layouts](const std::string& name, const Shape&) { return layouts.at(name); };
   }
   s.zero = std::make_unique<parallel::ZeroDataParallel>(*s.holder, s.dp(), zopt);
   if (opt.make_optimizer) {
     s.opt = opt.make_optimizer(s.zero->param_groups(opt.lr, opt.weight_decay));
     // Not elementwise: per-block state needs every parameter whole on this rank (tp 1; the
     // pipeline keeps whole parameters per stage) and ZeRO to cut at blocks; per-matrix state
-    // (Adafactor) whole parameters and ZeRO's row shards, which present each parameter in
-    // the single device's shape.
+    // (Adafactor) ZeRO's row shards, which present each parameter as its block of the single
+    // device's (row_layout above).
     TS_CHECK(s.opt->elementwise() ||
                  (opt.tp == 1 && s.opt->shard_block() > 0 && opt.block_shards > 0 &&
                   opt.block_shards % s.opt->shard_block() == 0) ||
-                 (opt.tp == 1 && s.opt->supports_row_shards() && opt.row_shards),
+                 (s.opt->supports_row_shards() && opt.row_shards),
              "Gpt3d: {} is not elementwise; {}", s.opt->kind(),
              s.opt->shard_block() > 0
                  ? "tensor-parallel shards (or ZeRO shards without Gpt3dOptions::block_shards) "
                    "would cut its blocks"
              : s.opt->supports_row_shards()
-                 ? "tensor-parallel shards (or stages without Gpt3dOptions::row_shards) would "
-                   "split its per-matrix state"
+                 ? "its per-matrix state needs Gpt3dOptions::row_shards"
                  : "pipeline and tensor-parallel shards would split its per-tensor state");
   } else {
     optim::AdamWOptions aopt;
@@ -422,6 +449,44 @@ bool per_element(const Gpt3d::Impl& s, const std::string& field) {
   return s.opt->row_shard_state(field) == optim::Optimizer::RowShardState::elements;
 }
 
+// How optimizer state `field` of parameter `name` (held here) lies over tp: the tensor its
+// tp blocks form (shape and placements) and this rank's block. `local` is this rank's state
+// tensor. Per element: as the parameter. Otherwise with tp 1 (8-bit AdamW's scales per
+// block; Adafactor's statistics) the tensor is whole. On tp shards (Adafactor only: the
+// constructor refuses per-block state there): the row statistics lie as the parameter
+// without its last dim, the column statistics as its last dim alone; a split of the dim
+// that is dropped leaves them whole on tp.
+struct StateBlock {
+  Shape global;
+  parallel::Placements placements;
+  parallel::LocalBlock block;
+};
+StateBlock state_block(const Gpt3d::Impl& s, const std::string& name, const std::string& field,
+                       const Tensor& local) {
+  const parallel::ShardedTensor& p = s.tp->param(name);
+  StateBlock b;
+  if (per_element(s, field)) {
+    b.global = p.shape();
+    b.placements = p.placements();
+  } else if (s.o.tp == 1) {
+    b.global = local.shape();
+    b.placements = {parallel::Replicate()};
+  } else {
+    const parallel::Placement& on_tp = p.placements()[0];
+    const int64_t last = static_cast<int64_t>(p.shape().size()) - 1;
+    const bool rows = s.opt->row_shard_state(field) == optim::Optimizer::RowShardState::rows;
+    if (rows) {
+      b.global = Shape(p.shape().begin(), p.shape().end() - 1);
+      b.placements = {on_tp.is_shard(last) ? parallel::Replicate() : on_tp};
+    } else {
+      b.global = {p.shape().back()};
+      b.placements = {on_tp.is_shard(last) ? parallel::Shard(0) : parallel::Replicate()};
+    }
+  }
+  b.block = parallel::local_block(b.global, *s.tp_mesh, b.placements);
+  return b;
+}
+
 }  // namespace
 
 Tensor region_of(const Tensor& whole, const std::string& key, const Shape& global,
@@ -495,9 +560,25 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> Gpt3d::state_dicts() {
             gather_full(s, name, local, param.shape(), f.dtype);
         continue;
       }
-      // Per row or block, or whole: with tp 1 (the constructor refuses such an optimizer on
-      // tp shards) the owner's tensor is the single device's.
-      Tensor t = here ? local.contiguous().clone() : zeros(f.shape, f.dtype);
+      if (s.o.tp == 1) {  // (per block or row, or whole: the owner's tensor is the single device's)
+        Tensor t = here ? local.contiguous().clone() : zeros(f.shape, f.dtype);
+        s.pp().broadcast(t, s.owner.at(name));
+        out[fmt::format("state.{}.{}", i, f.name)] = t;
+        continue;
+      }
+      // Adafactor on tp shards: the rows' statistics [M], the columns' [N] of the single
+      // device's M x N parameter, gathered over tp on the owner, then broadcast over pp.
+      const bool rows = s.opt->row_shard_state(f.name) == optim::Optimizer::RowShardState::rows;
+      Tensor t = zeros({rows ? param.size(0) : param.size(-1)}, f.dtype);
+      if (here) {
+        const StateBlock b = state_block(s, name, f.name, local);
+        t = parallel::ShardedTensor(local.contiguous().view(b.block.shape), s.tp_mesh,
+                                    b.placements, b.global)
+                .full_tensor()
+                .contiguous()
+                .view(t.shape())
+                .clone();
+      }
       s.pp().broadcast(t, s.owner.at(name));
       out[fmt::format("state.{}.{}", i, f.name)] = t;
     }
@@ -576,15 +657,14 @@ void Gpt3d::write_blocks(const AddBlock& add) {
     for (const auto& [key, v] : mine) {
       if (!key.starts_with(prefix)) continue;
       const std::string field = key.substr(prefix.size());
-      if (field == "step" || !per_element(s, field)) {
-        // (Per row or block, or whole: tp 1, so the tensor is the single device's.)
-        if (tp_lead) {
-          add(fmt::format("optim/{}/{}", name, field), v, v.shape(),
-              std::vector<int64_t>(static_cast<size_t>(v.dim()), 0));  // once
-        }
-      } else {
-        add(fmt::format("optim/{}/{}", name, field), v.contiguous().view(b.shape), p.shape(), b.starts);
+      if (field == "step") {
+        if (tp_lead) add(fmt::format("optim/{}/step", name), v, v.shape(), {});  // once
+        continue;
       }
+      const StateBlock sb = state_block(s, name, field, v);
+      if (!sb.placements[0].is_shard() && !tp_lead) continue;  // whole on tp: written once
+      add(fmt::format("optim/{}/{}", name, field), v.contiguous().view(sb.block.shape), sb.global,
+          sb.block.starts);
     }
   }
 }
@@ -622,11 +702,14 @@ void Gpt3d::read_blocks(const BlockSource& source) {
     const std::string prefix = fmt::format("optim/{}/", name);
     for (const std::string& key : source.keys(prefix)) {
       const std::string field = key.substr(prefix.size());
-      mine[fmt::format("state.{}.{}", k, field)] =
-          field == "step" || !per_element(s, field)
-              ? source.whole(key)
-              : source.region(key, s.tp->param(name).shape(), blocks[name].starts,
-                                          blocks[name].shape);
+      Tensor& t = mine[fmt::format("state.{}.{}", k, field)];
+      if (field == "step" || (!per_element(s, field) && s.o.tp == 1)) {
+        t = source.whole(key);  // (with tp 1, per-block or per-row state is whole)
+        continue;
+      }
+      const StateBlock sb = state_block(s, name, field, Tensor());
+      t = source.region(key, sb.global, sb.block.starts, sb.block.shape);
+      if (!per_element(s, field)) t = t.reshape({t.numel()});  // (statistics are 1-D)
     }
   }
   s.zero->load_optimizer_state_dict(*s.opt, mine);

@@ -55,8 +55,9 @@ struct Gpt3dOptions {
   // the blocks are the same elements.)
   int64_t block_shards = 0;
   // ZeroOptions::row_shards over dp (also at ZeRO 0), for an optimizer with per-matrix state
-  // (Adafactor); with tp 1 only. The optimizer sees each parameter in the single device's
-  // shape (c_attn's weight as [3C, C], not the stages' [3, C, C]).
+  // (Adafactor). The optimizer sees each parameter as its block of the single device's
+  // (c_attn's weight as [3C, C], not the stages' [3, C, C]; a tp shard as some of the rows
+  // or some of the columns), with the statistics of the rest summed over tp.
   bool row_shards = false;
   // For the equivalence checker (models/gpt/check.h): keep each layer's output and the
   // reduced gradients of a step, for activations() and full_gradients().

@@ -41,9 +41,10 @@ struct GptTrainConfig {
   double weight_decay = 0.1;      // on 2-D+ parameters only (optim::decay_groups)
   double beta1 = 0.9, beta2 = 0.95;
   // adamw | adamw8bit | adafactor | sgd (models/common/optimizers.h). adafactor keeps
-  // factored second moments (ZeRO on row shards; no pp or tp: its state is per whole
-  // matrix, which the stages hold reshaped); adamw8bit 8-bit moments per 256-element block (ZeRO on block shards, pp; no tp:
-  // blocks would straddle tp shards), f32 for the embeddings with stable_embedding.
+  // factored second moments on every layout (ZeRO on row shards; tp shards sum the other
+  // rows' or columns' statistics); adamw8bit 8-bit moments per 256-element block (ZeRO on
+  // block shards, pp; no tp: blocks would straddle tp shards), f32 for the embeddings with
+  // stable_embedding.
   std::string optimizer = "adamw";
   bool stable_embedding = false;
   std::string adafactor_mode = "hf";

@@ -2,11 +2,14 @@
 // tests/parallel/comm_mpi_test.sh with mpirun -np 4. Every factorisation of the 4 ranks, each
 // schedule where pp > 1, ZeRO 0 and 1, against the single-device run each process trains
 // itself (f64, 1e-10), and in f32 with 1F1B and ZeRO 1 (1e-5; tests/models/gpt_3d_cases.h);
-// part of the composition matrix (ZeRO 2/3, accumulation, recomputation, dropout, bf16).
+// part of the composition matrix (ZeRO 2/3, accumulation, recomputation, dropout, bf16);
+// Adafactor and 8-bit AdamW on a few layouts.
 #include <doctest/doctest.h>
 
+#include <string>
 #include <vector>
 
+#include "models/gpt/train.h"
 #include "parallel/comm/mpi.h"
 #include "tests/models/gpt_3d_cases.h"
 
@@ -39,6 +42,48 @@ TEST_CASE("composition over mpi: accumulation, recomputation and dropout on ever
   }
   CHECK(combos.size() == 6 * 2 * 2);
   CHECK(testing3d::check_compositions(parallel::mpi_world(), combos) == 24);
+}
+
+TEST_CASE("optimizers over mpi: Adafactor on pp x tp and dp x tp, 8-bit AdamW on pp x dp, as one device") {
+  // gpt --check in each process of the 4 (tests/models/gpt_check_test runs the same on
+  // threads, with the reasons for its bounds): Adafactor's statistics summed over tp and dp
+  // by MPI (1e-5: the key bias, whose exact gradient is zero, moves by rounding noise over
+  // sqrt(eps1); everything else of step 0 agrees to 1e-9, asserted on threads); 8-bit AdamW's
+  // codes on ZeRO's block shards (1e-9).
+  struct L {
+    const char* optimizer;
+    int pp, dp, tp, zero;
+  };
+  int runs = 0;
+  for (const L& l : {L{"adafactor", 2, 1, 2, 0}, L{"adafactor", 1, 2, 2, 3},
+                     L{"adamw8bit", 2, 2, 1, 2}}) {
+    CAPTURE(std::string(l.optimizer));
+    CAPTURE(l.tp);
+    GptTrainConfig c;
+    c.layers = 2;
+    c.heads = 4;
+    c.width = std::string(l.optimizer) == "adamw8bit" ? 64 : 16;  // (8-bit from 4096 elements)
+    c.context = 16;
+    c.batch = 8;
+    c.steps = 2;
+    c.lr = 1e-2;
+    c.warmup = 0;
+    c.check = true;
+    c.verbose = false;
+    c.threads = 1;
+    c.optimizer = l.optimizer;
+    c.adafactor_beta1 = 0.9;
+    c.pp = l.pp;
+    c.dp = l.dp;
+    c.tp = l.tp;
+    c.zero = l.zero;
+    if (std::string(l.optimizer) == "adafactor") c.check_tolerance = 1e-5;
+    const GptResult r = train_gpt(c);
+    MESSAGE(r.check_report);
+    CHECK(r.check_ok);
+    ++runs;
+  }
+  CHECK(runs == 3);
 }
 
 }  // namespace

@@ -106,10 +106,12 @@ TEST_CASE("--check --optimizer=adamw8bit: ZeRO's block shards on pp x dp equal o
   }
 }
 
-TEST_CASE("--check --optimizer=adafactor: ZeRO's row shards on pp x dp equal one device") {
+TEST_CASE("--check --optimizer=adafactor: ZeRO's row shards on pp x dp x tp equal one device") {
   // The stages hold c_attn's weight as [3, C, C]; ZeRO's row shards present it to Adafactor
   // as the single device's [3C, C] (its row and column statistics span q, k and v), cut by
-  // rows over dp; ZeRO 0 steps it whole. With the first moment (beta1 0.9) in the state.
+  // rows over dp; ZeRO 0 steps it whole. On tp a column-parallel weight is some of the rows
+  // (the columns' statistics summed over tp), a row-parallel one some of the columns (the
+  // rows' statistics summed over tp). With the first moment (beta1 0.9) in the state.
   //
   // Tolerance 1e-5, not 1e-9, for one tensor's sake: the attention key bias (c_attn's bias,
   // elements [C, 2C)) has an exact gradient of zero (softmax ignores a constant per query
@@ -121,17 +123,25 @@ TEST_CASE("--check --optimizer=adafactor: ZeRO's row shards on pp x dp equal one
   // updates) agree to 1e-9. A misfactored c_attn weight ([3, C, C] per q/k/v instead of
   // [3C, C]) moves its update by O(1).
   struct L {
-    int pp, dp, zero, accum, microbatches;
+    int pp, dp, tp, zero, accum, microbatches;
     const char* recompute;
     double dropout;
+    bool sp;
   };
-  for (const L& l : {L{2, 2, 3, 2, 2, "selective", 0.1}, L{1, 4, 1, 1, 1, "none", 0.0},
-                     L{2, 1, 0, 1, 2, "full", 0.0}, L{2, 2, 2, 1, 2, "none", 0.0}}) {
+  int layouts = 0;
+  for (const L& l : {L{2, 2, 1, 3, 2, 2, "selective", 0.1, false},
+                     L{1, 4, 1, 1, 1, 1, "none", 0.0, false}, L{2, 1, 1, 0, 1, 2, "full", 0.0, false},
+                     L{2, 2, 1, 2, 1, 2, "none", 0.0, false}, L{1, 2, 2, 1, 1, 1, "none", 0.0, false},
+                     L{2, 2, 2, 3, 2, 2, "selective", 0.1, false},
+                     L{1, 1, 4, 0, 1, 1, "none", 0.0, false}, L{1, 1, 2, 0, 1, 1, "full", 0.0, true}}) {
     GptTrainConfig c = tiny_check();
+    c.heads = 4;  // (tp 4 splits heads)
     c.optimizer = "adafactor";
     c.adafactor_beta1 = 0.9;
     c.pp = l.pp;
     c.dp = l.dp;
+    c.tp = l.tp;
+    c.sp = l.sp;
     c.zero = l.zero;
     c.accum = l.accum;
     c.microbatches = l.microbatches;
@@ -149,9 +159,12 @@ TEST_CASE("--check --optimizer=adafactor: ZeRO's row shards on pp x dp equal one
     const size_t at = tight.check_report.find("at element [");
     REQUIRE(at != std::string::npos);
     const int64_t element = std::stoll(tight.check_report.substr(at + 12));
+    // (Its index in the gathered [3C] bias: the key part.)
     CHECK(element >= c.width);
     CHECK(element < 2 * c.width);
+    ++layouts;
   }
+  CHECK(layouts == 8);
 }
 
 TEST_CASE("--check --inject: each injected bug is named by step, phase, tensor and ranks") {
