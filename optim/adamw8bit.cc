@@ -97,6 +97,12 @@ void AdamW8bit::step() {
                    "AdamW8bit: a shard of parameter '{}' {} cuts its {}-element quantization "
                    "blocks; shard with ZeroOptions::block_shards = {}",
                    rs->name, shape_str(rs->global), kQuant8Block, kQuant8Block);
+          TS_CHECK(rs->run % kQuant8Block == 0 || !quantized(p),
+                   "AdamW8bit: the tensor-parallel shard of parameter '{}' {} holds runs of {} "
+                   "consecutive elements, which cut its {}-element quantization blocks; 8-bit "
+                   "state on tp needs runs of a multiple of {} (a row-parallel weight: columns "
+                   "/ tp; a column-parallel one: rows / tp x columns)",
+                   rs->name, shape_str(rs->global), rs->run, kQuant8Block, kQuant8Block);
         }
         const Quant8Map& q1 = quant8_map(Quant8Kind::signed_dynamic);
         const Quant8Map& q2 = quant8_map(Quant8Kind::unsigned_dynamic);

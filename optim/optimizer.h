@@ -44,6 +44,10 @@ namespace tessera::optim {
 // adds a tensor over the ranks holding the same rows' other columns (the shard's columns are
 // its numel / rows), and `sum` is over the ranks holding the other rows of the same columns.
 // Null: the shard has whole rows.
+//
+// Block shards of a tensor-parallel shard: `run` > 0 says the tensor the blocks are cut from
+// holds runs of `run` consecutive elements of the whole parameter (flattened), each starting
+// at a multiple of `run`; its blocks are the whole's when `run` is a multiple of the block.
 struct RowShard {
   Shape global;
   int64_t first_row = 0, rows = 0;
@@ -51,6 +55,7 @@ struct RowShard {
   int64_t block = 0;
   std::string name = {};
   std::function<void(const Tensor&)> cols_sum = nullptr;
+  int64_t run = 0;
 };
 
 struct ParamGroup {

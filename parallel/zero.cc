@@ -378,8 +378,14 @@ void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer)
     // The optimizer steps the parameters themselves (whole on every rank): only those
     // presented in another shape are row shards, of all their rows, with nothing to sum.
     for (const ZeroDataParallel::State::Param& p : st.params) {
-      if (!st.options.row_shards || !st.options.row_layout) continue;
+      if (!st.options.row_layout) continue;
       const ZeroOptions::RowLayout l = st.row_layout(p);
+      if (st.options.block_shards > 0) {  // (blocks of the whole tensor: global and run)
+        const int64_t block = st.options.block_shards;
+        shards[p.tensor.impl()] = {l.global, 0, (p.tensor.numel() + block - 1) / block,
+                                   [](const Tensor&) {}, block, p.name, nullptr, l.run};
+        continue;
+      }
       if (l.shape == p.tensor.shape() && l.global == l.shape && !l.rows_sum && !l.cols_sum) continue;
       shards[p.tensor.impl()] = {l.global, 0, l.shape.size() == 2 ? l.shape[0] : p.tensor.numel(),
                                  l.rows_sum ? l.rows_sum : [](const Tensor&) {}, 0, p.name,
@@ -403,7 +409,7 @@ void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer)
                                   }
                                   if (rows_sum) rows_sum(t);
                                 },
-                                st.options.block_shards, p.name, l.cols_sum};
+                                st.options.block_shards, p.name, l.cols_sum, l.run};
   }
   optimizer.set_row_shards(std::move(shards));
 }

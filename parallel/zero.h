@@ -66,9 +66,10 @@ struct ZeroOptions {
   // gather per Optimizer::row_shard_state. Parameters of more than 2 dims are an error
   // (unless row_layout presents them as 2-D).
   bool row_shards = false;
-  // With row_shards: how the optimizer sees parameter `name` (of shape `shape`), when the
-  // module holds it otherwise than as a whole 1-D or 2-D tensor (also at stage 0, where the
-  // optimizer steps the parameters themselves; null: every parameter as itself).
+  // With row_shards or block_shards: how the optimizer sees parameter `name` (of shape
+  // `shape`), when the module holds it otherwise than as a whole 1-D or 2-D tensor (also at
+  // stage 0, where the optimizer steps the parameters themselves; null: every parameter as
+  // itself). Block shards use `global` and `run` only.
   struct RowLayout {
     // The same elements in the same order (2-D: the same last dim), cut by rows over dp: a
     // wrapper holding a [3C, C] weight as [3, C, C] presents [3C, C].
@@ -80,6 +81,9 @@ struct ZeroOptions {
     Shape global = {};
     std::function<void(const Tensor&)> rows_sum = nullptr;
     std::function<void(const Tensor&)> cols_sum = nullptr;
+    // Block shards (ZeroOptions::block_shards) of a tensor-parallel shard: optim::RowShard::run
+    // (0: the tensor is a contiguous part of the whole).
+    int64_t run = 0;
   };
   std::function<RowLayout(const std::string& name, const Shape& shape)> row_layout = nullptr;
   // Stages 1-3: shard every parameter on its own, each rank a run of whole blocks of this

@@ -179,21 +179,39 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
     }
     zopt.row_layout = [layouts](const std::string& name, const Shape&) { return layouts.at(name); };
   }
+  if (opt.block_shards > 0) {
+    // Per-block state (8-bit AdamW) counts its blocks in the single device's parameter: a tp
+    // shard holds runs of its elements (the dims from the split one on, per index of the
+    // dims before it), whole blocks of it when the runs are multiples of the block.
+    std::map<std::string, parallel::ZeroOptions::RowLayout> layouts;
+    for (const auto& [name, p] : s.tp->params()) {
+      parallel::ZeroOptions::RowLayout l;
+      l.shape = p.local().shape();
+      l.global = shapes.at(flat_name(name));
+      const parallel::Placement& on_tp = p.placements()[0];
+      if (opt.tp > 1 && on_tp.is_shard()) {
+        int64_t runs = 1;
+        for (int64_t d = 0; d < on_tp.dim; ++d) runs *= p.shape()[static_cast<size_t>(d)];
+        l.run = p.local().numel() / runs;
+      }
+      layouts[flat_name(name)] = l;
+    }
+    zopt.row_layout = [layouts](const std::string& name, const Shape&) { return layouts.at(name); };
+  }
   s.zero = std::make_unique<parallel::ZeroDataParallel>(*s.holder, s.dp(), zopt);
   if (opt.make_optimizer) {
     s.opt = opt.make_optimizer(s.zero->param_groups(opt.lr, opt.weight_decay));
-    // Not elementwise: per-block state needs every parameter whole on this rank (tp 1; the
-    // pipeline keeps whole parameters per stage) and ZeRO to cut at blocks; per-matrix state
+    // Not elementwise: per-block state needs ZeRO to cut at blocks, and tp shards of whole
+    // blocks (RowShard::run, checked by the optimizer per parameter); per-matrix state
     // (Adafactor) ZeRO's row shards, which present each parameter as its block of the single
     // device's (row_layout above).
     TS_CHECK(s.opt->elementwise() ||
-                 (opt.tp == 1 && s.opt->shard_block() > 0 && opt.block_shards > 0 &&
+                 (s.opt->shard_block() > 0 && opt.block_shards > 0 &&
                   opt.block_shards % s.opt->shard_block() == 0) ||
                  (s.opt->supports_row_shards() && opt.row_shards),
              "Gpt3d: {} is not elementwise; {}", s.opt->kind(),
              s.opt->shard_block() > 0
-                 ? "tensor-parallel shards (or ZeRO shards without Gpt3dOptions::block_shards) "
-                   "would cut its blocks"
+                 ? "ZeRO shards without Gpt3dOptions::block_shards would cut its blocks"
              : s.opt->supports_row_shards()
                  ? "its per-matrix state needs Gpt3dOptions::row_shards"
                  : "pipeline and tensor-parallel shards would split its per-tensor state");
@@ -452,10 +470,10 @@ bool per_element(const Gpt3d::Impl& s, const std::string& field) {
 // How optimizer state `field` of parameter `name` (held here) lies over tp: the tensor its
 // tp blocks form (shape and placements) and this rank's block. `local` is this rank's state
 // tensor. Per element: as the parameter. Otherwise with tp 1 (8-bit AdamW's scales per
-// block; Adafactor's statistics) the tensor is whole. On tp shards (Adafactor only: the
-// constructor refuses per-block state there): the row statistics lie as the parameter
-// without its last dim, the column statistics as its last dim alone; a split of the dim
-// that is dropped leaves them whole on tp.
+// block; Adafactor's statistics) the tensor is whole. On tp shards: 8-bit AdamW's scales
+// by the shard's runs of whole blocks (below); Adafactor's row statistics as the parameter
+// without its last dim, its column statistics as its last dim alone, a split of the dim
+// that is dropped leaving them whole on tp.
 struct StateBlock {
   Shape global;
   parallel::Placements placements;
@@ -471,6 +489,21 @@ StateBlock state_block(const Gpt3d::Impl& s, const std::string& name, const std:
   } else if (s.o.tp == 1) {
     b.global = local.shape();
     b.placements = {parallel::Replicate()};
+  } else if (s.opt->shard_block() > 0) {
+    // Per block of the whole (8-bit AdamW's scales): a shard's runs of L elements (one per
+    // index of the dims before the split one, R of them) hold L / block blocks each, so the
+    // scales lie as [R, tp x L / block] split on dim 1; whole on tp as the parameter is.
+    const parallel::Placement& on_tp = p.placements()[0];
+    const int64_t block = s.opt->shard_block();
+    if (on_tp.is_shard()) {
+      int64_t runs = 1;
+      for (int64_t d = 0; d < on_tp.dim; ++d) runs *= p.shape()[static_cast<size_t>(d)];
+      b.global = {runs, numel_of(p.shape()) / runs / block};
+      b.placements = {parallel::Shard(1)};
+    } else {
+      b.global = {(numel_of(p.shape()) + block - 1) / block};
+      b.placements = {parallel::Replicate()};
+    }
   } else {
     const parallel::Placement& on_tp = p.placements()[0];
     const int64_t last = static_cast<int64_t>(p.shape().size()) - 1;
@@ -566,10 +599,15 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> Gpt3d::state_dicts() {
         out[fmt::format("state.{}.{}", i, f.name)] = t;
         continue;
       }
-      // Adafactor on tp shards: the rows' statistics [M], the columns' [N] of the single
-      // device's M x N parameter, gathered over tp on the owner, then broadcast over pp.
+      // On tp shards: 8-bit AdamW's scales [blocks]; Adafactor's rows' statistics [M], its
+      // columns' [N] of the single device's M x N parameter; gathered over tp on the owner,
+      // then broadcast over pp.
       const bool rows = s.opt->row_shard_state(f.name) == optim::Optimizer::RowShardState::rows;
-      Tensor t = zeros({rows ? param.size(0) : param.size(-1)}, f.dtype);
+      const int64_t block = s.opt->shard_block();
+      Tensor t = zeros({block > 0 ? (param.numel() + block - 1) / block
+                        : rows    ? param.size(0)
+                                  : param.size(-1)},
+                       f.dtype);
       if (here) {
         const StateBlock b = state_block(s, name, f.name, local);
         t = parallel::ShardedTensor(local.contiguous().view(b.block.shape), s.tp_mesh,

@@ -50,9 +50,10 @@ struct Gpt3dOptions {
   std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>
       make_optimizer = nullptr;
   // ZeroOptions::block_shards over dp, for an optimizer with per-block state (8-bit AdamW:
-  // 256); with tp 1 only, as each block must lie in one whole parameter. (The stages hold
-  // c_attn's weight as [3, C, C], the single device's [3C, C] in the same memory order, so
-  // the blocks are the same elements.)
+  // 256). (The stages hold c_attn's weight as [3, C, C], the single device's [3C, C] in the
+  // same memory order, so the blocks are the same elements.) On tp each shard must hold whole
+  // blocks of the single device's parameter (optim::RowShard::run; the optimizer names a
+  // parameter whose shard would cut them), and its scales are laid out by those blocks.
   int64_t block_shards = 0;
   // ZeroOptions::row_shards over dp (also at ZeRO 0), for an optimizer with per-matrix state
   // (Adafactor). The optimizer sees each parameter as its block of the single device's

@@ -43,10 +43,6 @@ void validate_train_config(const GptTrainConfig& c) {
   require_fraction(gpt, "beta1", c.beta1, /*include_one=*/false);
   require_fraction(gpt, "beta2", c.beta2, /*include_one=*/false);
   models::validate_optimizer(gpt, c.optimizer_choice());
-  TS_CHECK(models::optimizer_shard_block(c.optimizer) == 0 || c.tp == 1,
-           "gpt: --optimizer={} quantizes 256-element blocks of each whole parameter, which tp "
-           "shards would cut; use it with --dp/--zero/--pp, without --tp (got --tp {})",
-           c.optimizer, c.tp);
   TS_CHECK(!c.stable_embedding || c.optimizer == "adamw8bit",
            "gpt: --stable_embedding keeps adamw8bit's embedding state in f32; it needs "
            "--optimizer=adamw8bit (got --optimizer={})", c.optimizer);

@@ -43,8 +43,8 @@ struct GptTrainConfig {
   // adamw | adamw8bit | adafactor | sgd (models/common/optimizers.h). adafactor keeps
   // factored second moments on every layout (ZeRO on row shards; tp shards sum the other
   // rows' or columns' statistics); adamw8bit 8-bit moments per 256-element block (ZeRO on
-  // block shards, pp; no tp: blocks would straddle tp shards), f32 for the embeddings with
-  // stable_embedding.
+  // block shards, pp, and tp where each shard holds whole blocks: an Error names a parameter
+  // whose shard would cut them), f32 for the embeddings with stable_embedding.
   std::string optimizer = "adamw";
   bool stable_embedding = false;
   std::string adafactor_mode = "hf";

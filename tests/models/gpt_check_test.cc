@@ -106,6 +106,46 @@ TEST_CASE("--check --optimizer=adamw8bit: ZeRO's block shards on pp x dp equal o
   }
 }
 
+TEST_CASE("--check --optimizer=adamw8bit on tp: shards of whole blocks equal one device; others refused") {
+  // A tp shard holds runs of consecutive elements of the whole parameter: a column-parallel
+  // weight rows / tp x columns, a row-parallel one columns / tp. At width 512 on tp 2 every
+  // run of an 8-bit tensor is a multiple of 256 (attn.c_proj: 256; mlp.c_proj: 1024;
+  // c_attn and c_fc longer), so each shard's blocks are the whole's and the fused step runs
+  // on them unchanged.
+  struct L {
+    int pp, dp, tp, zero, microbatches;
+    const char* recompute;
+  };
+  int layouts = 0;
+  for (const L& l : {L{1, 2, 2, 2, 1, "none"}, L{2, 1, 2, 0, 2, "full"}}) {
+    GptTrainConfig c = tiny_check();
+    c.width = 512;
+    c.heads = 4;
+    c.optimizer = "adamw8bit";
+    c.pp = l.pp;
+    c.dp = l.dp;
+    c.tp = l.tp;
+    c.zero = l.zero;
+    c.microbatches = l.microbatches;
+    c.recompute = l.recompute;
+    const GptResult r = train_gpt(c);
+    MESSAGE(r.check_report);
+    CHECK(r.check_ok);
+    CHECK(contains(r.check_report, fmt::format("{} tensors compared", comparisons(c))));
+    ++layouts;
+  }
+  CHECK(layouts == 2);
+  // Width 64: attn.c_proj [64, 64] (8-bit from 4096 elements) in runs of 32 on tp 2.
+  GptTrainConfig c = tiny_check();
+  c.width = 64;
+  c.optimizer = "adamw8bit";
+  c.tp = 2;
+  CHECK(contains(error_of([&] { train_gpt(c); }),
+                 "AdamW8bit: the tensor-parallel shard of parameter 'h_0_attn_c_proj_weight' "
+                 "[64, 64] holds runs of 32 consecutive elements, which cut its 256-element "
+                 "quantization blocks"));
+}
+
 TEST_CASE("--check --optimizer=adafactor: ZeRO's row shards on pp x dp x tp equal one device") {
   // The stages hold c_attn's weight as [3, C, C]; ZeRO's row shards present it to Adafactor
   // as the single device's [3C, C] (its row and column statistics span q, k and v), cut by
