@@ -1,7 +1,8 @@
 // The fused optimizer updates' throughput on the CPU: adamw_ (f32 moments) and adamw8bit_
-// (8-bit moments, tensor/quant8.h) over the same f32 parameter, beside a plain copy of the
-// same bytes (the machine's memory bandwidth, the ceiling for an update). Rounds alternate
-// the three; each figure is the median over the rounds of each round's median time.
+// (8-bit moments, tensor/quant8.h) over the same f32 parameter, Adafactor's step (written
+// with ops) on as many elements, beside a plain copy of the same bytes (the machine's memory
+// bandwidth, the ceiling for an update). Rounds alternate the four; each figure is the
+// median over the rounds of each round's median time.
 //
 //   bazel run -c opt //tools/bench:optim_bench -- --numel 16777216 --threads 2 --rounds 5
 //
@@ -17,6 +18,7 @@
 
 #include "kernels/cpu/parallel.h"
 #include "models/common/flags.h"
+#include "optim/adafactor.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
 #include "tensor/quant8.h"
@@ -50,8 +52,15 @@ int main(int argc, char** argv) {
     double bytes_per_element;
     std::vector<double> ms;
   };
+  // Adafactor (hf, no first moment) on the same elements as a [numel / 1024, 1024] matrix:
+  // written with ops, each a pass over the tensor; its bytes counted as the minimum a fused
+  // step would move (param and grad read, param written: 12).
+  const Tensor af_p = randn({numel / 1024, 1024}), af_g = randn({numel / 1024, 1024}) * 1e-2;
+  optim::Adafactor adafactor(std::vector<Tensor>{af_p},
+                             {.mode = optim::AdafactorMode::hf, .lr = 1e-3, .relative_step = false});
   std::vector<Row> rows = {{"adamw_ (f32 moments)", 28.0, {}},
                            {"adamw8bit_ (8-bit moments)", 16.0 + 16.0 / kQuant8Block, {}},
+                           {"Adafactor step (ops)", 12.0, {}},
                            {"copy (f32)", 8.0, {}}};
   for (int64_t r = 0; r < rounds; ++r) {
     rows[0].ms.push_back(bench::median_ms(timing, [&] {
@@ -60,7 +69,11 @@ int main(int argc, char** argv) {
     rows[1].ms.push_back(bench::median_ms(timing, [&] {
       adamw8bit_(p, g, c1, c2, a1, a2, ++t8, 1e-4, 0.9, 0.999, 1e-8, 0.01);
     }));
-    rows[2].ms.push_back(bench::median_ms(timing, [&] { dst.copy_(src); }));
+    rows[2].ms.push_back(bench::median_ms(timing, [&] {
+      af_p.set_grad(af_g);
+      adafactor.step();
+    }));
+    rows[3].ms.push_back(bench::median_ms(timing, [&] { dst.copy_(src); }));
   }
   std::printf("%lld f32 elements, %lld threads, median of %lld rounds x %lld reps\n",
               static_cast<long long>(numel), static_cast<long long>(threads),
