@@ -101,7 +101,8 @@ void AdamW8bit::step() {
                    "AdamW8bit: the tensor-parallel shard of parameter '{}' {} holds runs of {} "
                    "consecutive elements, which cut its {}-element quantization blocks; 8-bit "
                    "state on tp needs runs of a multiple of {} (a row-parallel weight: columns "
-                   "/ tp; a column-parallel one: rows / tp x columns)",
+                   "/ tp; a column-parallel one: rows / tp x columns), or keep this "
+                   "parameter's state in f32 on every layout (AdamW8bitOptions::f32_state)",
                    rs->name, shape_str(rs->global), rs->run, kQuant8Block, kQuant8Block);
         }
         const Quant8Map& q1 = quant8_map(Quant8Kind::signed_dynamic);

@@ -1,15 +1,15 @@
 #include "models/common/optimizers.h"
 
-#include "models/common/flags.h"
-#include "optim/adafactor.h"
 #include <algorithm>
 #include <cmath>
 
+#include "models/common/flags.h"
+#include "optim/adafactor.h"
 #include "optim/adamw.h"
 #include "optim/adamw8bit.h"
-#include "tensor/quant8.h"
 #include "optim/sgd.h"
 #include "tensor/error.h"
+#include "tensor/quant8.h"
 
 namespace tessera::models {
 
@@ -71,13 +71,24 @@ double optimizer_state_formula_bytes(const OptimizerChoice& c,
                                      bool master) {
   double total = 0;
   for (const auto& [name, t] : params) {
-    bool f32 = false;
-    for (const std::string& part : c.f32_state_names) f32 = f32 || name.find(part) != std::string::npos;
+    const bool f32 = keeps_f32_state(c, name);
     const double n = static_cast<double>(t.numel());
     total += n * optimizer_state_formula(c, t.shape(), f32);
     if (master && (c.name == "adamw" || c.name == "adamw8bit")) total += 4 * n;
   }
   return total;
+}
+
+bool keeps_f32_state(const OptimizerChoice& c, const std::string& name) {
+  const auto flat = [](std::string s) {
+    std::replace(s.begin(), s.end(), '.', '_');
+    return s;
+  };
+  const std::string n = flat(name);
+  for (const std::string& part : c.f32_state_names) {
+    if (!part.empty() && n.find(flat(part)) != std::string::npos) return true;
+  }
+  return false;
 }
 
 std::unique_ptr<optim::Optimizer> make_optimizer(const char* program, const OptimizerChoice& c,
@@ -99,12 +110,7 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const char* program, const Opti
     o.betas = {c.beta1, c.beta2};
     o.weight_decay = c.weight_decay;
     if (!c.f32_state_names.empty()) {
-      o.f32_state = [names = c.f32_state_names](const std::string& name) {
-        for (const std::string& part : names) {
-          if (name.find(part) != std::string::npos) return true;
-        }
-        return false;
-      };
+      o.f32_state = [c](const std::string& name) { return keeps_f32_state(c, name); };
     }
     return std::make_unique<optim::AdamW8bit>(std::move(groups), o);
   }

@@ -19,7 +19,8 @@ struct OptimizerChoice {
   double lr = 1e-3, weight_decay = 0.0;
   double beta1 = 0.9, beta2 = 0.999;  // adamw, adamw8bit
   // adamw8bit (optim/adamw8bit.h): parameters whose name contains one of these keep f32
-  // state (the program's embeddings under --stable_embedding).
+  // state (the program's embeddings under --stable_embedding, and --f32_state's parts).
+  // '.' and '_' match each other: wrappers name shards "h_0_attn_c_proj_weight".
   std::vector<std::string> f32_state_names = {};
   // adafactor (optim/adafactor.h), following the lr schedule (no relative step): the mode
   // (hf, torch, optax), its first moment (0: none, the memory-saving default) and whether
@@ -30,6 +31,8 @@ struct OptimizerChoice {
   double momentum = 0.9;  // sgd
 };
 
+// Whether parameter `name` keeps f32 state under 8-bit AdamW by f32_state_names.
+bool keeps_f32_state(const OptimizerChoice& choice, const std::string& name);
 // Error naming `program` and the flag for an unknown optimizer or a bad value.
 void validate_optimizer(const char* program, const OptimizerChoice& choice);
 std::unique_ptr<optim::Optimizer> make_optimizer(const char* program, const OptimizerChoice& choice,

@@ -43,6 +43,9 @@ void validate_train_config(const GptTrainConfig& c) {
   require_fraction(gpt, "beta1", c.beta1, /*include_one=*/false);
   require_fraction(gpt, "beta2", c.beta2, /*include_one=*/false);
   models::validate_optimizer(gpt, c.optimizer_choice());
+  TS_CHECK(c.f32_state.empty() || c.optimizer == "adamw8bit",
+           "gpt: --f32_state keeps some of adamw8bit's state in f32; it needs "
+           "--optimizer=adamw8bit (got --optimizer={})", c.optimizer);
   TS_CHECK(!c.stable_embedding || c.optimizer == "adamw8bit",
            "gpt: --stable_embedding keeps adamw8bit's embedding state in f32; it needs "
            "--optimizer=adamw8bit (got --optimizer={})", c.optimizer);

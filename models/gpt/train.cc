@@ -135,6 +135,11 @@ models::OptimizerChoice GptTrainConfig::optimizer_choice() const {
   o.adafactor_scale_parameter = adafactor_scale_parameter;
   o.momentum = momentum;
   if (stable_embedding) o.f32_state_names = {"wte", "wpe"};
+  for (size_t at = 0; at <= f32_state.size();) {
+    const size_t comma = std::min(f32_state.find(',', at), f32_state.size());
+    if (comma > at) o.f32_state_names.push_back(f32_state.substr(at, comma - at));
+    at = comma + 1;
+  }
   return o;
 }
 

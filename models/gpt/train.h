@@ -44,9 +44,13 @@ struct GptTrainConfig {
   // factored second moments on every layout (ZeRO on row shards; tp shards sum the other
   // rows' or columns' statistics); adamw8bit 8-bit moments per 256-element block (ZeRO on
   // block shards, pp, and tp where each shard holds whole blocks: an Error names a parameter
-  // whose shard would cut them), f32 for the embeddings with stable_embedding.
+  // whose shard would cut them, unless f32_state keeps it in f32), f32 for the embeddings
+  // with stable_embedding.
   std::string optimizer = "adamw";
   bool stable_embedding = false;
+  // adamw8bit: parameters whose name contains one of these comma-separated parts keep f32
+  // state on every layout ("attn.c_proj": the one tp 2 cuts into part blocks at width 128).
+  std::string f32_state;
   std::string adafactor_mode = "hf";
   double adafactor_beta1 = 0.0;
   bool adafactor_scale_parameter = false;

@@ -135,6 +135,21 @@ TEST_CASE("--check --optimizer=adamw8bit on tp: shards of whole blocks equal one
     ++layouts;
   }
   CHECK(layouts == 2);
+  // Width 128 (the default): attn.c_proj's runs are 64 on tp 2. --f32_state=attn.c_proj
+  // keeps its state in f32 on both sides; the other 8-bit tensors' shards are whole blocks
+  // (mlp.c_proj: runs of 256).
+  {
+    GptTrainConfig c = tiny_check();
+    c.width = 128;
+    c.heads = 4;
+    c.optimizer = "adamw8bit";
+    c.f32_state = "attn.c_proj";
+    c.tp = c.dp = 2;
+    c.zero = 2;
+    const GptResult r = train_gpt(c);
+    MESSAGE(r.check_report);
+    CHECK(r.check_ok);
+  }
   // Width 64: attn.c_proj [64, 64] (8-bit from 4096 elements) in runs of 32 on tp 2.
   GptTrainConfig c = tiny_check();
   c.width = 64;

@@ -677,6 +677,23 @@ TEST_CASE("--optimizer=adamw8bit: learns; state bytes the formula; ZeRO, dp and 
   c.stable_embedding = true;
   CHECK(train_gpt(c).optimizer_state_bytes == want_stable);
   c.stable_embedding = false;
+  // --f32_state names parts of parameter names ("." or "_"): the attention projections' and
+  // the embeddings' state in f32, the rest as before.
+  c.f32_state = "attn.c_proj,wte,wpe";
+  {
+    int64_t want_named = 0;
+    for (const auto& entry : shapes.named_parameters()) {
+      const int64_t n = entry.second.numel();
+      const bool named = entry.first.find("attn.c_proj") != std::string::npos ||
+                         entry.first.find("wte") != std::string::npos ||
+                         entry.first.find("wpe") != std::string::npos;
+      want_named += named || n < 4096 ? 8 * n : 2 * n + 8 * ((n + 255) / 256);
+    }
+    const GptResult named = train_gpt(c);
+    CHECK(named.optimizer_state_bytes == want_named);
+    CHECK(named.optimizer_state_formula == static_cast<double>(want_named));
+  }
+  c.f32_state = "";
   // A pipeline's checkpoint holds each parameter's fields as its stage has them (8-bit codes
   // and scales for the large tensors, f32 moments for the small): saved at step 6 on two
   // stages, resumed on two stages it continues bitwise; on one rank, as one device would.
@@ -761,6 +778,11 @@ TEST_CASE("--optimizer=adamw8bit: learns; state bytes the formula; ZeRO, dp and 
   c = tiny();
   c.stable_embedding = true;
   CHECK(contains(error_of([&] { train_gpt(c); }), "--stable_embedding keeps adamw8bit's"));
+  c = tiny();
+  c.f32_state = "wte";
+  CHECK(contains(error_of([&] { train_gpt(c); }),
+                 "gpt: --f32_state keeps some of adamw8bit's state in f32; it needs "
+                 "--optimizer=adamw8bit (got --optimizer=adamw)"));
 }
 
 TEST_CASE("--optimizer=adamw8bit on tp: checkpoints hold the scales in the single device's block order") {
