@@ -102,14 +102,25 @@ Tensor scaled_by_floored_rsqrt(const Tensor& g, const Tensor& v, double floor) {
 }
 }  // namespace
 
+Optimizer::RowShardState Adafactor::row_shard_state(const std::string& name,
+                                                    const Shape& global) const {
+  const bool columns_first = factored_dims(global) == std::pair<int64_t, int64_t>{1, 0};
+  if (name == "exp_avg_sq_row") return columns_first ? RowShardState::whole : RowShardState::rows;
+  if (name == "exp_avg_sq_col") return columns_first ? RowShardState::rows : RowShardState::whole;
+  return RowShardState::elements;
+}
+
 std::vector<Optimizer::StateSpec> Adafactor::state_specs(const Tensor& p) const {
   const DType dt = p.dtype() == DType::f64 ? DType::f64 : DType::f32;
   std::vector<StateSpec> specs;
   if (const RowShard* rs = row_shard(p)) {
-    // This shard's rows of the row statistics, all of the column statistics.
-    if (factored_dims(rs->global).first >= 0) {
-      specs.push_back({"exp_avg_sq_row", {rs->rows}, dt});
-      specs.push_back({"exp_avg_sq_col", {shard_cols(*rs, p)}, dt});
+    // This shard's rows of the statistic over the columns, its columns of the one over the
+    // rows ("row" and "col" as factored_dims names them: swapped for optax's tall matrices).
+    const auto [r, c] = factored_dims(rs->global);
+    if (r >= 0) {
+      const int64_t per_row = rs->rows, per_col = shard_cols(*rs, p);
+      specs.push_back({"exp_avg_sq_row", {r == 0 ? per_row : per_col}, dt});
+      specs.push_back({"exp_avg_sq_col", {r == 0 ? per_col : per_row}, dt});
     } else {
       specs.push_back({"exp_avg_sq", p.shape(), dt});
     }
@@ -284,9 +295,9 @@ void Adafactor::check_row_shard(const RowShard& rs, const Tensor& p) const {
            rs.rows, rs.cols_sum ? " and some of the columns" : "", p.numel());
   TS_CHECK(rs.global.size() <= 2, "Adafactor: row shards cover 1-D and 2-D parameters, got {}",
            shape_str(rs.global));
-  TS_CHECK(r < 0 || (r == 0 && c == 1),
-           "Adafactor ({}): on row shards a factored parameter must be factored rows then "
-           "columns; shape {} is factored over dims {} and {}", adafactor_mode_name(options_.mode),
+  TS_CHECK(r < 0 || (r == 0 && c == 1) || (r == 1 && c == 0),
+           "Adafactor ({}): on row shards a factored parameter must be 2-D; shape {} is "
+           "factored over dims {} and {}", adafactor_mode_name(options_.mode),
            shape_str(rs.global), r, c);
 }
 
@@ -332,29 +343,43 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
     rs.cols_sum(w_squares);
   }
   // One sum over the other rows' holders: the parameter's squares, then (factored) the
-  // columns' sums of u and the new row statistics' sum.
+  // columns' sums of u and (rows normalised) the new row statistics' sum.
+  // optax factors a taller-than-wide matrix columns first: the statistic over its columns
+  // (one per row, "exp_avg_sq_col" there) is then kept as is, and the one over its rows
+  // ("exp_avg_sq_row", one per column) is the one divided by its mean, which is summed over
+  // the other columns' holders.
+  const bool columns_first = factored && factored_dims(rs.global).first == 1;
+  const std::string per_row = columns_first ? "exp_avg_sq_col" : "exp_avg_sq_row";
+  const std::string per_col = columns_first ? "exp_avg_sq_row" : "exp_avg_sq_col";
   Tensor stats = zeros({factored ? cols + 2 : 1}, DType::f64, param.device());
   stats.narrow(0, 0, 1).copy_(w_squares);
   Tensor rows_new;
   if (factored) {
-    rows_new = blend(st.at("exp_avg_sq_row"), row_means);
+    rows_new = blend(st.at(per_row), row_means);
     stats.narrow(0, 1, cols).copy_(sum(u, {0}));
-    stats.narrow(0, cols + 1, 1).copy_(sum(rows_new).reshape({1}));
+    if (!columns_first) stats.narrow(0, cols + 1, 1).copy_(sum(rows_new).reshape({1}));
   }
   rs.sum(stats);
   const std::vector<double> s = stats.to_vector<double>();
   const double alpha = step_size(lr, t, std::sqrt(s[0] / numel));
   Tensor update;
   if (factored) {
-    st.at("exp_avg_sq_row").copy_(rows_new);
-    const Tensor& col = st.at("exp_avg_sq_col");
+    st.at(per_row).copy_(rows_new);
+    const Tensor& col = st.at(per_col);
     col.copy_(blend(col, cast(stats.narrow(0, 1, cols), dt) / static_cast<double>(M)));
-    const double row_mean = s[cols + 1] / static_cast<double>(M);
-    if (torch) {
-      const Tensor v = unsqueeze(rows_new, 1) * unsqueeze(col, 0) / std::max(row_mean, o.eps1);
-      update = scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1);
+    if (columns_first) {  // (optax: hf's formula, the column statistic normalised)
+      Tensor col_sum = cast(sum(col), DType::f64).reshape({1});
+      if (rs.cols_sum) rs.cols_sum(col_sum);
+      const double col_mean = col_sum.item<double>() / static_cast<double>(N);
+      update = g * unsqueeze(rsqrt(col / col_mean), 0) * unsqueeze(rsqrt(rows_new), 1);
     } else {
-      update = g * unsqueeze(rsqrt(rows_new / row_mean), 1) * unsqueeze(rsqrt(col), 0);
+      const double row_mean = s[cols + 1] / static_cast<double>(M);
+      if (torch) {
+        const Tensor v = unsqueeze(rows_new, 1) * unsqueeze(col, 0) / std::max(row_mean, o.eps1);
+        update = scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1);
+      } else {
+        update = g * unsqueeze(rsqrt(rows_new / row_mean), 1) * unsqueeze(rsqrt(col), 0);
+      }
     }
   } else {
     Tensor& v = st.at("exp_avg_sq");

@@ -26,8 +26,8 @@
 //          0, no debiasing); weight decay adds weight_decay x p to the step (not scaled by lr).
 // A parameter of the f64 model keeps f64 state; any other keeps f32 state and is updated in
 // f32, then rounded to its dtype. Not elementwise: ZeRO's flat shards refuse it, its row
-// shards (ZeroOptions::row_shards) run it for 1-D and 2-D parameters (optax: when it factors
-// the two dims in order, rows then columns).
+// shards (ZeroOptions::row_shards) run it for 1-D and 2-D parameters (and tensor-parallel
+// blocks of them, RowShard::cols_sum), in every mode.
 #pragma once
 
 #include <cstdint>
@@ -68,11 +68,10 @@ class Adafactor : public Optimizer {
   // keeps its columns' statistics, and sums its rows' over the other columns' holders first
   // (one more all-reduce of [rows + 1] values, and one for the update's RMS).
   bool supports_row_shards() const override { return true; }
-  RowShardState row_shard_state(const std::string& name) const override {
-    return name == "exp_avg_sq_row"   ? RowShardState::rows
-           : name == "exp_avg_sq_col" ? RowShardState::whole
-                                      : RowShardState::elements;
-  }
+  // The statistic over the columns (one value per row) is per row, the one over the rows
+  // whole: "exp_avg_sq_row" and "exp_avg_sq_col" respectively, except where optax factors a
+  // taller-than-wide matrix columns first (its "row" statistic is then over the rows).
+  RowShardState row_shard_state(const std::string& name, const Shape& global) const override;
   const AdafactorOptions& options() const { return options_; }
   // The dims a parameter of `shape` is factored over (rows, columns), or {-1, -1} when its
   // second moment is kept whole.

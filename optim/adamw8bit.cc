@@ -28,7 +28,8 @@ AdamW8bitOptions AdamW8bit::checked(AdamW8bitOptions o) {
 
 int64_t AdamW8bit::shard_block() const { return kQuant8Block; }
 
-Optimizer::RowShardState AdamW8bit::row_shard_state(const std::string& name) const {
+Optimizer::RowShardState AdamW8bit::row_shard_state(const std::string& name,
+                                                    const Shape& /*global*/) const {
   return name.ends_with("_absmax") ? RowShardState::rows : RowShardState::elements;
 }
 

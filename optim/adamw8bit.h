@@ -47,7 +47,7 @@ class AdamW8bit : public Optimizer {
   void step() override;
   bool elementwise() const override { return false; }
   int64_t shard_block() const override;
-  RowShardState row_shard_state(const std::string& name) const override;
+  RowShardState row_shard_state(const std::string& name, const Shape& global) const override;
   const AdamW8bitOptions& options() const { return options_; }
   // Whether parameter `param` (one this optimizer steps) holds 8-bit state.
   bool quantized(const Tensor& param) const;

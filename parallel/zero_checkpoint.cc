@@ -102,8 +102,10 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
       }
       // Row shards (one parameter per segment): per-row state gathers by rows, state the
       // same on every shard is the whole tensor's.
-      const auto layout = st.per_param_shards() ? optimizer.row_shard_state(name)
-                                                : optim::Optimizer::RowShardState::elements;
+      const auto layout =
+          st.per_param_shards()
+              ? optimizer.row_shard_state(name, st.row_layout(st.params[seg.params.front()]).global)
+              : optim::Optimizer::RowShardState::elements;
       if (layout == optim::Optimizer::RowShardState::whole) {
         out[fmt::format("state.{}.{}", index_of[seg.params.front()], name)] = v.clone();
         continue;
@@ -195,8 +197,10 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
              with_state, seg.params.size(), seg_order[j]);
     out[fmt::format("state.{}.step", j)] = Tensor::from_vector<int64_t>({step}, {});
     for (const std::string& name : names) {
-      const auto layout = st.per_param_shards() ? optimizer.row_shard_state(name)
-                                                : optim::Optimizer::RowShardState::elements;
+      const auto layout =
+          st.per_param_shards()
+              ? optimizer.row_shard_state(name, st.row_layout(st.params[seg.params.front()]).global)
+              : optim::Optimizer::RowShardState::elements;
       if (layout != optim::Optimizer::RowShardState::elements) {
         // One parameter: its per-row state's block of rows, or the whole state.
         const std::string key = fmt::format("state.{}.{}", index_of[seg.params.front()], name);

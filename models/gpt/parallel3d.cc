@@ -68,6 +68,7 @@ struct Gpt3d::Impl {
   parallel::CommPtr tied;  // first + last stage ranks with our (dp, tp), when they differ
   std::set<std::string> mine;  // parameter paths this rank's stages hold
   std::map<std::string, int> owner;  // parameter path -> the pp rank of its first stage
+  std::map<std::string, Shape> whole;  // parameter path -> the single-device shape
   std::vector<std::string> model_order;   // the single-device optimizer's order (paths)
   std::vector<std::string> holder_order;  // this rank's optimizer's order (paths)
   int64_t run = 0;  // the pipeline run (accumulation step) in progress
@@ -120,6 +121,7 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   }
   std::vector<std::pair<std::string, bool>> model_names, holder_names;
   for (const auto& [name, t] : model.named_parameters()) {
+    s.whole[name] = t.shape();
     model_names.emplace_back(name, t.dim() >= 2);
     if (s.mine.count(name) == 1) holder_names.emplace_back(name, t.dim() >= 2);
   }
@@ -463,8 +465,12 @@ std::vector<Field> fields_from_owner(Gpt3d::Impl& s, const std::string& name,
 
 // Whether optimizer state `field` has the parameter's elements (cut like the parameter by
 // tp), rather than one value per row or block, or the same tensor on every shard.
-bool per_element(const Gpt3d::Impl& s, const std::string& field) {
-  return s.opt->row_shard_state(field) == optim::Optimizer::RowShardState::elements;
+optim::Optimizer::RowShardState state_kind(const Gpt3d::Impl& s, const std::string& name,
+                                           const std::string& field) {
+  return s.opt->row_shard_state(field, s.whole.at(name));
+}
+bool per_element(const Gpt3d::Impl& s, const std::string& name, const std::string& field) {
+  return state_kind(s, name, field) == optim::Optimizer::RowShardState::elements;
 }
 
 // How optimizer state `field` of parameter `name` (held here) lies over tp: the tensor its
@@ -483,7 +489,7 @@ StateBlock state_block(const Gpt3d::Impl& s, const std::string& name, const std:
                        const Tensor& local) {
   const parallel::ShardedTensor& p = s.tp->param(name);
   StateBlock b;
-  if (per_element(s, field)) {
+  if (per_element(s, name, field)) {
     b.global = p.shape();
     b.placements = p.placements();
   } else if (s.o.tp == 1) {
@@ -507,7 +513,7 @@ StateBlock state_block(const Gpt3d::Impl& s, const std::string& name, const std:
   } else {
     const parallel::Placement& on_tp = p.placements()[0];
     const int64_t last = static_cast<int64_t>(p.shape().size()) - 1;
-    const bool rows = s.opt->row_shard_state(field) == optim::Optimizer::RowShardState::rows;
+    const bool rows = state_kind(s, name, field) == optim::Optimizer::RowShardState::rows;
     if (rows) {
       b.global = Shape(p.shape().begin(), p.shape().end() - 1);
       b.placements = {on_tp.is_shard(last) ? parallel::Replicate() : on_tp};
@@ -588,7 +594,7 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> Gpt3d::state_dicts() {
     }
     for (const Field& f : fields_from_owner(s, name, held)) {
       const Tensor local = here ? mine.at(from + f.name) : Tensor();
-      if (per_element(s, f.name)) {
+      if (per_element(s, name, f.name)) {
         out[fmt::format("state.{}.{}", i, f.name)] =
             gather_full(s, name, local, param.shape(), f.dtype);
         continue;
@@ -602,7 +608,7 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> Gpt3d::state_dicts() {
       // On tp shards: 8-bit AdamW's scales [blocks]; Adafactor's rows' statistics [M], its
       // columns' [N] of the single device's M x N parameter; gathered over tp on the owner,
       // then broadcast over pp.
-      const bool rows = s.opt->row_shard_state(f.name) == optim::Optimizer::RowShardState::rows;
+      const bool rows = state_kind(s, name, f.name) == optim::Optimizer::RowShardState::rows;
       const int64_t block = s.opt->shard_block();
       Tensor t = zeros({block > 0 ? (param.numel() + block - 1) / block
                         : rows    ? param.size(0)
@@ -741,13 +747,13 @@ void Gpt3d::read_blocks(const BlockSource& source) {
     for (const std::string& key : source.keys(prefix)) {
       const std::string field = key.substr(prefix.size());
       Tensor& t = mine[fmt::format("state.{}.{}", k, field)];
-      if (field == "step" || (!per_element(s, field) && s.o.tp == 1)) {
+      if (field == "step" || (!per_element(s, name, field) && s.o.tp == 1)) {
         t = source.whole(key);  // (with tp 1, per-block or per-row state is whole)
         continue;
       }
       const StateBlock sb = state_block(s, name, field, Tensor());
       t = source.region(key, sb.global, sb.block.starts, sb.block.shape);
-      if (!per_element(s, field)) t = t.reshape({t.numel()});  // (statistics are 1-D)
+      if (!per_element(s, name, field)) t = t.reshape({t.numel()});  // (statistics are 1-D)
     }
   }
   s.zero->load_optimizer_state_dict(*s.opt, mine);
