@@ -214,7 +214,8 @@ void Adafactor::update(const ParamGroup& group, const Pending& item) {
   const auto rms = [&](const Tensor& x) { return std::sqrt(sum(x * x).item<double>() / numel); };
   const double lr = group.lr, wd = group.weight_decay;
 
-  const double alpha = step_size(lr, t, rms(w));
+  // (The parameter's RMS only where the step size uses it: two passes saved otherwise.)
+  const double alpha = step_size(lr, t, uses_param_rms() ? rms(w) : 0.0);
   const double beta2t = 1.0 - std::pow(t, -o.decay_rate);
   const bool torch = o.mode == AdafactorMode::torch;
   const auto decay = [&](const std::string& name, const Tensor& x) {
@@ -247,6 +248,10 @@ void Adafactor::update(const ParamGroup& group, const Pending& item) {
   const double denom = std::max(1.0, rms(update) / o.clip_threshold);
   param.copy_(next_param(w, update, alpha, denom, lr, wd, st));  // (rounded to its dtype)
   ++item.state->step;
+}
+
+bool Adafactor::uses_param_rms() const {
+  return options_.mode == AdafactorMode::torch || options_.scale_parameter;
 }
 
 double Adafactor::step_size(double lr, double t, double rms_param) const {
@@ -327,7 +332,9 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
   const Tensor u = torch ? g * g : g * g + o.eps1;
   // The rows' means of u: this shard's columns' sums, plus the other columns' (cols_sum,
   // one all-reduce of [rows + 1] values with the parameter's squares).
-  Tensor w_squares = sum(w * w).reshape({1});
+  // (Zero where the step size does not use the parameter's RMS: two passes saved.)
+  Tensor w_squares = uses_param_rms() ? sum(w * w).reshape({1})
+                                      : zeros({1}, dt, param.device());
   Tensor row_means;
   if (factored && rs.cols_sum) {
     Tensor part = zeros({rs.rows + 1}, DType::f64, param.device());

@@ -87,7 +87,9 @@ class Adafactor : public Optimizer {
   void update(const ParamGroup& group, const Pending& item);
   void update_rows(const ParamGroup& group, const Pending& item, const RowShard& shard);
   void check_row_shard(const RowShard& shard, const Tensor& param) const;
-  // The step size and the final update, shared by whole tensors and row shards.
+  // The step size and the final update, shared by whole tensors and row shards. rms_param
+  // is read only when uses_param_rms() (torch, or scale_parameter).
+  bool uses_param_rms() const;
   double step_size(double lr, double t, double rms_param) const;
   Tensor next_param(const Tensor& w, Tensor update, double alpha, double denom, double lr,
                     double wd, std::map<std::string, Tensor>& state) const;

@@ -52,12 +52,14 @@ int main(int argc, char** argv) {
     double bytes_per_element;
     std::vector<double> ms;
   };
-  // Adafactor (hf, no first moment) on the same elements as a [numel / 1024, 1024] matrix:
+  // Adafactor (hf, no first moment, the step not scaled by the parameter's RMS, as gpt's
+  // flags default) on the same elements as a [numel / 1024, 1024] matrix:
   // written with ops, each a pass over the tensor; its bytes counted as the minimum a fused
   // step would move (param and grad read, param written: 12).
   const Tensor af_p = randn({numel / 1024, 1024}), af_g = randn({numel / 1024, 1024}) * 1e-2;
   optim::Adafactor adafactor(std::vector<Tensor>{af_p},
-                             {.mode = optim::AdafactorMode::hf, .lr = 1e-3, .relative_step = false});
+                             {.mode = optim::AdafactorMode::hf, .lr = 1e-3, .relative_step = false,
+                              .scale_parameter = false});  // (gpt's default)
   std::vector<Row> rows = {{"adamw_ (f32 moments)", 28.0, {}},
                            {"adamw8bit_ (8-bit moments)", 16.0 + 16.0 / kQuant8Block, {}},
                            {"Adafactor step (ops)", 12.0, {}},
