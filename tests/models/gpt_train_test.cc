@@ -957,7 +957,6 @@ TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data paralle
       }
     }
   }
-  GptTrainConfig c = tiny();
   // Its checkpoints gather the rows' statistics and keep the columns': saved under ZeRO 2 on
   // two ranks, resumed under ZeRO 3 on four and on one rank, the next losses are the
   // uninterrupted run's (the same 1% bound as above, for the same reason).
@@ -982,7 +981,7 @@ TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data paralle
       CHECK(std::abs(rest.losses.back() - straight.losses.back()) <= 0.01 * straight.losses.back());
     }
   }
-  c = tiny();
+  GptTrainConfig c = tiny();
   c.optimizer = "lamb";
   CHECK(contains(error_of([&] { train_gpt(c); }), "gpt: --optimizer must be adamw, adamw8bit, adafactor or sgd, got 'lamb'"));
   c = tiny();
