@@ -224,9 +224,14 @@ void Adafactor::update(const ParamGroup& group, const Pending& item) {
     return v;
   };
 
+  const auto [r, c] = factored_dims(param.shape());
+  const int64_t n = static_cast<int64_t>(param.shape().size());
+  if (r == n - 2 && c == n - 1 && fusable(param) && (!torch || numel_of(param.shape()) ==
+                                                     param.size(-2) * param.size(-1))) {
+    return update_fused(group, item, alpha, beta2t);
+  }
   // The second-moment estimate and the preconditioned update.
   const Tensor u = torch ? g * g : g * g + o.eps1;
-  const auto [r, c] = factored_dims(param.shape());
   Tensor update;
   if (r >= 0) {
     const Tensor row = decay("exp_avg_sq_row", mean(u, {c}));
@@ -252,6 +257,68 @@ void Adafactor::update(const ParamGroup& group, const Pending& item) {
 
 bool Adafactor::uses_param_rms() const {
   return options_.mode == AdafactorMode::torch || options_.scale_parameter;
+}
+
+bool Adafactor::fusable(const Tensor& param) const {
+  // The fused passes (adafactor_stats_, adafactor_norm_, adafactor_apply_) take f32 and f64
+  // matrices in place; a 16-bit parameter is updated in f32 by ops and rounded once. On the
+  // CPU only for now: the CUDA kernels are built but have not run on a GPU yet, so a CUDA
+  // parameter keeps the ops (run on any device).
+  return options_.fused && (param.dtype() == DType::f32 || param.dtype() == DType::f64) &&
+         param.is_contiguous() && param.device().is_cpu();
+}
+
+std::pair<double, double> Adafactor::final_form(double alpha, double lr, double wd) const {
+  switch (options_.mode) {
+    case AdafactorMode::hf: return {wd > 0 ? wd * alpha : 0.0, 0};
+    case AdafactorMode::torch: return {wd > 0 ? lr * wd : 0.0, 1};
+    case AdafactorMode::optax: return {wd > 0 ? wd : 0.0, 2};
+  }
+  return {0.0, 0};
+}
+
+void Adafactor::update_fused(const ParamGroup& group, const Pending& item, double alpha,
+                             double beta2t) {
+  // A factored matrix (or batch of them) over its last two dims: the same steps as update()
+  // in three passes over it (tensor/ops.h), the small vectors with ops.
+  const AdafactorOptions& o = options_;
+  const Tensor& param = item.param;
+  std::map<std::string, Tensor>& st = item.state->tensors;
+  const DType dt = param.dtype();
+  const bool torch = o.mode == AdafactorMode::torch;
+  const int64_t M = param.size(-2), N = param.size(-1), B = param.numel() / std::max<int64_t>(M * N, 1);
+  const Tensor g = item.grad.contiguous().reshape({B, M, N});
+  const Tensor sums = Tensor::empty({B, M + N}, dt, param.device());
+  adafactor_stats_(g, sums, torch ? 0.0 : o.eps1);
+  Tensor& row = st.at("exp_avg_sq_row");
+  Tensor& col = st.at("exp_avg_sq_col");
+  const Tensor row2 = row.reshape({B, M}), col2 = col.reshape({B, N});
+  row2.copy_(decayed(torch, row2, sums.narrow(1, 0, M) / static_cast<double>(N), beta2t));
+  col2.copy_(decayed(torch, col2, sums.narrow(1, M, N) / static_cast<double>(M), beta2t));
+  const Tensor row_mean = mean(row2, {1}, /*keepdim=*/true);
+  Tensor a, b;
+  bool product = true;
+  double divisor = 1.0, floor = 0.0;
+  if (torch) {  // (one matrix: the divisor is a scalar)
+    a = row2;
+    b = col2;
+    product = false;
+    divisor = std::max(row_mean.item<double>(), o.eps1);
+    floor = o.eps1 * o.eps1;
+  } else {
+    a = rsqrt(row2 / row_mean).contiguous();
+    b = rsqrt(col2).contiguous();
+  }
+  Tensor squares = zeros({1}, DType::f64, param.device());
+  adafactor_norm_(g, a, b, squares, product, divisor, floor);
+  const double numel = static_cast<double>(std::max<int64_t>(param.numel(), 1));
+  const double denom = std::max(1.0, std::sqrt(squares.item<double>() / numel) / o.clip_threshold);
+  const auto [c, form] = final_form(alpha, group.lr, group.weight_decay);
+  const auto m = st.find("exp_avg");
+  adafactor_apply_(param.reshape({B, M, N}), g, a, b,
+                   m == st.end() ? Tensor() : m->second.reshape({B, M, N}), product, divisor,
+                   floor, alpha / denom, o.beta1, c, static_cast<int64_t>(form));
+  ++item.state->step;
 }
 
 double Adafactor::step_size(double lr, double t, double rms_param) const {
@@ -329,7 +396,19 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
     if (rs.cols_sum) rs.cols_sum(x);
     rs.sum(x);
   };
-  const Tensor u = torch ? g * g : g * g + o.eps1;
+  // A factored f32/f64 shard takes the fused passes (tensor/ops.h): the sums of u along its
+  // rows and down its columns in one pass, then the update's squares, then the write.
+  const bool fused = factored && fusable(param);
+  const Tensor g3 = fused ? item.grad.contiguous().reshape({1, rs.rows, cols}) : Tensor();
+  Tensor sums;
+  if (fused) {
+    sums = Tensor::empty({1, rs.rows + cols}, dt, param.device());
+    adafactor_stats_(g3, sums, torch ? 0.0 : o.eps1);
+    sums = sums.reshape({rs.rows + cols});
+  }
+  const Tensor u = fused ? Tensor() : torch ? g * g : g * g + o.eps1;
+  const auto row_sums = [&] { return fused ? sums.narrow(0, 0, rs.rows) : sum(u, {1}); };
+  const auto col_sums = [&] { return fused ? sums.narrow(0, rs.rows, cols) : sum(u, {0}); };
   // The rows' means of u: this shard's columns' sums, plus the other columns' (cols_sum,
   // one all-reduce of [rows + 1] values with the parameter's squares).
   // (Zero where the step size does not use the parameter's RMS: two passes saved.)
@@ -338,13 +417,13 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
   Tensor row_means;
   if (factored && rs.cols_sum) {
     Tensor part = zeros({rs.rows + 1}, DType::f64, param.device());
-    part.narrow(0, 0, rs.rows).copy_(sum(u, {1}));
+    part.narrow(0, 0, rs.rows).copy_(row_sums());
     part.narrow(0, rs.rows, 1).copy_(w_squares);
     rs.cols_sum(part);
     row_means = cast(part.narrow(0, 0, rs.rows), dt) / static_cast<double>(N);
     w_squares = part.narrow(0, rs.rows, 1);
   } else if (factored) {
-    row_means = mean(u, {1});
+    row_means = fused ? row_sums() / static_cast<double>(N) : mean(u, {1});
   } else if (rs.cols_sum) {  // (a matrix kept whole: optax below its factoring size)
     w_squares = cast(w_squares, DType::f64);
     rs.cols_sum(w_squares);
@@ -363,13 +442,18 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
   Tensor rows_new;
   if (factored) {
     rows_new = blend(st.at(per_row), row_means);
-    stats.narrow(0, 1, cols).copy_(sum(u, {0}));
+    stats.narrow(0, 1, cols).copy_(col_sums());
     if (!columns_first) stats.narrow(0, cols + 1, 1).copy_(sum(rows_new).reshape({1}));
   }
   rs.sum(stats);
   const std::vector<double> s = stats.to_vector<double>();
   const double alpha = step_size(lr, t, std::sqrt(s[0] / numel));
   Tensor update;
+  // The fused form: the update of element (i, j) from a row factor a_i and a column factor
+  // b_j (tensor/ops.h), never materialised.
+  Tensor fa, fb;
+  bool product = true;
+  double divisor = 1.0, floor = 0.0;
   if (factored) {
     st.at(per_row).copy_(rows_new);
     const Tensor& col = st.at(per_col);
@@ -378,14 +462,25 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
       Tensor col_sum = cast(sum(col), DType::f64).reshape({1});
       if (rs.cols_sum) rs.cols_sum(col_sum);
       const double col_mean = col_sum.item<double>() / static_cast<double>(N);
-      update = g * unsqueeze(rsqrt(col / col_mean), 0) * unsqueeze(rsqrt(rows_new), 1);
+      fa = rsqrt(rows_new);
+      fb = rsqrt(col / col_mean);
+      if (!fused) update = g * unsqueeze(fb, 0) * unsqueeze(fa, 1);
     } else {
       const double row_mean = s[cols + 1] / static_cast<double>(M);
       if (torch) {
-        const Tensor v = unsqueeze(rows_new, 1) * unsqueeze(col, 0) / std::max(row_mean, o.eps1);
-        update = scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1);
+        fa = rows_new;
+        fb = col;
+        product = false;
+        divisor = std::max(row_mean, o.eps1);
+        floor = o.eps1 * o.eps1;
+        if (!fused) {
+          const Tensor v = unsqueeze(rows_new, 1) * unsqueeze(col, 0) / divisor;
+          update = scaled_by_floored_rsqrt(g, v, floor);
+        }
       } else {
-        update = g * unsqueeze(rsqrt(rows_new / row_mean), 1) * unsqueeze(rsqrt(col), 0);
+        fa = rsqrt(rows_new / row_mean);
+        fb = rsqrt(col);
+        if (!fused) update = g * unsqueeze(fa, 1) * unsqueeze(fb, 0);
       }
     }
   } else {
@@ -394,10 +489,26 @@ void Adafactor::update_rows(const ParamGroup& group, const Pending& item, const 
     update = torch ? scaled_by_floored_rsqrt(g, v, o.eps1 * o.eps1)
                    : g * rsqrt(v);
   }
-  Tensor squares = sum(update * update).reshape({1});
-  squares = cast(squares, DType::f64);
+  Tensor squares;
+  if (fused) {
+    fa = fa.contiguous().reshape({1, rs.rows});
+    fb = fb.contiguous().reshape({1, cols});
+    squares = zeros({1}, DType::f64, param.device());
+    adafactor_norm_(g3, fa, fb, squares, product, divisor, floor);
+  } else {
+    squares = cast(sum(update * update).reshape({1}), DType::f64);
+  }
   sum_all(squares);
   const double denom = std::max(1.0, std::sqrt(squares.item<double>() / numel) / o.clip_threshold);
+  if (fused) {
+    const auto [c, form] = final_form(alpha, lr, group.weight_decay);
+    const auto m = st.find("exp_avg");  // (the shard's flat shape)
+    adafactor_apply_(param.reshape({1, rs.rows, cols}), g3, fa, fb,
+                     m == st.end() ? Tensor() : m->second.reshape({1, rs.rows, cols}), product,
+                     divisor, floor, alpha / denom, o.beta1, c, static_cast<int64_t>(form));
+    ++item.state->step;
+    return;
+  }
   // (The first moment has the shard's flat shape.)
   param.copy_(next_param(w.reshape(param.shape()), update.reshape(param.shape()), alpha, denom,
                          lr, group.weight_decay, st));

@@ -255,6 +255,11 @@ TS_REGISTER_SHARDING_RULE(split, {.composite = true});
 TS_REGISTER_SHARDING_RULE(copy_, {.options = copy_options});
 TS_REGISTER_SHARDING_RULE(adamw_, {.options = like_param});
 TS_REGISTER_SHARDING_RULE(adamw8bit_, {.options = replicated_update});
+// Adafactor's passes sum whole rows and columns: on whole tensors (ZeRO and tp hand the
+// optimizer row shards and sum the statistics themselves, optim::RowShard).
+TS_REGISTER_SHARDING_RULE(adafactor_stats_, {.options = replicated_update});
+TS_REGISTER_SHARDING_RULE(adafactor_norm_, {.options = replicated_update});
+TS_REGISTER_SHARDING_RULE(adafactor_apply_, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(sgd_, {.options = like_param});
 
 TS_REGISTER_SHARDING_RULE(view, {.options = view_options});

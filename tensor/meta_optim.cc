@@ -176,7 +176,91 @@ std::vector<TensorSpec> sgd_meta(std::span<const TensorSpec> in, const Attrs& a)
   return {};
 }
 
+// Adafactor's passes (tensor/ops.h): grad [B, M, N] f32/f64; a [B, M], b [B, N] and (apply)
+// param and exp_avg in its dtype; everything on grad's device.
+void check_adafactor_matrix(OpId op, const TensorSpec& grad, const char* what) {
+  TS_CHECK(grad.defined, "{}: {} is an undefined tensor", name_of(op), what);
+  TS_CHECK(grad.dtype == DType::f32 || grad.dtype == DType::f64,
+           "{}: {} must be f32 or f64 (the optimizer casts other dtypes), got {} {}", name_of(op),
+           what, grad.dtype, shape_str(grad.shape));
+  TS_CHECK(grad.shape.size() == 3, "{}: {} must be [matrices, rows, columns], got {}", name_of(op),
+           what, shape_str(grad.shape));
+}
+void check_like(OpId op, const TensorSpec& grad, const TensorSpec& t, const Shape& shape,
+                const char* what) {
+  TS_CHECK(t.defined, "{}: {} is an undefined tensor", name_of(op), what);
+  TS_CHECK(t.dtype == grad.dtype && t.shape == shape,
+           "{}: {} must be {} {} for grad {}, got {} {}", name_of(op), what, grad.dtype,
+           shape_str(shape), shape_str(grad.shape), t.dtype, shape_str(t.shape));
+  TS_CHECK(t.device == grad.device, "{}: {} is on {} but grad is on {}", name_of(op), what,
+           t.device, grad.device);
+}
+// The row and column factors (a, b) of grad g, and the update's form.
+void check_factors(OpId op, const TensorSpec& g, const TensorSpec& row, const TensorSpec& col,
+                   const Attrs& a) {
+  const Shape& s = g.shape;
+  check_like(op, g, row, {s[0], s[1]}, "a (the row factors)");
+  check_like(op, g, col, {s[0], s[2]}, "b (the column factors)");
+  TS_CHECK(a.k == 0 || a.k == 1, "{}: k (1: the product form, 0: the floored one) must be 0 or "
+           "1, got {}", name_of(op), a.k);
+  check_finite(op, a.eps, "floor");
+  TS_CHECK(a.k == 1 || (std::isfinite(a.value) && a.value > 0),
+           "{}: the floored form's divisor must be finite and > 0, got {}", name_of(op), a.value);
+}
+
+// Inputs: grad [B, M, N], out [B, M + N].
+std::vector<TensorSpec> adafactor_stats_meta(std::span<const TensorSpec> in, const Attrs& a) {
+  constexpr OpId op = OpId::adafactor_stats_;
+  TS_CHECK(in.size() == 2, "adafactor_stats_: expected 2 inputs (grad, out), got {}", in.size());
+  check_adafactor_matrix(op, in[0], "grad");
+  const Shape& s = in[0].shape;
+  check_like(op, in[0], in[1], {s[0], s[1] + s[2]}, "out");
+  check_finite(op, a.eps, "eps");
+  return {};
+}
+
+// Inputs: grad [B, M, N], a [B, M], b [B, N], out [1] f64.
+std::vector<TensorSpec> adafactor_norm_meta(std::span<const TensorSpec> in, const Attrs& a) {
+  constexpr OpId op = OpId::adafactor_norm_;
+  TS_CHECK(in.size() == 4, "adafactor_norm_: expected 4 inputs (grad, a, b, out), got {}",
+           in.size());
+  check_adafactor_matrix(op, in[0], "grad");
+  check_factors(op, in[0], in[1], in[2], a);
+  const TensorSpec& out = in[3];
+  TS_CHECK(out.defined && out.dtype == DType::f64 && out.shape == Shape{1},
+           "adafactor_norm_: out must be f64 [1], got {} {}", out.dtype, shape_str(out.shape));
+  TS_CHECK(out.device == in[0].device, "adafactor_norm_: out is on {} but grad is on {}",
+           out.device, in[0].device);
+  return {};
+}
+
+// Inputs: param [B, M, N], grad, a [B, M], b [B, N], exp_avg (undefined iff beta1 == 0).
+std::vector<TensorSpec> adafactor_apply_meta(std::span<const TensorSpec> in, const Attrs& a) {
+  constexpr OpId op = OpId::adafactor_apply_;
+  TS_CHECK(in.size() == 4 || in.size() == 5,
+           "adafactor_apply_: expected 4 or 5 inputs (param, grad, a, b[, exp_avg]), got {}",
+           in.size());
+  check_adafactor_matrix(op, in[1], "grad");
+  check_like(op, in[1], in[0], in[1].shape, "param");
+  check_factors(op, in[1], in[2], in[3], a);
+  const bool moment = in.size() == 5 && in[4].defined;
+  TS_CHECK(moment == (a.beta1 > 0),
+           "adafactor_apply_: beta1 {} {} an exp_avg, but it is {}", a.beta1,
+           a.beta1 > 0 ? "needs" : "takes no", moment ? "defined" : "undefined");
+  if (moment) check_like(op, in[1], in[4], in[1].shape, "exp_avg");
+  TS_CHECK(a.beta1 >= 0 && a.beta1 < 1, "adafactor_apply_: beta1 must be in [0, 1), got {}",
+           a.beta1);
+  TS_CHECK(a.dim >= 0 && a.dim <= 2, "adafactor_apply_: form must be 0 (hf), 1 (torch) or 2 "
+           "(optax), got {}", a.dim);
+  check_finite(op, a.scale, "scale");
+  check_finite(op, a.weight_decay, "c");
+  return {};
+}
+
 TS_REGISTER_META(adamw_, adamw_meta);
+TS_REGISTER_META(adafactor_stats_, adafactor_stats_meta);
+TS_REGISTER_META(adafactor_norm_, adafactor_norm_meta);
+TS_REGISTER_META(adafactor_apply_, adafactor_apply_meta);
 TS_REGISTER_META(adamw8bit_, adamw8bit_meta);
 TS_REGISTER_META(sgd_, sgd_meta);
 

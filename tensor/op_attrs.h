@@ -164,6 +164,21 @@ inline Attrs adamw(int64_t step, double lr, double beta1, double beta2, double e
   a.weight_decay = weight_decay;
   return a;
 }
+// adafactor_norm_ / adafactor_apply_ (tensor/ops.h): the update's form (product: (g a) b;
+// else g rsqrt(max((a b) / divisor, floor))), and for apply the scale, the first moment's
+// beta1 (0: none), the weight decay coefficient c and the final form (0 hf, 1 torch, 2 optax).
+inline Attrs adafactor(bool product, double divisor, double floor, double scale = 1.0,
+                       double beta1 = 0.0, double c = 0.0, int64_t form = 0) {
+  Attrs a;
+  a.k = product ? 1 : 0;
+  a.value = divisor;
+  a.eps = floor;
+  a.scale = scale;
+  a.beta1 = beta1;
+  a.weight_decay = c;
+  a.dim = form;
+  return a;
+}
 inline Attrs sgd(int64_t step, double lr, double momentum, double dampening, double weight_decay,
                  bool nesterov) {
   Attrs a;

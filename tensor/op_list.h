@@ -118,6 +118,9 @@
   X(adamw_, Compute, NoDiff, InplaceUpdate, None)                 \
   X(adamw8bit_, Compute, NoDiff, InplaceUpdate, None)             \
   X(sgd_, Compute, NoDiff, InplaceUpdate, None)                   \
+  X(adafactor_stats_, Compute, NoDiff, InplaceUpdate, None)       \
+  X(adafactor_norm_, Compute, NoDiff, InplaceUpdate, None)        \
+  X(adafactor_apply_, Compute, NoDiff, InplaceUpdate, None)       \
   /* views */                                                     \
   X(view, View, Diff, View, None)                                 \
   X(permute, View, Diff, View, None)                              \

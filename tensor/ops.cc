@@ -263,6 +263,25 @@ void adamw8bit_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay), {0, 2, 3, 4, 5, 6});
 }
 
+void adafactor_stats_(const Tensor& grad, const Tensor& out, double eps) {
+  Attrs a;
+  a.eps = eps;
+  call_inplace(OpId::adafactor_stats_, {grad, out}, a, {1});
+}
+
+void adafactor_norm_(const Tensor& grad, const Tensor& a, const Tensor& b, const Tensor& out,
+                     bool product, double divisor, double floor) {
+  call_inplace(OpId::adafactor_norm_, {grad, a, b, out},
+               op_attrs::adafactor(product, divisor, floor), {3});
+}
+
+void adafactor_apply_(const Tensor& param, const Tensor& grad, const Tensor& a, const Tensor& b,
+                      const Tensor& exp_avg, bool product, double divisor, double floor,
+                      double scale, double beta1, double c, int64_t form) {
+  call_inplace(OpId::adafactor_apply_, {param, grad, a, b, exp_avg},
+               op_attrs::adafactor(product, divisor, floor, scale, beta1, c, form), {0, 4});
+}
+
 void sgd_(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer, int64_t step,
           double lr, double momentum, double dampening, double weight_decay, bool nesterov,
           const Tensor& master) {

@@ -166,6 +166,28 @@ void sgd_(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer
           double lr, double momentum, double dampening, double weight_decay, bool nesterov,
           const Tensor& master = Tensor());
 
+// Adafactor's three passes over factored matrices (optim/adafactor.h), fused: grad and param
+// [B, M, N] (B matrices of M rows and N columns; f32 or f64, contiguous), the row factors a
+// [B, M] and the column factors b [B, N] in their dtype, on their device.
+//   adafactor_stats_: out [B, M + N] (their dtype) = the sums of grad^2 + eps along each row
+//     (the first M) and down each column (the last N), accumulated in f64, rounded once.
+//   The update of element (i, j) of matrix k: u = product ? (g * a_i) * b_j
+//                                               : g * rsqrt(max((a_i * b_j) / divisor, floor))
+//   adafactor_norm_: out [1] f64 = the sum of u^2, accumulated in f64.
+//   adafactor_apply_: u *= scale; with exp_avg (beta1 > 0, param's shape):
+//     exp_avg = exp_avg * beta1 + u * (1 - beta1), u = exp_avg; then, c the decay coefficient:
+//       form 0 (hf):    param = (c > 0 ? param - param * c : param) - u
+//       form 1 (torch): param = (c > 0 ? param * (1 - c) : param) - u
+//       form 2 (optax): param = c > 0 ? param - (u + param * c) : param - u
+// Each operation rounds once in the dtype (the scalars rounded to it first), as the same
+// steps written with ops would.
+void adafactor_stats_(const Tensor& grad, const Tensor& out, double eps);
+void adafactor_norm_(const Tensor& grad, const Tensor& a, const Tensor& b, const Tensor& out,
+                     bool product, double divisor, double floor);
+void adafactor_apply_(const Tensor& param, const Tensor& grad, const Tensor& a, const Tensor& b,
+                      const Tensor& exp_avg, bool product, double divisor, double floor,
+                      double scale, double beta1, double c, int64_t form);
+
 // ---- views -------------------------------------------------------------------------------
 Tensor view(const Tensor& x, const Shape& shape);      // one dim may be -1
 Tensor reshape(const Tensor& x, const Shape& shape);   // view when possible, else a copy

@@ -1,8 +1,8 @@
 // The fused optimizer updates' throughput on the CPU: adamw_ (f32 moments) and adamw8bit_
-// (8-bit moments, tensor/quant8.h) over the same f32 parameter, Adafactor's step (written
-// with ops) on as many elements, beside a plain copy of the same bytes (the machine's memory
-// bandwidth, the ceiling for an update). Rounds alternate the four; each figure is the
-// median over the rounds of each round's median time.
+// (8-bit moments, tensor/quant8.h) over the same f32 parameter, Adafactor's step on as many
+// elements (its three fused passes, and written with ops), beside a plain copy of the same
+// bytes (the machine's memory bandwidth, the ceiling for an update). Rounds alternate the
+// five; each figure is the median over the rounds of each round's median time.
 //
 //   bazel run -c opt //tools/bench:optim_bench -- --numel 16777216 --threads 2 --rounds 5
 //
@@ -56,12 +56,18 @@ int main(int argc, char** argv) {
   // flags default) on the same elements as a [numel / 1024, 1024] matrix:
   // written with ops, each a pass over the tensor; its bytes counted as the minimum a fused
   // step would move (param and grad read, param written: 12).
+  // The fused passes and, beside them, the same step written with ops (fused = false).
   const Tensor af_p = randn({numel / 1024, 1024}), af_g = randn({numel / 1024, 1024}) * 1e-2;
-  optim::Adafactor adafactor(std::vector<Tensor>{af_p},
-                             {.mode = optim::AdafactorMode::hf, .lr = 1e-3, .relative_step = false,
-                              .scale_parameter = false});  // (gpt's default)
+  const Tensor af_q = af_p.clone();
+  optim::AdafactorOptions af_options{.mode = optim::AdafactorMode::hf, .lr = 1e-3,
+                                     .relative_step = false,
+                                     .scale_parameter = false};  // (gpt's default)
+  optim::Adafactor adafactor(std::vector<Tensor>{af_p}, af_options);
+  af_options.fused = false;
+  optim::Adafactor adafactor_ops(std::vector<Tensor>{af_q}, af_options);
   std::vector<Row> rows = {{"adamw_ (f32 moments)", 28.0, {}},
                            {"adamw8bit_ (8-bit moments)", 16.0 + 16.0 / kQuant8Block, {}},
+                           {"Adafactor step (fused)", 12.0, {}},
                            {"Adafactor step (ops)", 12.0, {}},
                            {"copy (f32)", 8.0, {}}};
   for (int64_t r = 0; r < rounds; ++r) {
@@ -75,7 +81,11 @@ int main(int argc, char** argv) {
       af_p.set_grad(af_g);
       adafactor.step();
     }));
-    rows[3].ms.push_back(bench::median_ms(timing, [&] { dst.copy_(src); }));
+    rows[3].ms.push_back(bench::median_ms(timing, [&] {
+      af_q.set_grad(af_g);
+      adafactor_ops.step();
+    }));
+    rows[4].ms.push_back(bench::median_ms(timing, [&] { dst.copy_(src); }));
   }
   std::printf("%lld f32 elements, %lld threads, median of %lld rounds x %lld reps\n",
               static_cast<long long>(numel), static_cast<long long>(threads),
