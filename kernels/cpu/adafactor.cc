@@ -16,8 +16,14 @@
 namespace tessera::cpu {
 namespace {
 
-// Rows per chunk of work: about this many elements each.
+// Rows per chunk of work: about this many elements each. The sums' chunks are set by the
+// shape alone (as kernels/cpu/reduce.cc's), so their results are bitwise the same however
+// many threads run them.
 constexpr int64_t kGrainElements = 1 << 15;
+constexpr int64_t kSumChunkElements = 1 << 18;
+int64_t rows_per_sum_chunk(int64_t N) {
+  return std::max<int64_t>(1, kSumChunkElements / std::max<int64_t>(N, 1));
+}
 // Independent f64 partial sums along a row, so that the loop vectorises (each lane's sum is
 // in order; the lanes are added in order at the end).
 constexpr int kLanes = 8;
@@ -41,13 +47,10 @@ void stats(const Tensor& grad, const Tensor& out, double eps) {
   const S* g = static_cast<const S*>(grad.raw_data());
   S* o = static_cast<S*>(out.raw_data());
   const S e = S(eps);
-  // Each matrix in chunks of whole rows, each chunk with its own column partial sums, added
-  // in chunk order afterwards: the result depends on the chunking, which depends only on the
-  // shape and the thread count.
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(N, 1));
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min<int64_t>(num_threads(), (M + grain - 1) / grain));  // per matrix
-  const int64_t per = (M + chunks - 1) / chunks;
+  // Each matrix in chunks of whole rows (set by the shape), each chunk with its own column
+  // partial sums, added in chunk order afterwards.
+  const int64_t per = rows_per_sum_chunk(N);
+  const int64_t chunks = std::max<int64_t>(1, (M + per - 1) / per);  // per matrix
   std::vector<double> partial(static_cast<size_t>(B * chunks * N), 0.0);
   parallel_for(0, B * chunks, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
@@ -103,9 +106,9 @@ void norm(const Tensor& grad, const Tensor& ra, const Tensor& rb, const Tensor& 
   const S* a = static_cast<const S*>(ra.raw_data());
   const S* b = static_cast<const S*>(rb.raw_data());
   const Update<S, kProduct> u{S(at.value), S(at.eps)};
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(N, 1));
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(num_threads(), (rows + grain - 1) / grain));
-  const int64_t per = (rows + chunks - 1) / chunks;
+  // Chunks of whole rows set by the shape, their sums added in chunk order.
+  const int64_t per = rows_per_sum_chunk(N);
+  const int64_t chunks = std::max<int64_t>(1, (rows + per - 1) / per);
   std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
   parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {

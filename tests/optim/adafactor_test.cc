@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/parallel.h"
 #include "optim/adafactor.h"
 #include "tensor/ops.h"
 #include "tensor/random.h"
@@ -294,6 +295,27 @@ TEST_CASE("Adafactor's fused passes give the ops' update (f32 and f64)") {
     }
   }
   CHECK(runs == 6);
+}
+
+TEST_CASE("Adafactor's fused passes give the same bits on 1 and 2 threads") {
+  // A [600, 512] matrix: its sums run in two chunks of rows (set by the shape), merged in
+  // order, however many threads run them.
+  std::vector<std::vector<double>> out;
+  const int saved = cpu::num_threads();
+  for (int threads : {1, 2}) {
+    cpu::set_num_threads(threads);
+    manual_seed(9);
+    Tensor p = randn({600, 512});
+    Adafactor opt({p}, {.mode = AdafactorMode::hf, .lr = 1e-2, .relative_step = false,
+                        .beta1 = 0.9, .weight_decay = 0.1});
+    for (int step = 0; step < 3; ++step) {
+      p.set_grad(randn({600, 512}) * 0.1);
+      opt.step();
+    }
+    out.push_back(p.to_vector<double>());
+  }
+  cpu::set_num_threads(saved);
+  CHECK(out[0] == out[1]);
 }
 
 TEST_CASE("Adafactor: the factored state's size, a bitwise resume, and errors") {
