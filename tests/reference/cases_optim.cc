@@ -423,6 +423,11 @@ OpSweep sgd_sweep() {
 // matrices, f32 and f64, contiguous operands (the kernels' requirement). The references are
 // the formulas in f64 on the inputs as the tensors hold them.
 
+// The passes take f32 and f64 (the optimizer keeps the ops for 16-bit parameters).
+const std::vector<DType> kAdafactorDtypes = {DType::f32, DType::f64};
+const std::vector<DType> kAdafactorRejected = {DType::f16, DType::bf16, DType::i32, DType::i64,
+                                               DType::b8};
+
 struct AdafactorForm {
   bool product = true;
   double divisor = 1.0, floor = 0.0;
@@ -449,7 +454,7 @@ Case adafactor_stats_case(std::string label, Shape s, double eps) {
   const int64_t B = s[0], M = s[1], N = s[2];
   c.args = {arg(s), written(arg({B, M + N}))};
   c.attrs.eps = eps;
-  c.dtypes = {DType::f32, DType::f64};
+  c.dtypes = kAdafactorDtypes;
   c.layouts = {Layout::contiguous};
   c.ref = [B, M, N, eps](const Arrays& in, DType) {
     NdArray out = NdArray::zeros({B, M + N});
@@ -473,7 +478,7 @@ Case adafactor_norm_case(std::string label, Shape s, AdafactorForm f) {
   const int64_t B = s[0], M = s[1], N = s[2];
   c.args = {arg(s), arg({B, M}, uniform(0.1, 2)), arg({B, N}, uniform(0.1, 2)), f64_out({1})};
   c.attrs = op_attrs::adafactor(f.product, f.divisor, f.floor);
-  c.dtypes = {DType::f32, DType::f64};
+  c.dtypes = kAdafactorDtypes;
   c.layouts = {Layout::contiguous};
   c.out_dtype = [](DType, size_t) { return DType::f64; };
   c.ref = [B, M, N, f](const Arrays& in, DType dt) {
@@ -507,7 +512,7 @@ Case adafactor_apply_case(std::string label, Shape s, AdafactorApply h) {
   c.args = {written(arg(s)), arg(s), arg({B, M}, uniform(0.1, 2)), arg({B, N}, uniform(0.1, 2)),
             moment ? written(arg(s, normal(0.1))) : absent_arg()};
   c.attrs = op_attrs::adafactor(h.f.product, h.f.divisor, h.f.floor, h.scale, h.beta1, h.c, h.form);
-  c.dtypes = {DType::f32, DType::f64};
+  c.dtypes = kAdafactorDtypes;
   c.layouts = {Layout::contiguous};
   // param and exp_avg per element; `mag` (for the tolerance) the sum of the terms' magnitudes.
   const auto run = [B, M, N, h, moment](const Arrays& in, bool magnitudes) {
@@ -588,8 +593,7 @@ void adafactor_errors() {
 }
 
 OpSweep adafactor_stats_sweep() {
-  OpSweep s{OpId::adafactor_stats_, {DType::f32, DType::f64},
-            {DType::f16, DType::bf16, DType::i32, DType::i64, DType::b8}, {}, {}};
+  OpSweep s{OpId::adafactor_stats_, kAdafactorDtypes, kAdafactorRejected, {}, {}};
   s.cases.push_back(adafactor_stats_case("[1, 5, 7] eps 1e-30 (hf)", {1, 5, 7}, 1e-30));
   s.cases.push_back(adafactor_stats_case("[3, 4, 6] eps 0 (torch; 3 matrices)", {3, 4, 6}, 0.0));
   s.cases.push_back(adafactor_stats_case("[1, 0, 4] (no rows)", {1, 0, 4}, 1e-3));
@@ -605,8 +609,7 @@ OpSweep adafactor_stats_sweep() {
 }
 
 OpSweep adafactor_norm_sweep() {
-  OpSweep s{OpId::adafactor_norm_, {DType::f32, DType::f64},
-            {DType::f16, DType::bf16, DType::i32, DType::i64, DType::b8}, {}, {}};
+  OpSweep s{OpId::adafactor_norm_, kAdafactorDtypes, kAdafactorRejected, {}, {}};
   s.cases.push_back(adafactor_norm_case("[1, 5, 7] product", {1, 5, 7}, {}));
   s.cases.push_back(adafactor_norm_case("[2, 4, 6] floored, divisor 1.5, floor 0.3", {2, 4, 6},
                                         {false, 1.5, 0.3}));
@@ -617,8 +620,7 @@ OpSweep adafactor_norm_sweep() {
 }
 
 OpSweep adafactor_apply_sweep() {
-  OpSweep s{OpId::adafactor_apply_, {DType::f32, DType::f64},
-            {DType::f16, DType::bf16, DType::i32, DType::i64, DType::b8}, {}, {}};
+  OpSweep s{OpId::adafactor_apply_, kAdafactorDtypes, kAdafactorRejected, {}, {}};
   s.cases.push_back(adafactor_apply_case("[1, 5, 7] hf, no decay", {1, 5, 7}, {}));
   s.cases.push_back(adafactor_apply_case("[1, 4, 6] hf, decay 0.01, beta1 0.9", {1, 4, 6},
                                          {{}, 0.05, 0.9, 0.01, 0}));
