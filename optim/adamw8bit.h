@@ -17,9 +17,17 @@
 // AdamW's. Not elementwise (a block's scale is its largest element), so ZeRO stages 1-3 need
 // ZeroOptions::block_shards = 256: each rank then holds whole blocks and updates them as one
 // device would, bitwise.
+//
+// A tensor-parallel shard whose runs cut blocks (RowShard::run not a multiple of 256, as a
+// row-parallel weight of 128 columns on tp 2 has) holds parts of blocks. Its scales are then
+// the whole parameter's ([ceil(global numel / 256)] on every holder) and the update takes two
+// passes (adamw8bit_segments_): the update and each block's local maxima, a max all-reduce of
+// [2, blocks] values over the holders (RowShard::max), then the codes on the blocks' maxima.
+// The result is bitwise the single device's.
 #pragma once
 
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 
@@ -47,10 +55,13 @@ class AdamW8bit : public Optimizer {
   void step() override;
   bool elementwise() const override { return false; }
   int64_t shard_block() const override;
-  RowShardState row_shard_state(const std::string& name, const Shape& global) const override;
+  RowShardState row_shard_state(const std::string& name, const Shape& global,
+                                int64_t run) const override;
   const AdamW8bitOptions& options() const { return options_; }
   // Whether parameter `param` (one this optimizer steps) holds 8-bit state.
   bool quantized(const Tensor& param) const;
+  // Whether it holds 8-bit state as parts of the whole parameter's blocks (see above).
+  bool cuts_blocks(const Tensor& param) const;
 
  protected:
   std::vector<StateSpec> state_specs(const Tensor& param) const override;
@@ -61,8 +72,14 @@ class AdamW8bit : public Optimizer {
   static AdamW8bitOptions checked(AdamW8bitOptions options);
   bool uses_master(const Tensor& param) const;
   std::string name_of(const Tensor& param) const;
+  // adamw8bit_segments_'s segments of a parameter that cuts blocks (computed once).
+  const Tensor& segments_of(const Tensor& param, const RowShard& where);
+  // Checks (run false) or runs (true) its two-pass update.
+  void step_segments(const ParamGroup& group, const Pending& item, const RowShard& where,
+                     bool run);
 
   AdamW8bitOptions options_;
+  std::map<const TensorImpl*, Tensor> segments_;
 };
 
 }  // namespace tessera::optim

@@ -46,8 +46,11 @@ namespace tessera::optim {
 // Null: the shard has whole rows.
 //
 // Block shards of a tensor-parallel shard: `run` > 0 says the tensor the blocks are cut from
-// holds runs of `run` consecutive elements of the whole parameter (flattened), each starting
-// at a multiple of `run`; its blocks are the whole's when `run` is a multiple of the block.
+// holds runs of `run` consecutive elements of the whole parameter (flattened), its run r
+// starting at element r * run_stride + run_first of the whole; its blocks are the whole's
+// when `run` and run_first are multiples of the block. Otherwise a block of the whole may lie
+// partly on other ranks: `max` then max-reduces a tensor, in place, over every rank holding
+// part of the parameter (ZeRO's group and tp's), every holder calling it alike.
 struct RowShard {
   Shape global;
   int64_t first_row = 0, rows = 0;
@@ -55,7 +58,8 @@ struct RowShard {
   int64_t block = 0;
   std::string name = {};
   std::function<void(const Tensor&)> cols_sum = nullptr;
-  int64_t run = 0;
+  int64_t run = 0, run_stride = 0, run_first = 0;
+  std::function<void(const Tensor&)> max = nullptr;
 };
 
 struct ParamGroup {
@@ -119,12 +123,12 @@ class Optimizer {
   // tensor the optimizer was built on) to where it sits. Before the first step.
   void set_row_shards(std::map<const TensorImpl*, RowShard> shards) { row_shards_ = std::move(shards); }
   // How a row shard's state tensor `name` relates to the whole parameter's (of shape
-  // `global`, RowShard::global), for gathering and cutting checkpoints: its own elements
-  // (shaped as the shard), one value per row (the rows' block of a [rows] tensor), or the
-  // same on every shard (the whole tensor's).
+  // `global`, RowShard::global; `run`: RowShard::run), for gathering and cutting
+  // checkpoints: its own elements (shaped as the shard), one value per row (the rows' block
+  // of a [rows] tensor), or the same on every shard (the whole tensor's).
   enum class RowShardState { elements, rows, whole };
-  virtual RowShardState row_shard_state(const std::string& /*name*/,
-                                        const Shape& /*global*/) const {
+  virtual RowShardState row_shard_state(const std::string& /*name*/, const Shape& /*global*/,
+                                        int64_t /*run*/) const {
     return RowShardState::elements;
   }
   // The optimizer's name in messages ("AdamW").

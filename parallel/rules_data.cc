@@ -106,8 +106,8 @@ AxisOptions like_param(const AxisCtx& c) {
   return options;
 }
 
-// adamw8bit_: a block's scale is its largest element, so no placement splits a tensor; the
-// update runs on whole tensors (ZeRO cuts shards at block boundaries itself, see
+// adamw8bit_ (and its segments_ form): a block's scale is its largest element, so no
+// placement splits a tensor; the update runs on whole tensors (ZeRO cuts shards at block boundaries itself, see
 // ZeroOptions::block_shards).
 AxisOptions replicated_update(const AxisCtx& c) {
   AxisOptions options;
@@ -255,6 +255,7 @@ TS_REGISTER_SHARDING_RULE(split, {.composite = true});
 TS_REGISTER_SHARDING_RULE(copy_, {.options = copy_options});
 TS_REGISTER_SHARDING_RULE(adamw_, {.options = like_param});
 TS_REGISTER_SHARDING_RULE(adamw8bit_, {.options = replicated_update});
+TS_REGISTER_SHARDING_RULE(adamw8bit_segments_, {.options = replicated_update});
 // Adafactor's passes sum whole rows and columns: on whole tensors (ZeRO and tp hand the
 // optimizer row shards and sum the statistics themselves, optim::RowShard).
 TS_REGISTER_SHARDING_RULE(adafactor_stats_, {.options = replicated_update});

@@ -383,7 +383,8 @@ void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer)
       if (st.options.block_shards > 0) {  // (blocks of the whole tensor: global and run)
         const int64_t block = st.options.block_shards;
         shards[p.tensor.impl()] = {l.global, 0, (p.tensor.numel() + block - 1) / block,
-                                   [](const Tensor&) {}, block, p.name, nullptr, l.run};
+                                   [](const Tensor&) {}, block, p.name, nullptr, l.run,
+                                   l.run_stride, l.run_first, l.runs_max};
         continue;
       }
       if (l.shape == p.tensor.shape() && l.global == l.shape && !l.rows_sum && !l.cols_sum) continue;
@@ -409,7 +410,15 @@ void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer)
                                   }
                                   if (rows_sum) rows_sum(t);
                                 },
-                                st.options.block_shards, p.name, l.cols_sum, l.run};
+                                st.options.block_shards, p.name, l.cols_sum, l.run,
+                                l.run_stride, l.run_first,
+                                [comm, runs_max = l.runs_max](const Tensor& t) {
+                                  {
+                                    CommCause cause("zero block-shard scales");
+                                    comm->all_reduce(t, ReduceOp::max);
+                                  }
+                                  if (runs_max) runs_max(t);
+                                }};
   }
   optimizer.set_row_shards(std::move(shards));
 }

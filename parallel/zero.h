@@ -81,9 +81,11 @@ struct ZeroOptions {
     Shape global = {};
     std::function<void(const Tensor&)> rows_sum = nullptr;
     std::function<void(const Tensor&)> cols_sum = nullptr;
-    // Block shards (ZeroOptions::block_shards) of a tensor-parallel shard: optim::RowShard::run
-    // (0: the tensor is a contiguous part of the whole).
-    int64_t run = 0;
+    // Block shards (ZeroOptions::block_shards) of a tensor-parallel shard: optim::RowShard's
+    // run, run_stride and run_first (run 0: the tensor is a contiguous part of the whole), and
+    // the max over the ranks holding the whole's other runs (RowShard::max beyond dp).
+    int64_t run = 0, run_stride = 0, run_first = 0;
+    std::function<void(const Tensor&)> runs_max = nullptr;
   };
   std::function<RowLayout(const std::string& name, const Shape& shape)> row_layout = nullptr;
   // Stages 1-3: shard every parameter on its own, each rank a run of whole blocks of this

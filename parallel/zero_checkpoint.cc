@@ -7,6 +7,15 @@
 #include "parallel/zero_state.h"
 
 namespace tessera::parallel {
+namespace {
+
+optim::Optimizer::RowShardState row_shard_state(const optim::Optimizer& optimizer,
+                                                const std::string& name,
+                                                const ZeroOptions::RowLayout& layout) {
+  return optimizer.row_shard_state(name, layout.global, layout.run);
+}
+
+}  // namespace
 
 // ---- checkpoints -------------------------------------------------------------------------
 
@@ -104,7 +113,7 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
       // same on every shard is the whole tensor's.
       const auto layout =
           st.per_param_shards()
-              ? optimizer.row_shard_state(name, st.row_layout(st.params[seg.params.front()]).global)
+              ? row_shard_state(optimizer, name, st.row_layout(st.params[seg.params.front()]))
               : optim::Optimizer::RowShardState::elements;
       if (layout == optim::Optimizer::RowShardState::whole) {
         out[fmt::format("state.{}.{}", index_of[seg.params.front()], name)] = v.clone();
@@ -199,7 +208,7 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
     for (const std::string& name : names) {
       const auto layout =
           st.per_param_shards()
-              ? optimizer.row_shard_state(name, st.row_layout(st.params[seg.params.front()]).global)
+              ? row_shard_state(optimizer, name, st.row_layout(st.params[seg.params.front()]))
               : optim::Optimizer::RowShardState::elements;
       if (layout != optim::Optimizer::RowShardState::elements) {
         // One parameter: its per-row state's block of rows, or the whole state.

@@ -1,5 +1,6 @@
-// Shape inference for the fused optimizer updates (adamw_, adamw8bit_, sgd_). They write into their
-// inputs, so these only validate and return no outputs (see call_inplace in tensor/op.h).
+// Shape inference for the fused optimizer updates (adamw_, adamw8bit_[segments_], sgd_). They
+// write into their inputs, so these only validate and return no outputs (see call_inplace in
+// tensor/op.h).
 //
 // Multi-tensor form (what optim/ issues, one call per bucket of like parameters): the inputs
 // are k consecutive tuples, adamw_ (param, grad, exp_avg, exp_avg_sq, master-or-undefined)
@@ -150,6 +151,62 @@ std::vector<TensorSpec> adamw8bit_meta(std::span<const TensorSpec> in, const Att
   return {};
 }
 
+// Inputs: param, grad, exp_avg (u8), exp_avg_sq (u8), exp_avg_absmax, exp_avg_sq_absmax,
+// master (maybe undefined), segments (i64 [S, 2]), new_absmax, new_sq_absmax; attrs.k the
+// pass (1 or 2). The scales are any length (the blocks of a larger tensor); the segments'
+// values are the kernel's to check.
+std::vector<TensorSpec> adamw8bit_segments_meta(std::span<const TensorSpec> in, const Attrs& a) {
+  constexpr OpId op = OpId::adamw8bit_segments_;
+  static constexpr const char* kNames[] = {
+      "param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
+      "master", "segments", "new_absmax", "new_sq_absmax"};
+  TS_CHECK(in.size() == 10,
+           "adamw8bit_segments_: expected 10 inputs (param, grad, exp_avg, exp_avg_sq, "
+           "exp_avg_absmax, exp_avg_sq_absmax, master or undefined, segments, new_absmax, "
+           "new_sq_absmax), got {}",
+           in.size());
+  for (size_t i : {2, 3, 4, 5, 7, 8, 9}) {
+    TS_CHECK(in[i].defined, "adamw8bit_segments_: {} (input {}) is an undefined tensor",
+             kNames[i], i);
+  }
+  const Label label{op};
+  check_update_operands(label, in, {}, 6);
+  const TensorSpec& p = in[0];
+  for (size_t i : {size_t{2}, size_t{3}}) {
+    TS_CHECK(in[i].dtype == DType::u8 && in[i].shape == p.shape,
+             "adamw8bit_segments_: {} must be u8 {} (codes shaped like param), got {} {}",
+             kNames[i], shape_str(p.shape), in[i].dtype, shape_str(in[i].shape));
+  }
+  const Shape blocks = in[4].shape;
+  for (size_t i : {size_t{4}, size_t{5}, size_t{8}, size_t{9}}) {
+    TS_CHECK(in[i].dtype == stats_dtype(p.dtype) && in[i].shape.size() == 1 &&
+                 in[i].shape == blocks,
+             "adamw8bit_segments_: {} must be {} {} (one scale per block, as exp_avg_absmax; a "
+             "{} param), got {} {}",
+             kNames[i], stats_dtype(p.dtype), shape_str(blocks), p.dtype, in[i].dtype,
+             shape_str(in[i].shape));
+  }
+  const TensorSpec& seg = in[7];
+  TS_CHECK(seg.dtype == DType::i64 && seg.shape.size() == 2 && seg.shape[1] == 2,
+           "adamw8bit_segments_: segments must be i64 [S, 2] (each segment's end and block), "
+           "got {} {}",
+           seg.dtype, shape_str(seg.shape));
+  for (size_t i : {2, 3, 4, 5, 7, 8, 9}) {
+    TS_CHECK(in[i].device == p.device, "adamw8bit_segments_: {} is on {} but param {} is on {}",
+             kNames[i], in[i].device, shape_str(p.shape), p.device);
+  }
+  TS_CHECK(a.k == 1 || a.k == 2,
+           "adamw8bit_segments_: the pass must be 1 (update) or 2 (requantize), got {}", a.k);
+  TS_CHECK(a.step_count >= 1, "adamw8bit_segments_: step_count must be >= 1 (1-based), got {}",
+           a.step_count);
+  TS_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
+           "adamw8bit_segments_: betas must be in [0, 1), got ({}, {})", a.beta1, a.beta2);
+  check_finite(op, a.lr, "lr");
+  check_finite(op, a.eps, "eps");
+  check_finite(op, a.weight_decay, "weight_decay");
+  return {};
+}
+
 // Inputs: param, grad, momentum_buffer (undefined iff momentum == 0), [master]; or k tuples
 // of 4 (master undefined where there is none).
 std::vector<TensorSpec> sgd_meta(std::span<const TensorSpec> in, const Attrs& a) {
@@ -262,6 +319,7 @@ TS_REGISTER_META(adafactor_stats_, adafactor_stats_meta);
 TS_REGISTER_META(adafactor_norm_, adafactor_norm_meta);
 TS_REGISTER_META(adafactor_apply_, adafactor_apply_meta);
 TS_REGISTER_META(adamw8bit_, adamw8bit_meta);
+TS_REGISTER_META(adamw8bit_segments_, adamw8bit_segments_meta);
 TS_REGISTER_META(sgd_, sgd_meta);
 
 }  // namespace

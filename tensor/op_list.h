@@ -117,6 +117,7 @@
   /* optimizer updates (in place) */                              \
   X(adamw_, Compute, NoDiff, InplaceUpdate, None)                 \
   X(adamw8bit_, Compute, NoDiff, InplaceUpdate, None)             \
+  X(adamw8bit_segments_, Compute, NoDiff, InplaceUpdate, None)    \
   X(sgd_, Compute, NoDiff, InplaceUpdate, None)                   \
   X(adafactor_stats_, Compute, NoDiff, InplaceUpdate, None)       \
   X(adafactor_norm_, Compute, NoDiff, InplaceUpdate, None)        \

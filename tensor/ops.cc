@@ -263,6 +263,22 @@ void adamw8bit_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay), {0, 2, 3, 4, 5, 6});
 }
 
+void adamw8bit_segments_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                         const Tensor& exp_avg_sq, const Tensor& exp_avg_absmax,
+                         const Tensor& exp_avg_sq_absmax, const Tensor& master,
+                         const Tensor& segments, const Tensor& new_absmax,
+                         const Tensor& new_sq_absmax, int pass, int64_t step, double lr,
+                         double beta1, double beta2, double eps, double weight_decay) {
+  Attrs a = op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay);
+  a.k = pass;
+  const std::vector<size_t> written = pass == 1 ? std::vector<size_t>{0, 6, 8, 9}
+                                                : std::vector<size_t>{2, 3, 4, 5};
+  call_inplace(OpId::adamw8bit_segments_,
+               {param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, master,
+                segments, new_absmax, new_sq_absmax},
+               a, written);
+}
+
 void adafactor_stats_(const Tensor& grad, const Tensor& out, double eps) {
   Attrs a;
   a.eps = eps;

@@ -155,6 +155,24 @@ void adamw8bit_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                 const Tensor& exp_avg_sq, const Tensor& exp_avg_absmax,
                 const Tensor& exp_avg_sq_absmax, int64_t step, double lr, double beta1,
                 double beta2, double eps, double weight_decay, const Tensor& master = Tensor());
+// adamw8bit_ on a tensor whose quantization blocks are partly held elsewhere (a tensor-parallel
+// shard whose runs cut blocks), in two passes between which the caller takes the maxima over
+// every holder. The scales exp_avg_absmax / exp_avg_sq_absmax are the whole tensor's (the same
+// [B] on every holder); `segments` (i64 [S, 2]) cuts param's flattened elements
+// into runs: segment s ends at element segments[s][0] (it starts where s - 1 ends; 1 to 256
+// elements) and lies in block segments[s][1] (blocks increasing). Each element's arithmetic
+// is adamw8bit_'s with its block's scales.
+//   pass 1 (update): param (and master) updated; new_absmax[b] / new_sq_absmax[b] = max |m| /
+//     max v over this tensor's elements of block b (0 for a block it does not touch).
+//   (the caller: new_absmax and new_sq_absmax max-reduced over the holders)
+//   pass 2 (requantize): m and v recomputed from the unchanged codes and scales (the same
+//     values), coded on new_absmax / new_sq_absmax; then the scales = the new ones.
+void adamw8bit_segments_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                         const Tensor& exp_avg_sq, const Tensor& exp_avg_absmax,
+                         const Tensor& exp_avg_sq_absmax, const Tensor& master,
+                         const Tensor& segments, const Tensor& new_absmax,
+                         const Tensor& new_sq_absmax, int pass, int64_t step, double lr,
+                         double beta1, double beta2, double eps, double weight_decay);
 // One SGD step, as torch.optim.SGD:
 //   d = grad + weight_decay * param
 //   with momentum: buf = (step == 1 ? d : momentum * buf + (1 - dampening) * d)

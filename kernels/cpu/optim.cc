@@ -143,6 +143,12 @@ void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a)
 // Block by block (tensor/quant8.h): dequantize both moments, the AdamW step of adamw_run in
 // the state type, the blocks' new absmax, requantize. Blocks are independent, so threads
 // take runs of whole blocks.
+//
+// adamw8bit_segments_ runs the same arithmetic in two passes over segments (parts of blocks
+// whose other elements are elsewhere): kUpdate writes param and each segment's maxima,
+// kRequantize recomputes the moments (the same operations, so the same values) and codes
+// them on the blocks' maxima over every holder. kFused is adamw8bit_'s single pass.
+enum class Adam8Pass { kFused, kUpdate, kRequantize };
 
 template <typename P, typename S, bool kMaster>
 struct Adam8Operands {
@@ -228,20 +234,23 @@ struct Quant8Search {
 // lane's arithmetic the
 // scalar loop's operation for operation (mul, add, sub, div, sqrt round once each; this
 // target is built with -ffp-contract=off), so the results are bitwise the scalar ones.
-template <typename P, bool kMaster>
-void adamw8bit_block_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t b, int64_t n,
-                            const AdamConsts<float>& k) {
+template <Adam8Pass kPass, typename P, bool kMaster>
+void adamw8bit_span_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t i0, int64_t count,
+                           float s1_in, float s2_in, const AdamConsts<float>& k, float& a1,
+                           float& a2) {
   static const Quant8Search search1(quant8_map(Quant8Kind::signed_dynamic));
   static const Quant8Search search2(quant8_map(Quant8Kind::unsigned_dynamic));
-  const int64_t i0 = b * kQuant8Block;
-  const int len = static_cast<int>(std::min<int64_t>(kQuant8Block, n - i0));
+  constexpr bool kParam = kPass != Adam8Pass::kRequantize;
+  constexpr bool kCodes = kPass != Adam8Pass::kUpdate;
+  const int len = static_cast<int>(count);
   P* __restrict p = o.p + i0;
   const P* __restrict g = o.g + i0;
   uint8_t* __restrict c1 = o.c1 + i0;
   uint8_t* __restrict c2 = o.c2 + i0;
   float* __restrict w = kMaster ? o.w + i0 : nullptr;
   alignas(64) float x[kQuant8Block], gf[kQuant8Block], m[kQuant8Block], v[kQuant8Block];
-  if constexpr (std::is_same_v<P, float> && !kMaster) {
+  if constexpr (!kParam) {
+  } else if constexpr (std::is_same_v<P, float> && !kMaster) {
     std::memcpy(x, p, sizeof(float) * static_cast<size_t>(len));
   } else {
     for (int i = 0; i < len; ++i) x[i] = kMaster ? w[i] : float(p[i]);
@@ -251,7 +260,7 @@ void adamw8bit_block_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t b
   } else {
     for (int i = 0; i < len; ++i) gf[i] = float(g[i]);
   }
-  const __m512 s1 = _mm512_set1_ps(o.a1[b]), s2 = _mm512_set1_ps(o.a2[b]);
+  const __m512 s1 = _mm512_set1_ps(s1_in), s2 = _mm512_set1_ps(s2_in);
   const __m512 decay = _mm512_set1_ps(k.decay), w1 = _mm512_set1_ps(k.w1),
                beta2 = _mm512_set1_ps(k.beta2), w2 = _mm512_set1_ps(k.w2),
                bc2 = _mm512_set1_ps(k.bc2_sqrt), eps = _mm512_set1_ps(k.eps),
@@ -263,24 +272,29 @@ void adamw8bit_block_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t b
     const __m512i k1 = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, c1 + i));
     const __m512i k2 = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, c2 + i));
     const __m512 gi = _mm512_maskz_loadu_ps(lanes, gf + i);
-    __m512 xi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + i), decay);
     __m512 mi = _mm512_mul_ps(search1.value(k1), s1);
     mi = _mm512_add_ps(mi, _mm512_mul_ps(w1, _mm512_sub_ps(gi, mi)));
     const __m512 vi =
         _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(search2.value(k2), s2), beta2),
                       _mm512_mul_ps(w2, _mm512_mul_ps(gi, gi)));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
-    xi = _mm512_sub_ps(xi, _mm512_mul_ps(step, _mm512_div_ps(mi, denom)));
-    _mm512_store_ps(x + i, xi);
-    _mm512_store_ps(m + i, mi);
-    _mm512_store_ps(v + i, vi);
+    if constexpr (kParam) {
+      __m512 xi = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + i), decay);
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+      xi = _mm512_sub_ps(xi, _mm512_mul_ps(step, _mm512_div_ps(mi, denom)));
+      _mm512_store_ps(x + i, xi);
+    }
+    if constexpr (kCodes) {
+      _mm512_store_ps(m + i, mi);
+      _mm512_store_ps(v + i, vi);
+    }
     // Lanes past the block's end leave the maxima alone. vmaxps returns its second operand
     // when either is NaN: with the running max second, a NaN moment is skipped, as the
     // scalar loop's max1 < am ? am : max1 skips it.
     max1 = _mm512_mask_max_ps(max1, lanes, _mm512_andnot_ps(sign, mi), max1);
     max2 = _mm512_mask_max_ps(max2, lanes, vi, max2);
   }
-  if constexpr (std::is_same_v<P, float> && !kMaster) {
+  if constexpr (!kParam) {
+  } else if constexpr (std::is_same_v<P, float> && !kMaster) {
     std::memcpy(p, x, sizeof(float) * static_cast<size_t>(len));
   } else {
     for (int i = 0; i < len; ++i) {
@@ -288,9 +302,11 @@ void adamw8bit_block_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t b
       p[i] = P(x[i]);
     }
   }
-  const float a1 = _mm512_reduce_max_ps(max1), a2 = _mm512_reduce_max_ps(max2);
-  o.a1[b] = a1;
-  o.a2[b] = a2;
+  if constexpr (kPass != Adam8Pass::kRequantize) {
+    a1 = _mm512_reduce_max_ps(max1);
+    a2 = _mm512_reduce_max_ps(max2);
+  }
+  if constexpr (!kCodes) return;
   const __m512 d1 = _mm512_set1_ps(a1 > 0 ? a1 : 1.0f), d2 = _mm512_set1_ps(a2 > 0 ? a2 : 1.0f);
   auto quantize = [&](const float* src, uint8_t* dst, const Quant8Search& q, __m512 d) {
     for (int i = 0; i < len; i += 16) {
@@ -305,58 +321,73 @@ void adamw8bit_block_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t b
 }
 #endif
 
-template <typename P, typename S, bool kMaster>
-void adamw8bit_block(const Adam8Operands<P, S, kMaster>& o, int64_t b, int64_t n,
-                     const AdamConsts<S>& k, const Quant8Map& q1, const Quant8Map& q2) {
+// The `len` (<= kQuant8Block) elements from i0 of one block whose scales were s1 and s2.
+// kFused and kUpdate set a1 / a2 to the new maxima of |m| and v over these elements;
+// kRequantize reads them as the block's new scales (the maxima over all its elements).
+template <Adam8Pass kPass, typename P, typename S, bool kMaster>
+void adamw8bit_span(const Adam8Operands<P, S, kMaster>& o, int64_t i0, int64_t len, S s1, S s2,
+                    const AdamConsts<S>& k, const Quant8Map& q1, const Quant8Map& q2, S& a1,
+                    S& a2) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<S, float>) {
-    return adamw8bit_block_avx512<P, kMaster>(o, b, n, k);
+    return adamw8bit_span_avx512<kPass, P, kMaster>(o, i0, len, s1, s2, k, a1, a2);
   }
 #endif
-  const int64_t i0 = b * kQuant8Block;
-  const int64_t len = std::min<int64_t>(kQuant8Block, n - i0);
+  constexpr bool kParam = kPass != Adam8Pass::kRequantize;
   P* __restrict p = o.p + i0;
   const P* __restrict g = o.g + i0;
   uint8_t* __restrict c1 = o.c1 + i0;
   uint8_t* __restrict c2 = o.c2 + i0;
   float* __restrict w = kMaster ? o.w + i0 : nullptr;
   alignas(64) S m[kQuant8Block], v[kQuant8Block];
-  const S s1 = o.a1[b], s2 = o.a2[b];
   S max1 = 0, max2 = 0;
   for (int64_t i = 0; i < len; ++i) {
-    S x;
-    if constexpr (kMaster) x = w[i];
-    else x = S(p[i]);
     const S gi = S(g[i]);
-    x *= k.decay;
     S mi = S(q1.values[c1[i]]) * s1;
     mi += k.w1 * (gi - mi);
     const S vi = (S(q2.values[c2[i]]) * s2) * k.beta2 + k.w2 * (gi * gi);
-    const S denom = std::sqrt(vi) / k.bc2_sqrt + k.eps;
-    x -= k.step_size * (mi / denom);
-    if constexpr (kMaster) w[i] = x;
-    p[i] = P(x);
+    if constexpr (kParam) {
+      S x;
+      if constexpr (kMaster) x = w[i];
+      else x = S(p[i]);
+      x *= k.decay;
+      const S denom = std::sqrt(vi) / k.bc2_sqrt + k.eps;
+      x -= k.step_size * (mi / denom);
+      if constexpr (kMaster) w[i] = x;
+      p[i] = P(x);
+    }
     m[i] = mi;
     v[i] = vi;
     const S am = std::fabs(mi);
     max1 = max1 < am ? am : max1;
     max2 = max2 < vi ? vi : max2;
   }
-  o.a1[b] = max1;
-  o.a2[b] = max2;
+  if constexpr (kPass != Adam8Pass::kRequantize) {
+    a1 = max1;
+    a2 = max2;
+  } else {
+    max1 = a1;
+    max2 = a2;
+  }
+  if constexpr (kPass == Adam8Pass::kUpdate) return;
   // x / 0 counts as 0: an all-zero block keeps the zero codes.
   const S d1 = max1 > 0 ? max1 : S(1), d2 = max2 > 0 ? max2 : S(1);
   for (int64_t i = 0; i < len; ++i) c1[i] = q1.code(m[i] / d1);
   for (int64_t i = 0; i < len; ++i) c2[i] = q2.code(v[i] / d2);
 }
 
+template <typename S>
+AdamConsts<S> adam_consts(const Attrs& a) {
+  const double t = static_cast<double>(a.step_count);
+  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
+  return {S(1.0 - a.lr * a.weight_decay), S(1.0 - a.beta1), S(a.beta2),
+          S(1.0 - a.beta2), S(std::sqrt(bc2)), S(a.eps), S(a.lr / bc1)};
+}
+
 template <typename P, bool kMaster>
 void adamw8bit_typed(std::span<const Tensor> in, const Attrs& a) {
   using S = std::conditional_t<std::is_same_v<P, double>, double, float>;
-  const double t = static_cast<double>(a.step_count);
-  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
-  const AdamConsts<S> k{S(1.0 - a.lr * a.weight_decay), S(1.0 - a.beta1), S(a.beta2),
-                        S(1.0 - a.beta2), S(std::sqrt(bc2)), S(a.eps), S(a.lr / bc1)};
+  const AdamConsts<S> k = adam_consts<S>(a);
   const Adam8Operands<P, S, kMaster> o{
       static_cast<P*>(in[0].raw_data()),       static_cast<const P*>(in[1].raw_data()),
       static_cast<uint8_t*>(in[2].raw_data()), static_cast<uint8_t*>(in[3].raw_data()),
@@ -367,7 +398,12 @@ void adamw8bit_typed(std::span<const Tensor> in, const Attrs& a) {
   const int64_t n = in[0].numel();
   parallel_for(0, quant8_blocks(n), std::max<int64_t>(1, kUpdateGrain / kQuant8Block),
                [&](int64_t b0, int64_t b1) {
-                 for (int64_t b = b0; b < b1; ++b) adamw8bit_block(o, b, n, k, q1, q2);
+                 for (int64_t b = b0; b < b1; ++b) {
+                   const int64_t i0 = b * kQuant8Block;
+                   adamw8bit_span<Adam8Pass::kFused>(o, i0, std::min(kQuant8Block, n - i0),
+                                                     o.a1[b], o.a2[b], k, q1, q2, o.a1[b],
+                                                     o.a2[b]);
+                 }
                });
 }
 
@@ -396,6 +432,64 @@ void adamw8bit_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs
       adamw8bit_one(copy, a);
     }
   }
+}
+
+// adamw8bit_segments_ (tensor/ops.h): inputs param, grad, exp_avg, exp_avg_sq,
+// exp_avg_absmax, exp_avg_sq_absmax, master (maybe undefined), segments, new_absmax,
+// new_sq_absmax; attrs.k the pass (1 update, 2 requantize). Threads take runs of segments.
+template <typename P, bool kMaster>
+void adamw8bit_segments_typed(std::span<const Tensor> in, const Attrs& a,
+                              std::span<const int64_t> seg) {
+  using S = std::conditional_t<std::is_same_v<P, double>, double, float>;
+  const AdamConsts<S> k = adam_consts<S>(a);
+  const Adam8Operands<P, S, kMaster> o{
+      static_cast<P*>(in[0].raw_data()),       static_cast<const P*>(in[1].raw_data()),
+      static_cast<uint8_t*>(in[2].raw_data()), static_cast<uint8_t*>(in[3].raw_data()),
+      static_cast<S*>(in[4].raw_data()),       static_cast<S*>(in[5].raw_data()),
+      kMaster ? static_cast<float*>(in[6].raw_data()) : nullptr};
+  S* new1 = static_cast<S*>(in[8].raw_data());
+  S* new2 = static_cast<S*>(in[9].raw_data());
+  const int64_t blocks = in[4].numel(), segments = static_cast<int64_t>(seg.size()) / 2;
+  const Quant8Map& q1 = quant8_map(Quant8Kind::signed_dynamic);
+  const Quant8Map& q2 = quant8_map(Quant8Kind::unsigned_dynamic);
+  const bool update = a.k == 1;
+  if (update) std::fill(new1, new1 + blocks, S(0)), std::fill(new2, new2 + blocks, S(0));
+  parallel_for(0, segments, std::max<int64_t>(1, kUpdateGrain / kQuant8Block),
+               [&](int64_t s0, int64_t s1) {
+                 for (int64_t s = s0; s < s1; ++s) {
+                   const int64_t i0 = s == 0 ? 0 : seg[2 * (s - 1)];
+                   const int64_t len = seg[2 * s] - i0, b = seg[2 * s + 1];
+                   if (update) {
+                     adamw8bit_span<Adam8Pass::kUpdate>(o, i0, len, o.a1[b], o.a2[b], k, q1, q2,
+                                                        new1[b], new2[b]);
+                   } else {
+                     adamw8bit_span<Adam8Pass::kRequantize>(o, i0, len, o.a1[b], o.a2[b], k, q1,
+                                                            q2, new1[b], new2[b]);
+                   }
+                 }
+               });
+  if (!update) {  // every block's scale becomes the new one (the same on every holder)
+    std::copy(new1, new1 + blocks, o.a1);
+    std::copy(new2, new2 + blocks, o.a2);
+  }
+}
+
+void adamw8bit_segments_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  check_adamw8bit_segments_operands(in);
+  const Tensor grad = in[1].is_contiguous() ? in[1] : in[1].contiguous();
+  std::vector<Tensor> t(in.begin(), in.end());
+  t[1] = grad;
+  const std::span<const int64_t> seg(static_cast<const int64_t*>(in[7].raw_data()),
+                                     static_cast<size_t>(in[7].numel()));
+  const bool master = in[6].defined();
+  visit_float_dtype(in[0].dtype(), "adamw8bit_segments_", [&]<typename P>() {
+    if constexpr (std::is_same_v<P, double>) {
+      adamw8bit_segments_typed<P, false>(t, a, seg);
+    } else {
+      if (master) adamw8bit_segments_typed<P, true>(t, a, seg);
+      else adamw8bit_segments_typed<P, false>(t, a, seg);
+    }
+  });
 }
 
 // ---- SGD -----------------------------------------------------------------------------------
@@ -503,6 +597,7 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
 
 TS_REGISTER_KERNEL(cpu, adamw_, adamw_kernel);
 TS_REGISTER_KERNEL(cpu, adamw8bit_, adamw8bit_kernel);
+TS_REGISTER_KERNEL(cpu, adamw8bit_segments_, adamw8bit_segments_kernel);
 TS_REGISTER_KERNEL(cpu, sgd_, sgd_kernel);
 
 }  // namespace

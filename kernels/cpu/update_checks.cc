@@ -59,6 +59,38 @@ void check_adamw8bit_operands(std::span<const std::span<const Tensor>> tuples, s
   }
 }
 
+void check_adamw8bit_segments_operands(std::span<const Tensor> in) {
+  static constexpr const char* kNames[] = {
+      "param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
+      "master", "segments", "new_absmax", "new_sq_absmax"};
+  check_no_overlap("adamw8bit_segments_", 0, 0, in,
+                   {kNames[0], kNames[1], kNames[2], kNames[3], kNames[4], kNames[5], kNames[6],
+                    kNames[7], kNames[8], kNames[9]});
+  for (size_t i = 0; i < in.size(); ++i) {
+    TS_CHECK(i == 1 || !in[i].defined() || in[i].is_contiguous(),
+             "adamw8bit_segments_: {} {} must be contiguous", kNames[i], shape_str(in[i].shape()));
+  }
+  const int64_t n = in[0].numel(), blocks = in[4].numel();
+  const int64_t* seg = static_cast<const int64_t*>(in[7].raw_data());
+  const int64_t count = in[7].numel() / 2;
+  int64_t end = 0, block = -1;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t e = seg[2 * s], b = seg[2 * s + 1];
+    TS_CHECK(e > end && e - end <= kQuant8Block,
+             "adamw8bit_segments_: segment {} ends at element {} after the previous one's end "
+             "{}: segments hold 1 to {} elements, in order",
+             s, e, end, kQuant8Block);
+    TS_CHECK(b > block && b < blocks,
+             "adamw8bit_segments_: segment {} is of block {} (the previous one's {}, {} scales): "
+             "blocks must increase and be below the scales' length",
+             s, b, block, blocks);
+    end = e;
+    block = b;
+  }
+  TS_CHECK(end == n, "adamw8bit_segments_: the segments end at element {} but param has {}", end,
+           n);
+}
+
 std::vector<std::span<const Tensor>> tuples_of(std::span<const Tensor> in, size_t width) {
   if (in.size() < 2 * width) return {in};
   std::vector<std::span<const Tensor>> out;

@@ -29,6 +29,11 @@ void check_no_overlap(std::string_view op, size_t tuple, size_t tuples,
 // every tuple before any is written.
 void check_adamw8bit_operands(std::span<const std::span<const Tensor>> tuples, size_t count);
 
+// adamw8bit_segments_'s inputs (tensor/ops.h): no overlap, every operand but grad contiguous,
+// and the segments (read here, on the CPU) cutting the param into runs of 1 to kQuant8Block
+// elements in order, each of one block, the blocks increasing and in range.
+void check_adamw8bit_segments_operands(std::span<const Tensor> in);
+
 // The tuples of `width` inputs of a multi-tensor call; the short single-tensor form is one
 // tuple.
 std::vector<std::span<const Tensor>> tuples_of(std::span<const Tensor> in, size_t width);

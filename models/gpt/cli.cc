@@ -28,8 +28,7 @@ models::Flags gpt_flags(GptCli& cli) {
          "adamw8bit: keep f32 state for the embeddings (wte, wpe)");
   f.bind("f32_state", cli.config.f32_state,
          "adamw8bit: keep f32 state for parameters whose name contains one of these "
-         "comma-separated parts (e.g. attn.c_proj, which --tp cuts into part blocks at small "
-         "widths)");
+         "comma-separated parts (e.g. wte,attn.c_proj)");
   f.bind("adafactor_mode", cli.config.adafactor_mode,
          "Adafactor's reference: hf (transformers/fairseq), torch or optax");
   f.bind("adafactor_beta1", cli.config.adafactor_beta1, "Adafactor's first moment (0: none)");

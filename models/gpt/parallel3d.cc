@@ -137,18 +137,23 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   if (opt.block_shards > 0) {
     // Per-block state (8-bit AdamW) counts its blocks in the single device's parameter: a tp
     // shard holds runs of its elements (the dims from the split one on, per index of the
-    // dims before it), whole blocks of it when the runs are multiples of the block.
+    // dims before it), whole blocks of it when the runs are multiples of the block. Where
+    // they are not, a block's scale is the max over the tp ranks holding its elements.
+    parallel::MeshPtr tp_mesh = s.tp_mesh;
+    const auto tp_max = [tp_mesh](const Tensor& t) {
+      parallel::CommCause cause("gpt3d tp optimizer scales");
+      tp_mesh->group(0).all_reduce(t, parallel::ReduceOp::max);
+    };
     std::map<std::string, parallel::ZeroOptions::RowLayout> layouts;
     for (const auto& [name, p] : s.tp->params()) {
       parallel::ZeroOptions::RowLayout l;
       l.shape = p.local().shape();
       l.global = shapes.at(flat_name(name));
-      const parallel::Placement& on_tp = p.placements()[0];
-      if (opt.tp > 1 && on_tp.is_shard()) {
-        int64_t runs = 1;
-        for (int64_t d = 0; d < on_tp.dim; ++d) runs *= p.shape()[static_cast<size_t>(d)];
-        l.run = p.local().numel() / runs;
-      }
+      const TpRuns runs = tp_runs(s, name);
+      l.run = runs.run;
+      l.run_stride = runs.stride;
+      l.run_first = runs.first;
+      if (runs.run > 0) l.runs_max = tp_max;
       layouts[flat_name(name)] = l;
     }
     zopt.row_layout = [layouts](const std::string& name, const Shape&) { return layouts.at(name); };
@@ -399,6 +404,20 @@ std::string Gpt3d::where_row(int layer, int64_t row) const {
   return fmt::format("batch row {}: micro-batch {} of dp rank {}, accumulation run {} (rows "
                      "{}-{}); pipeline stage {} on pp rank {}", row, mb, dp_rank, run, first,
                      first + rows - 1, stage, s.schedule.rank_of(stage));
+}
+
+TpRuns tp_runs(const Gpt3d::Impl& s, const std::string& name) {
+  if (s.o.tp == 1 || s.mine.count(name) == 0) return {};
+  const parallel::ShardedTensor& p = s.tp->param(name);
+  const parallel::Placement& on_tp = p.placements()[0];
+  if (!on_tp.is_shard()) return {};
+  // Per index of the dims before the split one, a run of the dims from it on.
+  const size_t d = static_cast<size_t>(on_tp.dim);
+  int64_t runs = 1, inner = 1;
+  for (size_t k = 0; k < d; ++k) runs *= p.shape()[k];
+  for (size_t k = d + 1; k < p.shape().size(); ++k) inner *= p.shape()[k];
+  const int64_t start = parallel::local_block(p.shape(), *s.tp_mesh, p.placements()).starts[d];
+  return {p.local().numel() / runs, p.shape()[d] * inner, start * inner};
 }
 
 std::string Gpt3d::where_param(const std::string& name) const {

@@ -75,10 +75,11 @@ std::vector<Field> fields_from_owner(Gpt3d::Impl& s, const std::string& name,
 }
 
 // Whether optimizer state `field` has the parameter's elements (cut like the parameter by
-// tp), rather than one value per row or block, or the same tensor on every shard.
+// tp), rather than one value per row or block, or the same tensor on every shard. (Where
+// the parameter is not held, only whether it is per element matters: tp_runs is 0 there.)
 optim::Optimizer::RowShardState state_kind(const Gpt3d::Impl& s, const std::string& name,
                                            const std::string& field) {
-  return s.opt->row_shard_state(field, s.whole.at(name));
+  return s.opt->row_shard_state(field, s.whole.at(name), tp_runs(s, name).run);
 }
 bool per_element(const Gpt3d::Impl& s, const std::string& name, const std::string& field) {
   return state_kind(s, name, field) == optim::Optimizer::RowShardState::elements;
@@ -88,9 +89,9 @@ bool per_element(const Gpt3d::Impl& s, const std::string& name, const std::strin
 // tp blocks form (shape and placements) and this rank's block. `local` is this rank's state
 // tensor. Per element: as the parameter. Otherwise with tp 1 (8-bit AdamW's scales per
 // block; Adafactor's statistics) the tensor is whole. On tp shards: 8-bit AdamW's scales
-// by the shard's runs of whole blocks (below); Adafactor's row statistics as the parameter
-// without its last dim, its column statistics as its last dim alone, a split of the dim
-// that is dropped leaving them whole on tp.
+// by the shard's runs of whole blocks, or whole where the runs cut blocks (below);
+// Adafactor's row statistics as the parameter without its last dim, its column statistics
+// as its last dim alone, a split of the dim that is dropped leaving them whole on tp.
 struct StateBlock {
   Shape global;
   parallel::Placements placements;
@@ -109,10 +110,11 @@ StateBlock state_block(const Gpt3d::Impl& s, const std::string& name, const std:
   } else if (s.opt->shard_block() > 0) {
     // Per block of the whole (8-bit AdamW's scales): a shard's runs of L elements (one per
     // index of the dims before the split one, R of them) hold L / block blocks each, so the
-    // scales lie as [R, tp x L / block] split on dim 1; whole on tp as the parameter is.
+    // scales lie as [R, tp x L / block] split on dim 1; whole on tp as the parameter is, or
+    // where the runs cut blocks (every holder keeps all the scales).
     const parallel::Placement& on_tp = p.placements()[0];
     const int64_t block = s.opt->shard_block();
-    if (on_tp.is_shard()) {
+    if (on_tp.is_shard() && state_kind(s, name, field) == optim::Optimizer::RowShardState::rows) {
       int64_t runs = 1;
       for (int64_t d = 0; d < on_tp.dim; ++d) runs *= p.shape()[static_cast<size_t>(d)];
       b.global = {runs, numel_of(p.shape()) / runs / block};

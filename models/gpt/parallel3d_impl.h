@@ -67,6 +67,14 @@ struct Gpt3d::Impl {
   parallel::Communicator& dp() const { return mesh->group("dp"); }
 };
 
+// How this rank's tp shard of parameter `name` lies in the single device's (flattened):
+// optim::RowShard's run, run_stride and run_first (all 0 when it is whole on tp, or not held
+// here).
+struct TpRuns {
+  int64_t run = 0, stride = 0, first = 0;
+};
+TpRuns tp_runs(const Gpt3d::Impl& s, const std::string& name);
+
 // A tensor of this rank's shard of parameter `name` (its layout: the tp shard's) in full,
 // on the ranks of the parameter's first stage; zeros of `shape` elsewhere; then broadcast
 // over pp from that stage. Collective over the world.

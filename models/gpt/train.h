@@ -42,14 +42,13 @@ struct GptTrainConfig {
   double beta1 = 0.9, beta2 = 0.95;
   // adamw | adamw8bit | adafactor | sgd (models/common/optimizers.h). adafactor keeps
   // factored second moments on every layout (ZeRO on row shards; tp shards sum the other
-  // rows' or columns' statistics); adamw8bit 8-bit moments per 256-element block (ZeRO on
-  // block shards, pp, and tp where each shard holds whole blocks: an Error names a parameter
-  // whose shard would cut them, unless f32_state keeps it in f32), f32 for the embeddings
-  // with stable_embedding.
+  // rows' or columns' statistics); adamw8bit 8-bit moments per 256-element block on every
+  // layout (ZeRO on block shards; a tp shard that cuts blocks max-reduces their scales over
+  // the holders), f32 for the embeddings with stable_embedding.
   std::string optimizer = "adamw";
   bool stable_embedding = false;
   // adamw8bit: parameters whose name contains one of these comma-separated parts keep f32
-  // state on every layout ("attn.c_proj": the one tp 2 cuts into part blocks at width 128).
+  // state on every layout ("wte,attn.c_proj").
   std::string f32_state;
   std::string adafactor_mode = "hf";
   double adafactor_beta1 = 0.0;

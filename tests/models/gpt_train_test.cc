@@ -786,47 +786,63 @@ TEST_CASE("--optimizer=adamw8bit: learns; state bytes the formula; ZeRO, dp and 
 }
 
 TEST_CASE("--optimizer=adamw8bit on tp: checkpoints hold the scales in the single device's block order") {
-  // Width 512: every 8-bit tensor's tp shard is whole blocks (tests/models/gpt_check_test).
-  // Saved on tp 2 x dp 2 under ZeRO 2 at step 4 (one file, and sharded): resumed there,
-  // bitwise the uninterrupted run; on one rank, as the one-rank run to f32 rounding.
-  GptTrainConfig c = short_run(8);
-  c.width = 512;
-  c.heads = 4;
-  c.context = 16;
-  c.optimizer = "adamw8bit";
-  const GptResult one = train_gpt(c);
-  c.tp = c.dp = 2;
-  c.zero = 2;
-  const GptResult full = train_gpt(c);
-  REQUIRE(full.losses.size() == one.losses.size());
-  for (size_t k = 0; k < one.losses.size(); ++k) {
-    CHECK(std::abs(full.losses[k] - one.losses[k]) <= 1e-5 * one.losses[k]);
-  }
-  c.max_steps = 4;
-  for (bool sharded : {false, true}) {
-    CAPTURE(sharded);
-    GptTrainConfig save = c;
-    save.save = temp_dir() + (sharded ? "/gpt_adamw8bit_tp" : "/gpt_adamw8bit_tp.safetensors");
-    save.save_sharded = sharded;
-    train_gpt(save);
-    for (int ranks : {2, 1}) {
-      CAPTURE(ranks);
-      GptTrainConfig rest_config = c;
-      rest_config.max_steps = 0;
-      rest_config.resume = save.save;
-      rest_config.tp = rest_config.dp = ranks;
-      rest_config.zero = ranks == 2 ? 2 : 0;
-      const GptResult rest = train_gpt(rest_config);
-      REQUIRE(rest.losses.size() == 4);
-      for (size_t k = 0; k < 4; ++k) {
-        if (ranks == 2) {
-          CHECK(rest.losses[k] == full.losses[4 + k]);
-        } else {
-          CHECK(std::abs(rest.losses[k] - one.losses[4 + k]) <= 1e-5 * one.losses[4 + k]);
+  // Width 512: every 8-bit tensor's tp shard is whole blocks (tests/models/gpt_check_test);
+  // width 128: attn.c_proj's shards cut its blocks, and every holder keeps all its scales.
+  // Saved at step 4 (one file, and sharded): resumed on the same layout, bitwise the
+  // uninterrupted run; on one rank, as the one-rank run to f32 rounding.
+  struct L {
+    int width, pp, dp, tp, zero;
+  };
+  int layouts = 0;
+  for (const L& l : {L{512, 1, 2, 2, 2}, L{128, 1, 2, 2, 2}, L{128, 2, 1, 2, 1}}) {
+    CAPTURE(l.width);
+    CAPTURE(l.pp);
+    GptTrainConfig c = short_run(8);
+    c.width = l.width;
+    c.heads = 4;
+    c.context = 16;
+    c.optimizer = "adamw8bit";
+    const GptResult one = train_gpt(c);
+    c.pp = l.pp;
+    c.tp = l.tp;
+    c.dp = l.dp;
+    c.zero = l.zero;
+    const GptResult full = train_gpt(c);
+    REQUIRE(full.losses.size() == one.losses.size());
+    for (size_t k = 0; k < one.losses.size(); ++k) {
+      CHECK(std::abs(full.losses[k] - one.losses[k]) <= 1e-5 * one.losses[k]);
+    }
+    c.max_steps = 4;
+    for (bool sharded : {false, true}) {
+      CAPTURE(sharded);
+      GptTrainConfig save = c;
+      const std::string name = fmt::format("/gpt_adamw8bit_tp_{}_{}", l.width, l.pp);
+      save.save = temp_dir() + name + (sharded ? "" : ".safetensors");
+      save.save_sharded = sharded;
+      train_gpt(save);
+      for (bool same : {true, false}) {
+        CAPTURE(same);
+        GptTrainConfig rest_config = same ? c : short_run(8);
+        rest_config.width = c.width;
+        rest_config.heads = c.heads;
+        rest_config.context = c.context;
+        rest_config.optimizer = c.optimizer;
+        rest_config.max_steps = 0;
+        rest_config.resume = save.save;
+        const GptResult rest = train_gpt(rest_config);
+        REQUIRE(rest.losses.size() == 4);
+        for (size_t k = 0; k < 4; ++k) {
+          if (same) {
+            CHECK(rest.losses[k] == full.losses[4 + k]);
+          } else {
+            CHECK(std::abs(rest.losses[k] - one.losses[4 + k]) <= 1e-5 * one.losses[4 + k]);
+          }
         }
       }
     }
+    ++layouts;
   }
+  CHECK(layouts == 3);
 }
 
 TEST_CASE("--optimizer=adafactor|sgd: learns, equals one rank under data parallelism, resumes bitwise") {

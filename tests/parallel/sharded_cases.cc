@@ -145,7 +145,8 @@ std::vector<OpCase> record_cases() {
       oc.mesh_2x4 = s.op == OpId::matmul;  // 8 ranks: both mesh axes shard its operands
       // In-place ops: the written inputs keep one shared placement and are the outputs.
       oc.written = sweep::written_inputs(s, c);
-      oc.written_replicated = s.op == OpId::adamw8bit_ || s.op == OpId::adafactor_stats_ ||
+      oc.written_replicated = s.op == OpId::adamw8bit_ || s.op == OpId::adamw8bit_segments_ ||
+                              s.op == OpId::adafactor_stats_ ||
                               s.op == OpId::adafactor_norm_ || s.op == OpId::adafactor_apply_;
       if (!oc.written.empty()) {
         oc.single = [op = s.op, w = oc.written](const Tensors& t, const Attrs& a) {

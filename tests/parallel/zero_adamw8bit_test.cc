@@ -11,9 +11,13 @@
 // ~1e-16 and no code flips.) The step issues no all-reduce, and one all-gather per parameter
 // (stages 1-2), counted from the comm log. Checkpoints gather to the single-device layout
 // and resume bitwise under another stage, and load on other dp sizes and on one device.
+// Tensor-parallel shards that cut blocks (RowShards built here, with and without ZeRO's
+// block shards on top) step in two passes around a max all-reduce, bitwise one device.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -190,6 +194,128 @@ TEST_CASE("AdamW8bit's state per rank on block shards: 1/N of the blocks, bytes 
     }
     CHECK(total == single);
   }
+}
+
+// ---- tensor-parallel shards that cut blocks ------------------------------------------------
+// A parameter split over tp on dim `dim` (tp even parts), each tp shard cut over dp into
+// block shards of 256 of its own elements (as ZeRO's block_shards would), handed to the
+// optimizer as RowShards with the max over all tp x dp holders (the world here). Against
+// AdamW8bit on the whole tensor: the parameters, codes and scales bitwise after every step.
+struct CutCase {
+  const char* label;
+  Shape shape;
+  int64_t dim;
+  int tp, dp;
+  DType dtype = DType::f32;
+};
+
+bool equal_bits(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.numel() != b.numel()) return false;
+  const Tensor x = a.contiguous(), y = b.contiguous();
+  return std::memcmp(x.raw_data(), y.raw_data(),
+                     static_cast<size_t>(x.numel() * dtype_size(x.dtype()))) == 0;
+}
+
+// Rank (t, q)'s elements of a whole tensor: tp shard t, then its ZeRO block shard q.
+Tensor cut_part(const Tensor& whole, const CutCase& c, int t, int q) {
+  const int64_t size = whole.size(c.dim) / c.tp;
+  const Tensor shard = whole.narrow(c.dim, t * size, size).contiguous().reshape({-1});
+  const int64_t blocks = (shard.numel() + 255) / 256;
+  const int64_t first = block_start(blocks, c.dp, q) * 256;
+  const int64_t end = std::min(shard.numel(), (first / 256 + block_size(blocks, c.dp, q)) * 256);
+  return shard.narrow(0, first, end - first);
+}
+
+TEST_CASE("AdamW8bit on tp shards that cut blocks (two passes, a max all-reduce) equals one device bitwise") {
+  const std::vector<CutCase> cases = {
+      {"row-parallel [24, 200] tp 2 (runs of 100)", {24, 200}, 1, 2, 1},
+      {"row-parallel [24, 200] tp 2 x dp 2", {24, 200}, 1, 2, 2},
+      {"column-parallel [30, 70] tp 3 x dp 2 (runs of 700)", {30, 70}, 0, 3, 2},
+      {"[3, 40, 48] split on dim 1, tp 2 (runs of 960, 1920 apart)", {3, 40, 48}, 1, 2, 1},
+      {"bf16 with f32 master [16, 96] tp 2 x dp 2 (runs of 48)", {16, 96}, 1, 2, 2, DType::bf16},
+  };
+  constexpr int kCutSteps = 4;
+  int checked = 0;
+  for (const CutCase& c : cases) {
+    const std::string label = c.label;
+    CAPTURE(label);
+    const optim::AdamW8bitOptions options{.lr = 1e-2, .weight_decay = 0.1, .min_8bit_numel = 0};
+    Generator gen(7);
+    const Tensor init = randn(c.shape, DType::f32, kCPU, &gen);
+    std::vector<Tensor> grads;
+    for (int k = 0; k < kCutSteps; ++k) {
+      grads.push_back(cast(randn(c.shape, DType::f32, kCPU, &gen), c.dtype));
+    }
+    // One device.
+    const Tensor whole = cast(init, c.dtype).clone();  // (init stays the initial values)
+    optim::AdamW8bit single({whole}, options);
+    std::vector<Tensor> params, codes1, codes2, scales1, scales2;
+    for (int k = 0; k < kCutSteps; ++k) {
+      whole.set_grad(grads[k]);
+      single.step();
+      params.push_back(whole.clone());
+      codes1.push_back(single.state(0).at("exp_avg").clone());
+      codes2.push_back(single.state(0).at("exp_avg_sq").clone());
+      scales1.push_back(single.state(0).at("exp_avg_absmax").clone());
+      scales2.push_back(single.state(0).at("exp_avg_sq_absmax").clone());
+    }
+    // tp x dp holders.
+    const int n = c.tp * c.dp;
+    std::vector<int> mismatches(n, 0);
+    std::vector<int64_t> max_reduces(n, 0), bytes(n, 0), want(n, -1);
+    run_threads(n, [&](CommPtr world) {
+      const int t = world->rank() / c.dp, q = world->rank() % c.dp;
+      const Tensor mine = cut_part(cast(init, c.dtype), c, t, q).clone();
+      int64_t inner = 1;
+      for (size_t k = static_cast<size_t>(c.dim) + 1; k < c.shape.size(); ++k) inner *= c.shape[k];
+      const int64_t size = c.shape[static_cast<size_t>(c.dim)] / c.tp;
+      const int64_t shard_numel = numel_of(c.shape) / c.tp;
+      const int64_t blocks = (shard_numel + 255) / 256;
+      optim::RowShard rs{c.shape,
+                         block_start(blocks, c.dp, q),
+                         block_size(blocks, c.dp, q),
+                         [](const Tensor&) {},
+                         256,
+                         "w",
+                         nullptr,
+                         size * inner,
+                         c.shape[static_cast<size_t>(c.dim)] * inner,
+                         t * size * inner,
+                         [world](const Tensor& x) { world->all_reduce(x, ReduceOp::max); }};
+      optim::AdamW8bit opt({mine}, options);
+      opt.set_row_shards({{mine.impl(), rs}});
+      CommLog log;
+      for (int k = 0; k < kCutSteps; ++k) {
+        mine.set_grad(cut_part(grads[k], c, t, q).clone());
+        {
+          CommLogScope scope(log);
+          opt.step();
+        }
+        const auto& st = opt.state(0);
+        const bool same =
+            equal_bits(mine, cut_part(params[k], c, t, q)) &&
+            equal_bits(st.at("exp_avg"), cut_part(codes1[k], c, t, q)) &&
+            equal_bits(st.at("exp_avg_sq"), cut_part(codes2[k], c, t, q)) &&
+            equal_bits(st.at("exp_avg_absmax"), scales1[k]) &&
+            equal_bits(st.at("exp_avg_sq_absmax"), scales2[k]);
+        mismatches[world->rank()] += same ? 0 : 1;
+      }
+      max_reduces[world->rank()] = log.count("all_reduce");
+      // Its codes, the whole parameter's scales (two per block) and, for bf16, the master.
+      const int64_t local = mine.numel();
+      bytes[world->rank()] = opt.state_bytes();
+      want[world->rank()] = 2 * local + 8 * ((numel_of(c.shape) + 255) / 256) +
+                            (c.dtype == DType::bf16 ? 4 * local : 0);
+    });
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(mismatches[r] == 0);
+      CHECK(max_reduces[r] == kCutSteps);  // one [2, blocks] max per step
+      CHECK(bytes[r] == want[r]);
+    }
+    ++checked;
+  }
+  CHECK(checked == 5);
 }
 
 TEST_CASE("ZeRO refuses AdamW8bit on shards that cut its blocks") {

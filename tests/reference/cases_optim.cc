@@ -1,7 +1,7 @@
-// The records of the fused optimizer updates adamw_, adamw8bit_ and sgd_. They write into their inputs
-// (Arg::expandable false), which are their outputs (param, the state, and the master copy
-// when there is one); written inputs are never laid out as expanded (stride-0) views, the
-// gradient is.
+// The records of the fused optimizer updates adamw_, adamw8bit_[segments_] and sgd_. They write
+// into their inputs (Arg::expandable false), which are their outputs (param, the state, and
+// the master copy when there is one); written inputs are never laid out as expanded
+// (stride-0) views, the gradient is.
 //
 // Tolerances: the f32 kernel against the f64 reference, relative to the sum of the
 // magnitudes of the terms each update adds (mag below): a handful of roundings per element,
@@ -301,6 +301,114 @@ OpSweep adamw8bit_sweep() {
   edge.args[3] = written(fixed_arg({300}, c2, DType::u8));
   s.cases.push_back(std::move(edge));
   s.extra = [] { adamw8bit_errors(); };
+  return s;
+}
+
+// ---- adamw8bit_segments_ ------------------------------------------------------------------
+// Exact, as adamw8bit_: ref::adamw8bit_segments emulates each pass. The param's elements lie
+// in segments of blocks of a larger tensor (scales of `blocks` blocks, some not touched).
+
+// Inputs: param, grad, exp_avg, exp_avg_sq (u8), exp_avg_absmax, exp_avg_sq_absmax, master
+// (or absent), segments (i64 [S, 2]: end, block), new_absmax, new_sq_absmax. Outputs (the
+// written inputs): pass 1 param[, master], new_absmax, new_sq_absmax; pass 2 the codes and
+// the scales.
+Case adamw8bit_segments_case(std::string label, Shape shape, int64_t blocks,
+                             std::vector<double> segments, int pass, AdamSetup h, bool master) {
+  Case c;
+  c.label = std::move(label);
+  auto codes = [&] {
+    Arg a = index_arg(shape, 0, 255, DType::u8);
+    return pass == 2 ? written(a) : a;
+  };
+  auto scales = [&](bool out) {
+    Arg a = state_arg({blocks}, uniform(0.01, 2));
+    a.expandable = !out;
+    return a;
+  };
+  Arg w = master ? master_arg(shape) : absent_arg();
+  w.expandable = pass == 2;  // pass 2 does not write it
+  const int64_t count = static_cast<int64_t>(segments.size()) / 2;
+  c.args = {pass == 1 ? written(arg(shape)) : arg(shape),
+            arg(shape),
+            codes(),
+            codes(),
+            scales(pass == 2),
+            scales(pass == 2),
+            w,
+            fixed_arg({count, 2}, std::move(segments), DType::i64),
+            scales(pass == 1),
+            scales(pass == 1)};
+  if (master) {
+    c.dtypes = {DType::f32, DType::f16, DType::bf16};
+    c.prepare = [](Arrays& in, DType) { in[0] = in[6]; };
+  }
+  c.ref = [h, pass](const Arrays& in, DType dt) {
+    return ref::adamw8bit_segments(in, pass, h.t, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                                   dt);
+  };
+  c.exact = true;
+  c.layouts = {Layout::contiguous};  // the op takes contiguous operands only
+  c.attrs = op_attrs::adamw(h.t, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay);
+  c.attrs.k = pass;
+  c.out_dtype = [pass, master](DType dt, size_t k) {
+    if (pass == 2) return k < 2 ? DType::u8 : state_dtype(dt);
+    return k == 0 ? dt : master && k == 1 ? DType::f32 : state_dtype(dt);
+  };
+  return c;
+}
+
+void adamw8bit_segments_errors() {
+  const Tensor p = zeros({300}), g = zeros({300});
+  const Tensor c1 = zeros({300}, DType::u8), c2 = zeros({300}, DType::u8);
+  const Tensor a1 = zeros({4}), a2 = zeros({4}), n1 = zeros({4}), n2 = zeros({4});
+  auto step = [&](const std::vector<double>& seg, int pass = 1, const Tensor& new1 = Tensor()) {
+    const Tensor s = Tensor::from_vector<double>(seg, {static_cast<int64_t>(seg.size()) / 2, 2})
+                         .cast(DType::i64);
+    adamw8bit_segments_(p, g, c1, c2, a1, a2, Tensor(), s, new1.defined() ? new1 : n1, n2, pass,
+                        1, 1e-3, 0.9, 0.999, 1e-8, 0.0);
+  };
+  expect_error("adamw8bit_segments_ a segment of 257 elements", [&] { step({257, 0, 300, 1}); });
+  expect_error("adamw8bit_segments_ segments ending short of the param",
+               [&] { step({100, 0, 200, 1}); });
+  expect_error("adamw8bit_segments_ blocks not increasing", [&] { step({100, 1, 300, 1}); });
+  expect_error("adamw8bit_segments_ a block past the scales", [&] { step({100, 0, 300, 4}); });
+  expect_error("adamw8bit_segments_ pass 3", [&] { step({100, 0, 300, 1}, 3); });
+  expect_error("adamw8bit_segments_ new scales of another length",
+               [&] { step({100, 0, 300, 1}, 1, zeros({3})); });
+  try {
+    step({100, 0, 50, 1});
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK_MESSAGE(msg.find("adamw8bit_segments_: segment 1 ends at element 50 after the "
+                           "previous one's end 100") != std::string::npos,
+                  msg);
+  }
+}
+
+OpSweep adamw8bit_segments_sweep() {
+  OpSweep s{OpId::adamw8bit_segments_, kFloats, kNonFloat, {}, {}};
+  // 300 elements in blocks 0, 1 and 3 of 5 (64, 64 and 172 of their elements).
+  const std::vector<double> three = {64, 0, 128, 1, 300, 3};
+  for (int pass : {1, 2}) {
+    const std::string p = fmt::format("pass {}", pass);
+    s.cases.push_back(adamw8bit_segments_case(p + " [5, 60] in 3 segments of 5 blocks", {5, 60}, 5,
+                                              three, pass, {}, false));
+    s.cases.push_back(adamw8bit_segments_case(
+        p + " [300] t 10 betas (0.8, 0.99) eps 1e-6, master", {300}, 5, three, pass,
+        {10, 0.05, 0.8, 0.99, 1e-6, 0.01}, true));
+    s.cases.push_back(adamw8bit_segments_case(p + " one element in one of 2 blocks", {1}, 2,
+                                              {1, 1}, pass, {3}, false));
+    s.cases.push_back(adamw8bit_segments_case(p + " [0] (no segments)", {0}, 2, {}, pass, {},
+                                              false));
+  }
+  // Many segments: threads take runs of them (runs of 48 of every block of 256, 40 blocks).
+  std::vector<double> many;
+  for (int64_t b = 0; b < 40; ++b) many.insert(many.end(), {double(48 * (b + 1)), double(b)});
+  for (int pass : {1, 2}) {
+    s.cases.push_back(adamw8bit_segments_case(fmt::format("pass {} [40, 48] in 40 segments", pass),
+                                              {40, 48}, 40, many, pass, {2}, false));
+  }
+  s.extra = [] { adamw8bit_segments_errors(); };
   return s;
 }
 
@@ -636,8 +744,9 @@ OpSweep adafactor_apply_sweep() {
 }
 
 std::vector<OpSweep> optim_sweeps() {
-  return {adamw_sweep(),           adamw8bit_sweep(),      sgd_sweep(),
-          adafactor_stats_sweep(), adafactor_norm_sweep(), adafactor_apply_sweep()};
+  return {adamw_sweep(),           adamw8bit_sweep(),      adamw8bit_segments_sweep(),
+          sgd_sweep(),             adafactor_stats_sweep(), adafactor_norm_sweep(),
+          adafactor_apply_sweep()};
 }
 
 }  // namespace tessera::sweep

@@ -182,6 +182,13 @@ int nearest_code(const std::vector<double>& map, double x);
 std::vector<NdArray> adamw8bit(const std::vector<NdArray>& in, int64_t t, double lr,
                                double beta1, double beta2, double eps, double weight_decay,
                                DType dt);
+// One pass of adamw8bit_segments_ (tensor/ops.h), emulated as adamw8bit above, element by
+// element with its segment's block's scales: inputs as the op's (master absent: none);
+// outputs pass 1 {param[, master], new_absmax, new_sq_absmax}, pass 2 {exp_avg codes,
+// exp_avg_sq codes, exp_avg_absmax, exp_avg_sq_absmax}.
+std::vector<NdArray> adamw8bit_segments(const std::vector<NdArray>& in, int pass, int64_t t,
+                                        double lr, double beta1, double beta2, double eps,
+                                        double weight_decay, DType dt);
 // One torch.optim.SGD step at 1-based step t: {param, momentum_buffer (absent when
 // momentum == 0)}; at t == 1 the buffer starts as the decayed gradient (its input is
 // ignored, and may be absent).

@@ -94,6 +94,35 @@ int nearest_code(const std::vector<double>& map, double x) {
 
 namespace {
 
+// AdamW's constants and one element's step in the state type S, as the kernel rounds them.
+template <typename S>
+struct Adam8Element {
+  S decay, w1, b2, w2, bc2_sqrt, e, step_size;
+  Adam8Element(int64_t t, double lr, double beta1, double beta2, double eps, double weight_decay) {
+    const double tt = static_cast<double>(t);
+    decay = S(1.0 - lr * weight_decay);
+    w1 = S(1.0 - beta1);
+    b2 = S(beta2);
+    w2 = S(1.0 - beta2);
+    bc2_sqrt = S(std::sqrt(1.0 - std::pow(beta2, tt)));
+    e = S(eps);
+    step_size = S(lr / (1.0 - std::pow(beta1, tt)));
+  }
+  // The moments from codes k1, k2 on scales s1, s2 and gradient g.
+  std::pair<S, S> moments(double k1, double k2, S s1, S s2, S g) const {
+    static const std::vector<double> map1 = dynamic_map(true), map2 = dynamic_map(false);
+    S mi = S(map1[static_cast<size_t>(k1)]) * s1;
+    mi = mi + w1 * (g - mi);
+    const S vi = (S(map2[static_cast<size_t>(k2)]) * s2) * b2 + w2 * (g * g);
+    return {mi, vi};
+  }
+  S param(S x, S mi, S vi) const {
+    x = x * decay;
+    const S denom = std::sqrt(vi) / bc2_sqrt + e;
+    return x - step_size * (mi / denom);
+  }
+};
+
 template <typename S>
 std::vector<NdArray> adamw8bit_in(const std::vector<NdArray>& in, int64_t t, double lr,
                                   double beta1, double beta2, double eps, double weight_decay,
@@ -102,40 +131,31 @@ std::vector<NdArray> adamw8bit_in(const std::vector<NdArray>& in, int64_t t, dou
   const bool master = in.size() > 6 && in[6].defined;
   NdArray p = in[0], c1 = in[2], c2 = in[3], a1 = in[4], a2 = in[5];
   NdArray w = master ? in[6] : NdArray();
-  const double tt = static_cast<double>(t);
-  const S decay = S(1.0 - lr * weight_decay), w1 = S(1.0 - beta1), b2 = S(beta2),
-          w2 = S(1.0 - beta2), bc2_sqrt = S(std::sqrt(1.0 - std::pow(beta2, tt))), e = S(eps),
-          step_size = S(lr / (1.0 - std::pow(beta1, tt)));
+  const Adam8Element<S> k(t, lr, beta1, beta2, eps, weight_decay);
   const int64_t n = p.numel();
   for (int64_t b0 = 0; b0 < n; b0 += 256) {
     const int64_t b = b0 / 256, len = std::min<int64_t>(256, n - b0);
     const S s1 = S(a1.data[b]), s2 = S(a2.data[b]);
     std::vector<S> m(len), v(len);
     S max1 = 0, max2 = 0;
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t i = b0 + k;
-      S x = master ? S(w.data[i]) : S(p.data[i]);
-      const S g = S(in[1].data[i]);
-      x = x * decay;
-      S mi = S(map1[static_cast<size_t>(c1.data[i])]) * s1;
-      mi = mi + w1 * (g - mi);
-      const S vi = (S(map2[static_cast<size_t>(c2.data[i])]) * s2) * b2 + w2 * (g * g);
-      const S denom = std::sqrt(vi) / bc2_sqrt + e;
-      x = x - step_size * (mi / denom);
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t i = b0 + j;
+      const auto [mi, vi] = k.moments(c1.data[i], c2.data[i], s1, s2, S(in[1].data[i]));
+      const S x = k.param(master ? S(w.data[i]) : S(p.data[i]), mi, vi);
       if (master) w.data[i] = x;
       p.data[i] = round_to(static_cast<double>(x), dt);
-      m[k] = mi;
-      v[k] = vi;
+      m[j] = mi;
+      v[j] = vi;
       max1 = std::max(max1, std::fabs(mi));
       max2 = std::max(max2, vi);
     }
     a1.data[b] = max1;
     a2.data[b] = max2;
-    for (int64_t k = 0; k < len; ++k) {
+    for (int64_t j = 0; j < len; ++j) {
       // The normalised value in the state type; 0 for an all-zero block.
-      const S x1 = max1 > 0 ? m[k] / max1 : S(0), x2 = max2 > 0 ? v[k] / max2 : S(0);
-      c1.data[b0 + k] = nearest_code(map1, static_cast<double>(x1));
-      c2.data[b0 + k] = nearest_code(map2, static_cast<double>(x2));
+      const S x1 = max1 > 0 ? m[j] / max1 : S(0), x2 = max2 > 0 ? v[j] / max2 : S(0);
+      c1.data[b0 + j] = nearest_code(map1, static_cast<double>(x1));
+      c2.data[b0 + j] = nearest_code(map2, static_cast<double>(x2));
     }
   }
   std::vector<NdArray> out = {p, c1, c2, a1, a2};
@@ -143,7 +163,61 @@ std::vector<NdArray> adamw8bit_in(const std::vector<NdArray>& in, int64_t t, dou
   return out;
 }
 
+template <typename S>
+std::vector<NdArray> adamw8bit_segments_in(const std::vector<NdArray>& in, int pass, int64_t t,
+                                           double lr, double beta1, double beta2, double eps,
+                                           double weight_decay, DType dt) {
+  static const std::vector<double> map1 = dynamic_map(true), map2 = dynamic_map(false);
+  const bool master = in[6].defined;
+  NdArray p = in[0], c1 = in[2], c2 = in[3], a1 = in[4], a2 = in[5], w = in[6];
+  const NdArray& seg = in[7];
+  NdArray n1 = in[8], n2 = in[9];
+  const Adam8Element<S> k(t, lr, beta1, beta2, eps, weight_decay);
+  if (pass == 1) n1 = NdArray::zeros(n1.shape), n2 = NdArray::zeros(n2.shape);
+  int64_t start = 0;
+  for (int64_t s = 0; s < seg.numel() / 2; ++s) {
+    const int64_t end = static_cast<int64_t>(seg.data[2 * s]);
+    const size_t b = static_cast<size_t>(seg.data[2 * s + 1]);
+    S max1 = 0, max2 = 0;
+    for (int64_t i = start; i < end; ++i) {
+      const auto [mi, vi] =
+          k.moments(c1.data[i], c2.data[i], S(a1.data[b]), S(a2.data[b]), S(in[1].data[i]));
+      if (pass == 1) {
+        const S x = k.param(master ? S(w.data[i]) : S(p.data[i]), mi, vi);
+        if (master) w.data[i] = x;
+        p.data[i] = round_to(static_cast<double>(x), dt);
+        max1 = std::max(max1, std::fabs(mi));
+        max2 = std::max(max2, vi);
+      } else {
+        const S d1 = S(n1.data[b]), d2 = S(n2.data[b]);
+        c1.data[i] = nearest_code(map1, static_cast<double>(d1 > 0 ? mi / d1 : S(0)));
+        c2.data[i] = nearest_code(map2, static_cast<double>(d2 > 0 ? vi / d2 : S(0)));
+      }
+    }
+    if (pass == 1) n1.data[b] = max1, n2.data[b] = max2;
+    start = end;
+  }
+  if (pass == 1) {
+    std::vector<NdArray> out = {p};
+    if (master) out.push_back(w);
+    out.insert(out.end(), {n1, n2});
+    return out;
+  }
+  return {c1, c2, n1, n2};  // the scales become the new ones
+}
+
 }  // namespace
+
+std::vector<NdArray> adamw8bit_segments(const std::vector<NdArray>& in, int pass, int64_t t,
+                                        double lr, double beta1, double beta2, double eps,
+                                        double weight_decay, DType dt) {
+  if (in.size() != 10) throw std::invalid_argument("ref::adamw8bit_segments: expected 10 inputs");
+  if (pass != 1 && pass != 2) throw std::invalid_argument("ref::adamw8bit_segments: pass 1 or 2");
+  if (dt == DType::f64) {
+    return adamw8bit_segments_in<double>(in, pass, t, lr, beta1, beta2, eps, weight_decay, dt);
+  }
+  return adamw8bit_segments_in<float>(in, pass, t, lr, beta1, beta2, eps, weight_decay, dt);
+}
 
 std::vector<NdArray> adamw8bit(const std::vector<NdArray>& in, int64_t t, double lr,
                                double beta1, double beta2, double eps, double weight_decay,

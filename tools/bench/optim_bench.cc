@@ -1,15 +1,20 @@
 // The fused optimizer updates' throughput on the CPU: adamw_ (f32 moments) and adamw8bit_
-// (8-bit moments, tensor/quant8.h) over the same f32 parameter, Adafactor's step on as many
-// elements (its three fused passes, and written with ops), beside a plain copy of the same
-// bytes (the machine's memory bandwidth, the ceiling for an update). Rounds alternate the
-// five; each figure is the median over the rounds of each round's median time.
+// (8-bit moments, tensor/quant8.h) over the same f32 parameter, adamw8bit_segments_'s two
+// passes on it as a tp shard that cuts blocks (runs of 384 of a 768-wide row-parallel
+// weight on tp 2, GPT-2 small's attn.c_proj; the max all-reduce between the passes, of
+// [2, blocks] values, is not timed), Adafactor's step on as many elements (its three fused
+// passes, and written with ops), beside a plain copy of the same bytes (the machine's memory
+// bandwidth, the ceiling for an update). Rounds alternate the six; each figure is the
+// median over the rounds of each round's median time.
 //
 //   bazel run -c opt //tools/bench:optim_bench -- --numel 16777216 --threads 2 --rounds 5
 //
 // Bytes per element, read + written once each: adamw_ 28 (param, grad, exp_avg, exp_avg_sq
 // read; param and both moments written), adamw8bit_ 12 + 4 + 2 x 8/256 (param and grad read,
 // param written: 12; two u8 codes read and written: 4; the f32 absmax of each block read and
-// written), copy 8 (read + write of an f32). elements/s is the figure that matters to a
+// written), the two passes 22 + 4 x 8/256 (pass 1 reads param, grad and both codes and
+// writes param; pass 2 reads grad and the codes and writes the codes), copy 8 (read + write
+// of an f32). elements/s is the figure that matters to a
 // training step: the 8-bit update moves fewer bytes, so its GB/s is lower at equal speed.
 #include <algorithm>
 #include <cstdio>
@@ -29,7 +34,7 @@ int main(int argc, char** argv) {
   using namespace tessera;
   int64_t numel = int64_t{1} << 24;
   int64_t threads = 2, rounds = 5, reps = 9;
-  models::Flags f("optim_bench", "adamw_ and adamw8bit_ throughput beside a copy.");
+  models::Flags f("optim_bench", "the fused optimizer updates' throughput beside a copy.");
   f.bind("numel", numel, "parameter elements (f32)");
   f.bind("threads", threads, "kernel threads");
   f.bind("rounds", rounds, "alternating rounds");
@@ -45,6 +50,20 @@ int main(int argc, char** argv) {
   const Tensor c2 = zeros({numel}, DType::u8);
   const Tensor a1 = zeros({blocks}), a2 = zeros({blocks});
   const Tensor src = randn({numel}), dst = zeros({numel});
+  // The segments of runs of 384 elements, 768 apart: blocks 3r (256) and 3r + 1 (128).
+  std::vector<int64_t> seg;
+  for (int64_t e = 0; e < numel;) {
+    const int64_t o = e % 384, at = e / 384 * 768 + o;
+    const int64_t len = std::min({384 - o, kQuant8Block - at % kQuant8Block, numel - e});
+    seg.insert(seg.end(), {e + len, at / kQuant8Block});
+    e += len;
+  }
+  const int64_t whole_blocks = seg.back() + 1;
+  const Tensor segments =
+      Tensor::from_vector<int64_t>(seg, {static_cast<int64_t>(seg.size()) / 2, 2});
+  const Tensor s1 = zeros({whole_blocks}), s2 = zeros({whole_blocks});
+  const Tensor n1 = zeros({whole_blocks}), n2 = zeros({whole_blocks});
+  int64_t ts = 0;
   int64_t t = 0, t8 = 0;
   const bench::Timing timing{static_cast<int>(reps), 2, 50.0, false};
   struct Row {
@@ -67,6 +86,7 @@ int main(int argc, char** argv) {
   optim::Adafactor adafactor_ops(std::vector<Tensor>{af_q}, af_options);
   std::vector<Row> rows = {{"adamw_ (f32 moments)", 28.0, {}},
                            {"adamw8bit_ (8-bit moments)", 16.0 + 16.0 / kQuant8Block, {}},
+                           {"adamw8bit_segments_ x 2", 22.0 + 32.0 / kQuant8Block, {}},
                            {"Adafactor step (fused)", 12.0, {}},
                            {"Adafactor step (ops)", 12.0, {}},
                            {"copy (f32)", 8.0, {}}};
@@ -78,14 +98,21 @@ int main(int argc, char** argv) {
       adamw8bit_(p, g, c1, c2, a1, a2, ++t8, 1e-4, 0.9, 0.999, 1e-8, 0.01);
     }));
     rows[2].ms.push_back(bench::median_ms(timing, [&] {
+      ++ts;
+      for (int pass : {1, 2}) {
+        adamw8bit_segments_(p, g, c1, c2, s1, s2, Tensor(), segments, n1, n2, pass, ts, 1e-4,
+                            0.9, 0.999, 1e-8, 0.01);
+      }
+    }));
+    rows[3].ms.push_back(bench::median_ms(timing, [&] {
       af_p.set_grad(af_g);
       adafactor.step();
     }));
-    rows[3].ms.push_back(bench::median_ms(timing, [&] {
+    rows[4].ms.push_back(bench::median_ms(timing, [&] {
       af_q.set_grad(af_g);
       adafactor_ops.step();
     }));
-    rows[4].ms.push_back(bench::median_ms(timing, [&] { dst.copy_(src); }));
+    rows[5].ms.push_back(bench::median_ms(timing, [&] { dst.copy_(src); }));
   }
   std::printf("%lld f32 elements, %lld threads, median of %lld rounds x %lld reps\n",
               static_cast<long long>(numel), static_cast<long long>(threads),
