@@ -4,7 +4,8 @@
 //   copy        cudaMemcpyAsync device-to-device (the bandwidth ceiling; read + write bytes)
 //   matmul      f32 (TF32 off / on), bf16, f16 at 4096^3, 8192^3 and GPT-2 124M's shapes
 //   elementwise add of two 256 MiB f32 tensors, gelu, bf16 add, clone
-//   adamw       optim::AdamW::step over GPT-2 124M's 148 parameter tensors (28 B/param)
+//   adamw       optim::AdamW::step over GPT-2 124M's 148 parameter tensors (28 B/param), and
+//               optim::AdamW8bit::step (16 + 16/256 B/param from 4096 elements, 28 below)
 //   attention   causal bf16 forward and forward + backward, B=8 H=12 T=1024 D=64
 // Prints a markdown table and, with --json=PATH, one JSON line per row.
 //
@@ -23,6 +24,7 @@
 #include "kernels/cuda/runtime.h"
 #include "models/common/flags.h"
 #include "optim/adamw.h"
+#include "optim/adamw8bit.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
 
@@ -236,6 +238,31 @@ class Bench {
       r.ms = median_ms(o_, [&](int) { opt.step(); });
       // Read: param, grad, exp_avg, exp_avg_sq; written: param, exp_avg, exp_avg_sq.
       r.gbps = 28.0 * static_cast<double>(count) / (r.ms * 1e6);
+      if (ceiling_gbps_ > 0) r.note = fmt::format("{:.0f}% of copy", 100 * r.gbps / ceiling_gbps_);
+    });
+    run("adamw", "optim::AdamW8bit::step, 148 tensors", "GPT-2 124M", "f32", [&](Row& r) {
+      std::vector<Tensor> params;
+      int64_t count = 0;
+      double bytes = 0;
+      for (const Shape& s : gpt2_shapes()) {
+        Tensor p = random_on(s, DType::f32, o_.device, 0.02);
+        p.requires_grad_();
+        p.set_grad(random_on(s, DType::f32, o_.device, 1e-3));
+        params.push_back(p);
+        const int64_t n = numel_of(s);
+        count += n;
+        // 8-bit from 4096 elements: param and grad read, param written (12), both codes read
+        // and written (4), two scales per block read and written; below, adamw_'s 28.
+        bytes += (n >= 4096 ? 16.0 + 16.0 / 256 : 28.0) * static_cast<double>(n);
+      }
+      optim::AdamW8bitOptions ao;
+      ao.lr = 1e-4;
+      ao.betas = {0.9, 0.95};
+      ao.weight_decay = 0.1;
+      optim::AdamW8bit opt(params, ao);
+      r.shape = fmt::format("{} tensors, {} params", params.size(), count);
+      r.ms = median_ms(o_, [&](int) { opt.step(); });
+      r.gbps = bytes / (r.ms * 1e6);
       if (ceiling_gbps_ > 0) r.note = fmt::format("{:.0f}% of copy", 100 * r.gbps / ceiling_gbps_);
     });
   }
