@@ -162,8 +162,19 @@ struct DistributedDataParallel::State {
     // gradients cost one copy of the parameters, not two.
     for (int s : bucket.slots) slot_grad_to_view(bucket, s);
     CommCause cause(fmt::format("ddp bucket {}", k), CommKind::gradients);
-    bucket.work = comm->all_reduce_async(bucket.buffer,
-                                         options.average ? ReduceOp::avg : ReduceOp::sum);
+    if (options.comm_hook) {
+      GradBucket gb{k, bucket.buffer, {}, {}, options.average};
+      for (int s : bucket.slots) {
+        gb.gradients.push_back(view_of(bucket, s));
+        gb.names.push_back(slots[s].name);
+      }
+      bucket.work = options.comm_hook->reduce(*comm, gb);
+      TS_CHECK(bucket.work != nullptr, "{}: comm hook '{}' returned no work for bucket {}",
+               kName, options.comm_hook->name(), k);
+    } else {
+      bucket.work = comm->all_reduce_async(bucket.buffer,
+                                           options.average ? ReduceOp::avg : ReduceOp::sum);
+    }
     ++(from_hook ? stats.launched_in_backward : stats.launched_in_finish);
   }
 
@@ -271,6 +282,9 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, Communicato
   nn::NamedTensors named;
   for (const State::Slot& slot : st.slots) named.emplace_back(slot.name, slot.param);
   uint64_t options_hash = static_cast<uint64_t>(options.bucket_bytes) * 2 + (options.average ? 1 : 0);
+  if (options.comm_hook) {  // every member must reduce its buckets the same way
+    hash_bytes(options_hash, options.comm_hook->name().data(), options.comm_hook->name().size());
+  }
   check_same_parameters(comm, kName, named, options_hash);
   if (options.check_replicas) check_replicas();
 
@@ -318,6 +332,7 @@ void DistributedDataParallel::finish() {
     // that replaced a .grad() between launch and here gets the view back.
     for (int s : bucket.slots) st.slot_grad_to_view(bucket, s);
   }
+  if (st.options.comm_hook) st.options.comm_hook->end_round();
   ++st.stats.rounds;
 }
 

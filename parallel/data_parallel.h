@@ -31,6 +31,7 @@
 
 #include "nn/module.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/comm_hook.h"
 
 namespace tessera::parallel {
 
@@ -38,6 +39,9 @@ struct DdpOptions {
   int64_t bucket_bytes = int64_t{25} << 20;  // 25 MiB, PyTorch's default
   bool average = true;         // all_reduce avg (sum / group size); false: plain sum
   bool check_replicas = true;  // at construction: every rank's parameters equal rank 0's
+  // Reduces each bucket instead of the all-reduce (parallel/comm_hook.h: PowerSGD, ...);
+  // shared, so its state outlives a DDP rebuilt around it. Null: the all-reduce.
+  std::shared_ptr<CommHook> comm_hook = nullptr;
 };
 
 // Collective: every member throws the same Error unless all agree on the names, shapes and
