@@ -33,6 +33,11 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
            "{}: block_shards must be >= 0 and not combined with row_shards, got block_shards {} "
            "with row_shards {}",
            kName, options.block_shards, options.row_shards);
+  TS_CHECK(!options.comm_hook || options.stage == 0,
+           "{}: comm hook '{}' replaces DDP's bucket all-reduce, which only stage 0 issues; "
+           "stage {} reduce-scatters each segment's gradients, which no hook compresses yet "
+           "(use stage 0)",
+           kName, options.comm_hook ? options.comm_hook->name() : "", options.stage);
   State& st = *state_;
   st.module = &module;
   st.comm = &comm;
@@ -177,6 +182,7 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     ddp.bucket_bytes = options.bucket_bytes;
     ddp.check_replicas = false;  // checked above
     ddp.average = options.average;
+    ddp.comm_hook = options.comm_hook;
     st.ddp = std::make_unique<DistributedDataParallel>(module, comm, ddp);
     return;
   }

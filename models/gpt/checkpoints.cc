@@ -108,6 +108,8 @@ void add_single_device(models::ShardedCheckpointWriter& w, const nn::StateDict& 
       const size_t dot = key.find('.', 6);
       const size_t i = static_cast<size_t>(std::stoll(key.substr(6, dot - 6)));
       w.add(fmt::format("optim/{}/{}", order.at(i), key.substr(dot + 1)), v);
+    } else if (key.starts_with("comm.")) {  // gradient compression (models/common/comm_hooks.h)
+      w.add("comm/" + key.substr(5), v);
     }
   }
 }
@@ -146,6 +148,7 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> read_single_device(
   for (const char* prefix : {"optim/hparam.", "optim/group."}) {
     for (const std::string& key : r.keys(prefix)) dict[key.substr(6)] = r.read(key);
   }
+  for (const std::string& key : r.keys("comm/")) dict["comm." + key.substr(5)] = r.read(key);
   return {std::move(weights), std::move(dict)};
 }
 

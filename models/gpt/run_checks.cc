@@ -79,6 +79,17 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "dp", c.dp, 1);
   TS_CHECK(c.zero >= 0 && c.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}", c.zero);
   require_at_least(gpt, "accum", c.accum, 1);
+  require_one_of(gpt, "compress", c.compress, {"none", "powersgd"});
+  require_at_least(gpt, "powersgd_rank", c.powersgd_rank, 1);
+  require_at_least(gpt, "powersgd_start", c.powersgd_start, 0);
+  if (c.compress != "none") {
+    TS_CHECK(c.pp == 1 && c.tp == 1 && c.zero == 0,
+             "gpt: --compress={} replaces the data-parallel all-reduce of ZeRO 0; it cannot be "
+             "combined with --zero {} (which reduce-scatters), --pp {} or --tp {} yet",
+             c.compress, c.zero, c.pp, c.tp);
+    TS_CHECK(!c.check, "gpt: --compress={} approximates the gradients, so --check (equality "
+             "with one device) does not apply", c.compress);
+  }
   require_at_least(gpt, "pp", c.pp, 1);
   require_at_least(gpt, "tp", c.tp, 1);
   require_at_least(gpt, "microbatches", c.microbatches, 1);

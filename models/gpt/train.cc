@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "models/common/checkpoint.h"
+#include "models/common/comm_hooks.h"
 #include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/common/run_control.h"
@@ -228,8 +229,17 @@ class GptReplica final : public models::Replica {
     // Initialised on the CPU (the same values everywhere), then moved before the optimizer
     // sees the parameters.
     if (!device_.is_cpu()) model_->to(device_);
+    hook_ = models::make_comm_hook("gpt", config.compress,
+                                   {.rank = config.powersgd_rank,
+                                    .start_iter = config.powersgd_start,
+                                    .seed = static_cast<uint64_t>(config.seed)});
+    TS_CHECK(!hook_ || comm != nullptr,
+             "gpt: --compress={} compresses the data-parallel gradient reduction; it needs "
+             "--dp >= 2 (or mpirun)",
+             config.compress);
     if (comm != nullptr) {
       parallel::ZeroOptions zopt;
+      zopt.comm_hook = hook_;
       zopt.stage = static_cast<int>(config.zero);
       zopt.average = false;  // each rank backpropagates its share of the global mean
       // An optimizer with per-matrix state (Adafactor) gets whole rows of each parameter, one
@@ -266,7 +276,11 @@ class GptReplica final : public models::Replica {
   int64_t resume() {
     if (c_.resume.empty()) return 0;
     // A data-parallel run loads the single-device layout every run saves, whatever its own.
-    const auto apply = [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
+    const auto apply = [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& saved) {
+      // The gradient compression's state (per rank) goes to the hook, the rest to the
+      // optimizer.
+      optim::Optimizer::StateDict state = saved;
+      models::load_hook_state("gpt", hook_.get(), comm_, state);
       if (zero_) {
         zero_->load_model_state_dict(weights);
         zero_->load_optimizer_state_dict(*opt_, state);
@@ -282,10 +296,7 @@ class GptReplica final : public models::Replica {
       apply(weights, state);
       return resumed(c_, sharded_state(reader, scaler_), rank_ == 0, say_);
     }
-    const models::TrainingState s =
-        zero_ ? models::load_checkpoint(c_.resume, apply, scaler_)
-              : models::load_checkpoint(c_.resume, *model_, *opt_, scaler_);
-    return resumed(c_, s, rank_ == 0, say_);
+    return resumed(c_, models::load_checkpoint(c_.resume, apply, scaler_), rank_ == 0, say_);
   }
 
   void zero_grad(int64_t /*step*/, double lr) override {
@@ -353,8 +364,9 @@ class GptReplica final : public models::Replica {
     if (c_.save_sharded) {
       // This layout's ranks each hold the whole model (ZeRO gathers it): rank 0 writes it.
       const nn::StateDict weights = zero_ ? zero_->model_state_dict() : model_->state_dict();
-      const optim::Optimizer::StateDict state =
+      optim::Optimizer::StateDict state =
           zero_ ? zero_->optimizer_state_dict(*opt_) : opt_->state_dict();
+      if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_));
       save_sharded(c_, comm_, step, scaler_, [&](models::ShardedCheckpointWriter& w) {
         if (rank_ == 0) add_single_device(w, weights, state, optimizer_order(*model_));
       });
@@ -366,7 +378,8 @@ class GptReplica final : public models::Replica {
     }
     // Every rank gathers (collective); rank 0 writes the single-device layout.
     const nn::StateDict weights = zero_->model_state_dict();
-    const optim::Optimizer::StateDict state = zero_->optimizer_state_dict(*opt_);
+    optim::Optimizer::StateDict state = zero_->optimizer_state_dict(*opt_);
+    if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_));
     if (rank_ == 0) models::save_checkpoint(c_.save, weights, state, scaler_, s);
     comm_->barrier();  // nobody reads the files before they exist
   }
@@ -377,6 +390,12 @@ class GptReplica final : public models::Replica {
 
   // ZeRO's memory after the first step and its traffic in the second (rank 0 reports).
   void after_step(int64_t run_step, const parallel::CommLog& log) override {
+    if (hook_) {
+      const parallel::CommHook::Traffic t = hook_->last_round();
+      if (t.uncompressed > 0) {
+        result_.compress_ratio = static_cast<double>(t.sent) / static_cast<double>(t.uncompressed);
+      }
+    }
     if (zero_ && run_step == 0) {
       parallel::ZeroMemory m = zero_->memory_report();
       m.state_per_param = models::optimizer_state_formula_bytes(
@@ -399,9 +418,20 @@ class GptReplica final : public models::Replica {
   }
 
   std::string line_suffix() const override {
-    if (!scaler_.enabled()) return "";
-    return fmt::format("  loss scale {:g} (skipped {})", scaler_.scale_value(),
-                       scaler_.skipped_steps());
+    std::string out;
+    if (scaler_.enabled()) {
+      out += fmt::format("  loss scale {:g} (skipped {})", scaler_.scale_value(),
+                         scaler_.skipped_steps());
+    }
+    if (hook_) {
+      // The last step's gradient elements on the wire against an exact all-reduce's.
+      const parallel::CommHook::Traffic t = hook_->last_round();
+      out += fmt::format("  {} sent {} of {} gradient elements ({:.3g}x)", hook_->name(), t.sent,
+                         t.uncompressed,
+                         t.sent > 0 ? static_cast<double>(t.uncompressed) / static_cast<double>(t.sent)
+                                    : 1.0);
+    }
+    return out;
   }
 
  private:
@@ -421,6 +451,7 @@ class GptReplica final : public models::Replica {
   const GptData batches_;
   int64_t rank_, ranks_;
   std::unique_ptr<Gpt> model_;
+  std::shared_ptr<parallel::CommHook> hook_;  // --compress (null: none)
   std::unique_ptr<parallel::ZeroDataParallel> zero_;
   std::unique_ptr<optim::Optimizer> opt_;
   optim::DynamicLossScaler scaler_;

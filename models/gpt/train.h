@@ -112,6 +112,12 @@ struct GptTrainConfig {
   int64_t dp = 1;
   int64_t zero = 0;
   int64_t accum = 1;
+  // Gradient compression over dp (parallel/powersgd.h): none, or powersgd (rank
+  // powersgd_rank, after powersgd_start exact steps; ZeRO 0, no pp/tp). Checkpoints keep each
+  // rank's error feedback and the warm-start factors (a resume needs the same --dp).
+  std::string compress = "none";
+  int64_t powersgd_rank = 1;
+  int64_t powersgd_start = 10;
   // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
   // (ZeRO 0-3 over dp), `microbatches` per dp rank and pipeline run by `schedule` (gpipe,
   // 1f1b, interleaved with `chunks` model chunks per rank), `accum` runs per step. Every
@@ -169,6 +175,9 @@ struct GptResult {
   bool check_ok = true;
   std::string check_report;
   double comm_per_step = 0.0;
+  // --compress: the gradient elements the last step sent over the elements of an exact
+  // all-reduce (1 before compression starts).
+  double compress_ratio = 1.0;
 };
 
 // Runs the ranks (threads, or this process's part under mpirun) and returns rank 0's result.

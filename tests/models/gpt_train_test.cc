@@ -785,6 +785,69 @@ TEST_CASE("--optimizer=adamw8bit: learns; state bytes the formula; ZeRO, dp and 
                  "--optimizer=adamw8bit (got --optimizer=adamw)"));
 }
 
+TEST_CASE("--compress=powersgd on dp: exact steps first, then 1/16 of the elements; bitwise resume") {
+  // PowerSGD at rank 1 after 3 exact steps (tests/parallel/powersgd_test checks the
+  // algorithm against an f64 reference and PyTorch's hook; this checks gpt's wiring).
+  GptTrainConfig c = short_run(8);
+  c.dp = 2;
+  const GptResult exact = train_gpt(c);
+  c.compress = "powersgd";
+  c.powersgd_start = 3;
+  const GptResult full = train_gpt(c);
+  REQUIRE(full.losses.size() == 8);
+  // Steps 0-2 reduce exactly, so the loss of step 3 (before its reduction) is still the same.
+  for (size_t k = 0; k < 4; ++k) CHECK(full.losses[k] == exact.losses[k]);
+  CHECK(full.losses[5] != exact.losses[5]);
+  // tiny()'s matrices at rank 1 ((n + m) of n m elements) and its vectors whole.
+  int64_t total = 0, sent = 0;
+  for (const auto& [name, t] : Gpt(c.model_config()).named_parameters()) {
+    total += t.numel();
+    if (t.dim() < 2) {
+      sent += t.numel();
+      continue;
+    }
+    const int64_t n = t.size(0), m = t.numel() / n;
+    sent += n * m > 2 * (n + m) ? n + m : n * m;
+  }
+  MESSAGE("powersgd on tiny(): ", full.compress_ratio, " of the elements (formula ",
+          static_cast<double>(sent) / static_cast<double>(total), ")");
+  CHECK(std::abs(full.compress_ratio - static_cast<double>(sent) / static_cast<double>(total)) <
+        1e-12);
+  // Saved at step 4 (one file, and sharded) with every rank's error feedback and the Qs:
+  // resumed on dp 2, bitwise the uninterrupted run.
+  c.max_steps = 4;
+  for (bool sharded : {false, true}) {
+    CAPTURE(sharded);
+    GptTrainConfig save = c;
+    save.save = temp_dir() + (sharded ? "/gpt_powersgd" : "/gpt_powersgd.safetensors");
+    save.save_sharded = sharded;
+    train_gpt(save);
+    GptTrainConfig rest = c;
+    rest.max_steps = 0;
+    rest.resume = save.save;
+    const GptResult r = train_gpt(rest);
+    REQUIRE(r.losses.size() == 4);
+    for (size_t k = 0; k < 4; ++k) CHECK(r.losses[k] == full.losses[4 + k]);
+    // On another number of ranks the per-rank error feedback has no place: refused.
+    rest.dp = 4;
+    CHECK(contains(error_of([&] { train_gpt(rest); }),
+                   "gpt: the checkpoint holds the gradient compression state of 2 data-parallel "
+                   "ranks"));
+  }
+  // What it does not combine with yet, and what it needs.
+  GptTrainConfig bad = c;
+  bad.zero = 1;
+  CHECK(contains(error_of([&] { train_gpt(bad); }),
+                 "gpt: --compress=powersgd replaces the data-parallel all-reduce of ZeRO 0; it "
+                 "cannot be combined with --zero 1"));
+  bad = c;
+  bad.dp = 1;
+  CHECK(contains(error_of([&] { train_gpt(bad); }), "it needs --dp >= 2 (or mpirun)"));
+  bad = c;
+  bad.compress = "onebit";
+  CHECK(contains(error_of([&] { train_gpt(bad); }), "compress"));
+}
+
 TEST_CASE("--optimizer=adamw8bit on tp: checkpoints hold the scales in the single device's block order") {
   // Width 512: every 8-bit tensor's tp shard is whole blocks (tests/models/gpt_check_test);
   // width 128: attn.c_proj's shards cut its blocks, and every holder keeps all its scales.

@@ -24,19 +24,18 @@ TEST_CASE("PowerSGD over mpi: each rank's gradients equal the f64 reference; res
   for (int64_t rank : {1, 2}) {
     CAPTURE(rank);
     const PowerSgdOptions o{.rank = rank, .start_iter = 2, .initial_q = q0_of};
-    const RankRun run = run_rank(*world, 0, 6, o);
-    std::map<std::string, int> index_in_bucket;
-    for (size_t j = 0; j < run.bucket_names.size(); ++j) {
-      index_in_bucket[run.bucket_names[j]] = static_cast<int>(j);
-    }
+    // At rank 1, buckets of 600 bytes (three: their P all-reduces in flight together).
+    const int64_t bucket_bytes = rank == 1 ? 600 : int64_t{25} << 20;
+    const RankRun run = run_rank(*world, 0, 6, o, nullptr, bucket_bytes);
+    CHECK(run.places.at("w1").first == (rank == 1 ? 2 : 0));
     std::vector<RefParam> ref = ref_params(world->size(), rank);
-    const auto want = reference(ref, world->size(), 6, 2, index_in_bucket);
+    const auto want = reference(ref, world->size(), 6, 2, run.places);
     const double worst = worst_relative(run.grads, want);
     MESSAGE("mpi rank ", world->rank(), " of 4, PowerSGD rank ", rank, ": largest relative difference ", worst);
     CHECK(worst <= 1e-12);
     // Rounds 3-5 again from the state after round 2.
-    const RankRun head = run_rank(*world, 0, 3, o);
-    const RankRun tail = run_rank(*world, 3, 3, o, &head.state);
+    const RankRun head = run_rank(*world, 0, 3, o, nullptr, bucket_bytes);
+    const RankRun tail = run_rank(*world, 3, 3, o, &head.state, bucket_bytes);
     for (size_t t = 0; t < 3; ++t) CHECK(tail.grads[t] == run.grads[3 + t]);
     ++configs;
   }

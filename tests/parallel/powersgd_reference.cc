@@ -94,8 +94,7 @@ std::vector<RefParam> ref_params(int ranks, int64_t rank) {
 }
 
 std::vector<std::vector<Mat>> reference(std::vector<RefParam>& params, int ranks, int rounds,
-                                        int64_t start_iter,
-                                        const std::map<std::string, int>& index_in_bucket) {
+                                        int64_t start_iter, const Places& places) {
   std::vector<std::vector<Mat>> out;
   for (int t = 0; t < rounds; ++t) {
     std::vector<Mat> results;
@@ -119,7 +118,8 @@ std::vector<std::vector<Mat>> reference(std::vector<RefParam>& params, int ranks
         for (double& x : result) x /= ranks;
       } else {
         if (p.q.empty()) {
-          const Tensor q0 = q0_of(0, index_in_bucket.at(p.name), {p.cols, p.r});
+          const auto [bucket, index] = places.at(p.name);
+          const Tensor q0 = q0_of(bucket, index, {p.cols, p.r});
           p.q = q0.to_vector<double>();
         }
         gram_schmidt_ref(p.q, p.cols, p.r);
@@ -156,14 +156,19 @@ std::vector<std::vector<Mat>> reference(std::vector<RefParam>& params, int ranks
 
 
 RankRun run_rank(Communicator& comm, int first, int rounds, const PowerSgdOptions& options,
-                 const std::map<std::string, Tensor>* load) {
+                 const std::map<std::string, Tensor>* load, int64_t bucket_bytes) {
   RankRun me;
   Params model;
   auto hook = std::make_shared<PowerSgd>(options);
   if (load) hook->load_state_dict(*load);
-  DistributedDataParallel ddp(model, comm, {.comm_hook = hook});
-  REQUIRE(ddp.buckets().size() == 1);
-  me.bucket_names = ddp.buckets()[0].names;
+  DistributedDataParallel ddp(model, comm, {.bucket_bytes = bucket_bytes, .comm_hook = hook});
+  const std::vector<DistributedDataParallel::BucketInfo> buckets = ddp.buckets();
+  me.bucket_names = buckets.at(0).names;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    for (size_t j = 0; j < buckets[k].names.size(); ++j) {
+      me.places[buckets[k].names[j]] = {static_cast<int>(k), static_cast<int>(j)};
+    }
+  }
   const nn::NamedTensors params = model.named_parameters();
   for (int t = first; t < first + rounds; ++t) {
     for (size_t k = 0; k < params.size(); ++k) {

@@ -40,24 +40,27 @@ struct RefParam {
 };
 // The parameters of Params for `ranks` ranks at approximation rank `rank`.
 std::vector<RefParam> ref_params(int ranks, int64_t rank);
+// Where DDP put each parameter: (bucket, index in the bucket).
+using Places = std::map<std::string, std::pair<int, int>>;
 // `rounds` rounds of PowerSGD (min_compression_rate 2, error feedback, warm start, Q0 from
-// q0_of by the matrix's index in the bucket) on `ranks` ranks' grad_values; returns
-// result[t][k] (the same on every rank), leaving each parameter's error and Q.
+// q0_of by the matrix's place) on `ranks` ranks' grad_values; returns result[t][k] (the
+// same on every rank), leaving each parameter's error and Q.
 std::vector<std::vector<Mat>> reference(std::vector<RefParam>& params, int ranks, int rounds,
-                                        int64_t start_iter,
-                                        const std::map<std::string, int>& index_in_bucket);
+                                        int64_t start_iter, const Places& places);
 
 struct RankRun {
   std::vector<std::vector<std::vector<double>>> grads;  // [round][param] after finish()
   std::map<std::string, Tensor> state;                   // the hook's, at the end
   std::vector<std::string> bucket_names;                  // bucket 0's, in order
+  Places places;
   std::vector<int64_t> round_bytes;                       // gradient bytes per round
   std::vector<CommHook::Traffic> traffic;
 };
-// This rank's DDP with PowerSGD over `comm`: `rounds` synchronising rounds from `first` on;
-// `load`: the hook's state to resume from.
+// This rank's DDP with PowerSGD over `comm` (buckets of `bucket_bytes`): `rounds`
+// synchronising rounds from `first` on; `load`: the hook's state to resume from.
 RankRun run_rank(Communicator& comm, int first, int rounds, const PowerSgdOptions& options,
-                 const std::map<std::string, Tensor>* load = nullptr);
+                 const std::map<std::string, Tensor>* load = nullptr,
+                 int64_t bucket_bytes = int64_t{25} << 20);
 // The largest difference of every rank's gradients from the reference, relative to each
 // tensor's largest reference value.
 double worst_relative(const std::vector<std::vector<std::vector<double>>>& got,

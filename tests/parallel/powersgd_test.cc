@@ -35,11 +35,12 @@ using testing::error_of;
 
 // run_rank on `ranks` threads.
 std::vector<RankRun> run_ddp(int ranks, int first, int rounds, const PowerSgdOptions& options,
-                             const std::vector<std::map<std::string, Tensor>>* load = nullptr) {
+                             const std::vector<std::map<std::string, Tensor>>* load = nullptr,
+                             int64_t bucket_bytes = int64_t{25} << 20) {
   std::vector<RankRun> out(static_cast<size_t>(ranks));
   run_threads(ranks, [&](CommPtr world) {
     const size_t r = static_cast<size_t>(world->rank());
-    out[r] = run_rank(*world, first, rounds, options, load ? &(*load)[r] : nullptr);
+    out[r] = run_rank(*world, first, rounds, options, load ? &(*load)[r] : nullptr, bucket_bytes);
   });
   return out;
 }
@@ -51,45 +52,51 @@ double max_abs(const std::vector<double>& v) {
 }
 
 TEST_CASE("PowerSGD on DDP equals an independent f64 PowerSGD: gradients, Qs, error feedback") {
+  // One bucket, and buckets of 600 bytes (the kernel, w3 with the bias, w1: three buckets,
+  // whose P all-reduces are in flight together while the first's Q is reduced).
   constexpr int kRounds = 6;
   constexpr int64_t kStart = 2;
   int configs = 0;
   for (int ranks : {2, 4}) {
     for (int64_t rank : {1, 2}) {
-      CAPTURE(ranks);
-      CAPTURE(rank);
-      PowerSgdOptions o{.rank = rank, .start_iter = kStart, .initial_q = q0_of};
-      const std::vector<RankRun> runs = run_ddp(ranks, 0, kRounds, o);
-      std::map<std::string, int> index_in_bucket;
-      for (size_t j = 0; j < runs[0].bucket_names.size(); ++j) {
-        index_in_bucket[runs[0].bucket_names[j]] = static_cast<int>(j);
-      }
-      std::vector<RefParam> ref = ref_params(ranks, rank);
-      CHECK(ref[0].compressed);
-      CHECK_FALSE(ref[1].compressed);
-      CHECK_FALSE(ref[2].compressed);
-      CHECK(ref[3].compressed);
-      const auto want = reference(ref, ranks, kRounds, kStart, index_in_bucket);
-      double worst = 0;
-      for (const RankRun& run : runs) worst = std::max(worst, worst_relative(run.grads, want));
-      MESSAGE("ranks ", ranks, " rank ", rank, ": largest relative difference ", worst);
-      CHECK(worst <= 1e-12);
-      // The warm-start Qs and the errors left after the last round.
-      for (const RefParam& p : ref) {
-        CAPTURE(p.name);
-        const int j = index_in_bucket.at(p.name);
-        if (p.compressed) {
-          const std::vector<double> q = runs[0].state.at(fmt::format("q.0.{}", j)).to_vector<double>();
-          REQUIRE(q.size() == p.q.size());
-          for (size_t i = 0; i < q.size(); ++i) CHECK(std::abs(q[i] - p.q[i]) <= 1e-12 * max_abs(p.q));
-        } else {
-          CHECK(runs[0].state.count(fmt::format("q.0.{}", j)) == 0);
+      for (int64_t bucket_bytes : {int64_t{25} << 20, int64_t{600}}) {
+        CAPTURE(ranks);
+        CAPTURE(rank);
+        CAPTURE(bucket_bytes);
+        PowerSgdOptions o{.rank = rank, .start_iter = kStart, .initial_q = q0_of};
+        const std::vector<RankRun> runs = run_ddp(ranks, 0, kRounds, o, nullptr, bucket_bytes);
+        int buckets = 0;
+        for (const auto& [name, place] : runs[0].places) buckets = std::max(buckets, place.first + 1);
+        CHECK(buckets == (bucket_bytes == 600 ? 3 : 1));
+        std::vector<RefParam> ref = ref_params(ranks, rank);
+        CHECK(ref[0].compressed);
+        CHECK_FALSE(ref[1].compressed);
+        CHECK_FALSE(ref[2].compressed);
+        CHECK(ref[3].compressed);
+        const auto want = reference(ref, ranks, kRounds, kStart, runs[0].places);
+        double worst = 0;
+        for (const RankRun& run : runs) worst = std::max(worst, worst_relative(run.grads, want));
+        MESSAGE("ranks ", ranks, " rank ", rank, " buckets ", buckets,
+                ": largest relative difference ", worst);
+        CHECK(worst <= 1e-12);
+        // The warm-start Qs after the last round.
+        for (const RefParam& p : ref) {
+          CAPTURE(p.name);
+          const auto [bucket, index] = runs[0].places.at(p.name);
+          const std::string key = fmt::format("q.{}.{}", bucket, index);
+          if (p.compressed) {
+            const std::vector<double> q = runs[0].state.at(key).to_vector<double>();
+            REQUIRE(q.size() == p.q.size());
+            for (size_t i = 0; i < q.size(); ++i) CHECK(std::abs(q[i] - p.q[i]) <= 1e-12 * max_abs(p.q));
+          } else {
+            CHECK(runs[0].state.count(key) == 0);
+          }
         }
+        ++configs;
       }
-      ++configs;
     }
   }
-  CHECK(configs == 4);
+  CHECK(configs == 8);
 }
 
 TEST_CASE("PowerSGD's error feedback: what each rank applied plus its last error is the sum of its gradients") {
