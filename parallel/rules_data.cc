@@ -253,6 +253,9 @@ TS_REGISTER_SHARDING_RULE(stack, {.composite = true});
 TS_REGISTER_SHARDING_RULE(split, {.composite = true});
 
 TS_REGISTER_SHARDING_RULE(copy_, {.options = copy_options});
+// Bits of 8 consecutive elements share a byte: whole tensors in and out.
+TS_REGISTER_SHARDING_RULE(sign_pack, {.options = replicated_update});
+TS_REGISTER_SHARDING_RULE(sign_unpack, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(adamw_, {.options = like_param});
 TS_REGISTER_SHARDING_RULE(adamw8bit_, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(adamw8bit_segments_, {.options = replicated_update});

@@ -138,6 +138,29 @@ std::vector<TensorSpec> cast_meta(std::span<const TensorSpec> in, const Attrs& a
   return {spec(in[0].shape, attrs.dtype, in[0].device)};
 }
 
+// sign_pack: x (floating, any shape) -> u8 [ceil(numel / 8)].
+std::vector<TensorSpec> sign_pack_meta(std::span<const TensorSpec> in, const Attrs&) {
+  require_count(OpId::sign_pack, in, 1);
+  TS_CHECK(is_floating(in[0].dtype), "sign_pack: x must be floating (f32, f64, f16, bf16), got {} {}",
+           in[0].dtype, shape_str(in[0].shape));
+  return {spec({(numel_of(in[0].shape) + 7) / 8}, DType::u8, in[0].device)};
+}
+
+// sign_unpack: bits (u8 [m]) -> attrs.dtype [n] with attrs.shape = {n}, m = ceil(n / 8).
+std::vector<TensorSpec> sign_unpack_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
+  require_count(OpId::sign_unpack, in, 1);
+  const TensorSpec& bits = in[0];
+  TS_CHECK(bits.dtype == DType::u8 && bits.shape.size() == 1,
+           "sign_unpack: bits must be u8 [m] (8 signs a byte), got {} {}", bits.dtype,
+           shape_str(bits.shape));
+  TS_CHECK(attrs.shape.size() == 1 && attrs.shape[0] >= 0 && (attrs.shape[0] + 7) / 8 == bits.shape[0],
+           "sign_unpack: numel {} does not fit {} bytes of signs (it needs {} < numel <= {})",
+           attrs.shape.empty() ? -1 : attrs.shape[0], bits.shape[0],
+           std::max<int64_t>(0, 8 * (bits.shape[0] - 1)), 8 * bits.shape[0]);
+  TS_CHECK(is_floating(attrs.dtype), "sign_unpack: dtype must be floating, got {}", attrs.dtype);
+  return {spec(attrs.shape, attrs.dtype, bits.device)};
+}
+
 std::vector<TensorSpec> to_device_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
   require_count(OpId::to_device, in, 1);
   return {spec(in[0].shape, in[0].dtype, attrs.device)};
@@ -217,6 +240,8 @@ TS_REGISTER_META(scatter_add, scatter_add_meta);
 TS_REGISTER_META(topk, topk_meta);
 TS_REGISTER_META(cat, cat_meta);
 TS_REGISTER_META(cast, cast_meta);
+TS_REGISTER_META(sign_pack, sign_pack_meta);
+TS_REGISTER_META(sign_unpack, sign_unpack_meta);
 TS_REGISTER_META(to_device, to_device_meta);
 TS_REGISTER_META(clone, clone_meta);
 TS_REGISTER_META(copy_, copy_meta);

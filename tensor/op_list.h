@@ -114,6 +114,8 @@
   X(to_device, Compute, Diff, Copy, None)                         \
   X(clone, Compute, Diff, Copy, None)                             \
   X(copy_, Compute, NoDiff, Copy, None)                           \
+  X(sign_pack, Compute, NoDiff, Copy, None)                       \
+  X(sign_unpack, Compute, NoDiff, Copy, None)                     \
   /* optimizer updates (in place) */                              \
   X(adamw_, Compute, NoDiff, InplaceUpdate, None)                 \
   X(adamw8bit_, Compute, NoDiff, InplaceUpdate, None)             \

@@ -233,6 +233,15 @@ Tensor cast(const Tensor& x, DType dtype) {
   return call1(OpId::cast, {x}, op_attrs::cast(dtype));
 }
 
+Tensor sign_pack(const Tensor& x) { return call1(OpId::sign_pack, {x}, {}); }
+
+Tensor sign_unpack(const Tensor& bits, int64_t numel, DType dtype) {
+  Attrs a;
+  a.shape = {numel};
+  a.dtype = dtype;
+  return call1(OpId::sign_unpack, {bits}, a);
+}
+
 Tensor to(const Tensor& x, Device device) {
   TS_CHECK(x.defined(), "to: input is undefined");
   if (x.device() == device) return x;

@@ -123,6 +123,13 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
 
 // ---- copies and conversions --------------------------------------------------------------
 Tensor cast(const Tensor& x, DType dtype);
+// Signs packed 8 to a byte (1-bit compression, parallel/onebit.h): bit j (least significant
+// first) of byte k is 1 when element 8k + j of x (flattened, row-major) is >= 0 or NaN, 0
+// when it is negative; the last byte's bits past numel are 0. u8 [ceil(numel / 8)].
+Tensor sign_pack(const Tensor& x);
+// And back: the first `numel` signs of `bits` (u8 [ceil(numel / 8)]) as +1 / -1 in `dtype`,
+// [numel].
+Tensor sign_unpack(const Tensor& bits, int64_t numel, DType dtype = DType::f32);
 Tensor to(const Tensor& x, Device device);
 Tensor clone(const Tensor& x);
 void copy_(const Tensor& dst, const Tensor& src);

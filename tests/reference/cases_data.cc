@@ -391,6 +391,70 @@ std::vector<OpSweep> copy_sweeps() {
   };
   out.push_back(std::move(cast_s));
 
+  // sign_pack / sign_unpack: 8 signs a byte, least significant bit first; a sign bit is 1
+  // for a value that is not negative (>= 0, -0, NaN).
+  auto pack_ref = [](const Arrays& in, DType) {
+    const NdArray& x = in[0];
+    NdArray out = NdArray::zeros({(x.numel() + 7) / 8});
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      if (!(x.data[static_cast<size_t>(i)] < 0)) out.data[static_cast<size_t>(i / 8)] += double(1 << (i % 8));
+    }
+    return Arrays{out};
+  };
+  OpSweep pack_s{OpId::sign_pack, kFloats, {DType::i32, DType::i64, DType::b8}, {}, {}};
+  for (const Shape& shape : {Shape{4, 6}, Shape{3, 5}, Shape{}, Shape{0}, Shape{40, 33}}) {
+    Case c = exact_case(shape_str(shape), {arg(shape, normal(2))}, pack_ref);
+    c.out_dtype = [](DType, size_t) { return DType::u8; };
+    pack_s.cases.push_back(std::move(c));
+  }
+  {
+    const double nan = std::nan(""), inf = std::numeric_limits<double>::infinity();
+    Case c = exact_case("zeros, -0, NaN, infinities, tiny",
+                        {arg({11}, fixed({0.0, -0.0, nan, inf, -inf, 1e-30, -1e-30, -1e-45, 3, -3, -nan}))},
+                        pack_ref);
+    c.out_dtype = [](DType, size_t) { return DType::u8; };
+    pack_s.cases.push_back(std::move(c));
+  }
+  out.push_back(std::move(pack_s));
+  OpSweep unpack_s{OpId::sign_unpack, kFloats, {}, {}, {}};
+  for (DType dt : kFloats) {  // the output's dtype is an attribute: a case per dtype
+    for (int64_t n : {int64_t{13}, int64_t{16}, int64_t{1}, int64_t{0}, int64_t{1000}}) {
+      Case c = exact_case(
+          fmt::format("{} signs to {}", n, dtype_name(dt)), {index_arg({(n + 7) / 8}, 0, 255, DType::u8)},
+          [n](const Arrays& in, DType) {
+            NdArray out = NdArray::zeros({n});
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t byte = static_cast<int64_t>(in[0].data[static_cast<size_t>(i / 8)]);
+              out.data[static_cast<size_t>(i)] = (byte >> (i % 8)) & 1 ? 1.0 : -1.0;
+            }
+            return Arrays{out};
+          });
+      c.attrs.shape = {n};
+      c.attrs.dtype = dt;
+      c.dtypes = {dt};
+      // The strided layouts' gap sentinel is no u8 value; a strided case is in `extra`.
+      c.layouts = {Layout::contiguous};
+      unpack_s.cases.push_back(std::move(c));
+    }
+  }
+  unpack_s.extra = [] {
+    expect_error("sign_unpack of 20 signs from 2 bytes",
+                 [] { sign_unpack(zeros({2}, DType::u8), 20); });
+    expect_error("sign_unpack of f32 bits", [] { sign_unpack(zeros({2}), 16); });
+    expect_error("sign_unpack to i32", [] { sign_unpack(zeros({2}, DType::u8), 16, DType::i32); });
+    // Strided bits (every other byte) unpack as their contiguous copy.
+    const Tensor all = Tensor::from_vector<uint8_t>({0x0f, 0xff, 0xa5, 0x00, 0x81, 0x11}, {6});
+    const Tensor every_other = all.slice(0, 0, 6, 2);
+    CHECK(!every_other.is_contiguous());
+    CHECK(sign_unpack(every_other, 24).to_vector<float>() ==
+          sign_unpack(every_other.contiguous(), 24).to_vector<float>());
+    // Round trip: unpack(pack(x)) is x's signs.
+    const Tensor x = Tensor::from_vector<float>({1.5f, -2.0f, 0.0f, -0.0f, -1e-30f, 7.0f, -3.0f, 2.0f, -1.0f}, {9});
+    CHECK(sign_unpack(sign_pack(x), 9).to_vector<float>() ==
+          std::vector<float>{1, -1, 1, 1, -1, 1, -1, 1, -1});
+  };
+  out.push_back(std::move(unpack_s));
+
   auto identity = [](const Arrays& in, DType) { return Arrays{in[0]}; };
   OpSweep to_dev{OpId::to_device, kAll, {}, {}, {}};
   OpSweep cl{OpId::clone, kAll, {}, {}, {}};

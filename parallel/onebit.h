@@ -1,0 +1,34 @@
+// 1-bit compressed all-reduce with error feedback on both sides (Tang et al., "1-bit Adam:
+// Communication Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021;
+// DeepSpeed's compressed_allreduce), the reduction 1-bit Adam sends its momentum through:
+//
+//   x.copy_(...);  onebit_all_reduce(comm, x, worker_error, server_error);   // x: ~ the mean
+//
+// With W ranks and x of n elements (a multiple of 8 W: onebit_padded), on every rank:
+//   worker:  y = x + worker_error; s = ||y|| / sqrt(n); worker_error = y - s sign(y)
+//            (sign(0) = +1); y's signs packed 8 a byte (sign_pack)
+//   phase 1: all-to-all of the packed signs (rank j receives every rank's chunk j of n / W
+//            elements) and all-gather of the scales s
+//   server j: z = sum_i sign_i * (s_i / W) over the ranks i, in rank order, + server_error;
+//            t = ||z|| / sqrt(n / W); server_error = z - t sign(z)
+//   phase 2: all-gather of the servers' packed signs and scales t
+//   x = chunk by chunk, t_j sign(z_j)
+// So each rank sends about n / 4 bytes (two passes of n bits) instead of an all-reduce's
+// 2 x 4 n (W - 1) / W; the errors carry what the signs lost into the next call.
+// worker_error is [n] and server_error [n / W], in x's dtype, zero at first; all contiguous.
+#pragma once
+
+#include <cstdint>
+
+#include "parallel/comm/communicator.h"
+#include "tensor/tensor.h"
+
+namespace tessera::parallel {
+
+// numel rounded up to a multiple of 8 x `ranks` (whole bytes of signs in every chunk).
+int64_t onebit_padded(int64_t numel, int ranks);
+
+void onebit_all_reduce(Communicator& comm, const Tensor& x, const Tensor& worker_error,
+                       const Tensor& server_error);
+
+}  // namespace tessera::parallel
