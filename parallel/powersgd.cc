@@ -189,7 +189,12 @@ WorkHandle PowerSgd::reduce(Communicator& comm, const GradBucket& b) {
       x.grad.copy_(cast(matmul(x.p, q.t()), x.grad.dtype()).view(x.grad.shape()));
       if (o.warm_start) st->q[x.index] = q.clone();
     }
-    if (o.error_feedback) st->error.copy_(input - buffer);
+    // The error is what this rank's input did not contribute: against the mean (with a sum,
+    // the result over the group size), so the errors' mean over the group is the mean
+    // input's error either way.
+    if (o.error_feedback) {
+      st->error.copy_(b.average ? input - buffer : input - buffer / static_cast<double>(size));
+    }
   });
 }
 

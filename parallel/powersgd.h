@@ -16,7 +16,8 @@
 //   the Ps; orthogonalize each P (Gram-Schmidt); Q = M^T P; all-reduce the Qs (divided by
 //   the group size when averaging); M is replaced by P Q^T;
 //   error = input - the result (PyTorch's: the whole bucket, the exactly reduced tensors
-//   included, whose errors sum to zero over the group).
+//   included, whose errors sum to zero over the group); with a sum (DdpOptions::average
+//   false) the result is the sum of the inputs, and the error input - result / group size.
 // P and Q and the orthogonalization are f32 (f64 for f64 gradients) whatever the gradients'
 // dtype. Three all-reduces per bucket (the uncompressed tensors and the Ps are in flight
 // while backward goes on; the Qs follow when DDP waits), of n r + m r elements per matrix

@@ -156,12 +156,13 @@ std::vector<std::vector<Mat>> reference(std::vector<RefParam>& params, int ranks
 
 
 RankRun run_rank(Communicator& comm, int first, int rounds, const PowerSgdOptions& options,
-                 const std::map<std::string, Tensor>* load, int64_t bucket_bytes) {
+                 const std::map<std::string, Tensor>* load, int64_t bucket_bytes, bool average) {
   RankRun me;
   Params model;
   auto hook = std::make_shared<PowerSgd>(options);
   if (load) hook->load_state_dict(*load);
-  DistributedDataParallel ddp(model, comm, {.bucket_bytes = bucket_bytes, .comm_hook = hook});
+  DistributedDataParallel ddp(model, comm,
+                              {.bucket_bytes = bucket_bytes, .average = average, .comm_hook = hook});
   const std::vector<DistributedDataParallel::BucketInfo> buckets = ddp.buckets();
   me.bucket_names = buckets.at(0).names;
   for (size_t k = 0; k < buckets.size(); ++k) {

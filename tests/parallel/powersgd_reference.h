@@ -60,7 +60,7 @@ struct RankRun {
 // synchronising rounds from `first` on; `load`: the hook's state to resume from.
 RankRun run_rank(Communicator& comm, int first, int rounds, const PowerSgdOptions& options,
                  const std::map<std::string, Tensor>* load = nullptr,
-                 int64_t bucket_bytes = int64_t{25} << 20);
+                 int64_t bucket_bytes = int64_t{25} << 20, bool average = true);
 // The largest difference of every rank's gradients from the reference, relative to each
 // tensor's largest reference value.
 double worst_relative(const std::vector<std::vector<std::vector<double>>>& got,

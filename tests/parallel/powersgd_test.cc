@@ -36,11 +36,12 @@ using testing::error_of;
 // run_rank on `ranks` threads.
 std::vector<RankRun> run_ddp(int ranks, int first, int rounds, const PowerSgdOptions& options,
                              const std::vector<std::map<std::string, Tensor>>* load = nullptr,
-                             int64_t bucket_bytes = int64_t{25} << 20) {
+                             int64_t bucket_bytes = int64_t{25} << 20, bool average = true) {
   std::vector<RankRun> out(static_cast<size_t>(ranks));
   run_threads(ranks, [&](CommPtr world) {
     const size_t r = static_cast<size_t>(world->rank());
-    out[r] = run_rank(*world, first, rounds, options, load ? &(*load)[r] : nullptr, bucket_bytes);
+    out[r] = run_rank(*world, first, rounds, options, load ? &(*load)[r] : nullptr, bucket_bytes,
+                      average);
   });
   return out;
 }
@@ -97,6 +98,25 @@ TEST_CASE("PowerSGD on DDP equals an independent f64 PowerSGD: gradients, Qs, er
     }
   }
   CHECK(configs == 8);
+}
+
+TEST_CASE("PowerSGD summing (DdpOptions::average false): the group size times the mean's result") {
+  // What gpt runs (each rank's loss is its share of the global mean, reduced by a sum): the
+  // Ps and Qs are summed, the result is the sum, and each rank's error is its input minus
+  // the result over the group size, so every round is the averaging run's times the size.
+  const PowerSgdOptions o{.rank = 1, .start_iter = 1, .initial_q = q0_of};
+  const std::vector<RankRun> sum = run_ddp(4, 0, 6, o, nullptr, int64_t{25} << 20, false);
+  std::vector<RefParam> ref = ref_params(4, 1);
+  std::vector<std::vector<Mat>> want = reference(ref, 4, 6, 1, sum[0].places);
+  for (auto& round : want) {
+    for (Mat& m : round) {
+      for (double& v : m) v *= 4;
+    }
+  }
+  double worst = 0;
+  for (const RankRun& run : sum) worst = std::max(worst, worst_relative(run.grads, want));
+  MESSAGE("summing over 4 ranks: largest relative difference from 4 x the mean's ", worst);
+  CHECK(worst <= 1e-12);
 }
 
 TEST_CASE("PowerSGD's error feedback: what each rank applied plus its last error is the sum of its gradients") {
