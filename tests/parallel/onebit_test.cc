@@ -14,14 +14,15 @@
 #include "parallel/comm/threads.h"
 #include "parallel/onebit.h"
 #include "tensor/ops.h"
+#include "tests/parallel/onebit_reference.h"
 #include "tests/testing.h"
 
 namespace tessera::parallel {
 namespace {
 
+using namespace testing_onebit;
 using testing::contains;
 using testing::error_of;
-using Vec = std::vector<double>;
 
 // Rank r's input at round t: fixed values of both signs, some exactly 0.
 Vec input(int r, int t, int64_t n) {
@@ -30,51 +31,6 @@ Vec input(int r, int t, int64_t n) {
     v[static_cast<size_t>(i)] = i % 17 == 5 ? 0.0 : std::sin(0.61 * static_cast<double>(i) + 1.7 * r - 0.9 * t) * (1.0 + 0.1 * r);
   }
   return v;
-}
-
-double sgn(double v) { return v < 0 ? -1.0 : 1.0; }
-
-double rms(const Vec& v) {
-  double s = 0;
-  for (double x : v) s += x * x;
-  return std::sqrt(s) / std::sqrt(static_cast<double>(v.size()));
-}
-
-struct RefState {
-  std::vector<Vec> worker, server;  // per rank
-};
-
-// One call on every rank's x; returns the result (the same on every rank).
-Vec reference(std::vector<Vec> x, RefState& st, int w) {
-  const int64_t n = static_cast<int64_t>(x[0].size()), chunk = n / w;
-  std::vector<Vec> c(static_cast<size_t>(w));
-  Vec s(static_cast<size_t>(w));
-  for (int r = 0; r < w; ++r) {
-    Vec y(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) y[static_cast<size_t>(i)] = x[static_cast<size_t>(r)][static_cast<size_t>(i)] + st.worker[static_cast<size_t>(r)][static_cast<size_t>(i)];
-    s[static_cast<size_t>(r)] = rms(y);
-    c[static_cast<size_t>(r)] = y;
-    for (int64_t i = 0; i < n; ++i) {
-      st.worker[static_cast<size_t>(r)][static_cast<size_t>(i)] = y[static_cast<size_t>(i)] - s[static_cast<size_t>(r)] * sgn(y[static_cast<size_t>(i)]);
-    }
-  }
-  Vec out(static_cast<size_t>(n));
-  for (int j = 0; j < w; ++j) {
-    Vec z(static_cast<size_t>(chunk), 0.0);
-    for (int r = 0; r < w; ++r) {
-      for (int64_t i = 0; i < chunk; ++i) {
-        z[static_cast<size_t>(i)] += sgn(c[static_cast<size_t>(r)][static_cast<size_t>(j * chunk + i)]) * (s[static_cast<size_t>(r)] * (1.0 / w));
-      }
-    }
-    for (int64_t i = 0; i < chunk; ++i) z[static_cast<size_t>(i)] += st.server[static_cast<size_t>(j)][static_cast<size_t>(i)];
-    const double t = rms(z);
-    for (int64_t i = 0; i < chunk; ++i) {
-      const double q = t * sgn(z[static_cast<size_t>(i)]);
-      st.server[static_cast<size_t>(j)][static_cast<size_t>(i)] = z[static_cast<size_t>(i)] - q;
-      out[static_cast<size_t>(j * chunk + i)] = q;
-    }
-  }
-  return out;
 }
 
 struct RankResult {
@@ -112,8 +68,7 @@ TEST_CASE("onebit_all_reduce equals an independent f64 1-bit all-reduce, round a
       CAPTURE(w);
       CAPTURE(n);
       const std::vector<RankResult> got = run(w, n, kRounds);
-      RefState st{std::vector<Vec>(static_cast<size_t>(w), Vec(static_cast<size_t>(n), 0.0)),
-                  std::vector<Vec>(static_cast<size_t>(w), Vec(static_cast<size_t>(n / w), 0.0))};
+      RefState st = fresh_state(w, n);
       double worst = 0;
       for (int t = 0; t < kRounds; ++t) {
         std::vector<Vec> x;

@@ -1,0 +1,193 @@
+#include "parallel/onebit_adam.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "optim/adamw.h"
+#include "parallel/comm/comm_log.h"
+#include "parallel/onebit.h"
+#include "tensor/error.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+
+namespace tessera::parallel {
+
+namespace {
+constexpr const char* kName = "OnebitAdam";
+}  // namespace
+
+// ---- the hook ---------------------------------------------------------------------------------
+
+WorkHandle OnebitAdamHook::reduce(Communicator& comm, const GradBucket& b) {
+  current_.uncompressed += b.buffer.numel();
+  average_ = b.average;  // how the step after this round scales the local gradients
+  if (opt_.steps_done() < opt_.options().freeze_step) {  // the next step warms up: exact
+    current_.sent += b.buffer.numel();
+    return comm.all_reduce_async(b.buffer, b.average ? ReduceOp::avg : ReduceOp::sum);
+  }
+  return completed_work();  // each rank keeps its gradient; step() reduces the momentum
+}
+
+void OnebitAdamHook::end_round() {
+  last_ = current_;
+  current_ = {};
+}
+
+std::map<std::string, Tensor> OnebitAdamHook::state_dict() const {
+  std::map<std::string, Tensor> out;
+  for (const auto& [i, e] : errors_) {
+    out[fmt::format("worker.{}", i)] = e.first.clone();
+    out[fmt::format("server.{}", i)] = e.second.clone();
+  }
+  return out;
+}
+
+void OnebitAdamHook::load_state_dict(const std::map<std::string, Tensor>& dict) {
+  std::map<int64_t, std::pair<Tensor, Tensor>> errors;
+  for (const auto& [key, v] : dict) {
+    long long i = -1;
+    char tail = 0;
+    if (std::sscanf(key.c_str(), "worker.%lld%c", &i, &tail) == 1 && i >= 0 && v.dim() == 1) {
+      errors[i].first = v.contiguous().clone();
+    } else if (std::sscanf(key.c_str(), "server.%lld%c", &i, &tail) == 1 && i >= 0 && v.dim() == 1) {
+      errors[i].second = v.contiguous().clone();
+    } else {
+      fail("{}: unexpected key '{}' {} in the hook's state dict (expected worker.<i>, server.<i>)",
+           kName, key, shape_str(v.shape()));
+    }
+  }
+  for (const auto& [i, e] : errors) {
+    TS_CHECK(e.first.defined() && e.second.defined(),
+             "{}: the hook's state dict has parameter {}'s {} error but not its {} error", kName,
+             i, e.first.defined() ? "worker" : "server", e.first.defined() ? "server" : "worker");
+  }
+  errors_ = std::move(errors);
+  current_ = {};
+}
+
+// ---- the optimizer ----------------------------------------------------------------------------
+
+OnebitAdam::OnebitAdam(std::vector<optim::ParamGroup> groups, Communicator& comm,
+                       OnebitAdamOptions options)
+    : Optimizer(kName, std::move(groups), options.lr, options.weight_decay),
+      comm_(comm),
+      options_(options),
+      hook_(new OnebitAdamHook(*this)) {
+  optim::check_adamw_values(kName, options.lr, options.betas, options.eps, options.weight_decay);
+  TS_CHECK(options.freeze_step >= 1,
+           "{}: freeze_step must be >= 1 (the variance is frozen after a warm-up), got {}", kName,
+           options.freeze_step);
+}
+
+int64_t OnebitAdam::steps_done() const {
+  int64_t most = 0;
+  for (int64_t i = 0; i < num_params(); ++i) most = std::max(most, step_count(i));
+  return most;
+}
+
+std::vector<optim::Optimizer::StateSpec> OnebitAdam::state_specs(const Tensor& p) const {
+  TS_CHECK(p.dtype() == DType::f32 || p.dtype() == DType::f64,
+           "{}: parameters must be f32 or f64 (mixed precision through autocast), got {} {}",
+           kName, p.dtype(), shape_str(p.shape()));
+  return {{"exp_avg", p.shape(), p.dtype()}, {"exp_avg_sq", p.shape(), p.dtype()}};
+}
+
+std::map<std::string, double> OnebitAdam::hyperparameters() const {
+  return {{"beta1", options_.betas.first},
+          {"beta2", options_.betas.second},
+          {"eps", options_.eps},
+          {"freeze_step", static_cast<double>(options_.freeze_step)},
+          {"bias_correction", options_.bias_correction ? 1.0 : 0.0}};
+}
+
+void OnebitAdam::set_hyperparameters(const std::map<std::string, double>& values) {
+  OnebitAdamOptions o = options_;
+  o.betas = {values.at("beta1"), values.at("beta2")};
+  o.eps = values.at("eps");
+  TS_CHECK(values.at("freeze_step") == static_cast<double>(o.freeze_step) &&
+               values.at("bias_correction") == (o.bias_correction ? 1.0 : 0.0),
+           "{}: the state dict was saved with freeze_step {} and bias_correction {}; this "
+           "optimizer has {} and {}",
+           kName, values.at("freeze_step"), values.at("bias_correction"), o.freeze_step,
+           o.bias_correction);
+  optim::check_adamw_values(kName, o.lr, o.betas, o.eps, o.weight_decay);
+  options_ = o;
+}
+
+void OnebitAdam::step() {
+  NoGradGuard no_grad;
+  for_each_bucket_with_grad(
+      [&](const Tensor& p) {
+        std::map<std::string, Tensor> s;
+        for (const StateSpec& spec : state_specs(p)) s[spec.name] = zeros(spec.shape, spec.dtype, p.device());
+        return s;
+      },
+      [&](const optim::ParamGroup& group, std::span<const Pending> bucket) {
+        for (const Pending& item : bucket) {
+          TS_CHECK(item.grad.dtype() == item.param.dtype() && item.grad.shape() == item.param.shape(),
+                   "{}: the gradient {} {} does not match its parameter {} {}", kName,
+                   item.grad.dtype(), shape_str(item.grad.shape()), item.param.dtype(),
+                   shape_str(item.param.shape()));
+        }
+        for (const Pending& item : bucket) {
+          const int64_t t = item.state->step + 1;
+          std::map<std::string, Tensor>& s = item.state->tensors;
+          if (t > options_.freeze_step) {
+            compressed_step(group, item);
+          } else if (options_.bias_correction) {  // AdamW's step, on the exactly reduced gradient
+            adamw_(item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq"), t, group.lr,
+                   options_.betas.first, options_.betas.second, options_.eps, group.weight_decay);
+          } else {  // DeepSpeed's: m / (sqrt(v) + eps), no bias correction
+            const Tensor& m = s.at("exp_avg");
+            const Tensor& v = s.at("exp_avg_sq");
+            const Tensor& g = item.grad;
+            m.copy_(m + (1.0 - options_.betas.first) * (g - m));
+            v.copy_(v * options_.betas.second + (1.0 - options_.betas.second) * (g * g));
+            item.param.copy_(item.param * (1.0 - group.lr * group.weight_decay) -
+                             group.lr * (m / (sqrt(v) + options_.eps)));
+          }
+          ++item.state->step;
+        }
+      });
+}
+
+void OnebitAdam::compressed_step(const optim::ParamGroup& group, const Pending& item) {
+  std::map<std::string, Tensor>& s = item.state->tensors;
+  const Tensor& m = s.at("exp_avg");
+  const Tensor& v = s.at("exp_avg_sq");
+  const double b1 = options_.betas.first, b2 = options_.betas.second;
+  const int w = comm_.size();
+  // This rank's gradient on the scale of the mean one (a summing DDP gave each rank a share).
+  const Tensor g = hook_->average_ ? item.grad : item.grad * static_cast<double>(w);
+  m.copy_(m + (1.0 - b1) * (g - m));
+  // The momenta's mean, 1 bit per element.
+  const int64_t n = m.numel(), padded = onebit_padded(n, w);
+  auto [it, fresh] = hook_->errors_.try_emplace(item.index);
+  if (fresh) {
+    it->second = {zeros({padded}, m.dtype(), m.device()), zeros({padded / w}, m.dtype(), m.device())};
+  }
+  TS_CHECK(it->second.first.numel() == padded && it->second.second.numel() == padded / w,
+           "{}: parameter {}'s error feedback holds {} and {} elements, {} ranks need {} and {} "
+           "(resumed on another number of ranks?)",
+           kName, item.index, it->second.first.numel(), it->second.second.numel(), w, padded,
+           padded / w);
+  const Tensor buf = zeros({padded}, m.dtype(), m.device());
+  buf.narrow(0, 0, n).copy_(m.reshape({n}));
+  onebit_all_reduce(comm_, buf, it->second.first, it->second.second);
+  // Its bytes are about those of an all-reduce of padded / 32 elements (onebit.h).
+  hook_->current_.sent += padded / 32;
+  m.copy_(buf.narrow(0, 0, n).view(m.shape()));
+  // AdamW's update with the variance of the last warm-up step.
+  const double t = static_cast<double>(item.state->step + 1);
+  const double bc1 = options_.bias_correction ? 1.0 - std::pow(b1, t) : 1.0;
+  const double bc2 = options_.bias_correction
+                         ? 1.0 - std::pow(b2, static_cast<double>(options_.freeze_step))
+                         : 1.0;
+  item.param.copy_(item.param * (1.0 - group.lr * group.weight_decay) -
+                   (group.lr / bc1) * (m / (sqrt(v) / std::sqrt(bc2) + options_.eps)));
+}
+
+}  // namespace tessera::parallel

@@ -1,0 +1,93 @@
+// 1-bit Adam (Tang et al., ICML 2021; DeepSpeed's OnebitAdam): an optimizer and a reduction
+// that work as a pair over a data-parallel group.
+//
+//   OnebitAdam opt(groups, comm, {.lr = 1e-3, .freeze_step = 100});
+//   DistributedDataParallel ddp(model, comm, {.comm_hook = opt.comm_hook()});
+//   ... ddp.backward(loss); opt.step();
+//
+// Warm-up (steps 1..freeze_step): DDP reduces the gradients exactly (the hook's all-reduce)
+// and the step is AdamW's (adamw_, bias-corrected; bias_correction false: DeepSpeed's
+// m / (sqrt(v) + eps)). After it the variance is frozen, DDP sends nothing (the hook leaves
+// each rank its own gradient), and each step:
+//   m = m + (1 - beta1) (g - m)          with this rank's gradient (times the group size when
+//                                        DDP sums: gpt's ranks backpropagate shares of the mean)
+//   m = onebit_all_reduce(m)             1 bit per element and a scale per tensor and chunk,
+//                                        worker and server error feedback (parallel/onebit.h)
+//   p = p (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2_frozen) + eps)
+// About 1/32 of the bytes of an f32 gradient all-reduce per step. Each rank's error feedback
+// lives in the hook (a per-rank state, checkpointed per rank as every comm hook's is); the
+// optimizer's state (m, v, step) is the same on every rank. Not for ZeRO's flat shards (a
+// scale per tensor): elementwise() is false.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "optim/optimizer.h"
+#include "parallel/comm_hook.h"
+
+namespace tessera::parallel {
+
+struct OnebitAdamOptions {
+  double lr = 1e-3;
+  std::pair<double, double> betas{0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  int64_t freeze_step = 100;    // warm-up steps, exact (DeepSpeed: 15-25% of the run)
+  bool bias_correction = true;  // AdamW's; false: DeepSpeed's uncorrected update
+};
+
+class OnebitAdam;
+
+// DDP's side: the exact reduction while the optimizer warms up, none afterwards; each rank's
+// error feedback per parameter (by the optimizer's global index).
+class OnebitAdamHook : public CommHook {
+ public:
+  std::string name() const override { return "onebit_adam"; }
+  WorkHandle reduce(Communicator& comm, const GradBucket& bucket) override;
+  void end_round() override;
+  // "worker.<i>" [padded], "server.<i>" [padded / ranks] for each parameter i stepped
+  // compressed so far.
+  std::map<std::string, Tensor> state_dict() const override;
+  void load_state_dict(const std::map<std::string, Tensor>& dict) override;
+  Traffic last_round() const override { return last_; }
+
+ private:
+  friend class OnebitAdam;
+  explicit OnebitAdamHook(const OnebitAdam& opt) : opt_(opt) {}
+  const OnebitAdam& opt_;
+  bool average_ = true;  // how DDP reduces (each round says)
+  std::map<int64_t, std::pair<Tensor, Tensor>> errors_;
+  Traffic last_, current_;
+};
+
+class OnebitAdam : public optim::Optimizer {
+ public:
+  OnebitAdam(std::vector<optim::ParamGroup> groups, Communicator& comm,
+             OnebitAdamOptions options = {});
+
+  void step() override;
+  bool elementwise() const override { return false; }
+  const OnebitAdamOptions& options() const { return options_; }
+  // The hook DDP must reduce with (DdpOptions::comm_hook).
+  std::shared_ptr<OnebitAdamHook> comm_hook() const { return hook_; }
+  // Steps taken (the most any parameter took): warm-up while <= freeze_step.
+  int64_t steps_done() const;
+
+ protected:
+  std::vector<StateSpec> state_specs(const Tensor& param) const override;
+  std::map<std::string, double> hyperparameters() const override;
+  void set_hyperparameters(const std::map<std::string, double>& values) override;
+
+ private:
+  void compressed_step(const optim::ParamGroup& group, const Pending& item);
+
+  Communicator& comm_;
+  OnebitAdamOptions options_;
+  std::shared_ptr<OnebitAdamHook> hook_;
+};
+
+}  // namespace tessera::parallel

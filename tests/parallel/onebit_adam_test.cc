@@ -1,0 +1,279 @@
+// 1-bit Adam (parallel/onebit_adam.h) with DDP on the threads backend: the warm-up is AdamW on
+// the all-reduced gradients, bitwise; the compressed steps equal an independent f64 1-bit
+// Adam on plain arrays (tests/parallel/onebit_reference.h for the reduction); a summing DDP
+// gives the averaging run's steps; the bytes after the warm-up are the 1-bit all-reduce's;
+// state dicts (the optimizer's, and each rank's error feedback in the hook) resume bitwise.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "optim/adamw.h"
+#include "parallel/comm/comm_log.h"
+#include "parallel/comm/threads.h"
+#include "parallel/data_parallel.h"
+#include "parallel/onebit.h"
+#include "parallel/onebit_adam.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+#include "tests/parallel/onebit_reference.h"
+#include "tests/testing.h"
+
+namespace tessera::parallel {
+namespace {
+
+using namespace testing_onebit;
+using testing::contains;
+using testing::error_of;
+
+struct Params : nn::Module {
+  explicit Params(DType dtype) : nn::Module("Params") {
+    int k = 0;
+    for (const Shape& shape : shapes()) {
+      std::vector<double> v(static_cast<size_t>(numel_of(shape)));
+      for (size_t i = 0; i < v.size(); ++i) v[i] = 0.1 * std::cos(0.3 * static_cast<double>(i) + k);
+      register_parameter(fmt::format("p{}", k++), Tensor::from_vector<double>(v, shape).cast(dtype));
+    }
+  }
+  static std::vector<Shape> shapes() { return {{12, 10}, {7}, {3, 5, 4}}; }
+  Tensor forward(const Tensor& x) override { return x; }
+};
+
+// Rank r's gradient of parameter k at step t (0-based).
+Vec grad_values(int r, int t, size_t k, int64_t n) {
+  Vec v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    v[static_cast<size_t>(i)] = std::sin(0.43 * static_cast<double>(i + 1) * static_cast<double>(k + 1) + 0.9 * r + 0.37 * t) + 0.05 * r;
+  }
+  return v;
+}
+
+constexpr double kLr = 0.01, kB1 = 0.9, kB2 = 0.99, kEps = 1e-8, kWd = 0.1;
+
+struct RankRun {
+  std::vector<std::vector<Vec>> params;  // after each step, per parameter
+  std::vector<int64_t> bytes;            // gradient-kind bytes per step
+  optim::Optimizer::StateDict opt_state;
+  std::map<std::string, Tensor> hook_state;
+};
+
+struct Setup {
+  int ranks = 2;
+  DType dtype = DType::f64;
+  bool onebit = true;  // else AdamW with a plain DDP
+  int64_t freeze = 2;
+  bool average = true;
+  bool bias_correction = true;
+};
+
+// Steps [first, first + steps) on `s.ranks` threads; `load`: per rank (optimizer, hook) state.
+std::vector<RankRun> run(const Setup& s, int first, int steps,
+                         const std::vector<RankRun>* load = nullptr) {
+  std::vector<RankRun> out(static_cast<size_t>(s.ranks));
+  run_threads(s.ranks, [&](CommPtr world) {
+    RankRun& me = out[static_cast<size_t>(world->rank())];
+    Params model(s.dtype);
+    const nn::NamedTensors named = model.named_parameters();
+    std::vector<Tensor> params;
+    for (const auto& e : named) params.push_back(e.second);
+    std::unique_ptr<optim::Optimizer> opt;
+    std::shared_ptr<CommHook> hook;
+    if (s.onebit) {
+      auto o = std::make_unique<OnebitAdam>(
+          std::vector<optim::ParamGroup>{{params, {}}}, *world,
+          OnebitAdamOptions{.lr = kLr, .betas = {kB1, kB2}, .eps = kEps, .weight_decay = kWd,
+                            .freeze_step = s.freeze, .bias_correction = s.bias_correction});
+      hook = o->comm_hook();
+      opt = std::move(o);
+    } else {
+      opt = std::make_unique<optim::AdamW>(
+          params, optim::AdamWOptions{.lr = kLr, .betas = {kB1, kB2}, .eps = kEps, .weight_decay = kWd});
+    }
+    DistributedDataParallel ddp(model, *world, {.average = s.average, .comm_hook = hook});
+    if (load) {
+      const RankRun& from = (*load)[static_cast<size_t>(world->rank())];
+      // The parameters as they were, then the states.
+      NoGradGuard no_grad;
+      for (size_t k = 0; k < params.size(); ++k) {
+        params[k].copy_(Tensor::from_vector<double>(from.params.back()[k], params[k].shape()).cast(s.dtype));
+      }
+      opt->load_state_dict(from.opt_state);
+      hook->load_state_dict(from.hook_state);
+    }
+    for (int t = first; t < first + steps; ++t) {
+      for (size_t k = 0; k < params.size(); ++k) {
+        Vec g = grad_values(world->rank(), t, k, params[k].numel());
+        if (!s.average) {
+          for (double& x : g) x /= s.ranks;  // each rank's share of the mean, summed
+        }
+        params[k].set_grad(Tensor::from_vector<double>(g, params[k].shape()).cast(s.dtype));
+      }
+      CommLog log;
+      {
+        CommLogScope scope(log);
+        ddp.finish();
+        opt->step();
+      }
+      me.bytes.push_back(log.bytes({CommKind::gradients}));
+      std::vector<Vec> now;
+      for (const Tensor& p : params) now.push_back(p.cast(DType::f64).to_vector<double>());
+      me.params.push_back(now);
+    }
+    me.opt_state = opt->state_dict();
+    if (hook) me.hook_state = hook->state_dict();
+  });
+  return out;
+}
+
+TEST_CASE("1-bit Adam's warm-up is AdamW on the all-reduced gradients, bitwise") {
+  for (DType dtype : {DType::f32, DType::f64}) {
+    CAPTURE(dtype);
+    const Setup onebit{.ranks = 2, .dtype = dtype, .freeze = 3};
+    Setup adamw = onebit;
+    adamw.onebit = false;
+    const std::vector<RankRun> a = run(onebit, 0, 3), b = run(adamw, 0, 3);
+    for (int t = 0; t < 3; ++t) CHECK(a[0].params[static_cast<size_t>(t)] == b[0].params[static_cast<size_t>(t)]);
+  }
+}
+
+TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
+  // Freeze after step 2; steps 3-6 compress each parameter's momentum (padded to 8 x ranks).
+  constexpr int kSteps = 6;
+  int configs = 0;
+  for (int w : {2, 4}) {
+    for (bool bias_correction : {true, false}) {
+      CAPTURE(w);
+      CAPTURE(bias_correction);
+      const Setup s{.ranks = w, .freeze = 2, .bias_correction = bias_correction};
+      const std::vector<RankRun> got = run(s, 0, kSteps);
+      // The reference: every rank's parameters, m and v (the same on every rank), errors.
+      Params init(DType::f64);
+      std::vector<Vec> p, m, v;
+      for (const auto& e : init.named_parameters()) {
+        p.push_back(e.second.to_vector<double>());
+        m.emplace_back(p.back().size(), 0.0);
+        v.emplace_back(p.back().size(), 0.0);
+      }
+      std::vector<RefState> err;
+      for (const Vec& x : p) err.push_back(fresh_state(w, onebit_padded(static_cast<int64_t>(x.size()), w)));
+      double worst = 0;
+      for (int t = 0; t < kSteps; ++t) {
+        const double step = t + 1;
+        for (size_t k = 0; k < p.size(); ++k) {
+          const int64_t n = static_cast<int64_t>(p[k].size());
+          if (step <= s.freeze) {
+            Vec g(static_cast<size_t>(n), 0.0);
+            for (int r = 0; r < w; ++r) {
+              const Vec gr = grad_values(r, t, k, n);
+              for (int64_t i = 0; i < n; ++i) g[static_cast<size_t>(i)] += gr[static_cast<size_t>(i)];
+            }
+            for (double& x : g) x /= w;
+            for (int64_t i = 0; i < n; ++i) {
+              const size_t j = static_cast<size_t>(i);
+              m[k][j] += (1 - kB1) * (g[j] - m[k][j]);
+              v[k][j] = v[k][j] * kB2 + (1 - kB2) * g[j] * g[j];
+            }
+          } else {
+            const int64_t padded = onebit_padded(n, w);
+            std::vector<Vec> x;
+            for (int r = 0; r < w; ++r) {
+              const Vec gr = grad_values(r, t, k, n);
+              Vec mr(static_cast<size_t>(padded), 0.0);
+              for (int64_t i = 0; i < n; ++i) {
+                const size_t j = static_cast<size_t>(i);
+                mr[j] = m[k][j] + (1 - kB1) * (gr[j] - m[k][j]);
+              }
+              x.push_back(mr);
+            }
+            const Vec mean = reference(x, err[k], w);
+            for (int64_t i = 0; i < n; ++i) m[k][static_cast<size_t>(i)] = mean[static_cast<size_t>(i)];
+          }
+          const double frozen = std::min<double>(step, static_cast<double>(s.freeze));
+          const double bc1 = bias_correction ? 1 - std::pow(kB1, step) : 1.0;
+          const double bc2 = bias_correction ? 1 - std::pow(kB2, frozen) : 1.0;
+          for (int64_t i = 0; i < n; ++i) {
+            const size_t j = static_cast<size_t>(i);
+            p[k][j] = p[k][j] * (1 - kLr * kWd) - (kLr / bc1) * (m[k][j] / (std::sqrt(v[k][j]) / std::sqrt(bc2) + kEps));
+          }
+          for (int r = 0; r < w; ++r) {
+            const Vec& have = got[static_cast<size_t>(r)].params[static_cast<size_t>(t)][k];
+            for (int64_t i = 0; i < n; ++i) {
+              worst = std::max(worst, std::abs(have[static_cast<size_t>(i)] - p[k][static_cast<size_t>(i)]));
+            }
+          }
+        }
+      }
+      MESSAGE(w, " ranks, bias correction ", bias_correction, ": largest parameter difference ", worst);
+      CHECK(worst <= 1e-13);
+      ++configs;
+    }
+  }
+  CHECK(configs == 4);
+}
+
+TEST_CASE("1-bit Adam under a summing DDP (each rank a share of the mean) takes the averaging run's steps") {
+  // The shares are the gradients over 2 or 4 (exact in f64), so the steps are bitwise equal.
+  for (int w : {2, 4}) {
+    CAPTURE(w);
+    const Setup avg{.ranks = w, .freeze = 2};
+    Setup sum = avg;
+    sum.average = false;
+    const std::vector<RankRun> a = run(avg, 0, 5), b = run(sum, 0, 5);
+    for (int t = 0; t < 5; ++t) CHECK(a[1].params[static_cast<size_t>(t)] == b[1].params[static_cast<size_t>(t)]);
+  }
+}
+
+TEST_CASE("1-bit Adam: after the warm-up each step sends the 1-bit all-reduce's bytes") {
+  const Setup s{.ranks = 4, .dtype = DType::f32, .freeze = 2};
+  const std::vector<RankRun> got = run(s, 0, 4);
+  int64_t onebit = 0, exact = 0;
+  for (const Shape& shape : Params::shapes()) {
+    const int64_t padded = onebit_padded(numel_of(shape), 4);
+    onebit += padded / 4 * 3 / 4 + 8 * 3;  // onebit.h: n/4 (W-1)/W + 8 (W-1)
+    exact += numel_of(shape);
+  }
+  // The warm-up's one bucket all-reduce: 2 (W - 1) / W x 4 bytes an element.
+  CHECK(got[0].bytes[0] == exact * 4 * 2 * 3 / 4);
+  CHECK(got[0].bytes[2] == onebit);
+  CHECK(got[0].bytes[3] == onebit);
+  MESSAGE("bytes per step: warm-up ", got[0].bytes[0], ", compressed ", got[0].bytes[2]);
+}
+
+TEST_CASE("1-bit Adam resumes bitwise from its state dicts (the optimizer's, and each rank's errors)") {
+  const Setup s{.ranks = 2, .freeze = 2};
+  const std::vector<RankRun> whole = run(s, 0, 6);
+  const std::vector<RankRun> head = run(s, 0, 4);
+  CHECK(head[0].hook_state.count("worker.0") == 1);
+  CHECK(head[0].hook_state.at("worker.0").to_vector<double>() !=
+        head[1].hook_state.at("worker.0").to_vector<double>());  // per rank
+  const std::vector<RankRun> tail = run(s, 4, 2, &head);
+  for (int r = 0; r < 2; ++r) {
+    for (int t = 0; t < 2; ++t) {
+      CHECK(tail[static_cast<size_t>(r)].params[static_cast<size_t>(t)] ==
+            whole[static_cast<size_t>(r)].params[static_cast<size_t>(4 + t)]);
+    }
+  }
+}
+
+TEST_CASE("1-bit Adam: bad options and states are errors naming the value") {
+  run_threads(1, [&](CommPtr world) {
+    const Tensor p = zeros({4});
+    CHECK(contains(error_of([&] { OnebitAdam opt({{{p}, {}}}, *world, {.freeze_step = 0}); }),
+                   "OnebitAdam: freeze_step must be >= 1"));
+    OnebitAdam opt({{{p}, {}}}, *world, {});
+    CHECK(contains(error_of([&] { opt.comm_hook()->load_state_dict({{"bogus", zeros({2})}}); }),
+                   "unexpected key 'bogus' [2]"));
+    const Tensor h = zeros({4}, DType::bf16);
+    h.set_grad(zeros({4}, DType::bf16));
+    OnebitAdam half({{{h}, {}}}, *world, {});
+    CHECK(contains(error_of([&] { half.step(); }), "parameters must be f32 or f64"));
+  });
+}
+
+}  // namespace
+}  // namespace tessera::parallel
