@@ -22,9 +22,11 @@ constexpr const char* kName = "OnebitAdam";
 // ---- the hook ---------------------------------------------------------------------------------
 
 WorkHandle OnebitAdamHook::reduce(Communicator& comm, const GradBucket& b) {
+  TS_CHECK(opt_ != nullptr, "{}: its comm hook reduced a bucket before an OnebitAdam was built "
+           "with it", kName);
   current_.uncompressed += b.buffer.numel();
   average_ = b.average;  // how the step after this round scales the local gradients
-  if (opt_.steps_done() < opt_.options().freeze_step) {  // the next step warms up: exact
+  if (opt_->steps_done() < opt_->options().freeze_step) {  // the next step warms up: exact
     current_.sent += b.buffer.numel();
     return comm.all_reduce_async(b.buffer, b.average ? ReduceOp::avg : ReduceOp::sum);
   }
@@ -71,15 +73,22 @@ void OnebitAdamHook::load_state_dict(const std::map<std::string, Tensor>& dict) 
 // ---- the optimizer ----------------------------------------------------------------------------
 
 OnebitAdam::OnebitAdam(std::vector<optim::ParamGroup> groups, Communicator& comm,
-                       OnebitAdamOptions options)
+                       OnebitAdamOptions options, std::shared_ptr<OnebitAdamHook> hook)
     : Optimizer(kName, std::move(groups), options.lr, options.weight_decay),
       comm_(comm),
       options_(options),
-      hook_(new OnebitAdamHook(*this)) {
+      hook_(hook ? std::move(hook) : std::make_shared<OnebitAdamHook>()) {
   optim::check_adamw_values(kName, options.lr, options.betas, options.eps, options.weight_decay);
   TS_CHECK(options.freeze_step >= 1,
            "{}: freeze_step must be >= 1 (the variance is frozen after a warm-up), got {}", kName,
            options.freeze_step);
+  TS_CHECK(hook_->opt_ == nullptr, "{}: its comm hook already belongs to another OnebitAdam",
+           kName);
+  hook_->opt_ = this;  // last: nothing below throws, so the destructor will detach it
+}
+
+OnebitAdam::~OnebitAdam() {
+  if (hook_->opt_ == this) hook_->opt_ = nullptr;
 }
 
 int64_t OnebitAdam::steps_done() const {

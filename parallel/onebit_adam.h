@@ -46,6 +46,9 @@ class OnebitAdam;
 // error feedback per parameter (by the optimizer's global index).
 class OnebitAdamHook : public CommHook {
  public:
+  // Made before its optimizer where DDP must have it first (ZeroOptions::comm_hook); the
+  // OnebitAdam built with it attaches itself. Reducing before that is an error.
+  OnebitAdamHook() = default;
   std::string name() const override { return "onebit_adam"; }
   WorkHandle reduce(Communicator& comm, const GradBucket& bucket) override;
   void end_round() override;
@@ -57,8 +60,7 @@ class OnebitAdamHook : public CommHook {
 
  private:
   friend class OnebitAdam;
-  explicit OnebitAdamHook(const OnebitAdam& opt) : opt_(opt) {}
-  const OnebitAdam& opt_;
+  const OnebitAdam* opt_ = nullptr;
   bool average_ = true;  // how DDP reduces (each round says)
   std::map<int64_t, std::pair<Tensor, Tensor>> errors_;
   Traffic last_, current_;
@@ -66,8 +68,10 @@ class OnebitAdamHook : public CommHook {
 
 class OnebitAdam : public optim::Optimizer {
  public:
+  // `hook`: one made beforehand for DDP (null: its own, from comm_hook()).
   OnebitAdam(std::vector<optim::ParamGroup> groups, Communicator& comm,
-             OnebitAdamOptions options = {});
+             OnebitAdamOptions options = {}, std::shared_ptr<OnebitAdamHook> hook = nullptr);
+  ~OnebitAdam() override;
 
   void step() override;
   bool elementwise() const override { return false; }

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "parallel/comm/comm_log.h"
+#include "parallel/onebit_adam.h"
 #include "tensor/error.h"
 #include "tensor/ops.h"
 
@@ -29,7 +30,8 @@ std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const st
                                                    const parallel::PowerSgdOptions& powersgd) {
   if (name == "none") return nullptr;
   if (name == "powersgd") return std::make_shared<parallel::PowerSgd>(powersgd);
-  fail("{}: --compress must be none or powersgd, got '{}'", program, name);
+  if (name == "onebit_adam") return std::make_shared<parallel::OnebitAdamHook>();
+  fail("{}: --compress must be none, powersgd or onebit_adam, got '{}'", program, name);
 }
 
 std::map<std::string, Tensor> gather_hook_state(const parallel::CommHook& hook,

@@ -18,7 +18,8 @@
 
 namespace tessera::models {
 
-// "none" (null) or "powersgd"; Error naming `program` and the value otherwise.
+// "none" (null), "powersgd" or "onebit_adam" (the hook a parallel::OnebitAdam then attaches
+// to); Error naming `program` and the value otherwise.
 std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const std::string& name,
                                                    const parallel::PowerSgdOptions& powersgd);
 

@@ -26,6 +26,7 @@
 #include "optim/schedule.h"
 #include "parallel/comm/launch.h"
 #include "parallel/comm/mpi.h"
+#include "parallel/onebit_adam.h"
 #include "parallel/zero.h"
 #include "models/gpt/check.h"
 #include "models/gpt/checkpoints.h"
@@ -249,10 +250,22 @@ class GptReplica final : public models::Replica {
       for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
     }
-    opt_ = models::make_optimizer(
-        "gpt", config.optimizer_choice(),
-        zero_ ? zero_->param_groups(config.lr, config.weight_decay)
-              : optim::decay_groups(model_->named_parameters(), config.lr, config.weight_decay));
+    if (config.compress == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
+      const parallel::OnebitAdamOptions o{
+          .lr = config.lr,
+          .betas = {config.beta1, config.beta2},
+          .weight_decay = config.weight_decay,
+          .freeze_step = config.onebit_freeze > 0 ? config.onebit_freeze
+                                                  : std::max<int64_t>(1, config.steps / 5)};
+      opt_ = std::make_unique<parallel::OnebitAdam>(
+          zero_->param_groups(config.lr, config.weight_decay), *comm, o,
+          std::dynamic_pointer_cast<parallel::OnebitAdamHook>(hook_));
+    } else {
+      opt_ = models::make_optimizer(
+          "gpt", config.optimizer_choice(),
+          zero_ ? zero_->param_groups(config.lr, config.weight_decay)
+                : optim::decay_groups(model_->named_parameters(), config.lr, config.weight_decay));
+    }
     params_ = model_->parameters();
     if (comm != nullptr) {
       // Every rank skips the same f16 steps: under ZeRO each holds different gradient shards.

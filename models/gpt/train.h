@@ -112,12 +112,14 @@ struct GptTrainConfig {
   int64_t dp = 1;
   int64_t zero = 0;
   int64_t accum = 1;
-  // Gradient compression over dp (parallel/powersgd.h): none, or powersgd (rank
-  // powersgd_rank, after powersgd_start exact steps; ZeRO 0, no pp/tp). Checkpoints keep each
-  // rank's error feedback and the warm-start factors (a resume needs the same --dp).
+  // Gradient compression over dp: none; powersgd (parallel/powersgd.h: rank powersgd_rank,
+  // after powersgd_start exact steps); onebit_adam (parallel/onebit_adam.h: replaces AdamW;
+  // AdamW for onebit_freeze steps, 0: 20% of `steps`, then 1-bit momentum). ZeRO 0, no
+  // pp/tp. Checkpoints keep each rank's error feedback (a resume needs the same --dp).
   std::string compress = "none";
   int64_t powersgd_rank = 1;
   int64_t powersgd_start = 10;
+  int64_t onebit_freeze = 0;
   // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
   // (ZeRO 0-3 over dp), `microbatches` per dp rank and pipeline run by `schedule` (gpipe,
   // 1f1b, interleaved with `chunks` model chunks per rank), `accum` runs per step. Every

@@ -848,6 +848,44 @@ TEST_CASE("--compress=powersgd on dp: exact steps first, then 1/16 of the elemen
   CHECK(contains(error_of([&] { train_gpt(bad); }), "compress"));
 }
 
+TEST_CASE("--compress=onebit_adam on dp: AdamW's warm-up, then 1-bit momenta; bitwise resume") {
+  // 1-bit Adam after 3 AdamW steps (tests/parallel/onebit_adam_test checks the algorithm
+  // against an f64 reference; this checks gpt's wiring: the warm-up equals plain AdamW's
+  // run, the step line's ratio, checkpoints with every rank's error feedback).
+  GptTrainConfig c = short_run(8);
+  c.dp = 2;
+  const GptResult exact = train_gpt(c);
+  c.compress = "onebit_adam";
+  c.onebit_freeze = 3;
+  const GptResult full = train_gpt(c);
+  REQUIRE(full.losses.size() == 8);
+  for (size_t k = 0; k < 4; ++k) CHECK(full.losses[k] == exact.losses[k]);
+  CHECK(full.losses[5] != exact.losses[5]);
+  // Each parameter's momentum in bits, padded to 8 x 2 elements: ~1/32 of the elements.
+  int64_t total = 0, padded = 0;
+  for (const auto& [name, t] : Gpt(c.model_config()).named_parameters()) {
+    total += t.numel();
+    padded += (t.numel() + 15) / 16 * 16;
+  }
+  CHECK(std::abs(full.compress_ratio - static_cast<double>(padded / 32) / static_cast<double>(total)) < 1e-12);
+  c.max_steps = 4;
+  GptTrainConfig save = c;
+  save.save = temp_dir() + "/gpt_onebit.safetensors";
+  train_gpt(save);
+  GptTrainConfig rest = c;
+  rest.max_steps = 0;
+  rest.resume = save.save;
+  const GptResult r = train_gpt(rest);
+  REQUIRE(r.losses.size() == 4);
+  for (size_t k = 0; k < 4; ++k) CHECK(r.losses[k] == full.losses[4 + k]);
+  // It replaces AdamW; another optimizer is refused.
+  GptTrainConfig bad = c;
+  bad.optimizer = "sgd";
+  CHECK(contains(error_of([&] { train_gpt(bad); }),
+                 "gpt: --compress=onebit_adam is 1-bit Adam, which replaces AdamW; it needs "
+                 "--optimizer=adamw (got --optimizer=sgd)"));
+}
+
 TEST_CASE("--optimizer=adamw8bit on tp: checkpoints hold the scales in the single device's block order") {
   // Width 512: every 8-bit tensor's tp shard is whole blocks (tests/models/gpt_check_test);
   // width 128: attn.c_proj's shards cut its blocks, and every holder keeps all its scales.
