@@ -186,8 +186,9 @@ void OnebitAdam::compressed_step(const optim::ParamGroup& group, const Pending& 
   const Tensor buf = zeros({padded}, m.dtype(), m.device());
   buf.narrow(0, 0, n).copy_(m.reshape({n}));
   onebit_all_reduce(comm_, buf, it->second.first, it->second.second);
-  // Its bytes are about those of an all-reduce of padded / 32 elements (onebit.h).
-  hook_->current_.sent += padded / 32;
+  // Its bytes (onebit.h: padded / 4 (W - 1) / W + 8 (W - 1)) are an f32 all-reduce's of
+  // padded / 32 + W elements (8 (W - 1) / W bytes each).
+  hook_->current_.sent += padded / 32 + w;
   m.copy_(buf.narrow(0, 0, n).view(m.shape()));
   // AdamW's update with the variance of the last warm-up step.
   const double t = static_cast<double>(item.state->step + 1);
