@@ -103,8 +103,8 @@ Tensor scaled_by_floored_rsqrt(const Tensor& g, const Tensor& v, double floor) {
 }  // namespace
 
 Optimizer::RowShardState Adafactor::row_shard_state(const std::string& name,
-                                                    const Shape& global,
-                                                    int64_t /*run*/) const {
+                                                    const Shape& global, int64_t /*run*/,
+                                                    int64_t /*run_first*/) const {
   const bool columns_first = factored_dims(global) == std::pair<int64_t, int64_t>{1, 0};
   if (name == "exp_avg_sq_row") return columns_first ? RowShardState::whole : RowShardState::rows;
   if (name == "exp_avg_sq_col") return columns_first ? RowShardState::rows : RowShardState::whole;

@@ -77,8 +77,8 @@ class Adafactor : public Optimizer {
   // The statistic over the columns (one value per row) is per row, the one over the rows
   // whole: "exp_avg_sq_row" and "exp_avg_sq_col" respectively, except where optax factors a
   // taller-than-wide matrix columns first (its "row" statistic is then over the rows).
-  RowShardState row_shard_state(const std::string& name, const Shape& global,
-                                int64_t run) const override;
+  RowShardState row_shard_state(const std::string& name, const Shape& global, int64_t run,
+                                int64_t run_first) const override;
   const AdafactorOptions& options() const { return options_; }
   // The dims a parameter of `shape` is factored over (rows, columns), or {-1, -1} when its
   // second moment is kept whole.

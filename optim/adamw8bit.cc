@@ -31,10 +31,12 @@ AdamW8bitOptions AdamW8bit::checked(AdamW8bitOptions o) {
 int64_t AdamW8bit::shard_block() const { return kQuant8Block; }
 
 Optimizer::RowShardState AdamW8bit::row_shard_state(const std::string& name,
-                                                    const Shape& /*global*/,
-                                                    int64_t run) const {
+                                                    const Shape& /*global*/, int64_t run,
+                                                    int64_t run_first) const {
   if (!name.ends_with("_absmax")) return RowShardState::elements;
-  return run % kQuant8Block == 0 ? RowShardState::rows : RowShardState::whole;
+  // As cuts_blocks: a shard whose runs cut blocks keeps the whole parameter's scales.
+  const bool cut = run > 0 && (run % kQuant8Block != 0 || run_first % kQuant8Block != 0);
+  return cut ? RowShardState::whole : RowShardState::rows;
 }
 
 bool AdamW8bit::uses_master(const Tensor& p) const {
@@ -216,7 +218,11 @@ void AdamW8bit::step_segments(const ParamGroup& group, const Pending& item, cons
                         t, group.lr, options_.betas.first, options_.betas.second, options_.eps,
                         group.weight_decay);
   };
-  if (!run) {  // only what could refuse: the segments and the operands' shapes and dtypes
+  if (!run) {  // what could refuse: the segments, the operands' shapes, dtypes and layout
+    TS_CHECK(item.param.is_contiguous(),
+             "AdamW8bit: the shard of parameter '{}' {} must be contiguous (its segments are runs "
+             "of its elements)",
+             rs.name, shape_str(item.param.shape()));
     std::vector<TensorSpec> in;
     for (const Tensor& x : {item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq"), a1,
                             s.at("exp_avg_sq_absmax"), w, segments_of(item.param, rs), new1,

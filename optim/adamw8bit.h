@@ -55,8 +55,8 @@ class AdamW8bit : public Optimizer {
   void step() override;
   bool elementwise() const override { return false; }
   int64_t shard_block() const override;
-  RowShardState row_shard_state(const std::string& name, const Shape& global,
-                                int64_t run) const override;
+  RowShardState row_shard_state(const std::string& name, const Shape& global, int64_t run,
+                                int64_t run_first) const override;
   const AdamW8bitOptions& options() const { return options_; }
   // Whether parameter `param` (one this optimizer steps) holds 8-bit state.
   bool quantized(const Tensor& param) const;

@@ -123,12 +123,12 @@ class Optimizer {
   // tensor the optimizer was built on) to where it sits. Before the first step.
   void set_row_shards(std::map<const TensorImpl*, RowShard> shards) { row_shards_ = std::move(shards); }
   // How a row shard's state tensor `name` relates to the whole parameter's (of shape
-  // `global`, RowShard::global; `run`: RowShard::run), for gathering and cutting
+  // `global`, RowShard::global; `run`, `run_first`: RowShard's), for gathering and cutting
   // checkpoints: its own elements (shaped as the shard), one value per row (the rows' block
   // of a [rows] tensor), or the same on every shard (the whole tensor's).
   enum class RowShardState { elements, rows, whole };
   virtual RowShardState row_shard_state(const std::string& /*name*/, const Shape& /*global*/,
-                                        int64_t /*run*/) const {
+                                        int64_t /*run*/, int64_t /*run_first*/) const {
     return RowShardState::elements;
   }
   // The optimizer's name in messages ("AdamW").

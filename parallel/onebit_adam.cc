@@ -30,7 +30,13 @@ WorkHandle OnebitAdamHook::reduce(Communicator& comm, const GradBucket& b) {
     current_.sent += b.buffer.numel();
     return comm.all_reduce_async(b.buffer, b.average ? ReduceOp::avg : ReduceOp::sum);
   }
-  return completed_work();  // each rank keeps its gradient; step() reduces the momentum
+  // Each rank keeps its gradient; the step after this round sends each momentum through
+  // onebit_all_reduce, whose bytes (onebit.h: padded / 4 (W - 1) / W + 8 (W - 1)) are an f32
+  // all-reduce's of padded / 32 + W elements, counted here so the round reports them.
+  for (const Tensor& g : b.gradients) {
+    current_.sent += onebit_padded(g.numel(), comm.size()) / 32 + comm.size();
+  }
+  return completed_work();
 }
 
 void OnebitAdamHook::end_round() {
@@ -135,11 +141,14 @@ void OnebitAdam::step() {
         return s;
       },
       [&](const optim::ParamGroup& group, std::span<const Pending> bucket) {
+        // Everything that can refuse, before anything changes (the bucket is retried one
+        // parameter at a time after an Error).
         for (const Pending& item : bucket) {
           TS_CHECK(item.grad.dtype() == item.param.dtype() && item.grad.shape() == item.param.shape(),
                    "{}: the gradient {} {} does not match its parameter {} {}", kName,
                    item.grad.dtype(), shape_str(item.grad.shape()), item.param.dtype(),
                    shape_str(item.param.shape()));
+          if (item.state->step + 1 > options_.freeze_step) check_errors(item);
         }
         for (const Pending& item : bucket) {
           const int64_t t = item.state->step + 1;
@@ -163,6 +172,18 @@ void OnebitAdam::step() {
       });
 }
 
+void OnebitAdam::check_errors(const Pending& item) const {
+  auto it = hook_->errors_.find(item.index);
+  if (it == hook_->errors_.end()) return;  // made at its first compressed step
+  const int w = comm_.size();
+  const int64_t padded = onebit_padded(item.param.numel(), w);
+  TS_CHECK(it->second.first.numel() == padded && it->second.second.numel() == padded / w,
+           "{}: parameter {}'s error feedback holds {} and {} elements, {} ranks need {} and {} "
+           "(resumed on another number of ranks?)",
+           kName, item.index, it->second.first.numel(), it->second.second.numel(), w, padded,
+           padded / w);
+}
+
 void OnebitAdam::compressed_step(const optim::ParamGroup& group, const Pending& item) {
   std::map<std::string, Tensor>& s = item.state->tensors;
   const Tensor& m = s.at("exp_avg");
@@ -177,18 +198,12 @@ void OnebitAdam::compressed_step(const optim::ParamGroup& group, const Pending& 
   auto [it, fresh] = hook_->errors_.try_emplace(item.index);
   if (fresh) {
     it->second = {zeros({padded}, m.dtype(), m.device()), zeros({padded / w}, m.dtype(), m.device())};
+  } else if (it->second.first.device() != m.device()) {  // loaded from a checkpoint on the CPU
+    it->second = {it->second.first.to(m.device()), it->second.second.to(m.device())};
   }
-  TS_CHECK(it->second.first.numel() == padded && it->second.second.numel() == padded / w,
-           "{}: parameter {}'s error feedback holds {} and {} elements, {} ranks need {} and {} "
-           "(resumed on another number of ranks?)",
-           kName, item.index, it->second.first.numel(), it->second.second.numel(), w, padded,
-           padded / w);
   const Tensor buf = zeros({padded}, m.dtype(), m.device());
   buf.narrow(0, 0, n).copy_(m.reshape({n}));
   onebit_all_reduce(comm_, buf, it->second.first, it->second.second);
-  // Its bytes (onebit.h: padded / 4 (W - 1) / W + 8 (W - 1)) are an f32 all-reduce's of
-  // padded / 32 + W elements (8 (W - 1) / W bytes each).
-  hook_->current_.sent += padded / 32 + w;
   m.copy_(buf.narrow(0, 0, n).view(m.shape()));
   // AdamW's update with the variance of the last warm-up step.
   const double t = static_cast<double>(item.state->step + 1);

@@ -17,7 +17,9 @@
 // About 1/32 of the bytes of an f32 gradient all-reduce per step. Each rank's error feedback
 // lives in the hook (a per-rank state, checkpointed per rank as every comm hook's is); the
 // optimizer's state (m, v, step) is the same on every rank. Not for ZeRO's flat shards (a
-// scale per tensor): elementwise() is false.
+// scale per tensor): elementwise() is false. Gradient clipping before step() sees, after the
+// warm-up, each rank's own gradient (not reduced): a caller that clips by the global norm
+// clips something else than the AdamW run does.
 #pragma once
 
 #include <cstdint>
@@ -88,6 +90,8 @@ class OnebitAdam : public optim::Optimizer {
 
  private:
   void compressed_step(const optim::ParamGroup& group, const Pending& item);
+  // Error naming the parameter if its saved error feedback does not fit this group.
+  void check_errors(const Pending& item) const;
 
   Communicator& comm_;
   OnebitAdamOptions options_;

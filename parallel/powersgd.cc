@@ -86,6 +86,12 @@ WorkHandle PowerSgd::reduce(Communicator& comm, const GradBucket& b) {
   std::shared_ptr<BucketState>& slot = buckets_[b.index];
   if (!slot) slot = std::make_shared<BucketState>();
   std::shared_ptr<BucketState> st = slot;
+  if (st->error.defined() && st->error.device() != buffer.device()) {  // loaded on the CPU
+    st->error = st->error.to(buffer.device());
+  }
+  for (auto& [j, q] : st->q) {
+    if (q.device() != buffer.device()) q = q.to(buffer.device());
+  }
   if (options_.error_feedback) {
     if (!st->error.defined()) {
       st->error = zeros({numel}, buffer.dtype(), buffer.device());

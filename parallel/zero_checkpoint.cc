@@ -12,7 +12,7 @@ namespace {
 optim::Optimizer::RowShardState row_shard_state(const optim::Optimizer& optimizer,
                                                 const std::string& name,
                                                 const ZeroOptions::RowLayout& layout) {
-  return optimizer.row_shard_state(name, layout.global, layout.run);
+  return optimizer.row_shard_state(name, layout.global, layout.run, layout.run_first);
 }
 
 }  // namespace

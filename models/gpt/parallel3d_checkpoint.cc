@@ -79,7 +79,8 @@ std::vector<Field> fields_from_owner(Gpt3d::Impl& s, const std::string& name,
 // the parameter is not held, only whether it is per element matters: tp_runs is 0 there.)
 optim::Optimizer::RowShardState state_kind(const Gpt3d::Impl& s, const std::string& name,
                                            const std::string& field) {
-  return s.opt->row_shard_state(field, s.whole.at(name), tp_runs(s, name).run);
+  const TpRuns runs = tp_runs(s, name);
+  return s.opt->row_shard_state(field, s.whole.at(name), runs.run, runs.first);
 }
 bool per_element(const Gpt3d::Impl& s, const std::string& name, const std::string& field) {
   return state_kind(s, name, field) == optim::Optimizer::RowShardState::elements;

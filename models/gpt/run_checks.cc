@@ -94,6 +94,11 @@ void validate_train_config(const GptTrainConfig& c) {
              c.compress, c.zero, c.pp, c.tp);
     TS_CHECK(!c.check, "gpt: --compress={} approximates the gradients, so --check (equality "
              "with one device) does not apply", c.compress);
+    TS_CHECK(c.precision != "f16",
+             "gpt: --compress={} keeps error feedback across steps, which f16's loss scaling "
+             "breaks (an overflowing step's inf enters the error for good, and a new scale "
+             "leaves it in the old units); use --precision=bf16 or f32",
+             c.compress);
   }
   require_at_least(gpt, "pp", c.pp, 1);
   require_at_least(gpt, "tp", c.tp, 1);

@@ -846,6 +846,11 @@ TEST_CASE("--compress=powersgd on dp: exact steps first, then 1/16 of the elemen
   bad = c;
   bad.compress = "onebit";
   CHECK(contains(error_of([&] { train_gpt(bad); }), "compress"));
+  bad = c;
+  bad.precision = "f16";
+  CHECK(contains(error_of([&] { train_gpt(bad); }),
+                 "gpt: --compress=powersgd keeps error feedback across steps, which f16's loss "
+                 "scaling breaks"));
 }
 
 TEST_CASE("--compress=onebit_adam on dp: AdamW's warm-up, then 1-bit momenta; bitwise resume") {

@@ -198,12 +198,23 @@ TEST_CASE("PowerSGD resumes bitwise from its state dict (error feedback, Qs, rou
             whole[static_cast<size_t>(w)].grads[static_cast<size_t>(3 + t)]);
     }
   }
-  // Without warm start each round draws new Qs: different results, still resumable.
+  // Without warm start each round draws new Qs from the generator, so resuming needs its
+  // position: rounds 2-3 from the state after round 1 equal the uninterrupted run's.
   PowerSgdOptions cold = o;
   cold.warm_start = false;
   const std::vector<RankRun> cold_whole = run_ddp(2, 0, 4, cold);
   CHECK(cold_whole[0].grads[3] != whole[0].grads[3]);
   CHECK(cold_whole[0].state.count("q.0.0") + cold_whole[0].state.count("q.0.3") == 0);
+  const std::vector<RankRun> cold_head = run_ddp(2, 0, 2, cold);
+  std::vector<std::map<std::string, Tensor>> cold_saved;
+  for (const RankRun& r : cold_head) cold_saved.push_back(r.state);
+  const std::vector<RankRun> cold_tail = run_ddp(2, 2, 2, cold, &cold_saved);
+  for (int t = 0; t < 2; ++t) CHECK(cold_tail[0].grads[static_cast<size_t>(t)] == cold_whole[0].grads[static_cast<size_t>(2 + t)]);
+  // A fresh generator instead would draw round 2's Qs again from the start: not the same.
+  std::vector<std::map<std::string, Tensor>> no_rng = cold_saved;
+  for (auto& d : no_rng) d["rng"] = Tensor::from_vector<int64_t>({7, 0}, {2});
+  const std::vector<RankRun> wrong = run_ddp(2, 2, 2, cold, &no_rng);
+  CHECK(wrong[0].grads[0] != cold_whole[0].grads[2]);
 }
 
 TEST_CASE("PowerSGD agrees with PyTorch's powerSGD_hook on the same gradients and initial Qs") {

@@ -375,14 +375,17 @@ void adamw8bit_segments_errors() {
   expect_error("adamw8bit_segments_ pass 3", [&] { step({100, 0, 300, 1}, 3); });
   expect_error("adamw8bit_segments_ new scales of another length",
                [&] { step({100, 0, 300, 1}, 1, zeros({3})); });
+  bool threw = false;
   try {
     step({100, 0, 50, 1});
   } catch (const Error& e) {
+    threw = true;
     const std::string msg = e.what();
     CHECK_MESSAGE(msg.find("adamw8bit_segments_: segment 1 ends at element 50 after the "
                            "previous one's end 100") != std::string::npos,
                   msg);
   }
+  CHECK(threw);
 }
 
 OpSweep adamw8bit_segments_sweep() {
@@ -401,12 +404,13 @@ OpSweep adamw8bit_segments_sweep() {
     s.cases.push_back(adamw8bit_segments_case(p + " [0] (no segments)", {0}, 2, {}, pass, {},
                                               false));
   }
-  // Many segments: threads take runs of them (runs of 48 of every block of 256, 40 blocks).
+  // Many segments: threads take runs of them (runs of 48 of every block of 256, 200 blocks:
+  // more than one chunk of kUpdateGrain / 256 = 32 segments).
   std::vector<double> many;
-  for (int64_t b = 0; b < 40; ++b) many.insert(many.end(), {double(48 * (b + 1)), double(b)});
+  for (int64_t b = 0; b < 200; ++b) many.insert(many.end(), {double(48 * (b + 1)), double(b)});
   for (int pass : {1, 2}) {
-    s.cases.push_back(adamw8bit_segments_case(fmt::format("pass {} [40, 48] in 40 segments", pass),
-                                              {40, 48}, 40, many, pass, {2}, false));
+    s.cases.push_back(adamw8bit_segments_case(fmt::format("pass {} [200, 48] in 200 segments", pass),
+                                              {200, 48}, 200, many, pass, {2}, false));
   }
   s.extra = [] { adamw8bit_segments_errors(); };
   return s;
