@@ -84,6 +84,18 @@ void check_finite(OpId op, double v, const char* what) {
   TS_CHECK(std::isfinite(v), "{}: {} must be finite, got {}", name_of(op), what, v);
 }
 
+// The attributes of AdamW's step (adamw_, adamw8bit_[segments_]): a 1-based step, betas in
+// [0, 1) (beta == 1 makes the bias correction 1 - beta^t zero), finite lr, eps and decay.
+void check_adam_attrs(OpId op, const Attrs& a) {
+  TS_CHECK(a.step_count >= 1, "{}: step_count must be >= 1 (1-based), got {}", name_of(op),
+           a.step_count);
+  TS_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
+           "{}: betas must be in [0, 1), got ({}, {})", name_of(op), a.beta1, a.beta2);
+  check_finite(op, a.lr, "lr");
+  check_finite(op, a.eps, "eps");
+  check_finite(op, a.weight_decay, "weight_decay");
+}
+
 // Inputs: param, grad, exp_avg, exp_avg_sq, [master]; or k such tuples of 5 (master
 // undefined where there is none).
 std::vector<TensorSpec> adamw_meta(std::span<const TensorSpec> in, const Attrs& a) {
@@ -97,13 +109,7 @@ std::vector<TensorSpec> adamw_meta(std::span<const TensorSpec> in, const Attrs& 
     TS_CHECK(t[3].defined, "{}: exp_avg_sq (input 3) is an undefined tensor", label.str());
     check_update_operands(label, t, {{2, "exp_avg"}, {3, "exp_avg_sq"}}, 4);
   });
-  TS_CHECK(a.step_count >= 1, "adamw_: step_count must be >= 1 (1-based), got {}", a.step_count);
-  // beta == 1 makes the bias correction 1 - beta^t zero.
-  TS_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
-           "adamw_: betas must be in [0, 1), got ({}, {})", a.beta1, a.beta2);
-  check_finite(op, a.lr, "lr");
-  check_finite(op, a.eps, "eps");
-  check_finite(op, a.weight_decay, "weight_decay");
+  check_adam_attrs(op, a);
   return {};
 }
 
@@ -141,13 +147,7 @@ std::vector<TensorSpec> adamw8bit_meta(std::span<const TensorSpec> in, const Att
                kNames[i], t[i].device, shape_str(p.shape), p.device);
     }
   });
-  TS_CHECK(a.step_count >= 1, "adamw8bit_: step_count must be >= 1 (1-based), got {}",
-           a.step_count);
-  TS_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
-           "adamw8bit_: betas must be in [0, 1), got ({}, {})", a.beta1, a.beta2);
-  check_finite(op, a.lr, "lr");
-  check_finite(op, a.eps, "eps");
-  check_finite(op, a.weight_decay, "weight_decay");
+  check_adam_attrs(op, a);
   return {};
 }
 
@@ -197,13 +197,7 @@ std::vector<TensorSpec> adamw8bit_segments_meta(std::span<const TensorSpec> in, 
   }
   TS_CHECK(a.k == 1 || a.k == 2,
            "adamw8bit_segments_: the pass must be 1 (update) or 2 (requantize), got {}", a.k);
-  TS_CHECK(a.step_count >= 1, "adamw8bit_segments_: step_count must be >= 1 (1-based), got {}",
-           a.step_count);
-  TS_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
-           "adamw8bit_segments_: betas must be in [0, 1), got ({}, {})", a.beta1, a.beta2);
-  check_finite(op, a.lr, "lr");
-  check_finite(op, a.eps, "eps");
-  check_finite(op, a.weight_decay, "weight_decay");
+  check_adam_attrs(op, a);
   return {};
 }
 

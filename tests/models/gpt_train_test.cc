@@ -785,19 +785,46 @@ TEST_CASE("--optimizer=adamw8bit: learns; state bytes the formula; ZeRO, dp and 
                  "--optimizer=adamw8bit (got --optimizer=adamw)"));
 }
 
+// `compressed` (dp 2, with --compress and its exact steps through step 2) beside the same run
+// without compression: the losses through step 3 (before step 3's reduction) are the same,
+// later ones not. Returns the compressed run.
+GptResult compressed_beside_exact(const GptTrainConfig& compressed) {
+  GptTrainConfig c = compressed;
+  c.compress = "none";
+  const GptResult exact = train_gpt(c);
+  const GptResult full = train_gpt(compressed);
+  REQUIRE(full.losses.size() == 8);
+  for (size_t k = 0; k < 4; ++k) CHECK(full.losses[k] == exact.losses[k]);
+  CHECK(full.losses[5] != exact.losses[5]);
+  return full;
+}
+
+// `c` saved at step 4 of 8 to `path` (sharded or one file) and resumed on the same layout:
+// bitwise `full`'s last 4 losses. Returns the resuming config.
+GptTrainConfig check_compressed_resume(const GptTrainConfig& c, const std::string& path,
+                                       bool sharded, const GptResult& full) {
+  GptTrainConfig save = c;
+  save.max_steps = 4;
+  save.save = path;
+  save.save_sharded = sharded;
+  train_gpt(save);
+  GptTrainConfig rest = c;
+  rest.max_steps = 0;
+  rest.resume = path;
+  const GptResult r = train_gpt(rest);
+  REQUIRE(r.losses.size() == 4);
+  for (size_t k = 0; k < 4; ++k) CHECK(r.losses[k] == full.losses[4 + k]);
+  return rest;
+}
+
 TEST_CASE("--compress=powersgd on dp: exact steps first, then 1/16 of the elements; bitwise resume") {
   // PowerSGD at rank 1 after 3 exact steps (tests/parallel/powersgd_test checks the
   // algorithm against an f64 reference and PyTorch's hook; this checks gpt's wiring).
   GptTrainConfig c = short_run(8);
   c.dp = 2;
-  const GptResult exact = train_gpt(c);
   c.compress = "powersgd";
   c.powersgd_start = 3;
-  const GptResult full = train_gpt(c);
-  REQUIRE(full.losses.size() == 8);
-  // Steps 0-2 reduce exactly, so the loss of step 3 (before its reduction) is still the same.
-  for (size_t k = 0; k < 4; ++k) CHECK(full.losses[k] == exact.losses[k]);
-  CHECK(full.losses[5] != exact.losses[5]);
+  const GptResult full = compressed_beside_exact(c);
   // tiny()'s matrices at rank 1 ((n + m) of n m elements) and its vectors whole.
   int64_t total = 0, sent = 0;
   for (const auto& [name, t] : Gpt(c.model_config()).named_parameters()) {
@@ -815,19 +842,10 @@ TEST_CASE("--compress=powersgd on dp: exact steps first, then 1/16 of the elemen
         1e-12);
   // Saved at step 4 (one file, and sharded) with every rank's error feedback and the Qs:
   // resumed on dp 2, bitwise the uninterrupted run.
-  c.max_steps = 4;
   for (bool sharded : {false, true}) {
     CAPTURE(sharded);
-    GptTrainConfig save = c;
-    save.save = temp_dir() + (sharded ? "/gpt_powersgd" : "/gpt_powersgd.safetensors");
-    save.save_sharded = sharded;
-    train_gpt(save);
-    GptTrainConfig rest = c;
-    rest.max_steps = 0;
-    rest.resume = save.save;
-    const GptResult r = train_gpt(rest);
-    REQUIRE(r.losses.size() == 4);
-    for (size_t k = 0; k < 4; ++k) CHECK(r.losses[k] == full.losses[4 + k]);
+    GptTrainConfig rest = check_compressed_resume(
+        c, temp_dir() + (sharded ? "/gpt_powersgd" : "/gpt_powersgd.safetensors"), sharded, full);
     // On another number of ranks the per-rank error feedback has no place: refused.
     rest.dp = 4;
     CHECK(contains(error_of([&] { train_gpt(rest); }),
@@ -859,13 +877,9 @@ TEST_CASE("--compress=onebit_adam on dp: AdamW's warm-up, then 1-bit momenta; bi
   // run, the step line's ratio, checkpoints with every rank's error feedback).
   GptTrainConfig c = short_run(8);
   c.dp = 2;
-  const GptResult exact = train_gpt(c);
   c.compress = "onebit_adam";
   c.onebit_freeze = 3;
-  const GptResult full = train_gpt(c);
-  REQUIRE(full.losses.size() == 8);
-  for (size_t k = 0; k < 4; ++k) CHECK(full.losses[k] == exact.losses[k]);
-  CHECK(full.losses[5] != exact.losses[5]);
+  const GptResult full = compressed_beside_exact(c);
   // Each parameter's momentum in bits, padded to 8 x 2 elements, and two scales per rank:
   // the bytes of an all-reduce of padded / 32 + 2 elements, ~1/32 of the elements.
   int64_t total = 0, sent = 0;
@@ -875,16 +889,7 @@ TEST_CASE("--compress=onebit_adam on dp: AdamW's warm-up, then 1-bit momenta; bi
   }
   MESSAGE("onebit_adam on tiny(): ", full.compress_ratio, " of the elements");
   CHECK(std::abs(full.compress_ratio - static_cast<double>(sent) / static_cast<double>(total)) < 1e-12);
-  c.max_steps = 4;
-  GptTrainConfig save = c;
-  save.save = temp_dir() + "/gpt_onebit.safetensors";
-  train_gpt(save);
-  GptTrainConfig rest = c;
-  rest.max_steps = 0;
-  rest.resume = save.save;
-  const GptResult r = train_gpt(rest);
-  REQUIRE(r.losses.size() == 4);
-  for (size_t k = 0; k < 4; ++k) CHECK(r.losses[k] == full.losses[4 + k]);
+  check_compressed_resume(c, temp_dir() + "/gpt_onebit.safetensors", false, full);
   // It replaces AdamW; another optimizer is refused.
   GptTrainConfig bad = c;
   bad.optimizer = "sgd";

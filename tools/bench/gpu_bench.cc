@@ -217,18 +217,24 @@ class Bench {
     return s;
   }
 
+  // GPT-2 124M's parameters (f32, on the device) with gradients, for the optimizer rows.
+  std::vector<Tensor> gpt2_params_with_grads() const {
+    std::vector<Tensor> params;
+    for (const Shape& s : gpt2_shapes()) {
+      Tensor p = random_on(s, DType::f32, o_.device, 0.02);
+      p.requires_grad_();
+      p.set_grad(random_on(s, DType::f32, o_.device, 1e-3));
+      params.push_back(p);
+    }
+    return params;
+  }
+
   void adamw() {
     if (!wanted("adamw")) return;
     run("adamw", "optim::AdamW::step, 148 tensors", "GPT-2 124M", "f32", [&](Row& r) {
-      std::vector<Tensor> params;
+      const std::vector<Tensor> params = gpt2_params_with_grads();
       int64_t count = 0;
-      for (const Shape& s : gpt2_shapes()) {
-        Tensor p = random_on(s, DType::f32, o_.device, 0.02);
-        p.requires_grad_();
-        p.set_grad(random_on(s, DType::f32, o_.device, 1e-3));
-        params.push_back(p);
-        count += numel_of(s);
-      }
+      for (const Tensor& p : params) count += p.numel();
       optim::AdamWOptions ao;
       ao.lr = 1e-4;
       ao.betas = {0.9, 0.95};
@@ -241,15 +247,11 @@ class Bench {
       if (ceiling_gbps_ > 0) r.note = fmt::format("{:.0f}% of copy", 100 * r.gbps / ceiling_gbps_);
     });
     run("adamw", "optim::AdamW8bit::step, 148 tensors", "GPT-2 124M", "f32", [&](Row& r) {
-      std::vector<Tensor> params;
+      const std::vector<Tensor> params = gpt2_params_with_grads();
       int64_t count = 0;
       double bytes = 0;
-      for (const Shape& s : gpt2_shapes()) {
-        Tensor p = random_on(s, DType::f32, o_.device, 0.02);
-        p.requires_grad_();
-        p.set_grad(random_on(s, DType::f32, o_.device, 1e-3));
-        params.push_back(p);
-        const int64_t n = numel_of(s);
+      for (const Tensor& p : params) {
+        const int64_t n = p.numel();
         count += n;
         // 8-bit from 4096 elements: param and grad read, param written (12), both codes read
         // and written (4), two scales per block read and written; below, adamw_'s 28.
