@@ -3,10 +3,10 @@
 // gather and scatter_add (strided, any rank). The spec is kernels/cpu/index.cc.
 //
 // index_add: (index, position) pairs are radix-sorted (stable, so equal indices keep their
-// position order) and each run of equal indices is summed by one block, which walks the run
-// in position order starting from the destination's value, rounding after every add exactly
-// as the CPU does (16-bit types accumulate in 16 bits there). Results equal the CPU's bit for
-// bit in every dtype; no atomics.
+// position order) and each run of equal indices is summed by one block (by one thread per
+// column where rows are narrow), which walks the run in position order starting from the
+// destination's value, rounding after every add exactly as the CPU does (16-bit types
+// accumulate in 16 bits there). Results equal the CPU's bit for bit in every dtype; no atomics.
 #include <cub/cub.cuh>
 
 #include <algorithm>
@@ -155,6 +155,38 @@ __global__ void index_add_runs_kernel(T* __restrict__ out, const T* __restrict__
   }
 }
 
+// The same sums one thread per (o, position, c), for where a block per run would not do:
+// narrow rows (inner < kNarrowInner: a slice's backward along the last dim has inner = 1;
+// a block's threads would stride through memory a whole row apart) and few runs (n <
+// kFewRuns: the backward of GPT's slice of q, k or v from [3, B x T, C] has n = 1 and inner
+// = B x T x C, so a block per run would leave all but one multiprocessor idle).
+// Consecutive threads take consecutive columns, then positions: sorted keys that are
+// consecutive rows read and write coalesced. The thread at a run's first position walks the
+// run; the others have nothing to do.
+constexpr int64_t kNarrowInner = 32;
+constexpr int64_t kFewRuns = 1024;
+
+template <typename T>
+__global__ void index_add_narrow_kernel(T* __restrict__ out, const T* __restrict__ src,
+                                        const uint32_t* __restrict__ keys,
+                                        const uint32_t* __restrict__ pos, int64_t n,
+                                        int64_t outer, int64_t mid, int64_t inner) {
+  const int64_t total = outer * n * inner;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = e % inner, rest = e / inner, p = rest % n, o = rest / n;
+    const uint32_t key = keys[p];
+    if (key >= mid || (p > 0 && keys[p - 1] == key)) continue;
+    T* dst = out + (o * mid + key) * inner + c;
+    const T* sbase = src + o * n * inner + c;
+    T acc = *dst;
+    for (int64_t q = p; q < n && keys[q] == key; ++q) {
+      acc = from_acc<T>(to_acc(acc) + to_acc(sbase[static_cast<int64_t>(pos[q]) * inner]));
+    }
+    *dst = acc;
+  }
+}
+
 constexpr int64_t kAlign = 256;
 int64_t align_up(int64_t b) { return (b + kAlign - 1) / kAlign * kAlign; }
 
@@ -274,7 +306,10 @@ void launch_index_add(const DevTensor& out, const DevTensor& src, const DevTenso
     const bool vec = inner % kV == 0 && reinterpret_cast<uintptr_t>(out.data) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(src.data) % 16 == 0;
     const int blocks = static_cast<int>(std::min<int64_t>(n, 65535));
-    if (vec) {
+    if (inner < kNarrowInner || n < kFewRuns) {
+      index_add_narrow_kernel<T><<<grid_for(outer * n * inner), 256, 0, stream>>>(
+          typed<T>(out), typed<T>(src), keys, vals, n, outer, mid, inner);
+    } else if (vec) {
       index_add_runs_kernel<T, kV><<<blocks, threads_for(outer * inner / kV), 0, stream>>>(
           typed<T>(out), typed<T>(src), keys, vals, n, outer, mid, inner);
     } else {
