@@ -262,11 +262,10 @@ bool Adafactor::uses_param_rms() const {
 
 bool Adafactor::fusable(const Tensor& param) const {
   // The fused passes (adafactor_stats_, adafactor_norm_, adafactor_apply_) take f32 and f64
-  // matrices in place; a 16-bit parameter is updated in f32 by ops and rounded once. On the
-  // CPU only for now: the CUDA kernels are built but have not run on a GPU yet, so a CUDA
-  // parameter keeps the ops (run on any device).
+  // matrices in place, on the CPU and on CUDA; a 16-bit parameter is updated in f32 by ops and
+  // rounded once.
   return options_.fused && (param.dtype() == DType::f32 || param.dtype() == DType::f64) &&
-         param.is_contiguous() && param.device().is_cpu();
+         param.is_contiguous();
 }
 
 std::pair<double, double> Adafactor::final_form(double alpha, double lr, double wd) const {

@@ -55,8 +55,8 @@ struct AdafactorOptions {
   double weight_decay = 0.0;
   int64_t min_dim_size_to_factor = 128;  // optax
   // The three fused passes (tensor/ops.h: adafactor_stats_, _norm_, _apply_) for f32/f64
-  // matrices factored over their last two dims, on the CPU; false: ops everywhere (the same
-  // update up to the order of its sums).
+  // matrices factored over their last two dims, on the CPU and CUDA; false: ops everywhere
+  // (the same update up to the order of its sums).
   bool fused = true;
 };
 

@@ -17,11 +17,14 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "optim/adafactor.h"
 #include "optim/adamw.h"
+#include "optim/adamw8bit.h"
 #include "optim/sgd.h"
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
@@ -261,8 +264,10 @@ Adam8Tuple make_adam8(const Shape& shape, DType dt, bool master, bool zero, uint
   x.t[5] = zero ? zeros({blocks}, st)
                 : cast(abs(randn({blocks}, DType::f64, kCPU, &gen)) * 0.01, st);
   if (master) {  // the master holds the param's value, the param its rounding
-    x.t[6] = cast(x.t[0], DType::f32);
-    x.t[0] = cast(x.t[6], dt);
+    // clone(): cast to its own dtype returns the same tensor, and an f32 param's master must
+    // be a buffer of its own.
+    x.t[6] = cast(x.t[0], DType::f32).clone();
+    x.t[0] = cast(x.t[6], dt).clone();
   }
   // A 2-D param gets a transposed (non-contiguous) grad: packed by the CUDA glue.
   if (shape.size() == 2) {
@@ -445,7 +450,9 @@ void sgd_against_cpu(DType dt, bool master, double momentum, double dampening, b
     if (dt == DType::f32 || dt == DType::f64) {
       check_close(gpu.at(0, j), cpu.at(0, j), rel, "param " + at);
     } else {
-      check_close(gpu.at(0, j), cpu.at(0, j), 1.0 / 128, "16-bit param " + at, 0.0);
+      // Its master's rounding: one bf16 ulp, plus the master's own bound (rel x max|master|),
+      // which covers an update that cancels the value (0 on one device, 1e-9 on the other).
+      check_close(gpu.at(0, j), cpu.at(0, j), 1.0 / 128, "16-bit param " + at, 128 * rel);
     }
   }
 }
@@ -475,12 +482,48 @@ std::vector<Tensor> make_params(Device d) {
   return ps;
 }
 
-template <typename Opt, typename Options>
-void optimizer_against_cpu(Options options) {
-  std::vector<Tensor> cpu = make_params(kCPU), gpu = make_params(cuda(0));
-  auto groups = [](const std::vector<Tensor>& ps) {
+// Adafactor's and AdamW8bit's, all of dtype `dt`: factored over the last two dims (hf, torch:
+// every matrix; optax: only where the second-largest dim is >= 128, as {130, 140}), a 3-D
+// stack, and kept whole (vectors).
+std::vector<Tensor> make_factored_params(Device d, DType dt) {
+  Generator gen(5);
+  std::vector<Tensor> ps;
+  for (Shape s : {Shape{64, 33}, Shape{33}, Shape{130, 140}, Shape{2, 40, 24}, Shape{1}}) {
+    ps.push_back(cast(randn(s, DType::f32, kCPU, &gen), dt).to(d).requires_grad_());
+  }
+  return ps;
+}
+
+// The bounds of one param and its state (check_close: rel x (|want| + scaled x max|want|));
+// 0: bitwise.
+struct Tol {
+  double param, scaled, state;
+};
+// adamw_'s and sgd_'s: f32/f64 within rel_for(dt); a 16-bit param within one bf16 ulp of the
+// CPU's plus its master's bound (an update may cancel the value: 0 on one device, 1e-9 on
+// the other).
+Tol fused_tol(DType dt) {
+  if (dt == DType::f32 || dt == DType::f64) return {rel_for(dt), 1.0, rel_for(dt)};
+  return {1.0 / 128, 128 * 1e-6, 1e-6};
+}
+
+// Four steps of `Opt` on CUDA params and on the same CPU params (matrices in a decayed group,
+// vectors in one without decay), compared within tol(optimizer, k, param) for the
+// optimizer's param k.
+template <typename Opt, typename Options, typename TolFn>
+void optimizer_against_cpu(Options options, const std::function<std::vector<Tensor>(Device)>& make,
+                           TolFn tol) {
+  std::vector<Tensor> cpu = make(kCPU), gpu = make(cuda(0));
+  // The optimizer's order: the matrices' group, then the vectors'.
+  std::vector<size_t> order;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      if ((cpu[i].dim() >= 2) == (pass == 0)) order.push_back(i);
+    }
+  }
+  auto groups = [&](const std::vector<Tensor>& ps) {
     std::vector<optim::ParamGroup> g(2);
-    for (size_t i = 0; i < ps.size(); ++i) g[ps[i].dim() >= 2 ? 0 : 1].params.push_back(ps[i]);
+    for (size_t i : order) g[ps[i].dim() >= 2 ? 0 : 1].params.push_back(ps[i]);
     g[1].weight_decay = 0.0;
     return g;
   };
@@ -503,16 +546,29 @@ void optimizer_against_cpu(Options options) {
     ogpu.step();
     CHECK(gpu[0].storage()->version() > version);
   }
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    CAPTURE(i);
-    CHECK(ogpu.step_count(int64_t(i)) == ocpu.step_count(int64_t(i)));
-    const bool half = cpu[i].dtype() == DType::bf16;
-    check_close(gpu[i], cpu[i], half ? 1.0 / 128 : 1e-6, "param " + std::to_string(i),
-                half ? 0.0 : 1.0);
-    for (const auto& [name, t] : ocpu.state(int64_t(i))) {
-      check_close(ogpu.state(int64_t(i)).at(name), t, 1e-6, name + " of " + std::to_string(i));
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t i = order[k];
+    CAPTURE(k);
+    CHECK(ogpu.step_count(int64_t(k)) == ocpu.step_count(int64_t(k)));
+    const Tol t = tol(ogpu, k, gpu[i]);
+    const std::string at = std::to_string(k) + " " + shape_str(cpu[i].shape()) + " " +
+                           std::string(dtype_name(cpu[i].dtype()));
+    check_close(gpu[i], cpu[i], t.param, "param " + at, t.scaled);
+    REQUIRE(ogpu.state(int64_t(k)).size() == ocpu.state(int64_t(k)).size());
+    for (const auto& [name, want] : ocpu.state(int64_t(k))) {
+      REQUIRE(ogpu.state(int64_t(k)).count(name) == 1);
+      const Tensor& got = ogpu.state(int64_t(k)).at(name);
+      CHECK(got.device() == cuda(0));
+      // 8-bit codes compare as their integer values (check_close reads them as doubles).
+      check_close(got, want, t.state, name + " of " + at);
     }
   }
+}
+
+template <typename Opt, typename Options>
+void optimizer_against_cpu(Options options) {
+  optimizer_against_cpu<Opt>(options, make_params,
+                             [](const Opt&, size_t, const Tensor& p) { return fused_tol(p.dtype()); });
 }
 
 TEST_CASE("optim::AdamW steps CUDA params as it steps CPU params (buckets, masters)") {
@@ -522,6 +578,83 @@ TEST_CASE("optim::AdamW steps CUDA params as it steps CPU params (buckets, maste
 TEST_CASE("optim::SGD steps CUDA params as it steps CPU params") {
   optimizer_against_cpu<optim::SGD>(
       optim::SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true});
+}
+
+TEST_CASE("optim::AdamW8bit steps CUDA params as it steps CPU params: 8-bit state bitwise") {
+  // Its kernel forbids the FMA (see adamw8bit_ above): a param with 8-bit state (from 1024
+  // elements: {64, 33}, {130, 140}, {2, 40, 24}) is bitwise the CPU's, param and state; the
+  // vectors keep f32 state and take adamw_, within its bounds.
+  const optim::AdamW8bitOptions o{.lr = 1e-2, .weight_decay = 0.1, .min_8bit_numel = 1024};
+  for (DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dt);
+    int quantized = 0;
+    optimizer_against_cpu<optim::AdamW8bit>(
+        o, [dt](Device d) { return make_factored_params(d, dt); },
+        [&](const optim::AdamW8bit& opt, size_t, const Tensor& p) {
+          if (!opt.quantized(p)) return fused_tol(p.dtype());
+          ++quantized;
+          return Tol{0.0, 0.0, 0.0};
+        });
+    CHECK(quantized == 3);
+  }
+}
+
+// Adafactor on CUDA takes the fused passes (adafactor_stats_, _norm_, _apply_) for its f32
+// and f64 factored params, as on the CPU. Their sums over a row or a column (up to 140
+// elements) and over the whole tensor run in another order on each device, so f32 results
+// differ by rounding: 1e-5 of (|want| + max|want|) after four steps (140 x 2^-24 is 8e-6 at
+// worst per sum), f64 1e-13. A bf16 param is updated by ops in f32 and rounded: one bf16 ulp
+// plus that f32 bound; its state then follows the rounded param (the step scales by the
+// param's RMS): one bf16 ulp too.
+TEST_CASE("optim::Adafactor steps CUDA params as it steps CPU params: hf, torch, optax") {
+  using optim::AdafactorMode;
+  const std::vector<optim::AdafactorOptions> modes = {
+      {.mode = AdafactorMode::hf, .beta1 = 0.9, .weight_decay = 0.01},
+      {.mode = AdafactorMode::hf, .lr = 1e-2, .relative_step = false, .scale_parameter = false},
+      {.mode = AdafactorMode::torch, .lr = 1e-2, .weight_decay = 0.01},
+      {.mode = AdafactorMode::optax, .lr = 1e-2, .beta1 = 0.9, .weight_decay = 1e-3},
+  };
+  const std::vector<std::pair<DType, Tol>> dtypes = {{DType::f32, {1e-5, 1.0, 1e-5}},
+                                                     {DType::f64, {1e-13, 1.0, 1e-13}},
+                                                     {DType::bf16, {1.0 / 128, 128e-5, 1.0 / 128}}};
+  int runs = 0;
+  for (const auto& o : modes) {
+    CAPTURE(optim::adafactor_mode_name(o.mode));
+    for (const auto& [dt, t] : dtypes) {
+      CAPTURE(dt);
+      optimizer_against_cpu<optim::Adafactor>(
+          o, [dt](Device d) { return make_factored_params(d, dt); },
+          [t](const optim::Adafactor&, size_t, const Tensor&) { return t; });
+      ++runs;
+    }
+  }
+  CHECK(runs == 12);
+}
+
+TEST_CASE("optim::Adafactor on CUDA: the fused passes equal the ops on the same device") {
+  // fused = false runs the update as ops on CUDA: the same function, another summation order.
+  for (DType dt : {DType::f32, DType::f64}) {
+    CAPTURE(dt);
+    std::vector<Tensor> a = make_factored_params(cuda(0), dt);
+    std::vector<Tensor> b = make_factored_params(cuda(0), dt);
+    optim::AdafactorOptions o{.beta1 = 0.9, .weight_decay = 0.01};
+    optim::Adafactor fused(a, o);
+    o.fused = false;
+    optim::Adafactor ops(b, o);
+    for (int step = 0; step < 3; ++step) {
+      Generator gen(700 + step);
+      for (size_t i = 0; i < a.size(); ++i) {
+        Tensor g = cast(randn(a[i].shape(), DType::f32, kCPU, &gen), dt).to(cuda(0));
+        a[i].set_grad(g);
+        b[i].set_grad(g.clone());
+      }
+      fused.step();
+      ops.step();
+    }
+    for (size_t i = 0; i < a.size(); ++i) {
+      check_close(a[i], b[i], dt == DType::f64 ? 1e-13 : 1e-5, "param " + std::to_string(i));
+    }
+  }
 }
 
 }  // namespace

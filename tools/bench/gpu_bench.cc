@@ -5,7 +5,9 @@
 //   matmul      f32 (TF32 off / on), bf16, f16 at 4096^3, 8192^3 and GPT-2 124M's shapes
 //   elementwise add of two 256 MiB f32 tensors, gelu, bf16 add, clone
 //   adamw       optim::AdamW::step over GPT-2 124M's 148 parameter tensors (28 B/param), and
-//               optim::AdamW8bit::step (16 + 16/256 B/param from 4096 elements, 28 below)
+//               optim::AdamW8bit::step (16 + 16/256 B/param from 4096 elements, 28 below),
+//               optim::Adafactor::step (hf defaults: the fused passes, 24 B/param)
+//   compress    sign_pack and sign_unpack of 256 MiB of f32 (1-bit compression)
 //   attention   causal bf16 forward and forward + backward, B=8 H=12 T=1024 D=64
 // Prints a markdown table and, with --json=PATH, one JSON line per row.
 //
@@ -24,6 +26,7 @@
 #include "kernels/cuda/runtime.h"
 #include "models/common/flags.h"
 #include "optim/adamw.h"
+#include "optim/adafactor.h"
 #include "optim/adamw8bit.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -267,6 +270,40 @@ class Bench {
       r.gbps = bytes / (r.ms * 1e6);
       if (ceiling_gbps_ > 0) r.note = fmt::format("{:.0f}% of copy", 100 * r.gbps / ceiling_gbps_);
     });
+    run("adamw", "optim::Adafactor::step, 148 tensors", "GPT-2 124M", "f32", [&](Row& r) {
+      // hf mode's defaults (relative step, parameter scale, no first moment): the fused passes
+      // for the matrices. Fewest bytes per element of a matrix: the gradient read by each of
+      // the three passes (12), the parameter read for its RMS (4), read and written by the
+      // update (8). The 1-D parameters (0.08% of the elements) take ops: counted the same.
+      const std::vector<Tensor> params = gpt2_params_with_grads();
+      int64_t count = 0;
+      for (const Tensor& p : params) count += p.numel();
+      optim::Adafactor opt(params, optim::AdafactorOptions{});
+      r.shape = fmt::format("{} tensors, {} params", params.size(), count);
+      r.ms = median_ms(o_, [&](int) { opt.step(); });
+      r.gbps = 24.0 * static_cast<double>(count) / (r.ms * 1e6);
+      if (ceiling_gbps_ > 0) r.note = fmt::format("{:.0f}% of copy", 100 * r.gbps / ceiling_gbps_);
+    });
+  }
+
+  // 1-bit compression's bit packing over 256 MiB of f32: sign_pack reads 4 bytes and writes
+  // 1/8 per element, sign_unpack the reverse.
+  void compress() {
+    if (!wanted("compress")) return;
+    const int64_t n = (256ll << 20) / 4;
+    const double bytes = 4.0 * n + n / 8.0;
+    Tensor x = random_on({n}, DType::f32, o_.device);
+    Tensor bits = sign_pack(x);
+    const std::pair<const char*, std::function<void(int)>> rows[] = {
+        {"sign_pack(x)", [&](int) { (void)sign_pack(x); }},
+        {"sign_unpack(bits)", [&](int) { (void)sign_unpack(bits, n, DType::f32); }}};
+    for (const auto& [name, op] : rows) {
+      run("compress", name, fmt::format("{} elems", n), "f32", [&](Row& r) {
+        r.ms = median_ms(o_, op);
+        r.gbps = bytes / (r.ms * 1e6);
+        if (ceiling_gbps_ > 0) r.note = fmt::format("{:.0f}% of copy", 100 * r.gbps / ceiling_gbps_);
+      });
+    }
   }
 
   void attention_fwd_bwd() {
@@ -369,6 +406,7 @@ int main(int argc, char** argv) {
     b.matmuls();
     b.elementwise();
     b.adamw();
+    b.compress();
     b.attention_fwd_bwd();
     b.report(json);
   } catch (const Error& e) {
