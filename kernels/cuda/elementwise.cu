@@ -293,7 +293,7 @@ void binary_BinaryFloat(const DevTensor& out, const EwOperand& a, const EwOperan
 }
 template <typename Op>
 void binary_Compare(const DevTensor& out, const EwOperand& a, const EwOperand& b, cudaStream_t s) {
-  TS_CUDA_DISPATCH_ALL(a.t.dtype, "compare", [&] {
+  TS_CUDA_DISPATCH_STORAGE(a.t.dtype, "compare", [&] {
     using T = scalar_t;
     run_ew<bool>(CompareFn<T, Op>{}, out, {a, b}, s, Types<T, T>{});
   });
@@ -340,7 +340,7 @@ void launch_gelu_backward(bool approximate_tanh, const DevTensor& out, const EwO
 
 void launch_where(const DevTensor& out, const EwOperand& cond, const EwOperand& a,
                   const EwOperand& b, cudaStream_t s) {
-  TS_CUDA_DISPATCH_ALL(a.t.dtype, "where", [&] {
+  TS_CUDA_DISPATCH_STORAGE(a.t.dtype, "where", [&] {
     using T = scalar_t;
     run_ew<T>(WhereFn<T>{}, out, {cond, a, b}, s, Types<bool, T, T>{});
   });
