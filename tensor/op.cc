@@ -182,6 +182,20 @@ void run_on_cpu(OpId op, std::span<const Tensor> inputs, std::span<Tensor> outpu
   }
 }
 
+// The same for an in-place op (call_inplace): every input copied to the host, the CPU kernel
+// run on the copies, and the inputs it writes copied back into the device tensors.
+void run_inplace_on_cpu(OpId op, std::span<const Tensor> inputs, const Attrs& attrs,
+                        const std::vector<size_t>& written) {
+  NoGradGuard no_grad;
+  std::vector<Tensor> host;
+  host.reserve(inputs.size());
+  for (const Tensor& t : inputs) host.push_back(t.defined() ? t.to(kCPU) : t);
+  run_kernel(find_kernel(op, kCPU), op, kCPU, host, std::span<Tensor>(), attrs);
+  for (size_t i : written) {
+    if (i < inputs.size() && inputs[i].defined()) call_copy_(inputs[i], host[i]);
+  }
+}
+
 }  // namespace
 
 const OpInfo& op_info(OpId op) { return kOpInfos[index_of(op)]; }
@@ -294,7 +308,12 @@ void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
            info.name, out_specs.size());
   KernelObserver obs = tables().observer;
   if (obs) obs(op, device, true);
-  run_kernel(find_kernel(op, device), op, device, inputs, std::span<Tensor>(), attrs);
+  if (!device.is_cpu() && kernel_fn(device.type, op) == nullptr &&
+      kernel_fn(DeviceType::cpu, op) != nullptr) {
+    run_inplace_on_cpu(op, inputs, attrs, written);
+  } else {
+    run_kernel(find_kernel(op, device), op, device, inputs, std::span<Tensor>(), attrs);
+  }
   if (obs) obs(op, device, false);
   for (size_t i : written) {
     if (i < inputs.size() && inputs[i].defined()) inputs[i].storage()->bump_version();
