@@ -12,21 +12,24 @@ Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_re
 
 SavedTensor::SavedTensor(const Tensor& t) {
   if (!t.defined()) return;
-  data_ = t.detach();
   version_ = t.storage()->version();
+  packed_ = pack_saved(t);
+  if (packed_.mode != SavedCompression::none) source_ = t.storage();
 }
 
 Tensor SavedTensor::unpack(std::string_view op) const {
-  if (!data_.defined()) {
+  if (!defined()) {
     fail("{}: its saved tensors were already freed by an earlier backward; call backward "
          "with retain_graph = true to backward through the graph twice", op);
   }
-  if (data_.storage()->version() != version_) {
+  const std::shared_ptr<StorageImpl> source =
+      packed_.mode == SavedCompression::none ? packed_.data.storage() : source_.lock();
+  if (source != nullptr && source->version() != version_) {
     fail("{}: a tensor of shape {} saved for backward was modified in place (version {} -> "
-         "{}); clone it before the in-place update", op, shape_str(data_.shape()), version_,
-         data_.storage()->version());
+         "{}); clone it before the in-place update", op, shape_str(packed_.shape), version_,
+         source->version());
   }
-  return data_;
+  return unpack_saved(packed_);
 }
 
 void Node::run_pre_hooks(std::vector<Tensor>& grads) const {

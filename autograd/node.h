@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "autograd/saved_compression.h"
 #include "tensor/op.h"
 
 namespace tessera::autograd {
@@ -58,19 +59,24 @@ class Node : public std::enable_shared_from_this<Node> {
   std::vector<std::vector<GradHook>> output_hooks_{1};
 };
 
-// A tensor kept for backward: the data without its graph, plus the storage version at the
-// time of saving, so an in-place overwrite before backward is reported instead of silently
-// giving wrong gradients.
+// A tensor kept for backward: the data without its graph (compressed when this thread asks
+// for it: autograd/saved_compression.h), plus the storage version at the time of saving, so
+// an in-place overwrite before backward is reported instead of silently giving wrong
+// gradients (for a compressed tensor, while its original storage is alive).
 class SavedTensor {
  public:
   SavedTensor() = default;
   explicit SavedTensor(const Tensor& t);
   Tensor unpack(std::string_view op) const;
-  void reset() { data_ = Tensor(); }
-  bool defined() const { return data_.defined(); }
+  void reset() {
+    packed_ = PackedTensor();
+    source_.reset();
+  }
+  bool defined() const { return packed_.data.defined(); }
 
  private:
-  Tensor data_;
+  PackedTensor packed_;
+  std::weak_ptr<StorageImpl> source_;  // the original's storage, when compressed
   uint64_t version_ = 0;
 };
 

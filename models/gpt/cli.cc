@@ -74,6 +74,9 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("recompute", cli.config.recompute,
          "activation recomputation: none, full (each block; with --pp each chunk) or selective "
          "(attention core with dropout, MLP activation)");
+  f.bind("act_compress", cli.config.act_compress,
+         "tensors saved for backward kept compressed: none, int8 (8 bits and a scale per 256 "
+         "elements) or bf16");
   f.bind("sp", cli.config.sp, "sequence parallelism: the residual stream split along the sequence on tp");
   f.bind("check", cli.config.check,
          "instead of training, compare the layout with one device tensor by tensor (f64) each step");

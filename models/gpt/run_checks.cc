@@ -106,6 +106,10 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "chunks", c.chunks, 1);
   require_one_of(gpt, "schedule", c.schedule, {"gpipe", "1f1b", "interleaved"});
   require_one_of(gpt, "recompute", c.recompute, {"none", "full", "selective"});
+  require_one_of(gpt, "act_compress", c.act_compress, {"none", "int8", "bf16"});
+  TS_CHECK(c.act_compress == "none" || !c.check,
+           "gpt: --act_compress={} rounds the activations backward reads, so --check (equality "
+           "with one device) does not apply", c.act_compress);
   TS_CHECK(!c.sp || c.tp > 1, "gpt: --sp splits the sequence over tensor-parallel ranks; it "
            "needs --tp > 1");
   TS_CHECK(std::isfinite(c.check_tolerance) && c.check_tolerance > 0,

@@ -12,6 +12,7 @@
 #include <numeric>
 #include <optional>
 
+#include "autograd/saved_compression.h"
 #include "models/common/checkpoint.h"
 #include "models/common/comm_hooks.h"
 #include "models/common/flags.h"
@@ -566,6 +567,8 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   const Clock::time_point run_start = Clock::now();
   models::StepMeter meter(static_cast<double>(tokens_per_step), "tokens", config.timing_skip);
   model.train();
+  const autograd::SavedCompressionGuard saved_compression(
+      {.mode = autograd::parse_saved_compression(config.act_compress, "gpt: --act_compress")});
   const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
 
   result.skipped_steps = replica.scaler().skipped_steps();
@@ -724,6 +727,8 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   o.divergence_advice = "Lower --lr or keep --clip on";
   // Tokens per second over every step (the pipeline's warm-up is part of its cost).
   models::StepMeter meter(static_cast<double>(config.batch * config.context), "tokens");
+  const autograd::SavedCompressionGuard saved_compression(
+      {.mode = autograd::parse_saved_compression(config.act_compress, "gpt: --act_compress")});
   const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
 
   GptResult result;

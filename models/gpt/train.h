@@ -133,6 +133,9 @@ struct GptTrainConfig {
   // Activation recomputation: none | full (each block; with --pp, each pipeline chunk) |
   // selective (the attention core with dropout and the MLP activation, on every layout).
   std::string recompute = "none";
+  // Compressed saved activations (autograd/saved_compression.h): none | int8 (8 bits and a
+  // scale per 256 elements) | bf16; parameters and their casts are never compressed.
+  std::string act_compress = "none";
   bool sp = false;  // sequence parallelism over tp
   // Instead of training: run the layout above and one device side by side in f64 and compare
   // every layer output, gradient and parameter at each step (models/gpt/check.h); stop at

@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include "autograd/saved_compression.h"
 #include "models/common/checkpoint.h"
 #include "models/gpt/model.h"
 #include "models/gpt/train.h"
@@ -342,6 +343,111 @@ TEST_CASE("--recompute=full|selective: the same gradients, less activation memor
                       (none.peak - full.peak) / L));
   CHECK(none.peak - selective.peak >= L * kept_by_selective);
   CHECK(full.peak < selective.peak);
+}
+
+TEST_CASE("--act_compress=int8|bf16: less activation memory, nearly the same gradients") {
+  // One forward and backward of a 2-layer GPT per mode, counting the untagged bytes
+  // (activations, temporaries, gradients) allocated inside a MemoryScope, as above.
+  constexpr int64_t B = 4, T = 64, C = 64, H = 2, L = 2;
+  std::deque<MemoryTracker> trackers;
+  struct Run {
+    double loss = 0;
+    std::vector<double> grads;
+    int64_t peak = 0;
+  };
+  auto run = [&](autograd::SavedCompression::Mode mode) {
+    GptConfig cfg;
+    cfg.layers = L;
+    cfg.heads = H;
+    cfg.width = C;
+    cfg.context = T;
+    manual_seed(3);
+    Gpt model(cfg);
+    model.train();
+    Generator data(5);
+    const Tensor idx = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
+    const Tensor targets = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
+    Run r;
+    MemoryTracker& tracker = trackers.emplace_back();
+    {
+      MemoryScope scope(&tracker);
+      const autograd::SavedCompressionGuard g({.mode = mode});
+      const Tensor loss = Gpt::loss(model(idx), targets);
+      loss.backward();
+      r.loss = loss.item<double>();
+    }
+    r.peak = tracker.peak(MemoryTag::untagged);
+    for (const Tensor& p : model.parameters()) {
+      for (double v : p.grad().to_vector<double>()) r.grads.push_back(v);
+    }
+    return r;
+  };
+  const Run none = run(autograd::SavedCompression::none);
+  const Run int8 = run(autograd::SavedCompression::int8);
+  const Run bf16 = run(autograd::SavedCompression::bf16);
+  // The forward is exact (compression only changes what backward reads).
+  CHECK(int8.loss == none.loss);
+  CHECK(bf16.loss == none.loss);
+  // Every gradient through rounded activations: ||g - g_exact|| / ||g_exact||.
+  auto rel = [&](const Run& r) {
+    double d = 0, n = 0;
+    for (size_t i = 0; i < none.grads.size(); ++i) {
+      d += (r.grads[i] - none.grads[i]) * (r.grads[i] - none.grads[i]);
+      n += none.grads[i] * none.grads[i];
+    }
+    return std::sqrt(d / n);
+  };
+  MESSAGE(fmt::format("activation peak: none {} B, int8 {} B, bf16 {} B; gradient error int8 "
+                      "{:.2g}, bf16 {:.2g}",
+                      none.peak, int8.peak, bf16.peak, rel(int8), rel(bf16)));
+  CHECK(int8.peak < bf16.peak);
+  CHECK(bf16.peak < none.peak);
+  // An element of a saved tensor moves by at most 1/254 of its block's largest (int8) or
+  // 2^-8 of itself (bf16); gradients are sums of products of a few such factors.
+  CHECK(rel(int8) > 0);
+  CHECK(rel(int8) < 0.05);
+  CHECK(rel(bf16) > 0);
+  CHECK(rel(bf16) < 0.02);
+}
+
+TEST_CASE("--act_compress on --dp --zero --pp --tp: compressed on every layout, the loss close") {
+  // Per layout, the run without compression and with it: the same first loss (the forward
+  // is exact), then different (backward read rounded activations) but within 1%.
+  int runs = 0;
+  for (const auto& layout : {std::tuple{1, 1, 1, 0}, std::tuple{1, 2, 1, 3},
+                             std::tuple{2, 1, 2, 2}}) {
+    GptTrainConfig c = short_run(6);
+    std::tie(c.pp, c.dp, c.tp, c.zero) = layout;
+    c.microbatches = c.pp;
+    CAPTURE(c.pp);
+    CAPTURE(c.dp);
+    CAPTURE(c.tp);
+    CAPTURE(c.zero);
+    const GptResult plain = train_gpt(c);
+    for (const char* mode : {"int8", "bf16"}) {
+      CAPTURE(mode);
+      c.act_compress = mode;
+      const GptResult r = train_gpt(c);
+      REQUIRE(r.losses.size() == plain.losses.size());
+      CHECK(r.losses[0] == plain.losses[0]);
+      bool differs = false;
+      for (size_t i = 1; i < plain.losses.size(); ++i) {
+        differs = differs || r.losses[i] != plain.losses[i];
+        CHECK(std::abs(r.losses[i] - plain.losses[i]) <= 1e-2 * std::abs(plain.losses[i]));
+      }
+      CHECK(differs);
+      ++runs;
+    }
+  }
+  CHECK(runs == 6);
+  GptTrainConfig c = short_run(2);
+  c.act_compress = "int4";
+  CHECK(contains(error_of([&] { train_gpt(c); }),
+                 "gpt: --act_compress must be none, int8 or bf16, got 'int4'"));
+  c.act_compress = "int8";
+  c.dp = 2;
+  c.check = true;
+  CHECK(contains(error_of([&] { train_gpt(c); }), "--act_compress=int8 rounds the activations"));
 }
 
 TEST_CASE("--recompute with --dp --zero --pp --tp: the losses of the run without it") {
