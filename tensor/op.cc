@@ -1,6 +1,8 @@
 // The op tables and call() (op.h): the one path from an op name to a kernel and the graph.
 #include <new>
 #include <system_error>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
@@ -182,17 +184,40 @@ void run_on_cpu(OpId op, std::span<const Tensor> inputs, std::span<Tensor> outpu
   }
 }
 
-// The same for an in-place op (call_inplace): every input copied to the host, the CPU kernel
-// run on the copies, and the inputs it writes copied back into the device tensors.
+// The same for an in-place op (call_inplace): each input's storage copied to the host once
+// (inputs sharing memory on the device share it on the host, so the CPU kernel's overlap
+// checks and any aliasing see what the device holds), the CPU kernel run on views of the
+// copies with the inputs' offsets and strides, and the storages it writes copied back.
 void run_inplace_on_cpu(OpId op, std::span<const Tensor> inputs, const Attrs& attrs,
                         const std::vector<size_t>& written) {
   NoGradGuard no_grad;
+  struct Copy {
+    Tensor device, host;  // the whole storage as bytes
+  };
+  std::unordered_map<const StorageImpl*, Copy> copies;
   std::vector<Tensor> host;
   host.reserve(inputs.size());
-  for (const Tensor& t : inputs) host.push_back(t.defined() ? t.to(kCPU) : t);
+  for (const Tensor& t : inputs) {
+    if (!t.defined()) {
+      host.push_back(t);
+      continue;
+    }
+    auto it = copies.find(t.storage().get());
+    if (it == copies.end()) {
+      const Tensor bytes =
+          Tensor::from_storage(t.storage(), {t.storage()->nbytes()}, {1}, 0, DType::u8);
+      it = copies.emplace(t.storage().get(), Copy{bytes, bytes.to(kCPU)}).first;
+    }
+    host.push_back(Tensor::from_storage(it->second.host.storage(), t.shape(), t.strides(),
+                                        t.offset(), t.dtype()));
+  }
   run_kernel(find_kernel(op, kCPU), op, kCPU, host, std::span<Tensor>(), attrs);
+  std::unordered_set<const StorageImpl*> done;
   for (size_t i : written) {
-    if (i < inputs.size() && inputs[i].defined()) call_copy_(inputs[i], host[i]);
+    if (i < inputs.size() && inputs[i].defined() && done.insert(inputs[i].storage().get()).second) {
+      const Copy& c = copies.at(inputs[i].storage().get());
+      call_copy_(c.device, c.host);
+    }
   }
 }
 

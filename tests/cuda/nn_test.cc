@@ -213,13 +213,22 @@ TEST_CASE("embedding and index_select: rows of any width, i32/i64 indices, non-c
 
 TEST_CASE("index_add: embedding-backward shape with repeats, other dims; bitwise in every dtype") {
   for (DType dt : {DType::f32, DType::f64, DType::f16, DType::bf16, DType::i32, DType::i64}) {
-    // [V, C] += [N, C] at N indices with many repeats (few distinct rows).
-    for (int64_t c : {int64_t{768}, int64_t{5}}) {
+    // [V, C] += [N, C] at N indices with many repeats (few distinct rows): C 768 takes the
+    // block-per-run kernel with 16-byte accesses, 33 the same without, 5 the thread-per-element
+    // kernel of narrow rows.
+    for (int64_t c : {int64_t{768}, int64_t{33}, int64_t{5}}) {
       const Tensor base = cast(rnd({50, c}, DType::f32, 4.0, 41), dt);
       const Tensor src = cast(rnd({3000, c}, DType::f32, 4.0, 42), dt);
       const Tensor idx = ints(rand_indices(3000, 7, 43));
       check_close(index_add(base.to(kGpu), 0, idx.to(kGpu), src.to(kGpu)), index_add(base, 0, idx, src),
                   name("index_add dim 0", dt), kExact);
+    }
+    {  // One index over long rows (GPT's q/k/v slice backward): the thread-per-element kernel.
+      const Tensor wide = cast(rnd({3, 4000}, DType::f32, 4.0, 52), dt);
+      const Tensor one = cast(rnd({1, 4000}, DType::f32, 4.0, 53), dt);
+      const Tensor at = ints({2});
+      check_close(index_add(wide.to(kGpu), 0, at.to(kGpu), one.to(kGpu)), index_add(wide, 0, at, one),
+                  name("index_add one index", dt), kExact);
     }
     const Tensor base = cast(rnd({3, 8, 5}, DType::f32, 4.0, 44), dt);
     const Tensor src = cast(rnd({3, 20, 5}, DType::f32, 4.0, 45), dt);

@@ -15,6 +15,7 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -402,6 +403,36 @@ TEST_CASE("adamw8bit_ on CUDA: a non-contiguous code tensor is an error naming t
   CHECK(q.to(kCPU).to_vector<float>() == std::vector<float>(8, 1.0f));  // nothing written
 }
 
+// ---- adamw8bit_segments_ (no CUDA kernel: the CPU kernel on staged copies) ----------------
+
+// One pass-1 call on `d`: param and master views of one flat f32 buffer (so one storage holds
+// both, as ZeRO's flat buffers do), or master aliasing param when `alias`.
+std::vector<Tensor> segments_pass1(Device d, bool alias) {
+  Generator gen(23);
+  const Tensor flat = randn({1024}, DType::f32, kCPU, &gen).to(d);
+  const Tensor param = flat.narrow(0, 0, 512), master = alias ? param : flat.narrow(0, 512, 512);
+  if (!alias) master.copy_(param);
+  const Tensor grad = randn({512}, DType::f32, kCPU, &gen).to(d);
+  const Tensor c1 = full({512}, 127.0, DType::u8, d), c2 = zeros({512}, DType::u8, d);
+  const Tensor a1 = full({2}, 0.1, DType::f32, d), a2 = full({2}, 0.01, DType::f32, d);
+  const Tensor segments = Tensor::from_vector<int64_t>({256, 0, 512, 1}, {2, 2}).to(d);
+  const Tensor n1 = zeros({2}, DType::f32, d), n2 = zeros({2}, DType::f32, d);
+  NoGradGuard no_grad;
+  adamw8bit_segments_(param, grad, c1, c2, a1, a2, master, segments, n1, n2, 1, 1, 1e-2, 0.9,
+                      0.999, 1e-8, 0.1);
+  return {flat, n1, n2};
+}
+
+TEST_CASE("adamw8bit_segments_ on CUDA: views of one storage staged as one; aliasing refused") {
+  const std::vector<Tensor> cpu = segments_pass1(kCPU, false), gpu = segments_pass1(cuda(0), false);
+  for (size_t i = 0; i < cpu.size(); ++i) check_same_bits(gpu[i], cpu[i], "output " + std::to_string(i));
+  // The CPU kernel sees the device's aliasing: master and param in one buffer.
+  for (Device d : {kCPU, cuda(0)}) {
+    CAPTURE(d);
+    CHECK_THROWS_WITH(segments_pass1(d, true), doctest::Contains("overlap"));
+  }
+}
+
 // ---- sgd_ ----------------------------------------------------------------------------------
 
 void sgd_against_cpu(DType dt, bool master, double momentum, double dampening, bool nesterov,
@@ -631,8 +662,16 @@ TEST_CASE("optim::Adafactor steps CUDA params as it steps CPU params: hf, torch,
   CHECK(runs == 12);
 }
 
+// Counts the fused passes' kernel calls on cuda:0 (a plain function pointer: KernelObserver).
+std::atomic<int> g_fused_apply_calls{0};
+void count_fused_apply(OpId op, Device device, bool begin) {
+  if (begin && op == OpId::adafactor_apply_ && device == cuda(0)) ++g_fused_apply_calls;
+}
+
 TEST_CASE("optim::Adafactor on CUDA: the fused passes equal the ops on the same device") {
   // fused = false runs the update as ops on CUDA: the same function, another summation order.
+  // The fused optimizer calls adafactor_apply_ on cuda:0 once per factored param and step
+  // ({64, 33}, {130, 140}, {2, 40, 24}: 3 x 3 steps per dtype); the ops one never does.
   for (DType dt : {DType::f32, DType::f64}) {
     CAPTURE(dt);
     std::vector<Tensor> a = make_factored_params(cuda(0), dt);
@@ -648,8 +687,16 @@ TEST_CASE("optim::Adafactor on CUDA: the fused passes equal the ops on the same 
         a[i].set_grad(g);
         b[i].set_grad(g.clone());
       }
+      const KernelObserver previous = kernel_observer();
+      set_kernel_observer(count_fused_apply);
+      g_fused_apply_calls = 0;
       fused.step();
+      const int fused_calls = g_fused_apply_calls.exchange(0);
       ops.step();
+      const int ops_calls = g_fused_apply_calls.load();
+      set_kernel_observer(previous);
+      CHECK(fused_calls == 3);
+      CHECK(ops_calls == 0);
     }
     for (size_t i = 0; i < a.size(); ++i) {
       check_close(a[i], b[i], dt == DType::f64 ? 1e-13 : 1e-5, "param " + std::to_string(i));
