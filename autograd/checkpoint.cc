@@ -2,6 +2,7 @@
 
 #include "autograd/engine.h"
 #include "autograd/node.h"
+#include "autograd/saved_compression.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -19,7 +20,7 @@ class CheckpointNode final : public Node {
         slice_(has_slice_ ? *current_batch_slice() : BatchSlice{}) {
     for (const Tensor& t : inputs) {
       mutable_next_edges().push_back(gradient_edge(t));
-      saved_.emplace_back(t);
+      saved_.emplace_back(t, /*compressible=*/false);  // the replay starts from exact inputs
       wants_grad_.push_back(t.defined() && t.requires_grad());
     }
   }
@@ -55,6 +56,8 @@ class CheckpointNode final : public Node {
       // outside the slice its forward ran in).
       GradModeGuard grad_on(true);
       AutocastGuard amp(autocast_);
+      // What the replay saves is read right away: compressing it would only add rounding.
+      const SavedCompressionGuard exact({.mode = SavedCompression::none});
       const BatchSliceScope slice(has_slice_ ? &slice_ : nullptr);
       outputs = fn_(inputs);
     }

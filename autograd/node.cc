@@ -10,9 +10,15 @@ std::atomic<uint64_t> g_next_sequence_nr{0};
 
 Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
 
-SavedTensor::SavedTensor(const Tensor& t) {
+SavedTensor::SavedTensor(const Tensor& t, bool compressible) {
   if (!t.defined()) return;
   version_ = t.storage()->version();
+  if (!compressible) {
+    packed_.data = t.detach();
+    packed_.shape = t.shape();
+    packed_.dtype = t.dtype();
+    return;
+  }
   packed_ = pack_saved(t);
   if (packed_.mode != SavedCompression::none) source_ = t.storage();
 }

@@ -66,7 +66,8 @@ class Node : public std::enable_shared_from_this<Node> {
 class SavedTensor {
  public:
   SavedTensor() = default;
-  explicit SavedTensor(const Tensor& t);
+  // compressible = false: kept as it is whatever this thread's setting (checkpoint inputs).
+  explicit SavedTensor(const Tensor& t, bool compressible = true);
   Tensor unpack(std::string_view op) const;
   void reset() {
     packed_ = PackedTensor();

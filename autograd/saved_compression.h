@@ -18,8 +18,13 @@
 // int8: a tensor's elements (flattened, row-major) in blocks of 256, each block with its
 // absmax a (in the tensor's compute dtype: f64 for f64, f32 otherwise) and one code per
 // element c = floor(x / (a / 127) + 127.5) in [0, 254]; decompressed as (c - 127) x (a / 127),
-// within a / 254 of x (a block of zeros stays zeros). bf16: the tensor rounded to bf16 (a
-// 16-bit tensor is kept as it is).
+// within a / 254 of x, plus one rounding to a 16-bit tensor's dtype (a block of zeros stays
+// zeros; a block holding an inf or a NaN comes back NaN). bf16: the tensor rounded to bf16
+// (a 16-bit tensor is kept as it is). Tensors whose packing would not be smaller (expanded
+// views, views of a smaller storage) are kept as they are.
+//
+// Recomputation (autograd/checkpoint.h) keeps its inputs exact and replays uncompressed:
+// what it saves is read right away.
 #pragma once
 
 #include <cstdint>
@@ -68,14 +73,18 @@ struct PackedTensor {
   int64_t bytes() const;
 };
 
+// int8 packs and unpacks this many blocks at a time (2^24 elements): the temporaries in the
+// compute dtype stay that size however large the tensor.
+inline constexpr int64_t kSavedChunkBlocks = int64_t{1} << 16;
+
 // Packs `t` (detached) under this thread's setting; the caller keeps the storage version.
 PackedTensor pack_saved(const Tensor& t);
 // The tensor again: `data` itself when uncompressed, else a new contiguous tensor of the
 // original's shape and dtype on its device.
-Tensor unpack_saved(const PackedTensor& p);
+Tensor unpack_saved(const PackedTensor& p, int64_t chunk_blocks = kSavedChunkBlocks);
 
 // The same two steps for any tensor, independent of the thread's setting (tests, tools).
-PackedTensor compress_int8(const Tensor& t);
+PackedTensor compress_int8(const Tensor& t, int64_t chunk_blocks = kSavedChunkBlocks);
 PackedTensor compress_bf16(const Tensor& t);
 
 }  // namespace tessera::autograd

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "autograd/checkpoint.h"
 #include "autograd/saved_compression.h"
 #include "tensor/allocator.h"
 #include "tensor/autocast.h"
@@ -84,6 +85,18 @@ TEST_CASE("int8 packing: codes, scales and values within half a step, every floa
       ++checked;
     }
   }
+  // In chunks of 1, 2 and 3 blocks (the last one short): the same codes, scales and values.
+  {
+    Generator g(31);
+    const Tensor x = randn({1000}, DType::f32, kCPU, &g);
+    const PackedTensor whole = compress_int8(x);
+    for (int64_t chunk : {1, 2, 3}) {
+      const PackedTensor p = compress_int8(x, chunk);
+      CHECK(values(p.data) == values(whole.data));
+      CHECK(values(p.scale) == values(whole.scale));
+      CHECK(values(unpack_saved(p, chunk)) == values(unpack_saved(whole)));
+    }
+  }
   // Not contiguous, several dims: packed in row-major order of the logical tensor.
   Generator gen(3);
   const Tensor m = randn({40, 30}, DType::f32, kCPU, &gen).t();
@@ -105,6 +118,32 @@ TEST_CASE("int8 packing: a block of zeros comes back zeros; a non-finite block c
   const std::vector<float> w(256, -2.0f);
   CHECK(values(unpack_saved(compress_int8(Tensor::from_vector(w, {256})))) ==
         std::vector<double>(256, -2.0));  // -absmax is code 0 exactly: (0 - 127) x 2 / 127
+}
+
+TEST_CASE("int8 packing: empty and 0-d tensors; codes stay in [0, 254] for any input") {
+  const Tensor empty = zeros({0, 3});
+  const PackedTensor pe = compress_int8(empty);
+  CHECK(pe.data.numel() == 0);
+  CHECK(unpack_saved(pe).shape() == Shape{0, 3});
+  const Tensor scalar = full({}, -3.5);
+  const Tensor back = unpack_saved(compress_int8(scalar));
+  CHECK(back.shape() == Shape{});
+  CHECK(back.item<double>() == -3.5);  // the block's absmax: code 0, exactly -127 x 3.5 / 127
+  // A subnormal absmax (absmax / 127 loses precision) and a NaN beside a huge value: every
+  // code in range, the NaN block NaN, the subnormal block's values within its absmax of x.
+  std::vector<float> v(512, 0.0f);
+  for (int i = 0; i < 256; ++i) v[i] = (i % 2 ? 1.0f : -1.0f) * 190.0f * 0x1p-149f * float(i % 7) / 6;
+  v[300] = NAN;
+  v[301] = 3e38f;
+  const Tensor x = Tensor::from_vector(v, {512});
+  const PackedTensor p = compress_int8(x);
+  for (double c : values(p.data)) CHECK((c >= 0 && c <= 254));
+  const std::vector<double> b = values(unpack_saved(p)), xv = values(x);
+  double absmax = 0;
+  for (int i = 0; i < 256; ++i) absmax = std::max(absmax, std::abs(xv[i]));
+  REQUIRE(absmax < 0x1p-126);  // subnormal
+  for (int i = 0; i < 256; ++i) CHECK(std::abs(b[i] - xv[i]) <= absmax);
+  for (int i = 256; i < 512; ++i) CHECK(std::isnan(b[i]));
 }
 
 TEST_CASE("bf16 packing: the tensor rounded to bf16 once; 16-bit tensors kept as they are") {
@@ -141,6 +180,8 @@ TEST_CASE("what is compressed: floating, large enough, not excluded, this thread
     CHECK(pack_saved(param.narrow(0, 10, 4990)).mode == SavedCompression::none);  // a view
     CHECK(pack_saved(leaf).mode == SavedCompression::none);  // a leaf that requires grad
     CHECK(pack_saved(leaf * 2.0).mode == SavedCompression::int8);  // made from it by math
+    // Packing that would not shrink: an expanded view, a view of a smaller storage.
+    CHECK(pack_saved(full({1}, 2.0).expand({5000})).mode == SavedCompression::none);
     {
       SavedCompressionGuard inner({.mode = SavedCompression::bf16, .min_numel = 10});
       CHECK(pack_saved(small).mode == SavedCompression::bf16);
@@ -248,6 +289,24 @@ TEST_CASE("made from a parameter by views and casts: a transposed weight, autoca
     // ones @ w: w's transpose (and under autocast its bf16 copy) is saved as it is.
     CHECK(grad_x(Mode::int8) == grad_x(Mode::none));
   }
+}
+
+TEST_CASE("recomputation: exact inputs, an uncompressed replay, so the plain gradients") {
+  Generator gen(29);
+  const Tensor x0 = randn({5000}, DType::f32, kCPU, &gen);
+  auto grad = [&](Mode mode) {
+    const Tensor x = x0.detach().requires_grad_();
+    {
+      SavedCompressionGuard g({.mode = mode});
+      const Tensor h = x * 1.5;  // a checkpoint input that is not a leaf
+      const std::vector<Tensor> y =
+          checkpoint([](const std::vector<Tensor>& in) { return std::vector<Tensor>{exp(exp(in[0]))}; },
+                     {h});
+      sum(y[0]).backward();
+    }
+    return values(x.grad());
+  };
+  CHECK(grad(Mode::int8) == grad(Mode::none));
 }
 
 TEST_CASE("an in-place change of a compressed tensor's original is still reported") {
