@@ -10,6 +10,7 @@ packages=(
   dataset-fashion-mnist fortunes
   python3-torch libopenblas0-pthread python3-matplotlib
   clang libclang-rt-14-dev libomp-14-dev
+  iproute2 util-linux
 )
 
 sudo=""

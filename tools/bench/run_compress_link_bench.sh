@@ -9,8 +9,8 @@
 #   tools/bench/run_compress_link_bench.sh                    # as root (unshare -n, tc)
 #   RATES="none 1gbit 100mbit" STEPS=40 RUNS=2 OUT=/tmp/link tools/bench/run_compress_link_bench.sh
 #
-# Needs iproute2's tc and ip, util-linux's unshare (tools/setup.sh) and root (or
-# CAP_NET_ADMIN in a user namespace). PowerSGD and 1-bit Adam start compressing after
+# Needs iproute2's tc and ip, util-linux's unshare (tools/setup.sh) and root: unshare -n
+# and tc need CAP_SYS_ADMIN and CAP_NET_ADMIN. PowerSGD and 1-bit Adam start compressing after
 # START exact steps, so every timed step is compressed (SKIP >= START).
 set -euo pipefail
 
@@ -71,7 +71,7 @@ def read(rate, k, run):
     text = open(f"{out}/{rate}_{k}_{run}.log").read()
     tps = int(re.search(r"(\d+) training tokens/s", text).group(1))
     tok = int(re.search(r"\((\d+) tokens/step\)", text).group(1))
-    fewer = re.findall(r"gradient elements \(([0-9.]+)x\)", text)
+    fewer = re.findall(r"gradient elements \(([0-9.e+]+)x\)", text)
     return tps, tok, fewer[-1] + "x" if fewer else "1x"
 print("| link | --compress | tokens/s (median) | ms/step | vs none | runs (tokens/s) | fewer elements |")
 print("|---|---|---:|---:|---:|---|---:|")
