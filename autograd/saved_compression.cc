@@ -4,7 +4,6 @@
 #include <string>
 
 #include "autograd/node.h"
-
 #include "tensor/error.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
