@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "parallel/comm/communicator.h"
 #include "tensor/tensor.h"
@@ -30,5 +31,12 @@ int64_t onebit_padded(int64_t numel, int ranks);
 
 void onebit_all_reduce(Communicator& comm, const Tensor& x, const Tensor& worker_error,
                        const Tensor& server_error);
+// The same for several tensors at once (same dtype and device), each with its own scales
+// and errors, bitwise what one call per tensor gives, in 4 collectives instead of 4 per
+// tensor: rank j's piece of the all-to-all carries chunk j of every tensor, and the scales
+// travel as one [tensors] vector per rank.
+void onebit_all_reduce_many(Communicator& comm, const std::vector<Tensor>& xs,
+                            const std::vector<Tensor>& worker_errors,
+                            const std::vector<Tensor>& server_errors);
 
 }  // namespace tessera::parallel

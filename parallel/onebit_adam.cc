@@ -150,11 +150,25 @@ void OnebitAdam::step() {
                    shape_str(item.param.shape()));
           if (item.state->step + 1 > options_.freeze_step) check_errors(item);
         }
+        // The bucket's compressed parameters: their momenta through one 1-bit all-reduce.
+        std::vector<Tensor> momenta, worker_errors, server_errors;
+        for (const Pending& item : bucket) {
+          if (item.state->step + 1 > options_.freeze_step) {
+            const auto [buf, errors] = local_momentum(item);
+            momenta.push_back(buf);
+            worker_errors.push_back(errors.first);
+            server_errors.push_back(errors.second);
+          }
+        }
+        if (!momenta.empty()) {
+          onebit_all_reduce_many(comm_, momenta, worker_errors, server_errors);
+        }
+        size_t compressed = 0;
         for (const Pending& item : bucket) {
           const int64_t t = item.state->step + 1;
           std::map<std::string, Tensor>& s = item.state->tensors;
           if (t > options_.freeze_step) {
-            compressed_step(group, item);
+            compressed_update(group, item, momenta[compressed++]);
           } else if (options_.bias_correction) {  // AdamW's step, on the exactly reduced gradient
             adamw_(item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq"), t, group.lr,
                    options_.betas.first, options_.betas.second, options_.eps, group.weight_decay);
@@ -184,16 +198,15 @@ void OnebitAdam::check_errors(const Pending& item) const {
            padded / w);
 }
 
-void OnebitAdam::compressed_step(const optim::ParamGroup& group, const Pending& item) {
+std::pair<Tensor, std::pair<Tensor, Tensor>> OnebitAdam::local_momentum(const Pending& item) {
   std::map<std::string, Tensor>& s = item.state->tensors;
   const Tensor& m = s.at("exp_avg");
-  const Tensor& v = s.at("exp_avg_sq");
-  const double b1 = options_.betas.first, b2 = options_.betas.second;
+  const double b1 = options_.betas.first;
   const int w = comm_.size();
   // This rank's gradient on the scale of the mean one (a summing DDP gave each rank a share).
   const Tensor g = hook_->average_ ? item.grad : item.grad * static_cast<double>(w);
   m.copy_(m + (1.0 - b1) * (g - m));
-  // The momenta's mean, 1 bit per element.
+  // Padded for the 1-bit all-reduce, with this parameter's error feedback.
   const int64_t n = m.numel(), padded = onebit_padded(n, w);
   auto [it, fresh] = hook_->errors_.try_emplace(item.index);
   if (fresh) {
@@ -203,8 +216,17 @@ void OnebitAdam::compressed_step(const optim::ParamGroup& group, const Pending& 
   }
   const Tensor buf = zeros({padded}, m.dtype(), m.device());
   buf.narrow(0, 0, n).copy_(m.reshape({n}));
-  onebit_all_reduce(comm_, buf, it->second.first, it->second.second);
-  m.copy_(buf.narrow(0, 0, n).view(m.shape()));
+  return {buf, it->second};
+}
+
+void OnebitAdam::compressed_update(const optim::ParamGroup& group, const Pending& item,
+                                   const Tensor& reduced) {
+  std::map<std::string, Tensor>& s = item.state->tensors;
+  const Tensor& m = s.at("exp_avg");
+  const Tensor& v = s.at("exp_avg_sq");
+  const double b1 = options_.betas.first, b2 = options_.betas.second;
+  // The momenta's mean, 1 bit per element.
+  m.copy_(reduced.narrow(0, 0, m.numel()).view(m.shape()));
   // AdamW's update with the variance of the last warm-up step.
   const double t = static_cast<double>(item.state->step + 1);
   const double bc1 = options_.bias_correction ? 1.0 - std::pow(b1, t) : 1.0;

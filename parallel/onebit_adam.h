@@ -89,7 +89,11 @@ class OnebitAdam : public optim::Optimizer {
   void set_hyperparameters(const std::map<std::string, double>& values) override;
 
  private:
-  void compressed_step(const optim::ParamGroup& group, const Pending& item);
+  // After the freeze: this rank's momentum updated and padded for the 1-bit all-reduce, with
+  // its error feedback (worker, server); then the update from the reduced momentum.
+  std::pair<Tensor, std::pair<Tensor, Tensor>> local_momentum(const Pending& item);
+  void compressed_update(const optim::ParamGroup& group, const Pending& item,
+                         const Tensor& reduced);
   // Error naming the parameter if its saved error feedback does not fit this group.
   void check_errors(const Pending& item) const;
 

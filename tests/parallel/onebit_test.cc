@@ -151,6 +151,56 @@ TEST_CASE("onebit_all_reduce sends n/4 (W-1)/W + 8 (W-1) bytes: about 1/32 of an
   }
 }
 
+TEST_CASE("onebit_all_reduce_many: bitwise one call per tensor, in 4 collectives, the same bytes") {
+  constexpr int kRounds = 3;
+  int configs = 0;
+  for (int w : {2, 4}) {
+    CAPTURE(w);
+    const std::vector<int64_t> sizes = {onebit_padded(1000, w), onebit_padded(64, w),
+                                        onebit_padded(300, w)};
+    // Per rank: every round's results, then both errors, of each tensor; and the log.
+    std::vector<std::vector<Vec>> each(static_cast<size_t>(w)), many(static_cast<size_t>(w));
+    std::vector<CommLog> each_log(static_cast<size_t>(w)), many_log(static_cast<size_t>(w));
+    for (bool batched : {false, true}) {
+      run_threads(w, [&](CommPtr world) {
+        const size_t r = static_cast<size_t>(world->rank());
+        std::vector<Tensor> we, se;
+        for (int64_t n : sizes) {
+          we.push_back(zeros({n}, DType::f64));
+          se.push_back(zeros({n / w}, DType::f64));
+        }
+        std::vector<Vec>& out = batched ? many[r] : each[r];
+        CommLog& log = batched ? many_log[r] : each_log[r];
+        for (int t = 0; t < kRounds; ++t) {
+          std::vector<Tensor> xs;
+          for (size_t k = 0; k < sizes.size(); ++k) {
+            xs.push_back(Tensor::from_vector<double>(input(world->rank(), t + 7 * static_cast<int>(k), sizes[k]), {sizes[k]}));
+          }
+          CommLogScope scope(log);
+          if (batched) {
+            onebit_all_reduce_many(*world, xs, we, se);
+          } else {
+            for (size_t k = 0; k < xs.size(); ++k) onebit_all_reduce(*world, xs[k], we[k], se[k]);
+          }
+          for (const Tensor& x : xs) out.push_back(x.to_vector<double>());
+        }
+        for (size_t k = 0; k < sizes.size(); ++k) {
+          out.push_back(we[k].to_vector<double>());
+          out.push_back(se[k].to_vector<double>());
+        }
+      });
+    }
+    for (int r = 0; r < w; ++r) {
+      CHECK(many[static_cast<size_t>(r)] == each[static_cast<size_t>(r)]);
+      CHECK(many_log[static_cast<size_t>(r)].records.size() == 4 * kRounds);
+      CHECK(each_log[static_cast<size_t>(r)].records.size() == 4 * kRounds * sizes.size());
+      CHECK(many_log[static_cast<size_t>(r)].bytes() == each_log[static_cast<size_t>(r)].bytes());
+    }
+    ++configs;
+  }
+  CHECK(configs == 2);
+}
+
 TEST_CASE("onebit_all_reduce refuses shapes it cannot chunk, naming the sizes") {
   run_threads(2, [&](CommPtr world) {
     const Tensor x = zeros({20}), we = zeros({20}), se = zeros({10});
