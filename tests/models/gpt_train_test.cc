@@ -10,6 +10,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <tuple>
 
@@ -286,6 +287,26 @@ TEST_CASE("--dropout with --dp --zero --accum: one device's masks, so one device
   }
 }
 
+// A GPT of L layers, H heads, width C and context T in training mode (initialised from seed
+// 3), and one batch of B random sequences and targets (seed 5): the memory cases' model.
+struct ModelAndBatch {
+  std::unique_ptr<Gpt> model;  // modules hold pointers to their parts: never moved
+  Tensor idx, targets;
+};
+ModelAndBatch model_and_batch(GptConfig cfg, int64_t L, int64_t H, int64_t C, int64_t T, int64_t B) {
+  cfg.layers = L;
+  cfg.heads = H;
+  cfg.width = C;
+  cfg.context = T;
+  manual_seed(3);
+  ModelAndBatch m{std::make_unique<Gpt>(cfg), Tensor(), Tensor()};
+  m.model->train();
+  Generator data(5);
+  m.idx = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
+  m.targets = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
+  return m;
+}
+
 TEST_CASE("--recompute=full|selective: the same gradients, less activation memory") {
   // One forward and backward of a 2-layer GPT with dropout (so attention runs the composite
   // whose [B, H, T, T] probabilities selective recomputation drops), per mode, counting the
@@ -300,27 +321,18 @@ TEST_CASE("--recompute=full|selective: the same gradients, less activation memor
   std::deque<MemoryTracker> trackers;
   auto run = [&](GptConfig::Recompute mode) {
     GptConfig cfg;
-    cfg.layers = L;
-    cfg.heads = H;
-    cfg.width = C;
-    cfg.context = T;
     cfg.dropout = 0.1;
     cfg.recompute = mode;
-    manual_seed(3);
-    Gpt model(cfg);
-    model.train();
-    Generator data(5);
-    const Tensor idx = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
-    const Tensor targets = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
+    auto [model, idx, targets] = model_and_batch(cfg, L, H, C, T, B);
     Run r;
     MemoryTracker& tracker = trackers.emplace_back();
     {
       MemoryScope scope(&tracker);
-      r.loss = Gpt::loss(model(idx), targets);
+      r.loss = Gpt::loss((*model)(idx), targets);
       r.loss.backward();
     }
     r.peak = tracker.peak(MemoryTag::untagged);
-    for (const Tensor& p : model.parameters()) r.grads.push_back(p.grad());
+    for (const Tensor& p : model->parameters()) r.grads.push_back(p.grad());
     return r;
   };
   const Run none = run(GptConfig::Recompute::none);
@@ -357,29 +369,19 @@ TEST_CASE("--act_compress=int8|bf16: less activation memory, nearly the same gra
     int64_t peak = 0;
   };
   auto run = [&](autograd::SavedCompression::Mode mode) {
-    GptConfig cfg;
-    cfg.layers = L;
-    cfg.heads = H;
-    cfg.width = C;
-    cfg.context = T;
-    manual_seed(3);
-    Gpt model(cfg);
-    model.train();
-    Generator data(5);
-    const Tensor idx = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
-    const Tensor targets = cast(rand({B, T}, DType::f64, kCPU, &data) * 255.0, DType::i64);
+    auto [model, idx, targets] = model_and_batch(GptConfig{}, L, H, C, T, B);
     Run r;
     MemoryTracker& tracker = trackers.emplace_back();
     {
       MemoryScope scope(&tracker);
       const autograd::SavedCompressionGuard g({.mode = mode});
-      const Tensor loss = Gpt::loss(model(idx), targets);
+      const Tensor loss = Gpt::loss((*model)(idx), targets);
       r.held = tracker.current(MemoryTag::untagged);
       loss.backward();
       r.loss = loss.item<double>();
     }
     r.peak = tracker.peak(MemoryTag::untagged);
-    for (const Tensor& p : model.parameters()) {
+    for (const Tensor& p : model->parameters()) {
       for (double v : p.grad().to_vector<double>()) r.grads.push_back(v);
     }
     return r;
