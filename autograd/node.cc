@@ -13,13 +13,7 @@ Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_re
 SavedTensor::SavedTensor(const Tensor& t, bool compressible) {
   if (!t.defined()) return;
   version_ = t.storage()->version();
-  if (!compressible) {
-    packed_.data = t.detach();
-    packed_.shape = t.shape();
-    packed_.dtype = t.dtype();
-    return;
-  }
-  packed_ = pack_saved(t);
+  packed_ = compressible ? pack_saved(t) : keep_saved(t);
   if (packed_.mode != SavedCompression::none) source_ = t.storage();
 }
 

@@ -173,16 +173,20 @@ static bool packing_grows(const Tensor& t, SavedCompression::Mode mode) {
   return static_cast<double>(t.storage()->nbytes()) <= per_element * static_cast<double>(t.numel());
 }
 
+PackedTensor keep_saved(const Tensor& t) {
+  PackedTensor p;
+  p.data = t.detach();
+  p.shape = t.shape();
+  p.dtype = t.dtype();
+  return p;
+}
+
 PackedTensor pack_saved(const Tensor& t) {
   const SavedCompressionGuard::State* s = t_state.get();
   if (s == nullptr || s->setting.mode == SavedCompression::none || !is_float(t.dtype()) ||
       t.numel() < std::max<int64_t>(s->setting.min_numel, 1) || excluded(t, *s) ||
       packing_grows(t, s->setting.mode)) {
-    PackedTensor p;
-    p.data = t.detach();
-    p.shape = t.shape();
-    p.dtype = t.dtype();
-    return p;
+    return keep_saved(t);
   }
   const Tensor d = t.detach();
   return s->setting.mode == SavedCompression::int8 ? compress_int8(d) : compress_bf16(d);

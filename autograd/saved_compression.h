@@ -79,6 +79,8 @@ inline constexpr int64_t kSavedChunkBlocks = int64_t{1} << 16;
 
 // Packs `t` (detached) under this thread's setting; the caller keeps the storage version.
 PackedTensor pack_saved(const Tensor& t);
+// `t` (detached) kept as it is, whatever the setting.
+PackedTensor keep_saved(const Tensor& t);
 // The tensor again: `data` itself when uncompressed, else a new contiguous tensor of the
 // original's shape and dtype on its device.
 Tensor unpack_saved(const PackedTensor& p, int64_t chunk_blocks = kSavedChunkBlocks);
