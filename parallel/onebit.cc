@@ -11,12 +11,24 @@ namespace tessera::parallel {
 
 namespace {
 
-// ||v|| / sqrt(count), as a [1] tensor.
-Tensor rms_scale(const Tensor& v, int64_t count) {
-  return (sqrt(sum(v * v)) / std::sqrt(static_cast<double>(count))).reshape({1});
+// sum |v| / count (l1) or ||v|| / sqrt(count) (l2), as a [1] tensor.
+Tensor sign_scale(const Tensor& v, int64_t count, OnebitScale scale) {
+  const Tensor s = scale == OnebitScale::l1
+                       ? sum(abs(v)) / static_cast<double>(count)
+                       : sqrt(sum(v * v)) / std::sqrt(static_cast<double>(count));
+  return s.reshape({1});
 }
 
 }  // namespace
+
+OnebitScale parse_onebit_scale(const std::string& name, const std::string& where) {
+  if (name == "l1") return OnebitScale::l1;
+  if (name == "l2") return OnebitScale::l2;
+  fail("{}: the 1-bit scale must be l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's), got '{}'",
+       where, name);
+}
+
+const char* onebit_scale_name(OnebitScale scale) { return scale == OnebitScale::l1 ? "l1" : "l2"; }
 
 int64_t onebit_padded(int64_t numel, int ranks) {
   const int64_t unit = 8 * static_cast<int64_t>(ranks);
@@ -24,13 +36,13 @@ int64_t onebit_padded(int64_t numel, int ranks) {
 }
 
 void onebit_all_reduce(Communicator& comm, const Tensor& x, const Tensor& worker_error,
-                       const Tensor& server_error) {
-  onebit_all_reduce_many(comm, {x}, {worker_error}, {server_error});
+                       const Tensor& server_error, OnebitScale scale) {
+  onebit_all_reduce_many(comm, {x}, {worker_error}, {server_error}, scale);
 }
 
 void onebit_all_reduce_many(Communicator& comm, const std::vector<Tensor>& xs,
                             const std::vector<Tensor>& worker_errors,
-                            const std::vector<Tensor>& server_errors) {
+                            const std::vector<Tensor>& server_errors, OnebitScale how) {
   NoGradGuard no_grad;
   const int w = comm.size();
   const size_t count = xs.size();
@@ -75,7 +87,7 @@ void onebit_all_reduce_many(Communicator& comm, const std::vector<Tensor>& xs,
   for (size_t k = 0; k < count; ++k) {
     const int64_t n = xs[k].numel();
     const Tensor y = (xs[k] + worker_errors[k]).contiguous();
-    scale[k] = rms_scale(y, n);
+    scale[k] = sign_scale(y, n, how);
     const Tensor bits = sign_pack(y);
     worker_errors[k].copy_(y - scale[k] * sign_unpack(bits, n, y.dtype()));
     for (int j = 0; j < w; ++j) {
@@ -100,7 +112,7 @@ void onebit_all_reduce_many(Communicator& comm, const std::vector<Tensor>& xs,
       z = z + sign_i * (scales.narrow(0, i * tensors + static_cast<int64_t>(k), 1) * (1.0 / w));
     }
     z = z + server_errors[k];
-    server_scale[k] = rms_scale(z, chunk[k]);
+    server_scale[k] = sign_scale(z, chunk[k], how);
     const Tensor server_bits = sign_pack(z);
     server_errors[k].copy_(z - server_scale[k] * sign_unpack(server_bits, chunk[k], z.dtype()));
     server_send.narrow(0, at[k], chunk_bytes[k]).copy_(server_bits);

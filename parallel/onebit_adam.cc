@@ -115,19 +115,30 @@ std::map<std::string, double> OnebitAdam::hyperparameters() const {
           {"beta2", options_.betas.second},
           {"eps", options_.eps},
           {"freeze_step", static_cast<double>(options_.freeze_step)},
-          {"bias_correction", options_.bias_correction ? 1.0 : 0.0}};
+          {"bias_correction", options_.bias_correction ? 1.0 : 0.0},
+          {"precondition", options_.precondition ? 1.0 : 0.0},
+          {"scale_l2", options_.scale == OnebitScale::l2 ? 1.0 : 0.0}};
 }
 
 void OnebitAdam::set_hyperparameters(const std::map<std::string, double>& values) {
   OnebitAdamOptions o = options_;
   o.betas = {values.at("beta1"), values.at("beta2")};
   o.eps = values.at("eps");
+  // A state dict from before precondition and scale existed was the paper's pair.
+  const auto flag = [&](const char* key, double before) {
+    const auto it = values.find(key);
+    return it == values.end() ? before : it->second;
+  };
+  const double precondition = flag("precondition", 0.0), scale_l2 = flag("scale_l2", 1.0);
   TS_CHECK(values.at("freeze_step") == static_cast<double>(o.freeze_step) &&
-               values.at("bias_correction") == (o.bias_correction ? 1.0 : 0.0),
-           "{}: the state dict was saved with freeze_step {} and bias_correction {}; this "
-           "optimizer has {} and {}",
-           kName, values.at("freeze_step"), values.at("bias_correction"), o.freeze_step,
-           o.bias_correction);
+               values.at("bias_correction") == (o.bias_correction ? 1.0 : 0.0) &&
+               precondition == (o.precondition ? 1.0 : 0.0) &&
+               scale_l2 == (o.scale == OnebitScale::l2 ? 1.0 : 0.0),
+           "{}: the state dict was saved with freeze_step {}, bias_correction {}, precondition {} "
+           "and scale {}; this optimizer has {}, {}, {} and {}",
+           kName, values.at("freeze_step"), values.at("bias_correction") != 0.0,
+           precondition != 0.0, scale_l2 != 0.0 ? "l2" : "l1", o.freeze_step, o.bias_correction,
+           o.precondition, onebit_scale_name(o.scale));
   optim::check_adamw_values(kName, o.lr, o.betas, o.eps, o.weight_decay);
   options_ = o;
 }
@@ -151,24 +162,26 @@ void OnebitAdam::step() {
           if (item.state->step + 1 > options_.freeze_step) check_errors(item);
         }
         // The bucket's compressed parameters: their momenta through one 1-bit all-reduce.
-        std::vector<Tensor> momenta, worker_errors, server_errors;
+        std::vector<Tensor> momenta, worker_errors, server_errors, denominators;
         for (const Pending& item : bucket) {
           if (item.state->step + 1 > options_.freeze_step) {
-            const auto [buf, errors] = local_momentum(item);
-            momenta.push_back(buf);
-            worker_errors.push_back(errors.first);
-            server_errors.push_back(errors.second);
+            Local local = local_momentum(item);
+            momenta.push_back(std::move(local.sent));
+            worker_errors.push_back(std::move(local.worker_error));
+            server_errors.push_back(std::move(local.server_error));
+            denominators.push_back(std::move(local.denominator));
           }
         }
         if (!momenta.empty()) {
-          onebit_all_reduce_many(comm_, momenta, worker_errors, server_errors);
+          onebit_all_reduce_many(comm_, momenta, worker_errors, server_errors, options_.scale);
         }
         size_t compressed = 0;
         for (const Pending& item : bucket) {
           const int64_t t = item.state->step + 1;
           std::map<std::string, Tensor>& s = item.state->tensors;
           if (t > options_.freeze_step) {
-            compressed_update(group, item, momenta[compressed++]);
+            compressed_update(group, item, momenta[compressed], denominators[compressed]);
+            ++compressed;
           } else if (options_.bias_correction) {  // AdamW's step, on the exactly reduced gradient
             adamw_(item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq"), t, group.lr,
                    options_.betas.first, options_.betas.second, options_.eps, group.weight_decay);
@@ -198,7 +211,7 @@ void OnebitAdam::check_errors(const Pending& item) const {
            padded / w);
 }
 
-std::pair<Tensor, std::pair<Tensor, Tensor>> OnebitAdam::local_momentum(const Pending& item) {
+OnebitAdam::Local OnebitAdam::local_momentum(const Pending& item) {
   std::map<std::string, Tensor>& s = item.state->tensors;
   const Tensor& m = s.at("exp_avg");
   const double b1 = options_.betas.first;
@@ -208,6 +221,11 @@ std::pair<Tensor, std::pair<Tensor, Tensor>> OnebitAdam::local_momentum(const Pe
   m.copy_(m + (1.0 - b1) * (g - m));
   // Padded for the 1-bit all-reduce, with this parameter's error feedback.
   const int64_t n = m.numel(), padded = onebit_padded(n, w);
+  // AdamW's denominator with the variance of the last warm-up step (frozen).
+  const double bc2 = options_.bias_correction
+                         ? 1.0 - std::pow(options_.betas.second, static_cast<double>(options_.freeze_step))
+                         : 1.0;
+  Tensor denom = sqrt(s.at("exp_avg_sq")) / std::sqrt(bc2) + options_.eps;
   auto [it, fresh] = hook_->errors_.try_emplace(item.index);
   if (fresh) {
     it->second = {zeros({padded}, m.dtype(), m.device()), zeros({padded / w}, m.dtype(), m.device())};
@@ -215,26 +233,22 @@ std::pair<Tensor, std::pair<Tensor, Tensor>> OnebitAdam::local_momentum(const Pe
     it->second = {it->second.first.to(m.device()), it->second.second.to(m.device())};
   }
   const Tensor buf = zeros({padded}, m.dtype(), m.device());
-  buf.narrow(0, 0, n).copy_(m.reshape({n}));
-  return {buf, it->second};
+  buf.narrow(0, 0, n).copy_((options_.precondition ? m / denom : m).reshape({n}));
+  return {buf, it->second.first, it->second.second, std::move(denom)};
 }
 
 void OnebitAdam::compressed_update(const optim::ParamGroup& group, const Pending& item,
-                                   const Tensor& reduced) {
-  std::map<std::string, Tensor>& s = item.state->tensors;
-  const Tensor& m = s.at("exp_avg");
-  const Tensor& v = s.at("exp_avg_sq");
-  const double b1 = options_.betas.first, b2 = options_.betas.second;
-  // The momenta's mean, 1 bit per element.
-  m.copy_(reduced.narrow(0, 0, m.numel()).view(m.shape()));
-  // AdamW's update with the variance of the last warm-up step.
+                                   const Tensor& reduced, const Tensor& denom) {
+  const Tensor& m = item.state->tensors.at("exp_avg");
+  const double b1 = options_.betas.first;
+  // AdamW's update u = m / denominator. Sent preconditioned, the mean of u came back, 1 bit
+  // an element (m = u x denominator); otherwise the momenta's mean (u = m / denominator).
+  const Tensor mean = reduced.narrow(0, 0, m.numel()).view(m.shape());
+  const Tensor u = options_.precondition ? mean : mean / denom;
+  m.copy_(options_.precondition ? mean * denom : mean);
   const double t = static_cast<double>(item.state->step + 1);
   const double bc1 = options_.bias_correction ? 1.0 - std::pow(b1, t) : 1.0;
-  const double bc2 = options_.bias_correction
-                         ? 1.0 - std::pow(b2, static_cast<double>(options_.freeze_step))
-                         : 1.0;
-  item.param.copy_(item.param * (1.0 - group.lr * group.weight_decay) -
-                   (group.lr / bc1) * (m / (sqrt(v) / std::sqrt(bc2) + options_.eps)));
+  item.param.copy_(item.param * (1.0 - group.lr * group.weight_decay) - (group.lr / bc1) * u);
 }
 
 }  // namespace tessera::parallel

@@ -11,9 +11,17 @@
 // each rank its own gradient), and each step:
 //   m = m + (1 - beta1) (g - m)          with this rank's gradient (times the group size when
 //                                        DDP sums: gpt's ranks backpropagate shares of the mean)
-//   m = onebit_all_reduce(m)             1 bit per element and a scale per tensor and chunk,
+//   d = sqrt(v / bc2_frozen) + eps       AdamW's denominator, fixed from here on
+//   u = onebit_all_reduce(m / d)         1 bit per element and a scale per tensor and chunk,
 //                                        worker and server error feedback (parallel/onebit.h)
-//   p = p (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2_frozen) + eps)
+//   m = u d
+//   p = p (1 - lr wd) - lr / bc1 * u
+// With precondition false (the paper's, DeepSpeed's) m itself is reduced and u = m / d. d is
+// the same on every rank, so both average the same thing; they differ in what the signs'
+// scale is spread over (OnebitAdamOptions::precondition). The default scale is l1 (mean |x|),
+// DeepSpeed's is l2 (onebit.h). On the default GPT the paper's pair (momentum, l2) diverges
+// after the freeze, and so do the two pairs with one of them; the default does not
+// (BENCHMARKS.md).
 // About 1/32 of the bytes of an f32 gradient all-reduce per step. Each rank's error feedback
 // lives in the hook (a per-rank state, checkpointed per rank as every comm hook's is); the
 // optimizer's state (m, v, step) is the same on every rank. Not for ZeRO's flat shards (a
@@ -30,6 +38,7 @@
 
 #include "optim/optimizer.h"
 #include "parallel/comm_hook.h"
+#include "parallel/onebit.h"
 
 namespace tessera::parallel {
 
@@ -40,6 +49,13 @@ struct OnebitAdamOptions {
   double weight_decay = 1e-2;
   int64_t freeze_step = 100;    // warm-up steps, exact (DeepSpeed: 15-25% of the run)
   bool bias_correction = true;  // AdamW's; false: DeepSpeed's uncorrected update
+  // After the freeze, what goes through the 1-bit all-reduce: true (the default) the update
+  // u = m / (sqrt(v) + eps) (v frozen and the same on every rank, so averaging u is averaging
+  // m), whose elements are all on AdamW's step scale; false: m itself (the paper's and
+  // DeepSpeed's), where an element whose frozen v is tiny (a rare byte's embedding row, a
+  // bias with no gradient) turns the chunk's sign scale into a step of lr x scale / sqrt(v).
+  bool precondition = true;
+  OnebitScale scale = OnebitScale::l1;  // the signs' scale (parallel/onebit.h); l2: DeepSpeed's
 };
 
 class OnebitAdam;
@@ -91,14 +107,20 @@ class OnebitAdam : public optim::Optimizer {
  private:
   // After the freeze: this rank's momentum updated and padded for the 1-bit all-reduce, with
   // its error feedback (worker, server); then the update from the reduced momentum.
-  std::pair<Tensor, std::pair<Tensor, Tensor>> local_momentum(const Pending& item);
+  struct Local {
+    Tensor sent;  // [padded]: m, or m / denominator (precondition)
+    Tensor worker_error, server_error;
+    Tensor denominator;  // sqrt(v / bc2_frozen) + eps, v frozen
+  };
+  Local local_momentum(const Pending& item);
   void compressed_update(const optim::ParamGroup& group, const Pending& item,
-                         const Tensor& reduced);
+                         const Tensor& reduced, const Tensor& denom);
   // Error naming the parameter if its saved error feedback does not fit this group.
   void check_errors(const Pending& item) const;
 
   Communicator& comm_;
   OnebitAdamOptions options_;
+  int dummy_;
   std::shared_ptr<OnebitAdamHook> hook_;
 };
 

@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <vector>
+
+#include "models/common/flags.h"
 
 #include "parallel/comm/comm_log.h"
 #include "parallel/onebit_adam.h"
@@ -25,6 +28,44 @@ std::string name_of(const Tensor& t) {
 }
 
 }  // namespace
+
+void validate_compress(const char* program, const CompressChoice& c, const std::string& optimizer) {
+  require_one_of(program, "compress", c.name, {"none", "powersgd", "onebit_adam"});
+  require_at_least(program, "powersgd_rank", c.powersgd_rank, 1);
+  require_at_least(program, "powersgd_start", c.powersgd_start, 0);
+  require_at_least(program, "onebit_freeze", c.onebit_freeze, 0);
+  require_one_of(program, "onebit_send", c.onebit_send, {"update", "momentum"});
+  require_one_of(program, "onebit_scale", c.onebit_scale, {"l1", "l2"});
+  TS_CHECK(c.name != "onebit_adam" || optimizer == "adamw",
+           "{}: --compress=onebit_adam is 1-bit Adam, which replaces AdamW; it needs "
+           "--optimizer=adamw (got --optimizer={})",
+           program, optimizer);
+}
+
+std::unique_ptr<optim::Optimizer> make_onebit_adam(const CompressChoice& c,
+                                                   std::vector<optim::ParamGroup> groups,
+                                                   parallel::Communicator& comm,
+                                                   std::shared_ptr<parallel::CommHook> hook,
+                                                   double lr, std::pair<double, double> betas,
+                                                   double weight_decay, int64_t total_steps) {
+  const parallel::OnebitAdamOptions o{
+      .lr = lr,
+      .betas = betas,
+      .weight_decay = weight_decay,
+      .freeze_step = c.onebit_freeze > 0 ? c.onebit_freeze : std::max<int64_t>(1, total_steps / 5),
+      .precondition = c.onebit_send == "update",
+      .scale = parallel::parse_onebit_scale(c.onebit_scale, "--onebit_scale")};
+  return std::make_unique<parallel::OnebitAdam>(
+      std::move(groups), comm, o, std::dynamic_pointer_cast<parallel::OnebitAdamHook>(hook));
+}
+
+std::string hook_traffic(const parallel::CommHook& hook) {
+  const parallel::CommHook::Traffic t = hook.last_round();
+  return fmt::format("  {} sent {} of {} gradient elements ({:.3g}x)", hook.name(), t.sent,
+                     t.uncompressed,
+                     t.sent > 0 ? static_cast<double>(t.uncompressed) / static_cast<double>(t.sent)
+                                : 1.0);
+}
 
 std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const std::string& name,
                                                    const parallel::PowerSgdOptions& powersgd) {

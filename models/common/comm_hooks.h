@@ -8,15 +8,43 @@
 //   models::load_hook_state("gpt", hook.get(), &comm, dict);              // takes comm.* out
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "optim/optimizer.h"
 #include "parallel/comm/communicator.h"
 #include "parallel/powersgd.h"
 
 namespace tessera::models {
+
+// The examples' gradient compression flags (gpt and mnist bind them alike).
+struct CompressChoice {
+  std::string name = "none";  // --compress: none | powersgd | onebit_adam
+  int64_t powersgd_rank = 1;  // PowerSGD's rank
+  int64_t powersgd_start = 10;  // exact steps before PowerSGD compresses
+  int64_t onebit_freeze = 0;  // 1-bit Adam's AdamW warm-up steps (0: 20% of the run's steps)
+  std::string onebit_send = "update";  // update (m / (sqrt(v) + eps)) | momentum (m)
+  std::string onebit_scale = "l1";     // l1 (mean |x|) | l2 (||x|| / sqrt(n))
+};
+
+// Each flag's value (Error naming `program`, the flag and the value); 1-bit Adam replaces
+// AdamW, so it needs optimizer "adamw".
+void validate_compress(const char* program, const CompressChoice& choice,
+                       const std::string& optimizer);
+// 1-bit Adam (parallel/onebit_adam.h) with `hook` (make_comm_hook's for "onebit_adam") over
+// `comm`, for a run of `total_steps` steps.
+std::unique_ptr<optim::Optimizer> make_onebit_adam(const CompressChoice& choice,
+                                                   std::vector<optim::ParamGroup> groups,
+                                                   parallel::Communicator& comm,
+                                                   std::shared_ptr<parallel::CommHook> hook,
+                                                   double lr, std::pair<double, double> betas,
+                                                   double weight_decay, int64_t total_steps);
+// The progress line's part: "  <hook> sent S of U gradient elements (Rx)" for its last round.
+std::string hook_traffic(const parallel::CommHook& hook);
 
 // "none" (null), "powersgd" or "onebit_adam" (the hook a parallel::OnebitAdam then attaches
 // to); Error naming `program` and the value otherwise.

@@ -65,6 +65,10 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("powersgd_start", cli.config.powersgd_start, "PowerSGD: exact steps before compressing");
   f.bind("onebit_freeze", cli.config.onebit_freeze,
          "1-bit Adam: AdamW warm-up steps before the variance freezes (0: 20% of --steps)");
+  f.bind("onebit_send", cli.config.onebit_send,
+         "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the paper's)");
+  f.bind("onebit_scale", cli.config.onebit_scale,
+         "1-bit Adam: the signs' scale, l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's)");
   f.bind("accum", cli.config.accum, "micro-batches per step (gradient accumulation)");
   f.bind("pp", cli.config.pp, "pipeline stages (ranks: pp x dp x tp)");
   f.bind("tp", cli.config.tp, "tensor-parallel ranks (Megatron: must divide --heads)");

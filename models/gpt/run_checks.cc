@@ -79,14 +79,7 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "dp", c.dp, 1);
   TS_CHECK(c.zero >= 0 && c.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}", c.zero);
   require_at_least(gpt, "accum", c.accum, 1);
-  require_one_of(gpt, "compress", c.compress, {"none", "powersgd", "onebit_adam"});
-  require_at_least(gpt, "powersgd_rank", c.powersgd_rank, 1);
-  require_at_least(gpt, "powersgd_start", c.powersgd_start, 0);
-  require_at_least(gpt, "onebit_freeze", c.onebit_freeze, 0);
-  TS_CHECK(c.compress != "onebit_adam" || c.optimizer == "adamw",
-           "gpt: --compress=onebit_adam is 1-bit Adam, which replaces AdamW; it needs "
-           "--optimizer=adamw (got --optimizer={})",
-           c.optimizer);
+  models::validate_compress(gpt, c.compress_choice(), c.optimizer);
   if (c.compress != "none") {
     TS_CHECK(c.pp == 1 && c.tp == 1 && c.zero == 0,
              "gpt: --compress={} replaces the data-parallel all-reduce of ZeRO 0; it cannot be "

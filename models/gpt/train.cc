@@ -27,7 +27,6 @@
 #include "optim/schedule.h"
 #include "parallel/comm/launch.h"
 #include "parallel/comm/mpi.h"
-#include "parallel/onebit_adam.h"
 #include "parallel/zero.h"
 #include "models/gpt/check.h"
 #include "models/gpt/checkpoints.h"
@@ -124,6 +123,15 @@ GptConfig GptTrainConfig::model_config() const {
                 : recompute == "selective" ? GptConfig::Recompute::selective
                                            : GptConfig::Recompute::none;
   return m;
+}
+
+models::CompressChoice GptTrainConfig::compress_choice() const {
+  return {.name = compress,
+          .powersgd_rank = powersgd_rank,
+          .powersgd_start = powersgd_start,
+          .onebit_freeze = onebit_freeze,
+          .onebit_send = onebit_send,
+          .onebit_scale = onebit_scale};
 }
 
 models::OptimizerChoice GptTrainConfig::optimizer_choice() const {
@@ -252,15 +260,10 @@ class GptReplica final : public models::Replica {
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
     }
     if (config.compress == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
-      const parallel::OnebitAdamOptions o{
-          .lr = config.lr,
-          .betas = {config.beta1, config.beta2},
-          .weight_decay = config.weight_decay,
-          .freeze_step = config.onebit_freeze > 0 ? config.onebit_freeze
-                                                  : std::max<int64_t>(1, config.steps / 5)};
-      opt_ = std::make_unique<parallel::OnebitAdam>(
-          zero_->param_groups(config.lr, config.weight_decay), *comm, o,
-          std::dynamic_pointer_cast<parallel::OnebitAdamHook>(hook_));
+      opt_ = models::make_onebit_adam(config.compress_choice(),
+                                      zero_->param_groups(config.lr, config.weight_decay), *comm,
+                                      hook_, config.lr, {config.beta1, config.beta2},
+                                      config.weight_decay, config.steps);
     } else {
       opt_ = models::make_optimizer(
           "gpt", config.optimizer_choice(),
@@ -437,14 +440,8 @@ class GptReplica final : public models::Replica {
       out += fmt::format("  loss scale {:g} (skipped {})", scaler_.scale_value(),
                          scaler_.skipped_steps());
     }
-    if (hook_) {
-      // The last step's gradient elements on the wire against an exact all-reduce's.
-      const parallel::CommHook::Traffic t = hook_->last_round();
-      out += fmt::format("  {} sent {} of {} gradient elements ({:.3g}x)", hook_->name(), t.sent,
-                         t.uncompressed,
-                         t.sent > 0 ? static_cast<double>(t.uncompressed) / static_cast<double>(t.sent)
-                                    : 1.0);
-    }
+    // The last step's gradient elements on the wire against an exact all-reduce's.
+    if (hook_) out += models::hook_traffic(*hook_);
     return out;
   }
 

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/common/comm_hooks.h"
 #include "models/common/optimizers.h"
 #include "models/gpt/model.h"
 #include "tensor/dtype.h"
@@ -114,12 +115,16 @@ struct GptTrainConfig {
   int64_t accum = 1;
   // Gradient compression over dp: none; powersgd (parallel/powersgd.h: rank powersgd_rank,
   // after powersgd_start exact steps); onebit_adam (parallel/onebit_adam.h: replaces AdamW;
-  // AdamW for onebit_freeze steps, 0: 20% of `steps`, then 1-bit momentum). ZeRO 0, no
-  // pp/tp. Checkpoints keep each rank's error feedback (a resume needs the same --dp).
+  // AdamW for onebit_freeze steps, 0: 20% of `steps`, then 1-bit: onebit_send "update"
+  // (m / (sqrt(v) + eps)) or "momentum" (m, the paper's), signs scaled by onebit_scale "l1"
+  // (mean |x|) or "l2" (DeepSpeed's ||x|| / sqrt(n))). ZeRO 0, no pp/tp. Checkpoints keep
+  // each rank's error feedback (a resume needs the same --dp).
   std::string compress = "none";
   int64_t powersgd_rank = 1;
   int64_t powersgd_start = 10;
   int64_t onebit_freeze = 0;
+  std::string onebit_send = "update";
+  std::string onebit_scale = "l1";
   // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
   // (ZeRO 0-3 over dp), `microbatches` per dp rank and pipeline run by `schedule` (gpipe,
   // 1f1b, interleaved with `chunks` model chunks per rank), `accum` runs per step. Every
@@ -149,6 +154,7 @@ struct GptTrainConfig {
 
   GptConfig model_config() const;
   models::OptimizerChoice optimizer_choice() const;
+  models::CompressChoice compress_choice() const;
 };
 
 // Validation batches of --synthetic_data (random tokens have no split of their own).

@@ -1,5 +1,7 @@
 // bazel run //models:mnist -- [--model=mlp|cnn] [--epochs=E] [--batch=B] [--lr=LR]
 //     [--precision=f32|bf16|f16] [--save=PATH] [--resume=PATH] [--metrics=PATH] ...
+//   bazel run //models:mnist -- --dp=4 [--zero=1] [--compress=powersgd|onebit_adam]
+//   mpirun -np 2 bazel-bin/models/mnist/mnist --dp=2
 //   bazel run --config=cuda //models:mnist -- --model=cnn --device=cuda
 // Trains a Fashion-MNIST classifier and prints the final test accuracy (--help lists all).
 // Any failure is one "error: ..." line and exit code 1; SIGTERM/SIGINT saves and exits
@@ -40,6 +42,18 @@ int main(int argc, char** argv) {
   f.bind("train_limit", c.train_limit, "use only the first N training images (0: all)");
   f.bind("test_limit", c.test_limit, "evaluate on the first N test images (0: all)");
   f.bind("log_every", c.log_every, "steps between metrics lines");
+  f.bind("dp", c.dp, "data-parallel ranks (threads here; under mpirun: the process count)");
+  f.bind("zero", c.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
+  f.bind("compress", c.compress.name,
+         "gradient compression over dp: none, powersgd or onebit_adam (1-bit Adam, for AdamW)");
+  f.bind("powersgd_rank", c.compress.powersgd_rank, "PowerSGD: the low-rank approximation's rank");
+  f.bind("powersgd_start", c.compress.powersgd_start, "PowerSGD: exact steps before compressing");
+  f.bind("onebit_freeze", c.compress.onebit_freeze,
+         "1-bit Adam: AdamW warm-up steps before the variance freezes (0: 20% of the steps)");
+  f.bind("onebit_send", c.compress.onebit_send,
+         "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the paper's)");
+  f.bind("onebit_scale", c.compress.onebit_scale,
+         "1-bit Adam: the signs' scale, l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's)");
   f.bind("nonfinite", c.nonfinite,
          "a step with a NaN/inf loss or gradient norm: error (stop, keep the last "
          "checkpoint) or skip (drop it)");

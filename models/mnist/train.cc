@@ -5,10 +5,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <optional>
 
 #include "models/common/checkpoint.h"
+#include "models/common/comm_hooks.h"
 #include "models/common/flags.h"
 #include "models/common/progress.h"
 #include "models/common/run_control.h"
@@ -20,7 +22,10 @@
 #include "optim/clip.h"
 #include "optim/loss_scaler.h"
 #include "optim/schedule.h"
+#include "parallel/comm/comm_log.h"
 #include "parallel/comm/launch.h"
+#include "parallel/comm/mpi.h"
+#include "parallel/zero.h"
 #include "tensor/allocator.h"
 #include "tensor/autocast.h"
 
@@ -28,6 +33,9 @@ namespace tessera::mnist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// clip_grad_norm's max_norm that never clips (it must be finite): a norm without clipping.
+constexpr double kNoClip = std::numeric_limits<double>::max();
 
 struct Eval {
   double accuracy = 0.0, loss = 0.0;
@@ -45,7 +53,7 @@ Eval evaluate(nn::Module& model, const data::MnistSplit& test, DType low) {
     const int64_t len = std::min(chunk, n - start);
     const Tensor x = narrow(test.images, 0, start, len);
     const Tensor y = narrow(test.labels, 0, start, len);
-    const Tensor logits = model.forward(x);
+    const Tensor logits = model(x);
     loss_sum += cross_entropy(logits, y, Reduction::sum).item<double>();
     correct += sum(cast(eq(argmax(logits, 1), y), DType::i64)).item<int64_t>();
   }
@@ -77,28 +85,103 @@ void validate(const MnistConfig& c) {
   require_at_least(mnist, "log_every", c.log_every, 1);
   require_at_least(mnist, "memory_limit", c.memory_limit, 0);
   require_one_of(mnist, "nonfinite", c.nonfinite, {"error", "skip"});
+  require_at_least(mnist, "dp", c.dp, 1);
+  TS_CHECK(c.zero >= 0 && c.zero <= 3, "mnist: --zero must be 0, 1, 2 or 3, got {}", c.zero);
+  TS_CHECK(c.batch % c.dp == 0, "mnist: --batch {} must divide into --dp {} equal slices",
+           c.batch, c.dp);
+  models::validate_compress(mnist, c.compress, c.optimizer.name);
+  if (c.compress.name != "none") {
+    TS_CHECK(c.zero == 0,
+             "mnist: --compress={} replaces the data-parallel all-reduce of ZeRO 0; it cannot be "
+             "combined with --zero {} (which reduce-scatters)",
+             c.compress.name, c.zero);
+    TS_CHECK(c.precision != "f16",
+             "mnist: --compress={} keeps error feedback across steps, which f16's loss scaling "
+             "breaks (an overflowing step's inf enters the error for good); use "
+             "--precision=bf16 or f32",
+             c.compress.name);
+  }
 }
 
 
 // The classifier on one rank, as the training loop (models/common/train_loop.h) drives it:
 // a batch per step from the shuffling loader; at the end of each epoch the test set's
 // accuracy and loss (outside the step's timing).
+// With a communicator (--dp, mpirun) each rank trains on its slice of every batch under
+// ZeRO (stage 0: DDP, with the --compress hook); rank 0 prints and writes files.
 class MnistReplica final : public models::Replica {
  public:
-  MnistReplica(const MnistConfig& c, nn::Module& model, data::Loader& loader,
-               const data::MnistSplit& test, int64_t epochs, DType low, Device device,
-               models::Progress& progress, models::MetricsWriter& metrics, MnistResult& result)
-      : c_(c), model_(model), loader_(loader), test_(test), epochs_(epochs), low_(low),
-        device_(device), progress_(progress), metrics_(metrics), result_(result),
-        params_(model.parameters()) {
-    models::OptimizerChoice choice = c.optimizer;
-    choice.lr = c.lr;
-    choice.weight_decay = c.weight_decay;
-    opt_ = models::make_optimizer("mnist", choice,
-                                  optim::decay_groups(model.named_parameters(), c.lr, c.weight_decay));
+  MnistReplica(const MnistConfig& c, parallel::Communicator* comm, nn::Module& model,
+               data::Loader& loader, const data::MnistSplit& test, int64_t epochs,
+               int64_t total_steps, DType low, Device device, models::Progress& progress,
+               models::MetricsWriter& metrics, MnistResult& result)
+      : c_(c), comm_(comm), model_(model), loader_(loader), test_(test), epochs_(epochs),
+        low_(low), device_(device), verbose_(c.verbose && (comm == nullptr || comm->rank() == 0)),
+        progress_(progress), metrics_(metrics), result_(result), params_(model.parameters()) {
+    hook_ = models::make_comm_hook("mnist", c.compress.name,
+                                   {.rank = c.compress.powersgd_rank,
+                                    .start_iter = c.compress.powersgd_start,
+                                    .seed = static_cast<uint64_t>(c.seed)});
+    TS_CHECK(!hook_ || comm != nullptr,
+             "mnist: --compress={} compresses the data-parallel gradient reduction; it needs "
+             "--dp >= 2 (or mpirun)",
+             c.compress.name);
+    if (comm != nullptr) {
+      TS_CHECK(c.batch % comm->size() == 0,
+               "mnist: --batch {} must divide into {} equal slices, one per rank", c.batch,
+               comm->size());
+      parallel::ZeroOptions zopt;
+      zopt.stage = static_cast<int>(c.zero);
+      zopt.comm_hook = hook_;
+      zopt.average = true;  // each rank's loss is its slice's mean
+      zopt.row_shards = models::optimizer_needs_row_shards(c.optimizer.name);
+      zopt.block_shards = models::optimizer_shard_block(c.optimizer.name);
+      zero_ = std::make_unique<parallel::ZeroDataParallel>(model, *comm, zopt);
+    }
+    std::vector<optim::ParamGroup> groups =
+        zero_ ? zero_->param_groups(c.lr, c.weight_decay)
+              : optim::decay_groups(model.named_parameters(), c.lr, c.weight_decay);
+    if (c.compress.name == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
+      opt_ = models::make_onebit_adam(c.compress, std::move(groups), *comm, hook_, c.lr,
+                                      {c.optimizer.beta1, c.optimizer.beta2}, c.weight_decay,
+                                      total_steps);
+    } else {
+      models::OptimizerChoice choice = c.optimizer;
+      choice.lr = c.lr;
+      choice.weight_decay = c.weight_decay;
+      opt_ = models::make_optimizer("mnist", choice, std::move(groups));
+    }
     optim::LossScalerOptions sopt;
     sopt.enabled = low == DType::f16;
     scaler_ = std::make_unique<optim::DynamicLossScaler>(sopt);
+    if (comm != nullptr) {
+      // Every rank skips the same f16 steps: under ZeRO each holds different gradient shards.
+      scaler_->reduce_found_inf_with([comm](bool here) {
+        Tensor t = Tensor::from_vector<double>({here ? 1.0 : 0.0}, {1});
+        parallel::CommCause cause("loss scaler overflow check", parallel::CommKind::control);
+        comm->all_reduce(t, parallel::ReduceOp::max);
+        return t.to_vector<double>()[0] > 0;
+      });
+    }
+  }
+
+  // Loads a checkpoint (any layout's: they are all saved in the single-device layout) and
+  // returns its training state; each rank takes its row of the comm hook's state.
+  models::TrainingState resume(const std::string& path) {
+    return models::load_checkpoint(
+        path,
+        [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& saved) {
+          optim::Optimizer::StateDict state = saved;
+          models::load_hook_state("mnist", hook_.get(), comm_, state);
+          if (zero_) {
+            zero_->load_model_state_dict(weights);
+            zero_->load_optimizer_state_dict(*opt_, state);
+          } else {
+            model_.load_state_dict(weights);
+            opt_->load_state_dict(state);
+          }
+        },
+        *scaler_);
   }
 
   optim::Optimizer& optimizer() { return *opt_; }
@@ -119,7 +202,7 @@ class MnistReplica final : public models::Replica {
       const Eval e = mnist::evaluate(model_, test_, low_);
       rec["accuracy"] = e.accuracy;
       rec["test_loss"] = e.loss;
-      if (c_.verbose) {
+      if (verbose_) {
         progress_.update(fmt::format("epoch {}/{}  step {}  test accuracy {:.2f}%  test loss "
                                      "{:.4f}  {:.0f} samples/s",
                                      epoch + 1, epochs_, step, 100 * e.accuracy, e.loss, sps),
@@ -142,24 +225,55 @@ class MnistReplica final : public models::Replica {
   }
   void zero_grad(int64_t /*step*/, double lr) override {
     opt_->set_lr(lr);
-    opt_->zero_grad();
+    if (zero_) {
+      zero_->zero_grad();
+    } else {
+      opt_->zero_grad();
+    }
   }
   Tensor forward_backward(int64_t /*step*/, int /*micro*/) override {
+    Tensor x = batch_.inputs, y = batch_.targets;
+    if (comm_ != nullptr) {  // this rank's rows of the batch
+      const int64_t rows = x.size(0) / comm_->size();
+      x = narrow(x, 0, comm_->rank() * rows, rows);
+      y = narrow(y, 0, comm_->rank() * rows, rows);
+    }
     Tensor loss;
     {
       AutocastGuard amp(low_);
-      loss = cross_entropy(model_.forward(batch_.inputs.to(device_)), batch_.targets.to(device_));
+      loss = cross_entropy(model_(x.to(device_)), y.to(device_));
     }
-    scaler_->scale(loss).backward();
+    const Tensor scaled = scaler_->scale(loss);
+    if (zero_) {
+      zero_->backward(scaled);  // the mean over ranks of their slices' means: the batch's
+    } else {
+      scaled.backward();
+    }
     return loss;
   }
   std::optional<double> grad_norm(double max_norm) override {
-    if (!scaler_->unscale_and_check(params_)) return std::nullopt;
+    // Under ZeRO the optimizer's parameters are this rank's shards, holding its gradients.
+    if (!(zero_ ? scaler_->unscale_and_check(*opt_) : scaler_->unscale_and_check(params_))) {
+      return std::nullopt;
+    }
+    if (zero_) return zero_->clip_grad_norm(max_norm > 0 ? max_norm : kNoClip);
     return max_norm > 0 ? optim::clip_grad_norm(params_, max_norm) : optim::grad_norm(params_);
   }
   void step(bool skip) override {
-    if (!skip) scaler_->step(*opt_);
+    if (!skip && zero_) {
+      scaler_->step(*opt_, [&] { zero_->step(*opt_); });
+    } else if (!skip) {
+      scaler_->step(*opt_);
+    }
     scaler_->update();
+  }
+  parallel::Communicator* group() override { return comm_; }
+  void after_step(int64_t /*run_step*/, const parallel::CommLog& /*log*/) override {
+    if (!hook_) return;
+    const parallel::CommHook::Traffic t = hook_->last_round();
+    if (t.uncompressed > 0) {
+      result_.compress_ratio = static_cast<double>(t.sent) / static_cast<double>(t.uncompressed);
+    }
   }
 
   void save(int64_t step) override {
@@ -170,7 +284,16 @@ class MnistReplica final : public models::Replica {
     s.rng_seed = default_generator().seed();
     s.rng_offset = default_generator().offset();
     s.info = {{"model", c_.model}, {"precision", c_.precision}};
-    models::save_checkpoint(c_.save, model_, *opt_, *scaler_, s);
+    if (!zero_) {
+      models::save_checkpoint(c_.save, model_, *opt_, *scaler_, s);
+      return;
+    }
+    // Every rank gathers (collective); rank 0 writes the single-device layout.
+    const nn::StateDict weights = zero_->model_state_dict();
+    optim::Optimizer::StateDict state = zero_->optimizer_state_dict(*opt_);
+    if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_));
+    if (comm_->rank() == 0) models::save_checkpoint(c_.save, weights, state, *scaler_, s);
+    comm_->barrier();  // nobody reads the files before they exist
   }
   double evaluate(int64_t /*step*/) override { return mnist::evaluate(model_, test_, low_).loss; }
 
@@ -178,24 +301,32 @@ class MnistReplica final : public models::Replica {
     return fmt::format("epoch {}/{}  ", batch_.epoch + 1, epochs_);
   }
   std::string line_suffix() const override {
-    if (!scaler_->enabled()) return "";
-    return fmt::format("  loss scale {:g} (skipped {})", scaler_->scale_value(),
-                       scaler_->skipped_steps());
+    std::string out;
+    if (scaler_->enabled()) {
+      out += fmt::format("  loss scale {:g} (skipped {})", scaler_->scale_value(),
+                         scaler_->skipped_steps());
+    }
+    if (hook_) out += models::hook_traffic(*hook_);
+    return out;
   }
   void annotate(nlohmann::json& record) const override { record["epoch"] = batch_.epoch + 1; }
 
  private:
   const MnistConfig& c_;
+  parallel::Communicator* comm_;
   nn::Module& model_;
   data::Loader& loader_;
   const data::MnistSplit& test_;
   int64_t epochs_;
   DType low_;
   Device device_;
+  bool verbose_;  // prints (rank 0's, with --verbose)
   models::Progress& progress_;
   models::MetricsWriter& metrics_;
   MnistResult& result_;
   std::vector<Tensor> params_;
+  std::shared_ptr<parallel::CommHook> hook_;  // --compress (null: none)
+  std::unique_ptr<parallel::ZeroDataParallel> zero_;
   std::unique_ptr<optim::Optimizer> opt_;
   std::unique_ptr<optim::DynamicLossScaler> scaler_;
   data::Batch batch_;
@@ -205,31 +336,20 @@ class MnistReplica final : public models::Replica {
 
 }  // namespace
 
-MnistResult train_mnist(const MnistConfig& config) {
-  validate(config);
+namespace {
+
+// One rank's training (comm null: the plain single-process loop). `train` and `test` are
+// shared read-only by the ranks of this process.
+MnistResult train_rank(const MnistConfig& config, parallel::Communicator* comm,
+                       const data::MnistSplit& train, const data::MnistSplit& test) {
+  const bool lead = comm == nullptr || comm->rank() == 0;  // prints, writes files
+  const bool verbose = config.verbose && lead;
   const DType low = models::precision_dtype(config.precision, "mnist");
   const Device device = Device::parse(config.device);
-  if (!config.save.empty()) models::check_checkpoint_path(config.save, "mnist: --save");
-  if (!config.metrics.empty()) models::check_output_file(config.metrics, "mnist: --metrics");
-  const models::MemoryLimitScope memory_limit(config.memory_limit);
-  models::StopSignals signals;  // SIGTERM/SIGINT: finish the step, save, stop
-  parallel::set_kernel_threads(static_cast<int>(config.threads));
   models::Progress progress;
   auto say = [&](const std::string& line) {
-    if (config.verbose) progress.print(line);
+    if (verbose) progress.print(line);
   };
-
-  const std::string dir = config.data_dir.empty() ? data::kFashionMnistDir : config.data_dir;
-  const data::MnistSplit train = data::load_mnist(dir, true, data::kFashionMnistMean,
-                                                  data::kFashionMnistStd,
-                                                  config.train_limit > 0 ? config.train_limit : -1);
-  data::MnistSplit test = data::load_mnist(dir, false, data::kFashionMnistMean,
-                                           data::kFashionMnistStd,
-                                           config.test_limit > 0 ? config.test_limit : -1);
-  if (!device.is_cpu()) {  // evaluated on the device: copied there once
-    test.images = test.images.to(device);
-    test.labels = test.labels.to(device);
-  }
 
   manual_seed(static_cast<uint64_t>(config.seed));
   auto model = make_model(config.model);
@@ -239,6 +359,7 @@ MnistResult train_mnist(const MnistConfig& config) {
   const int64_t epochs = config.epochs > 0 ? config.epochs
                          : config.model == "cnn" ? kDefaultEpochs.cnn
                                                  : kDefaultEpochs.mlp;
+  // Every rank draws the same batches (the same seed) and trains on its slice of each.
   data::LoaderOptions lopt;
   lopt.batch_size = config.batch;
   lopt.shuffle = true;
@@ -261,15 +382,15 @@ MnistResult train_mnist(const MnistConfig& config) {
   o.divergence_advice =
       "Lower --lr, set --clip, or pass --nonfinite=skip to drop such steps";
   o.show_lr = false;
-  o.verbose = config.verbose;
+  o.verbose = verbose;
+  o.fault_rank = comm != nullptr ? comm->rank() : 0;
 
   MnistResult result;
   models::MetricsWriter metrics;
-  MnistReplica replica(config, *model, loader, test, epochs, low, device, progress, metrics,
-                       result);
+  MnistReplica replica(config, comm, *model, loader, test, epochs, total_steps, low, device,
+                       progress, metrics, result);
   if (!config.resume.empty()) {
-    const models::TrainingState s =
-        models::load_checkpoint(config.resume, *model, replica.optimizer(), replica.scaler());
+    const models::TrainingState s = replica.resume(config.resume);
     auto it = s.info.find("model");
     TS_CHECK(it == s.info.end() || it->second == config.model,
              "mnist: {} holds a '{}' model but --model is '{}'", config.resume, it->second,
@@ -280,7 +401,7 @@ MnistResult train_mnist(const MnistConfig& config) {
              "nothing to train; raise --epochs or --max_steps",
              config.resume, s.step, o.stop_at,
              config.max_steps > 0 ? fmt::format(", --max_steps {}", config.max_steps) : "");
-    if (!s.fallback_reason.empty()) {
+    if (!s.fallback_reason.empty() && lead) {
       std::fprintf(stderr, "mnist: warning: %s\n", s.fallback_reason.c_str());
     }
     loader.set_position(s.epoch, s.batch_index);
@@ -288,7 +409,9 @@ MnistResult train_mnist(const MnistConfig& config) {
     say(fmt::format("resumed from {} at step {} (epoch {}, batch {})", s.loaded_from, s.step,
                     s.epoch + 1, s.batch_index));
   }
-  if (!config.metrics.empty()) metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
+  if (!config.metrics.empty() && lead) {
+    metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
+  }
   say(fmt::format("mnist: {} ({} parameters), {} train / {} test images, batch {}, {} epochs "
                   "({} steps), {} lr {}, precision {}{}",
                   config.model, model->num_parameters(), loader.num_samples(),
@@ -296,6 +419,13 @@ MnistResult train_mnist(const MnistConfig& config) {
                   replica.optimizer().kind(), config.lr,
                   config.precision,
                   device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
+  if (comm != nullptr) {
+    say(fmt::format("data parallel: {} ranks ({} backend), ZeRO stage {}, {} images per rank "
+                    "per step{}",
+                    comm->size(), comm->backend(), config.zero, config.batch / comm->size(),
+                    config.compress.name != "none" ? ", --compress=" + config.compress.name
+                                                   : std::string()));
+  }
 
   const Clock::time_point run_start = Clock::now();
   models::StepMeter meter(static_cast<double>(config.batch), "samples");
@@ -315,7 +445,7 @@ MnistResult train_mnist(const MnistConfig& config) {
   result.skipped_steps = replica.scaler().skipped_steps();
   result.samples_per_s = meter.rate();
   if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
-  if (config.verbose) {
+  if (verbose) {
     say(fmt::format("final test accuracy {:.2f}% (loss {:.4f}) after {} steps; {:.0f} training "
                     "samples/s; {} in all{}",
                     100 * final_eval.accuracy, final_eval.loss, loop.step, result.samples_per_s,
@@ -328,6 +458,54 @@ MnistResult train_mnist(const MnistConfig& config) {
                       static_cast<double>(result.peak_device_bytes) / (1 << 20)));
     }
   }
+  return result;
+}
+
+}  // namespace
+
+MnistResult train_mnist(const MnistConfig& config) {
+  validate(config);
+  const bool mpi = parallel::mpi_launched();
+  const Device device = Device::parse(config.device);
+  if (!device.is_cpu()) {
+    TS_CHECK(config.dp == 1 && config.zero == 0 && !mpi,
+             "mnist: --device={} runs a single rank for now; it cannot be combined with --dp {}, "
+             "--zero {} or mpirun",
+             config.device, config.dp, config.zero);
+  }
+  if (!config.save.empty()) models::check_checkpoint_path(config.save, "mnist: --save");
+  if (!config.metrics.empty()) models::check_output_file(config.metrics, "mnist: --metrics");
+  const models::MemoryLimitScope memory_limit(config.memory_limit);
+  models::StopSignals signals;  // SIGTERM/SIGINT: finish the step, save, stop
+
+  // Loaded once, shared by this process's ranks.
+  const std::string dir = config.data_dir.empty() ? data::kFashionMnistDir : config.data_dir;
+  const data::MnistSplit train = data::load_mnist(dir, true, data::kFashionMnistMean,
+                                                  data::kFashionMnistStd,
+                                                  config.train_limit > 0 ? config.train_limit : -1);
+  data::MnistSplit test = data::load_mnist(dir, false, data::kFashionMnistMean,
+                                           data::kFashionMnistStd,
+                                           config.test_limit > 0 ? config.test_limit : -1);
+  if (!device.is_cpu()) {  // evaluated on the device: copied there once
+    test.images = test.images.to(device);
+    test.labels = test.labels.to(device);
+  }
+
+  parallel::set_kernel_threads(static_cast<int>(config.threads));
+  parallel::LaunchOptions launch;
+  launch.program = "mnist";
+  launch.ranks_from = fmt::format("--dp is {}", config.dp);
+  launch.kernel_threads = static_cast<int>(config.threads);
+  launch.world_for_one = config.zero > 0;  // else the plain loop, no wrapper
+  MnistResult result;
+  parallel::launch(
+      static_cast<int>(config.dp),
+      [&](parallel::CommPtr world) {
+        MnistResult r = train_rank(config, world.get(), train, test);
+        // Rank 0's result (under mpirun this process's rank is the only one here).
+        if (world == nullptr || world->rank() == 0 || mpi) result = std::move(r);
+      },
+      launch);
   return result;
 }
 

@@ -2,7 +2,8 @@
 // behind `bazel run //models:mnist`, callable from tests. AdamW with decoupled weight decay
 // (none on biases), linear warmup + cosine decay, optional gradient clipping, f32 / bf16 /
 // f16 mixed precision (f16 with dynamic loss scaling), safetensors checkpoints with exact
-// resume, JSON-lines metrics and a progress line; on the CPU or a GPU (--device=cuda).
+// resume, JSON-lines metrics and a progress line; on the CPU or a GPU (--device=cuda); data
+// parallel over --dp threads or mpirun processes (ZeRO 0-3), with gradient compression.
 //
 //   MnistConfig config;  config.model = "cnn";  config.epochs = 2;
 //   MnistResult r = train_mnist(config);       // r.test_accuracy in [0, 1]
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "models/common/comm_hooks.h"
 #include "models/common/optimizers.h"
 
 namespace tessera::mnist {
@@ -50,6 +52,15 @@ struct MnistConfig {
   // (MnistResult::nonfinite_skipped counts them). The rule of models/common/train_loop.h.
   std::string nonfinite = "error";
   int64_t memory_limit = 0;       // bytes the CPU allocator may hand out (0: no cap)
+  // Data parallelism: dp ranks (threads; under mpirun the process count), each training on
+  // its 1/dp of every batch (batch must divide), gradients averaged over the ranks under
+  // ZeRO stage `zero` (parallel/zero.h; 0 is DDP). CPU only.
+  int64_t dp = 1;
+  int64_t zero = 0;
+  // Gradient compression over dp (models/common/comm_hooks.h: powersgd, or onebit_adam in
+  // AdamW's place); ZeRO 0, f32 or bf16. Checkpoints keep each rank's error feedback (a
+  // resume needs the same --dp).
+  models::CompressChoice compress;
   bool verbose = true;            // progress line and summary on stdout
 };
 
@@ -69,6 +80,8 @@ struct MnistResult {
   double samples_per_s = 0.0;          // over all training steps of this run
   int64_t peak_device_bytes = 0;       // the device allocator's high-water mark (--device)
   int64_t nonfinite_skipped = 0;       // steps skipped by --nonfinite=skip
+  // --compress: the last step's gradient elements sent over those of an exact all-reduce.
+  double compress_ratio = 1.0;
 };
 
 MnistResult train_mnist(const MnistConfig& config);

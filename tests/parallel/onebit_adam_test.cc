@@ -1,8 +1,11 @@
 // 1-bit Adam (parallel/onebit_adam.h) with DDP on the threads backend: the warm-up is AdamW on
 // the all-reduced gradients, bitwise; the compressed steps equal an independent f64 1-bit
-// Adam on plain arrays (tests/parallel/onebit_reference.h for the reduction); a summing DDP
-// gives the averaging run's steps; the bytes after the warm-up are the 1-bit all-reduce's;
-// state dicts (the optimizer's, and each rank's error feedback in the hook) resume bitwise.
+// Adam on plain arrays (tests/parallel/onebit_reference.h for the reduction), sending the
+// update or the momentum, with either scale; an element with no gradient (frozen v = 0) takes
+// its chunk's step when the update is sent and an enormous one when the momentum is; a summing
+// DDP gives the averaging run's steps; the bytes after the warm-up are the 1-bit all-reduce's;
+// state dicts (the optimizer's, and each rank's error feedback in the hook) resume bitwise,
+// and one saved with other settings is refused.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
@@ -69,6 +72,9 @@ struct Setup {
   int64_t freeze = 2;
   bool average = true;
   bool bias_correction = true;
+  bool precondition = true;
+  OnebitScale scale = OnebitScale::l1;
+  bool dead_first = false;  // parameter 0's element 0 gets no gradient on any rank
 };
 
 // Steps [first, first + steps) on `s.ranks` threads; `load`: per rank (optimizer, hook) state.
@@ -87,7 +93,8 @@ std::vector<RankRun> run(const Setup& s, int first, int steps,
       auto o = std::make_unique<OnebitAdam>(
           std::vector<optim::ParamGroup>{{params, {}}}, *world,
           OnebitAdamOptions{.lr = kLr, .betas = {kB1, kB2}, .eps = kEps, .weight_decay = kWd,
-                            .freeze_step = s.freeze, .bias_correction = s.bias_correction});
+                            .freeze_step = s.freeze, .bias_correction = s.bias_correction,
+                            .precondition = s.precondition, .scale = s.scale});
       hook = o->comm_hook();
       opt = std::move(o);
     } else {
@@ -108,6 +115,7 @@ std::vector<RankRun> run(const Setup& s, int first, int steps,
     for (int t = first; t < first + steps; ++t) {
       for (size_t k = 0; k < params.size(); ++k) {
         Vec g = grad_values(world->rank(), t, k, params[k].numel());
+        if (s.dead_first && k == 0) g[0] = 0.0;
         if (!s.average) {
           for (double& x : g) x /= s.ranks;  // each rank's share of the mean, summed
         }
@@ -145,11 +153,16 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
   // Freeze after step 2; steps 3-6 compress each parameter's momentum (padded to 8 x ranks).
   constexpr int kSteps = 6;
   int configs = 0;
+  for (bool precondition : {true, false}) {
+  for (OnebitScale scale : {OnebitScale::l1, OnebitScale::l2}) {
   for (int w : {2, 4}) {
     for (bool bias_correction : {true, false}) {
+      CAPTURE(precondition);
+      CAPTURE(onebit_scale_name(scale));
       CAPTURE(w);
       CAPTURE(bias_correction);
-      const Setup s{.ranks = w, .freeze = 2, .bias_correction = bias_correction};
+      const Setup s{.ranks = w, .freeze = 2, .bias_correction = bias_correction,
+                    .precondition = precondition, .scale = scale};
       const std::vector<RankRun> got = run(s, 0, kSteps);
       // The reference: every rank's parameters, m and v (the same on every rank), errors.
       Params init(DType::f64);
@@ -166,6 +179,10 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
         const double step = t + 1;
         for (size_t k = 0; k < p.size(); ++k) {
           const int64_t n = static_cast<int64_t>(p[k].size());
+          const double frozen = std::min<double>(step, static_cast<double>(s.freeze));
+          const double bc1 = bias_correction ? 1 - std::pow(kB1, step) : 1.0;
+          const double bc2 = bias_correction ? 1 - std::pow(kB2, frozen) : 1.0;
+          const auto denom = [&](size_t j) { return std::sqrt(v[k][j]) / std::sqrt(bc2) + kEps; };
           if (step <= s.freeze) {
             Vec g(static_cast<size_t>(n), 0.0);
             for (int r = 0; r < w; ++r) {
@@ -187,15 +204,16 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
               for (int64_t i = 0; i < n; ++i) {
                 const size_t j = static_cast<size_t>(i);
                 mr[j] = m[k][j] + (1 - kB1) * (gr[j] - m[k][j]);
+                if (precondition) mr[j] /= denom(j);  // the update m / d is sent
               }
               x.push_back(mr);
             }
-            const Vec mean = reference(x, err[k], w);
-            for (int64_t i = 0; i < n; ++i) m[k][static_cast<size_t>(i)] = mean[static_cast<size_t>(i)];
+            const Vec mean = reference(x, err[k], w, scale == OnebitScale::l2);
+            for (int64_t i = 0; i < n; ++i) {
+              const size_t j = static_cast<size_t>(i);
+              m[k][j] = precondition ? mean[j] * denom(j) : mean[j];
+            }
           }
-          const double frozen = std::min<double>(step, static_cast<double>(s.freeze));
-          const double bc1 = bias_correction ? 1 - std::pow(kB1, step) : 1.0;
-          const double bc2 = bias_correction ? 1 - std::pow(kB2, frozen) : 1.0;
           for (int64_t i = 0; i < n; ++i) {
             const size_t j = static_cast<size_t>(i);
             p[k][j] = p[k][j] * (1 - kLr * kWd) - (kLr / bc1) * (m[k][j] / (std::sqrt(v[k][j]) / std::sqrt(bc2) + kEps));
@@ -208,12 +226,40 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
           }
         }
       }
-      MESSAGE(w, " ranks, bias correction ", bias_correction, ": largest parameter difference ", worst);
+      MESSAGE(std::string(precondition ? "update" : "momentum"), ", ", std::string(onebit_scale_name(scale)), ", ", w,
+              " ranks, bias correction ", bias_correction, ": largest parameter difference ", worst);
       CHECK(worst <= 1e-13);
       ++configs;
     }
   }
-  CHECK(configs == 4);
+  }
+  }
+  CHECK(configs == 16);
+}
+
+TEST_CASE("1-bit Adam: an element with no gradient (frozen v = 0) takes its chunk's step when the update is sent") {
+  // Sending m, the element's decompressed momentum is the chunk's sign scale and its step
+  // lr x scale / eps (eps 1e-8): the failure that makes the paper's 1-bit Adam diverge on a
+  // GPT whose rare bytes' embedding rows see almost no gradient. Sending u = m / d, every
+  // element of a server chunk moves by the same lr x t / bc1.
+  for (bool precondition : {true, false}) {
+    CAPTURE(precondition);
+    const Setup s{.ranks = 2, .freeze = 2, .precondition = precondition, .dead_first = true};
+    const std::vector<RankRun> got = run(s, 0, 3);
+    // Step 3 (the first compressed one), less the weight decay (parameter 0 is 12 x 10).
+    const auto step_of = [&](size_t i) {
+      const double before = got[0].params[1][0][i], after = got[0].params[2][0][i];
+      return std::abs(after - before * (1 - kLr * kWd));
+    };
+    MESSAGE(std::string(precondition ? "update" : "momentum"), ": the dead element's step ", step_of(0),
+            ", its neighbour's ", step_of(1), " (lr ", kLr, ")");
+    if (precondition) {
+      CHECK(std::abs(step_of(0) - step_of(1)) <= 1e-15);
+      CHECK(step_of(0) < 10 * kLr);  // AdamW's steps here reach lr / bc1 = 3.7 lr
+    } else {
+      CHECK(step_of(0) > 1e4 * kLr);
+    }
+  }
 }
 
 TEST_CASE("1-bit Adam under a summing DDP (each rank a share of the mean) takes the averaging run's steps") {
@@ -272,6 +318,11 @@ TEST_CASE("1-bit Adam: bad options and states are errors naming the value") {
     h.set_grad(zeros({4}, DType::bf16));
     OnebitAdam half({{{h}, {}}}, *world, {});
     CHECK(contains(error_of([&] { half.step(); }), "parameters must be f32 or f64"));
+    // A state dict saved with other settings (here the scale) is refused, naming both.
+    const Tensor q = zeros({4});
+    OnebitAdam other({{{q}, {}}}, *world, {.scale = OnebitScale::l2});
+    CHECK(contains(error_of([&] { other.load_state_dict(opt.state_dict()); }),
+                   "precondition true and scale l1; this optimizer has 100, true, true and l2"));
   });
 }
 
