@@ -1,8 +1,10 @@
 // 1-bit compression's bit packing (tensor/ops.h: sign_pack, sign_unpack): 8 signs a byte,
 // bit j of byte k for element 8k + j, set when the element is not negative (>= 0 or NaN).
-// Threads take runs of bytes; f32 packs 16 lanes at a time with AVX-512 (one compare to a
-// mask, written as two bytes).
+// Threads take runs of bytes; with AVX-512, f32 packs 16 lanes at a time (one compare to a
+// mask, written as two bytes) and unpacks them with one masked blend (f64: 8).
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/parallel.h"
 #include "tensor/op.h"
@@ -57,16 +59,40 @@ void sign_pack_kernel(std::span<const Tensor> in, std::span<Tensor> out, const A
   });
 }
 
+// Elements [8 b0, min(8 b1, n)) from bytes [b0, b1): f32 16 lanes at a time with AVX-512
+// (two bytes as a mask blending +1 and -1), f64 8; other dtypes and the tail element by
+// element.
+template <typename T>
+void unpack_run(const uint8_t* src, T* dst, int64_t n, int64_t b0, int64_t b1) {
+  const T plus = T(1.0f), minus = T(-1.0f);
+  int64_t b = b0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 p = _mm512_set1_ps(1.0f), m = _mm512_set1_ps(-1.0f);
+    for (; b + 2 <= b1 && 8 * (b + 2) <= n; b += 2) {
+      uint16_t bits;
+      std::memcpy(&bits, src + b, 2);
+      _mm512_storeu_ps(dst + 8 * b, _mm512_mask_blend_ps(static_cast<__mmask16>(bits), m, p));
+    }
+  } else if constexpr (std::is_same_v<T, double>) {
+    const __m512d p = _mm512_set1_pd(1.0), m = _mm512_set1_pd(-1.0);
+    for (; b < b1 && 8 * (b + 1) <= n; ++b) {
+      _mm512_storeu_pd(dst + 8 * b, _mm512_mask_blend_pd(static_cast<__mmask8>(src[b]), m, p));
+    }
+  }
+#endif
+  for (int64_t i = 8 * b, end = std::min(8 * b1, n); i < end; ++i) {
+    dst[i] = (src[i >> 3] >> (i & 7)) & 1 ? plus : minus;
+  }
+}
+
 void sign_unpack_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
   const Tensor bits = in[0].is_contiguous() ? in[0] : in[0].contiguous();
   const auto* src = static_cast<const uint8_t*>(bits.raw_data());
-  const int64_t n = out[0].numel();
+  const int64_t n = out[0].numel(), bytes = (n + 7) / 8;
   visit_float_dtype(out[0].dtype(), "sign_unpack", [&]<typename T>() {
     T* dst = static_cast<T*>(out[0].raw_data());
-    const T plus = T(1.0f), minus = T(-1.0f);
-    parallel_for(0, n, 8 * kBytesGrain, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) dst[i] = (src[i >> 3] >> (i & 7)) & 1 ? plus : minus;
-    });
+    parallel_for(0, bytes, kBytesGrain, [&](int64_t b0, int64_t b1) { unpack_run<T>(src, dst, n, b0, b1); });
   });
 }
 

@@ -418,7 +418,7 @@ std::vector<OpSweep> copy_sweeps() {
   out.push_back(std::move(pack_s));
   OpSweep unpack_s{OpId::sign_unpack, kFloats, {}, {}, {}};
   for (DType dt : kFloats) {  // the output's dtype is an attribute: a case per dtype
-    for (int64_t n : {int64_t{13}, int64_t{16}, int64_t{1}, int64_t{0}, int64_t{1000}}) {
+    for (int64_t n : {int64_t{13}, int64_t{16}, int64_t{1}, int64_t{0}, int64_t{1000}, int64_t{300001}}) {
       Case c = exact_case(
           fmt::format("{} signs to {}", n, dtype_name(dt)), {index_arg({(n + 7) / 8}, 0, 255, DType::u8)},
           [n](const Arrays& in, DType) {
