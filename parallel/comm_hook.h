@@ -49,6 +49,10 @@ class CommHook {
     int64_t sent = 0, uncompressed = 0;
   };
   virtual Traffic last_round() const { return {}; }
+  // Whether reduce() leaves the whole bucket reduced over the group (exactly or
+  // approximately), so ZeRO stages 1-3 can take their block of it; a hook that leaves each
+  // rank its own gradient for its optimizer to reduce (1-bit Adam's) says false.
+  virtual bool full_reduction() const { return true; }
 };
 
 }  // namespace tessera::parallel

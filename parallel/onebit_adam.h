@@ -75,6 +75,7 @@ class OnebitAdamHook : public CommHook {
   std::map<std::string, Tensor> state_dict() const override;
   void load_state_dict(const std::map<std::string, Tensor>& dict) override;
   Traffic last_round() const override { return last_; }
+  bool full_reduction() const override { return false; }
 
  private:
   friend class OnebitAdam;

@@ -41,9 +41,25 @@ Tensor flat_cat(const std::vector<Tensor>& parts, DType dtype, Device device) {
   return cat(flat).contiguous();
 }
 
+// splitmix64's finalizer: a well-mixed 64-bit value from any input.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// The Philox key of gradient `name`'s initial Q in round `round` (FNV-1a of the name):
+// the same on every rank and in any bucket layout.
+uint64_t q0_seed(uint64_t seed, const std::string& name, int64_t round) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const char c : name) h = (h ^ static_cast<uint8_t>(c)) * 0x100000001b3ULL;
+  return mix64(mix64(seed ^ h) ^ static_cast<uint64_t>(round));
+}
+
 }  // namespace
 
-PowerSgd::PowerSgd(PowerSgdOptions options) : options_(std::move(options)), gen_(options_.seed) {
+PowerSgd::PowerSgd(PowerSgdOptions options) : options_(std::move(options)) {
   TS_CHECK(options_.rank >= 1, "{}: rank must be >= 1, got {}", kName, options_.rank);
   TS_CHECK(options_.start_iter >= 0, "{}: start_iter must be >= 0, got {}", kName,
            options_.start_iter);
@@ -140,7 +156,8 @@ WorkHandle PowerSgd::reduce(Communicator& comm, const GradBucket& b) {
                q0.defined() ? shape_str(q0.shape()) : "undefined");
       x.q = cast(q0, f).to(buffer.device()).contiguous().clone();
     } else {
-      x.q = randn(qshape, f, buffer.device(), &gen_);
+      Generator gen(q0_seed(options_.seed, b.names.at(static_cast<size_t>(x.index)), rounds_));
+      x.q = randn(qshape, f, buffer.device(), &gen);
     }
     orthogonalize(x.q, options_.orthogonalization_epsilon);
     x.p = matmul(x.m, x.q);
@@ -213,8 +230,6 @@ void PowerSgd::end_round() {
 std::map<std::string, Tensor> PowerSgd::state_dict() const {
   std::map<std::string, Tensor> out;
   out["rounds"] = Tensor::from_vector<int64_t>({rounds_}, {});
-  out["rng"] = Tensor::from_vector<int64_t>(
-      {static_cast<int64_t>(gen_.seed()), static_cast<int64_t>(gen_.offset())}, {2});
   for (const auto& [k, st] : buckets_) {
     if (st->error.defined()) out[fmt::format("error.{}", k)] = st->error.clone();
     for (const auto& [j, q] : st->q) out[fmt::format("q.{}.{}", k, j)] = q.clone();
@@ -232,10 +247,10 @@ void PowerSgd::load_state_dict(const std::map<std::string, Tensor>& dict) {
     return it->second;
   };
   const int64_t rounds = need("rounds", DType::i64, {}).item<int64_t>();
-  const std::vector<int64_t> rng = need("rng", DType::i64, {2}).to_vector<int64_t>();
   TS_CHECK(rounds >= 0, "{}: the state dict's rounds is {}", kName, rounds);
   std::map<int, std::shared_ptr<BucketState>> buckets;
   for (const auto& [key, v] : dict) {
+    // "rng": an older hook's generator state; the initial Qs are keyed by name and round now.
     if (key == "rounds" || key == "rng") continue;
     int k = -1, j = -1;
     char tail = 0;
@@ -249,13 +264,12 @@ void PowerSgd::load_state_dict(const std::map<std::string, Tensor>& dict) {
       if (!st) st = std::make_shared<BucketState>();
       st->q[j] = v.contiguous().clone();
     } else {
-      fail("{}: unexpected key '{}' {} in the state dict (expected rounds, rng, error.<bucket>, "
+      fail("{}: unexpected key '{}' {} in the state dict (expected rounds, error.<bucket>, "
            "q.<bucket>.<tensor> [m, r])",
            kName, key, shape_str(v.shape()));
     }
   }
   rounds_ = rounds;
-  gen_.set_state(static_cast<uint64_t>(rng[0]), static_cast<uint64_t>(rng[1]));
   buckets_ = std::move(buckets);
   current_ = {};
 }

@@ -11,8 +11,9 @@
 //   each gradient of >= 2 dims is a matrix M [n, m] (dim 0 by the rest); with r = min(n, m,
 //   rank) it is compressed when n m > min_compression_rate (n + m) r; the others (vectors,
 //   biases, matrices too small to gain) are all-reduced as they are, in one flat tensor;
-//   per compressed matrix: Q [m, r] (the last round's with warm_start, else drawn from the
-//   seeded Philox generator, the same on every rank), orthogonalized; P = M Q; all-reduce
+//   per compressed matrix: Q [m, r] (the last round's with warm_start, else drawn from
+//   Philox keyed by the seed, the gradient's name and the round: the same on every rank and
+//   in any bucket layout, DDP's or ZeRO's segments), orthogonalized; P = M Q; all-reduce
 //   the Ps; orthogonalize each P (Gram-Schmidt); Q = M^T P; all-reduce the Qs (divided by
 //   the group size when averaging); M is replaced by P Q^T;
 //   error = input - the result (PyTorch's: the whole bucket, the exactly reduced tensors
@@ -47,7 +48,7 @@ struct PowerSgdOptions {
   bool error_feedback = true;
   bool warm_start = true;             // start each round's Q from the last round's
   double orthogonalization_epsilon = 0.0;  // added to each column's norm before dividing
-  uint64_t seed = 0;                  // the Philox stream of the initial Qs
+  uint64_t seed = 0;                  // keys the initial Qs' Philox draws (with name, round)
   // The initial Q [m, r] of compressed matrix `tensor` (its index among the bucket's
   // gradients) of bucket `bucket`, instead of a draw (to compare with another
   // implementation's); it is orthogonalized as a draw is. Null: randn.
@@ -61,8 +62,8 @@ class PowerSgd : public CommHook {
   std::string name() const override { return "powersgd"; }
   WorkHandle reduce(Communicator& comm, const GradBucket& bucket) override;
   void end_round() override;
-  // "rounds" (i64), "rng" (i64 [2]: the generator's seed and offset), "error.<bucket>" and
-  // "q.<bucket>.<tensor>" (the warm-start factors, by the gradient's index in its bucket).
+  // "rounds" (i64), "error.<bucket>" and "q.<bucket>.<tensor>" (the warm-start factors, by
+  // the gradient's index in its bucket). Loading ignores an older version's "rng".
   std::map<std::string, Tensor> state_dict() const override;
   void load_state_dict(const std::map<std::string, Tensor>& dict) override;
   Traffic last_round() const override { return last_; }
@@ -83,7 +84,6 @@ class PowerSgd : public CommHook {
  private:
   PowerSgdOptions options_;
   int64_t rounds_ = 0;
-  Generator gen_;
   std::map<int, std::shared_ptr<BucketState>> buckets_;
   Traffic last_, current_;
 };

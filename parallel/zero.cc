@@ -33,10 +33,9 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
            "{}: block_shards must be >= 0 and not combined with row_shards, got block_shards {} "
            "with row_shards {}",
            kName, options.block_shards, options.row_shards);
-  TS_CHECK(!options.comm_hook || options.stage == 0,
-           "{}: comm hook '{}' replaces DDP's bucket all-reduce, which only stage 0 issues; "
-           "stage {} reduce-scatters each segment's gradients, which no hook compresses yet "
-           "(use stage 0)",
+  TS_CHECK(!options.comm_hook || options.stage == 0 || options.comm_hook->full_reduction(),
+           "{}: comm hook '{}' leaves each rank its own gradient, and stage {} needs every "
+           "segment reduced to take its block of it (use stage 0)",
            kName, options.comm_hook ? options.comm_hook->name() : "", options.stage);
   State& st = *state_;
   st.module = &module;
@@ -299,6 +298,7 @@ void ZeroDataParallel::finish() {
   } reset{st};
   while (st.next_launch < static_cast<int>(st.segments.size())) st.launch(st.next_launch++);
   for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) st.finalize(s);
+  if (st.options.comm_hook) st.options.comm_hook->end_round();
 }
 
 ZeroDataParallel::NoSync::NoSync(ZeroDataParallel& zero) : zero_(zero), previous_(zero.state_->sync) {

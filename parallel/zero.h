@@ -59,9 +59,12 @@ struct ZeroOptions {
   // already each rank's share of the global batch's mean (backward then sees one device's
   // per-sample gradient magnitudes, which f16 loss scaling is sized for).
   bool average = true;
-  // Stage 0: DDP's comm hook (DdpOptions::comm_hook: PowerSGD, ...), which replaces each
-  // bucket's all-reduce. Stages 1-3 refuse one: they reduce-scatter each segment's gradients,
-  // and no hook for that (a compressed reduce-scatter) exists yet.
+  // A comm hook (PowerSGD, ...) in place of the gradient reduction. Stage 0: DDP's
+  // (DdpOptions::comm_hook), for each bucket's all-reduce. Stages 1-3: it reduces each whole
+  // segment in place of the reduce-scatter, and each rank keeps its block; a hook that is no
+  // full reduction (CommHook::full_reduction: 1-bit Adam's) is refused. Its buckets are the
+  // segments (bucket i: segment i), so its state (PowerSGD's error feedback per bucket)
+  // resumes only under the same stage and layout.
   std::shared_ptr<CommHook> comm_hook = nullptr;
   // Stages 1-3: shard every parameter on its own, by whole rows (a 2-D parameter's rows, a
   // 1-D one's elements), and tell the optimizer where each shard sits (optim::RowShard), so

@@ -197,13 +197,28 @@ struct ZeroDataParallel::State {
         p.adopted = true;
       }
     }
-    {
-      MemoryTagScope tag(MemoryTag::gradients);
-      seg.reduced = Tensor::empty({seg.shard_numel}, seg.dtype, seg.device);
+    if (options.comm_hook) {
+      // The hook reduces the whole segment in place (PowerSGD: approximately); finalize()
+      // takes this rank's block of it.
+      GradBucket bucket;
+      bucket.index = s;
+      bucket.buffer = seg.flat_grad;
+      bucket.average = options.average;
+      for (int i : seg.params) {
+        bucket.gradients.push_back(param_view(seg.flat_grad, params[i]));
+        bucket.names.push_back(params[i].name);
+      }
+      seg.work = options.comm_hook->reduce(*comm, bucket);
+    } else {
+      {
+        MemoryTagScope tag(MemoryTag::gradients);
+        seg.reduced = Tensor::empty({seg.shard_numel}, seg.dtype, seg.device);
+      }
+      CommCause cause(fmt::format("zero reduce_scatter segment {}", s), CommKind::gradients);
+      seg.work = comm->reduce_scatter_async(seg.reduced, seg.flat_grad,
+                                            options.average ? ReduceOp::avg : ReduceOp::sum,
+                                            seg.counts);
     }
-    CommCause cause(fmt::format("zero reduce_scatter segment {}", s), CommKind::gradients);
-    seg.work = comm->reduce_scatter_async(seg.reduced, seg.flat_grad,
-                                          options.average ? ReduceOp::avg : ReduceOp::sum, seg.counts);
     if (stage() >= 2) {
       // The full gradients go with the reduction: the buffer lives until it completes. The
       // previous segment's reduction has had this segment's backward to finish: take its
@@ -219,6 +234,10 @@ struct ZeroDataParallel::State {
     NoGradGuard no_grad;
     seg.work->wait();
     seg.work.reset();
+    if (options.comm_hook) {  // the whole segment was reduced: this rank's block of it
+      MemoryTagScope tag(MemoryTag::gradients);
+      seg.reduced = shard_slice(seg, seg.flat_grad).clone();
+    }
     const Tensor grad = seg.shard.grad();
     if (stage() == 1) {
       // The reduced block lives in this rank's block of the full gradient buffer, which the

@@ -42,6 +42,14 @@ void validate_compress(const char* program, const CompressChoice& c, const std::
            program, optimizer);
 }
 
+void require_compress_zero(const char* program, const CompressChoice& c, int64_t zero) {
+  TS_CHECK(c.name != "onebit_adam" || zero == 0,
+           "{}: --compress=onebit_adam keeps whole momenta and variances on every rank and "
+           "reduces them itself after the warm-up; ZeRO {} shards the optimizer state: use "
+           "--zero 0 (or --compress=powersgd, which composes with ZeRO 1-3)",
+           program, zero);
+}
+
 std::unique_ptr<optim::Optimizer> make_onebit_adam(const CompressChoice& c,
                                                    std::vector<optim::ParamGroup> groups,
                                                    parallel::Communicator& comm,

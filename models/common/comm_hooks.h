@@ -35,6 +35,9 @@ struct CompressChoice {
 // AdamW, so it needs optimizer "adamw".
 void validate_compress(const char* program, const CompressChoice& choice,
                        const std::string& optimizer);
+// 1-bit Adam's momenta and variances are whole tensors on every rank: Error naming the
+// stage for ZeRO 1-3 (PowerSGD composes with every stage).
+void require_compress_zero(const char* program, const CompressChoice& choice, int64_t zero);
 // 1-bit Adam (parallel/onebit_adam.h) with `hook` (make_comm_hook's for "onebit_adam") over
 // `comm`, for a run of `total_steps` steps.
 std::unique_ptr<optim::Optimizer> make_onebit_adam(const CompressChoice& choice,

@@ -80,11 +80,12 @@ void validate_train_config(const GptTrainConfig& c) {
   TS_CHECK(c.zero >= 0 && c.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}", c.zero);
   require_at_least(gpt, "accum", c.accum, 1);
   models::validate_compress(gpt, c.compress_choice(), c.optimizer);
+  models::require_compress_zero(gpt, c.compress_choice(), c.zero);
   if (c.compress != "none") {
-    TS_CHECK(c.pp == 1 && c.tp == 1 && c.zero == 0,
-             "gpt: --compress={} replaces the data-parallel all-reduce of ZeRO 0; it cannot be "
-             "combined with --zero {} (which reduce-scatters), --pp {} or --tp {} yet",
-             c.compress, c.zero, c.pp, c.tp);
+    TS_CHECK(c.pp == 1 && c.tp == 1,
+             "gpt: --compress={} compresses the data-parallel gradient reduction of --dp/--zero; "
+             "it cannot be combined with --pp {} or --tp {} yet",
+             c.compress, c.pp, c.tp);
     TS_CHECK(!c.check, "gpt: --compress={} approximates the gradients, so --check (equality "
              "with one device) does not apply", c.compress);
     TS_CHECK(c.precision != "f16",

@@ -117,8 +117,9 @@ struct GptTrainConfig {
   // after powersgd_start exact steps); onebit_adam (parallel/onebit_adam.h: replaces AdamW;
   // AdamW for onebit_freeze steps, 0: 20% of `steps`, then 1-bit: onebit_send "update"
   // (m / (sqrt(v) + eps)) or "momentum" (m, the paper's), signs scaled by onebit_scale "l1"
-  // (mean |x|) or "l2" (DeepSpeed's ||x|| / sqrt(n))). ZeRO 0, no pp/tp. Checkpoints keep
-  // each rank's error feedback (a resume needs the same --dp).
+  // (mean |x|) or "l2" (DeepSpeed's ||x|| / sqrt(n))): ZeRO 0; powersgd on ZeRO 0-3; no
+  // pp/tp. Checkpoints keep each rank's error feedback (a resume needs the same --dp and
+  // --zero).
   std::string compress = "none";
   int64_t powersgd_rank = 1;
   int64_t powersgd_start = 10;

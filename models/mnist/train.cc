@@ -91,10 +91,7 @@ void validate(const MnistConfig& c) {
            c.batch, c.dp);
   models::validate_compress(mnist, c.compress, c.optimizer.name);
   if (c.compress.name != "none") {
-    TS_CHECK(c.zero == 0,
-             "mnist: --compress={} replaces the data-parallel all-reduce of ZeRO 0; it cannot be "
-             "combined with --zero {} (which reduce-scatters)",
-             c.compress.name, c.zero);
+    models::require_compress_zero(mnist, c.compress, c.zero);
     TS_CHECK(c.precision != "f16",
              "mnist: --compress={} keeps error feedback across steps, which f16's loss scaling "
              "breaks (an overflowing step's inf enters the error for good); use "

@@ -57,8 +57,8 @@ struct MnistConfig {
   // ZeRO stage `zero` (parallel/zero.h; 0 is DDP). CPU only.
   int64_t dp = 1;
   int64_t zero = 0;
-  // Gradient compression over dp (models/common/comm_hooks.h: powersgd, or onebit_adam in
-  // AdamW's place); ZeRO 0, f32 or bf16. Checkpoints keep each rank's error feedback (a
+  // Gradient compression over dp (models/common/comm_hooks.h: powersgd on ZeRO 0-3, or
+  // onebit_adam in AdamW's place on ZeRO 0); f32 or bf16. Checkpoints keep each rank's error feedback (a
   // resume needs the same --dp).
   models::CompressChoice compress;
   bool verbose = true;            // progress line and summary on stdout

@@ -22,6 +22,7 @@
 #include "parallel/data_parallel.h"
 #include "parallel/onebit.h"
 #include "parallel/onebit_adam.h"
+#include "parallel/zero.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
 #include "tests/parallel/onebit_reference.h"
@@ -318,6 +319,12 @@ TEST_CASE("1-bit Adam: bad options and states are errors naming the value") {
     h.set_grad(zeros({4}, DType::bf16));
     OnebitAdam half({{{h}, {}}}, *world, {});
     CHECK(contains(error_of([&] { half.step(); }), "parameters must be f32 or f64"));
+    // ZeRO 1-3 take their block of each reduced segment; this hook leaves each rank its own
+    // gradient after the warm-up, so they refuse it.
+    Params model(DType::f32);
+    CHECK(contains(error_of([&] { ZeroDataParallel z(model, *world, {.stage = 1, .comm_hook = opt.comm_hook()}); }),
+                   "comm hook 'onebit_adam' leaves each rank its own gradient, and stage 1 needs "
+                   "every segment reduced"));
     // A state dict saved with other settings (here the scale) is refused, naming both.
     const Tensor q = zeros({4});
     OnebitAdam other({{{q}, {}}}, *world, {.scale = OnebitScale::l2});

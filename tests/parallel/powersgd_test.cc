@@ -183,8 +183,8 @@ TEST_CASE("PowerSGD: exact rounds before start_iter, then bytes on the wire by t
   CHECK(std::abs(ratio - formula) <= 0.01 * formula);
 }
 
-TEST_CASE("PowerSGD resumes bitwise from its state dict (error feedback, Qs, rounds, generator)") {
-  // Without initial_q: the Qs are drawn from the seeded generator, whose position resumes too.
+TEST_CASE("PowerSGD resumes bitwise from its state dict (error feedback, Qs, rounds)") {
+  // Without initial_q: the Qs are drawn from Philox keyed by the seed, the name and the round.
   const PowerSgdOptions o{.rank = 2, .start_iter = 1, .seed = 7};
   const std::vector<RankRun> whole = run_ddp(2, 0, 6, o);
   const std::vector<RankRun> head = run_ddp(2, 0, 3, o);
@@ -198,8 +198,8 @@ TEST_CASE("PowerSGD resumes bitwise from its state dict (error feedback, Qs, rou
             whole[static_cast<size_t>(w)].grads[static_cast<size_t>(3 + t)]);
     }
   }
-  // Without warm start each round draws new Qs from the generator, so resuming needs its
-  // position: rounds 2-3 from the state after round 1 equal the uninterrupted run's.
+  // Without warm start each round draws new Qs, keyed by the round: rounds 2-3 from the state
+  // after round 1 equal the uninterrupted run's.
   PowerSgdOptions cold = o;
   cold.warm_start = false;
   const std::vector<RankRun> cold_whole = run_ddp(2, 0, 4, cold);
@@ -210,11 +210,35 @@ TEST_CASE("PowerSGD resumes bitwise from its state dict (error feedback, Qs, rou
   for (const RankRun& r : cold_head) cold_saved.push_back(r.state);
   const std::vector<RankRun> cold_tail = run_ddp(2, 2, 2, cold, &cold_saved);
   for (int t = 0; t < 2; ++t) CHECK(cold_tail[0].grads[static_cast<size_t>(t)] == cold_whole[0].grads[static_cast<size_t>(2 + t)]);
-  // A fresh generator instead would draw round 2's Qs again from the start: not the same.
-  std::vector<std::map<std::string, Tensor>> no_rng = cold_saved;
-  for (auto& d : no_rng) d["rng"] = Tensor::from_vector<int64_t>({7, 0}, {2});
-  const std::vector<RankRun> wrong = run_ddp(2, 2, 2, cold, &no_rng);
+  // Another round counter draws other Qs: not the same. An older version's "rng" entry is
+  // accepted and ignored.
+  std::vector<std::map<std::string, Tensor>> other_round = cold_saved;
+  for (auto& d : other_round) {
+    d["rounds"] = Tensor::from_vector<int64_t>({3}, {});
+    d["rng"] = Tensor::from_vector<int64_t>({7, 0}, {2});
+  }
+  const std::vector<RankRun> wrong = run_ddp(2, 2, 2, cold, &other_round);
   CHECK(wrong[0].grads[0] != cold_whole[0].grads[2]);
+}
+
+TEST_CASE("PowerSGD's drawn Qs do not depend on the bucket layout") {
+  // One bucket, or buckets of 600 bytes (three): each matrix draws the same initial Q (keyed
+  // by its name), so on 2 ranks (each sum a + b either way) the gradients are bitwise equal,
+  // warm-started or drawn anew each round.
+  int configs = 0;
+  for (bool warm : {true, false}) {
+    CAPTURE(warm);
+    const PowerSgdOptions o{.rank = 2, .start_iter = 1, .warm_start = warm, .seed = 11};
+    const std::vector<RankRun> one = run_ddp(2, 0, 4, o);
+    const std::vector<RankRun> three = run_ddp(2, 0, 4, o, nullptr, 600);
+    CHECK(three[0].places.at(three[0].bucket_names.at(0)).first == 0);
+    int buckets = 0;
+    for (const auto& [name, place] : three[0].places) buckets = std::max(buckets, place.first + 1);
+    CHECK(buckets == 3);
+    for (int w = 0; w < 2; ++w) CHECK(one[static_cast<size_t>(w)].grads == three[static_cast<size_t>(w)].grads);
+    ++configs;
+  }
+  CHECK(configs == 2);
 }
 
 TEST_CASE("PowerSGD agrees with PyTorch's powerSGD_hook on the same gradients and initial Qs") {
