@@ -97,6 +97,11 @@ OnebitAdam::~OnebitAdam() {
   if (hook_->opt_ == this) hook_->opt_ = nullptr;
 }
 
+double OnebitAdam::update_bound() const {
+  const double b1 = options_.betas.first, b2 = options_.betas.second;
+  return std::max(1.0, (1.0 - b1) / std::sqrt(1.0 - b2));
+}
+
 int64_t OnebitAdam::steps_done() const {
   int64_t most = 0;
   for (int64_t i = 0; i < num_params(); ++i) most = std::max(most, step_count(i));
@@ -117,7 +122,8 @@ std::map<std::string, double> OnebitAdam::hyperparameters() const {
           {"freeze_step", static_cast<double>(options_.freeze_step)},
           {"bias_correction", options_.bias_correction ? 1.0 : 0.0},
           {"precondition", options_.precondition ? 1.0 : 0.0},
-          {"scale_l2", options_.scale == OnebitScale::l2 ? 1.0 : 0.0}};
+          {"scale_l2", options_.scale == OnebitScale::l2 ? 1.0 : 0.0},
+          {"bound_update", options_.bound_update ? 1.0 : 0.0}};
 }
 
 void OnebitAdam::set_hyperparameters(const std::map<std::string, double>& values) {
@@ -129,16 +135,18 @@ void OnebitAdam::set_hyperparameters(const std::map<std::string, double>& values
     const auto it = values.find(key);
     return it == values.end() ? before : it->second;
   };
-  const double precondition = flag("precondition", 0.0), scale_l2 = flag("scale_l2", 1.0);
+  const double precondition = flag("precondition", 0.0), scale_l2 = flag("scale_l2", 1.0),
+               bound = flag("bound_update", 0.0);
   TS_CHECK(values.at("freeze_step") == static_cast<double>(o.freeze_step) &&
                values.at("bias_correction") == (o.bias_correction ? 1.0 : 0.0) &&
                precondition == (o.precondition ? 1.0 : 0.0) &&
-               scale_l2 == (o.scale == OnebitScale::l2 ? 1.0 : 0.0),
-           "{}: the state dict was saved with freeze_step {}, bias_correction {}, precondition {} "
-           "and scale {}; this optimizer has {}, {}, {} and {}",
+               scale_l2 == (o.scale == OnebitScale::l2 ? 1.0 : 0.0) &&
+               bound == (o.bound_update ? 1.0 : 0.0),
+           "{}: the state dict was saved with freeze_step {}, bias_correction {}, precondition {}, "
+           "scale {} and bound_update {}; this optimizer has {}, {}, {}, {} and {}",
            kName, values.at("freeze_step"), values.at("bias_correction") != 0.0,
-           precondition != 0.0, scale_l2 != 0.0 ? "l2" : "l1", o.freeze_step, o.bias_correction,
-           o.precondition, onebit_scale_name(o.scale));
+           precondition != 0.0, scale_l2 != 0.0 ? "l2" : "l1", bound != 0.0, o.freeze_step,
+           o.bias_correction, o.precondition, onebit_scale_name(o.scale), o.bound_update);
   optim::check_adamw_values(kName, o.lr, o.betas, o.eps, o.weight_decay);
   options_ = o;
 }
@@ -233,7 +241,16 @@ OnebitAdam::Local OnebitAdam::local_momentum(const Pending& item) {
     it->second = {it->second.first.to(m.device()), it->second.second.to(m.device())};
   }
   const Tensor buf = zeros({padded}, m.dtype(), m.device());
-  buf.narrow(0, 0, n).copy_((options_.precondition ? m / denom : m).reshape({n}));
+  Tensor sent = m;
+  if (options_.precondition) {
+    sent = m / denom;
+    if (options_.bound_update) {  // Adam's own bound on its bias-corrected step, times bc1
+      const double t = static_cast<double>(item.state->step + 1);
+      const double bound = update_bound() * (options_.bias_correction ? 1.0 - std::pow(options_.betas.first, t) : 1.0);
+      sent = minimum(maximum(sent, scalar_like(-bound, sent, kName)), scalar_like(bound, sent, kName));
+    }
+  }
+  buf.narrow(0, 0, n).copy_(sent.reshape({n}));
   return {buf, it->second.first, it->second.second, std::move(denom)};
 }
 

@@ -12,16 +12,17 @@
 //   m = m + (1 - beta1) (g - m)          with this rank's gradient (times the group size when
 //                                        DDP sums: gpt's ranks backpropagate shares of the mean)
 //   d = sqrt(v / bc2_frozen) + eps       AdamW's denominator, fixed from here on
-//   u = onebit_all_reduce(m / d)         1 bit per element and a scale per tensor and chunk,
+//   u = onebit_all_reduce(clamp(m / d))  1 bit per element and a scale per tensor and chunk,
 //                                        worker and server error feedback (parallel/onebit.h)
 //   m = u d
 //   p = p (1 - lr wd) - lr / bc1 * u
-// With precondition false (the paper's, DeepSpeed's) m itself is reduced and u = m / d. d is
-// the same on every rank, so both average the same thing; they differ in what the signs'
-// scale is spread over (OnebitAdamOptions::precondition). The default scale is l1 (mean |x|),
+// (clamp: OnebitAdamOptions::bound_update, Adam's own step bound). With precondition false
+// (the paper's, DeepSpeed's) m itself is reduced, unclamped, and u = m / d. d is the same on
+// every rank, so both average the same thing; they differ in what the signs' scale is
+// spread over (OnebitAdamOptions::precondition). The default scale is l1 (mean |x|),
 // DeepSpeed's is l2 (onebit.h). On the default GPT the paper's pair (momentum, l2) diverges
-// after the freeze, and so do the two pairs with one of them; the default does not
-// (BENCHMARKS.md).
+// after the freeze and the default does not; on the MNIST CNN the clamp is what keeps the
+// default from diverging (BENCHMARKS.md).
 // About 1/32 of the bytes of an f32 gradient all-reduce per step. Each rank's error feedback
 // lives in the hook (a per-rank state, checkpointed per rank as every comm hook's is); the
 // optimizer's state (m, v, step) is the same on every rank. Not for ZeRO's flat shards (a
@@ -56,6 +57,13 @@ struct OnebitAdamOptions {
   // bias with no gradient) turns the chunk's sign scale into a step of lr x scale / sqrt(v).
   bool precondition = true;
   OnebitScale scale = OnebitScale::l1;  // the signs' scale (parallel/onebit.h); l2: DeepSpeed's
+  // With precondition: each element of u is clamped to Adam's own bound on its step,
+  // |m_hat / sqrt(v_hat)| <= max(1, (1 - beta1) / sqrt(1 - beta2)) (Kingma and Ba, 2015,
+  // section 2.1), times bc1, before it is sent. Running AdamW keeps its steps inside it
+  // because v grows with a new gradient; frozen, v does not, and an element whose gradient
+  // was near zero during the warm-up and appears afterwards (a unit that was dead, a
+  // filter that wakes up) would send m / eps and set its whole chunk's scale.
+  bool bound_update = true;
 };
 
 class OnebitAdam;
@@ -99,6 +107,8 @@ class OnebitAdam : public optim::Optimizer {
   std::shared_ptr<OnebitAdamHook> comm_hook() const { return hook_; }
   // Steps taken (the most any parameter took): warm-up while <= freeze_step.
   int64_t steps_done() const;
+  // max(1, (1 - beta1) / sqrt(1 - beta2)): the bound_update clamp, before its bc1 factor.
+  double update_bound() const;
 
  protected:
   std::vector<StateSpec> state_specs(const Tensor& param) const override;

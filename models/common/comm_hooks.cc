@@ -62,7 +62,8 @@ std::unique_ptr<optim::Optimizer> make_onebit_adam(const CompressChoice& c,
       .weight_decay = weight_decay,
       .freeze_step = c.onebit_freeze > 0 ? c.onebit_freeze : std::max<int64_t>(1, total_steps / 5),
       .precondition = c.onebit_send == "update",
-      .scale = parallel::parse_onebit_scale(c.onebit_scale, "--onebit_scale")};
+      .scale = parallel::parse_onebit_scale(c.onebit_scale, "--onebit_scale"),
+      .bound_update = c.onebit_bound};
   return std::make_unique<parallel::OnebitAdam>(
       std::move(groups), comm, o, std::dynamic_pointer_cast<parallel::OnebitAdamHook>(hook));
 }

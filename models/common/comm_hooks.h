@@ -29,6 +29,7 @@ struct CompressChoice {
   int64_t onebit_freeze = 0;  // 1-bit Adam's AdamW warm-up steps (0: 20% of the run's steps)
   std::string onebit_send = "update";  // update (m / (sqrt(v) + eps)) | momentum (m)
   std::string onebit_scale = "l1";     // l1 (mean |x|) | l2 (||x|| / sqrt(n))
+  bool onebit_bound = true;            // clamp the sent update to Adam's step bound
 };
 
 // Each flag's value (Error naming `program`, the flag and the value); 1-bit Adam replaces

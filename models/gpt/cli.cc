@@ -69,6 +69,8 @@ models::Flags gpt_flags(GptCli& cli) {
          "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the paper's)");
   f.bind("onebit_scale", cli.config.onebit_scale,
          "1-bit Adam: the signs' scale, l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's)");
+  f.bind("onebit_bound", cli.config.onebit_bound,
+         "1-bit Adam: clamp the sent update to Adam's step bound max(1, (1 - beta1) / sqrt(1 - beta2))");
   f.bind("accum", cli.config.accum, "micro-batches per step (gradient accumulation)");
   f.bind("pp", cli.config.pp, "pipeline stages (ranks: pp x dp x tp)");
   f.bind("tp", cli.config.tp, "tensor-parallel ranks (Megatron: must divide --heads)");

@@ -131,7 +131,8 @@ models::CompressChoice GptTrainConfig::compress_choice() const {
           .powersgd_start = powersgd_start,
           .onebit_freeze = onebit_freeze,
           .onebit_send = onebit_send,
-          .onebit_scale = onebit_scale};
+          .onebit_scale = onebit_scale,
+          .onebit_bound = onebit_bound};
 }
 
 models::OptimizerChoice GptTrainConfig::optimizer_choice() const {

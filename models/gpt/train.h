@@ -126,6 +126,7 @@ struct GptTrainConfig {
   int64_t onebit_freeze = 0;
   std::string onebit_send = "update";
   std::string onebit_scale = "l1";
+  bool onebit_bound = true;  // the update clamped to Adam's step bound (OnebitAdamOptions)
   // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
   // (ZeRO 0-3 over dp), `microbatches` per dp rank and pipeline run by `schedule` (gpipe,
   // 1f1b, interleaved with `chunks` model chunks per rank), `accum` runs per step. Every

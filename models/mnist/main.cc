@@ -54,6 +54,8 @@ int main(int argc, char** argv) {
          "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the paper's)");
   f.bind("onebit_scale", c.compress.onebit_scale,
          "1-bit Adam: the signs' scale, l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's)");
+  f.bind("onebit_bound", c.compress.onebit_bound,
+         "1-bit Adam: clamp the sent update to Adam's step bound max(1, (1 - beta1) / sqrt(1 - beta2))");
   f.bind("nonfinite", c.nonfinite,
          "a step with a NaN/inf loss or gradient norm: error (stop, keep the last "
          "checkpoint) or skip (drop it)");

@@ -163,7 +163,8 @@ TEST_CASE("--compress=onebit_adam on --dp 2: AdamW's warm-up, then 1 bit an elem
   paper.resume = temp_dir() + "/mnist_onebit.safetensors";
   CHECK(contains(error_of([&] { train_mnist(paper); }),
                  "OnebitAdam: the state dict was saved with freeze_step 3, bias_correction true, "
-                 "precondition true and scale l1; this optimizer has 3, true, false and l2"));
+                 "precondition true, scale l1 and bound_update true; this optimizer has 3, true, "
+                 "false, l2 and true"));
 }
 
 TEST_CASE("--dp and --compress: bad combinations are errors naming the flags") {

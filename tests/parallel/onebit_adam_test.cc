@@ -76,6 +76,8 @@ struct Setup {
   bool precondition = true;
   OnebitScale scale = OnebitScale::l1;
   bool dead_first = false;  // parameter 0's element 0 gets no gradient on any rank
+  bool wake_first = false;  // ... until the freeze, then a gradient of 1 on every rank
+  bool bound_update = true;
 };
 
 // Steps [first, first + steps) on `s.ranks` threads; `load`: per rank (optimizer, hook) state.
@@ -95,7 +97,8 @@ std::vector<RankRun> run(const Setup& s, int first, int steps,
           std::vector<optim::ParamGroup>{{params, {}}}, *world,
           OnebitAdamOptions{.lr = kLr, .betas = {kB1, kB2}, .eps = kEps, .weight_decay = kWd,
                             .freeze_step = s.freeze, .bias_correction = s.bias_correction,
-                            .precondition = s.precondition, .scale = s.scale});
+                            .precondition = s.precondition, .scale = s.scale,
+                            .bound_update = s.bound_update});
       hook = o->comm_hook();
       opt = std::move(o);
     } else {
@@ -117,6 +120,7 @@ std::vector<RankRun> run(const Setup& s, int first, int steps,
       for (size_t k = 0; k < params.size(); ++k) {
         Vec g = grad_values(world->rank(), t, k, params[k].numel());
         if (s.dead_first && k == 0) g[0] = 0.0;
+        if (s.wake_first && k == 0) g[0] = t < s.freeze ? 0.0 : 1.0;
         if (!s.average) {
           for (double& x : g) x /= s.ranks;  // each rank's share of the mean, summed
         }
@@ -205,7 +209,10 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
               for (int64_t i = 0; i < n; ++i) {
                 const size_t j = static_cast<size_t>(i);
                 mr[j] = m[k][j] + (1 - kB1) * (gr[j] - m[k][j]);
-                if (precondition) mr[j] /= denom(j);  // the update m / d is sent
+                if (precondition) {  // the update m / d is sent, within Adam's bound x bc1
+                  const double bound = std::max(1.0, (1 - kB1) / std::sqrt(1 - kB2)) * bc1;
+                  mr[j] = std::clamp(mr[j] / denom(j), -bound, bound);
+                }
               }
               x.push_back(mr);
             }
@@ -259,6 +266,31 @@ TEST_CASE("1-bit Adam: an element with no gradient (frozen v = 0) takes its chun
       CHECK(step_of(0) < 10 * kLr);  // AdamW's steps here reach lr / bc1 = 3.7 lr
     } else {
       CHECK(step_of(0) > 1e4 * kLr);
+    }
+  }
+}
+
+TEST_CASE("1-bit Adam: a gradient that appears after the freeze is sent within Adam's step bound") {
+  // Parameter 0's element 0 has no gradient through the warm-up (v = 0) and 1 afterwards:
+  // unbounded it sends (1 - beta1) / eps = 1e7 and sets its chunk's l1 scale, so every
+  // element of the chunk moves by ~1e5 lr; bounded (the default) it sends at most
+  // max(1, (1 - beta1) / sqrt(1 - beta2)) bc1, and no element moves by more than a few lr.
+  for (bool bound : {true, false}) {
+    CAPTURE(bound);
+    const Setup s{.ranks = 2, .freeze = 2, .wake_first = true, .bound_update = bound};
+    const std::vector<RankRun> got = run(s, 0, 3);
+    double most = 0;  // the largest step of step 3 (the first compressed one), less the decay
+    for (size_t k = 0; k < got[0].params[2].size(); ++k) {
+      for (size_t i = 0; i < got[0].params[2][k].size(); ++i) {
+        const double before = got[0].params[1][k][i];
+        most = std::max(most, std::abs(got[0].params[2][k][i] - before * (1 - kLr * kWd)));
+      }
+    }
+    MESSAGE(std::string(bound ? "bounded" : "unbounded"), ": the largest step ", most, " (lr ", kLr, ")");
+    if (bound) {
+      CHECK(most < 10 * kLr);
+    } else {
+      CHECK(most > 1e4 * kLr);
     }
   }
 }
@@ -329,7 +361,7 @@ TEST_CASE("1-bit Adam: bad options and states are errors naming the value") {
     const Tensor q = zeros({4});
     OnebitAdam other({{{q}, {}}}, *world, {.scale = OnebitScale::l2});
     CHECK(contains(error_of([&] { other.load_state_dict(opt.state_dict()); }),
-                   "precondition true and scale l1; this optimizer has 100, true, true and l2"));
+                   "precondition true, scale l1 and bound_update true; this optimizer has 100, true, true, l2 and true"));
   });
 }
 
