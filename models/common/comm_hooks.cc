@@ -29,6 +29,21 @@ std::string name_of(const Tensor& t) {
 
 }  // namespace
 
+void bind_compress_flags(Flags& f, CompressChoice& c) {
+  f.bind("compress", c.name,
+         "gradient compression over dp: none, powersgd or onebit_adam (1-bit Adam, for AdamW)");
+  f.bind("powersgd_rank", c.powersgd_rank, "PowerSGD: the low-rank approximation's rank");
+  f.bind("powersgd_start", c.powersgd_start, "PowerSGD: exact steps before compressing");
+  f.bind("onebit_freeze", c.onebit_freeze,
+         "1-bit Adam: AdamW warm-up steps before the variance freezes (0: 20% of the steps)");
+  f.bind("onebit_send", c.onebit_send,
+         "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the paper's)");
+  f.bind("onebit_scale", c.onebit_scale,
+         "1-bit Adam: the signs' scale, l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's)");
+  f.bind("onebit_bound", c.onebit_bound,
+         "1-bit Adam: clamp the sent update to Adam's step bound max(1, (1 - beta1) / sqrt(1 - beta2))");
+}
+
 void validate_compress(const char* program, const CompressChoice& c, const std::string& optimizer) {
   require_one_of(program, "compress", c.name, {"none", "powersgd", "onebit_adam"});
   require_at_least(program, "powersgd_rank", c.powersgd_rank, 1);
@@ -76,12 +91,15 @@ std::string hook_traffic(const parallel::CommHook& hook) {
                                 : 1.0);
 }
 
-std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const std::string& name,
-                                                   const parallel::PowerSgdOptions& powersgd) {
-  if (name == "none") return nullptr;
-  if (name == "powersgd") return std::make_shared<parallel::PowerSgd>(powersgd);
-  if (name == "onebit_adam") return std::make_shared<parallel::OnebitAdamHook>();
-  fail("{}: --compress must be none, powersgd or onebit_adam, got '{}'", program, name);
+std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const CompressChoice& c,
+                                                   uint64_t seed) {
+  if (c.name == "none") return nullptr;
+  if (c.name == "powersgd") {
+    return std::make_shared<parallel::PowerSgd>(parallel::PowerSgdOptions{
+        .rank = c.powersgd_rank, .start_iter = c.powersgd_start, .seed = seed});
+  }
+  if (c.name == "onebit_adam") return std::make_shared<parallel::OnebitAdamHook>();
+  fail("{}: --compress must be none, powersgd or onebit_adam, got '{}'", program, c.name);
 }
 
 std::map<std::string, Tensor> gather_hook_state(const parallel::CommHook& hook,

@@ -3,7 +3,7 @@
 // checkpoint keeps every rank's, stacked: "comm.<key>" [ranks, ...], gathered over the
 // data-parallel group, and a resume takes its own rank's row (the same number of ranks).
 //
-//   auto hook = models::make_comm_hook("gpt", config.compress, {...});   // null for "none"
+//   auto hook = models::make_comm_hook("gpt", config.compress, seed);   // null for "none"
 //   state.merge(models::gather_hook_state(*hook, comm));                  // collective
 //   models::load_hook_state("gpt", hook.get(), &comm, dict);              // takes comm.* out
 #pragma once
@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/common/flags.h"
 #include "optim/optimizer.h"
 #include "parallel/comm/communicator.h"
 #include "parallel/powersgd.h"
@@ -32,6 +33,9 @@ struct CompressChoice {
   bool onebit_bound = true;            // clamp the sent update to Adam's step bound
 };
 
+// The flags --compress, --powersgd_rank, --powersgd_start, --onebit_freeze, --onebit_send,
+// --onebit_scale and --onebit_bound into `choice`.
+void bind_compress_flags(Flags& flags, CompressChoice& choice);
 // Each flag's value (Error naming `program`, the flag and the value); 1-bit Adam replaces
 // AdamW, so it needs optimizer "adamw".
 void validate_compress(const char* program, const CompressChoice& choice,
@@ -50,10 +54,11 @@ std::unique_ptr<optim::Optimizer> make_onebit_adam(const CompressChoice& choice,
 // The progress line's part: "  <hook> sent S of U gradient elements (Rx)" for its last round.
 std::string hook_traffic(const parallel::CommHook& hook);
 
-// "none" (null), "powersgd" or "onebit_adam" (the hook a parallel::OnebitAdam then attaches
-// to); Error naming `program` and the value otherwise.
-std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const std::string& name,
-                                                   const parallel::PowerSgdOptions& powersgd);
+// "none" (null), "powersgd" (its rank and start from `choice`, its initial Qs keyed by
+// `seed`) or "onebit_adam" (the hook a parallel::OnebitAdam then attaches to); Error naming
+// `program` and the value otherwise.
+std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const CompressChoice& choice,
+                                                   uint64_t seed);
 
 // Every rank's hook state as "comm.<key>" tensors [comm.size(), ...]; collective over `comm`
 // (every member gets them all).

@@ -59,18 +59,7 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("timing_skip", cli.config.timing_skip, "first steps left out of the final tokens/s (warm-up)");
   f.bind("dp", cli.config.dp, "data-parallel ranks (threads here; under mpirun: the process count)");
   f.bind("zero", cli.config.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
-  f.bind("compress", cli.config.compress,
-         "gradient compression over dp: none, powersgd or onebit_adam (1-bit Adam, for AdamW)");
-  f.bind("powersgd_rank", cli.config.powersgd_rank, "PowerSGD: the low-rank approximation's rank");
-  f.bind("powersgd_start", cli.config.powersgd_start, "PowerSGD: exact steps before compressing");
-  f.bind("onebit_freeze", cli.config.onebit_freeze,
-         "1-bit Adam: AdamW warm-up steps before the variance freezes (0: 20% of --steps)");
-  f.bind("onebit_send", cli.config.onebit_send,
-         "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the paper's)");
-  f.bind("onebit_scale", cli.config.onebit_scale,
-         "1-bit Adam: the signs' scale, l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's)");
-  f.bind("onebit_bound", cli.config.onebit_bound,
-         "1-bit Adam: clamp the sent update to Adam's step bound max(1, (1 - beta1) / sqrt(1 - beta2))");
+  models::bind_compress_flags(f, cli.config.compress);
   f.bind("accum", cli.config.accum, "micro-batches per step (gradient accumulation)");
   f.bind("pp", cli.config.pp, "pipeline stages (ranks: pp x dp x tp)");
   f.bind("tp", cli.config.tp, "tensor-parallel ranks (Megatron: must divide --heads)");

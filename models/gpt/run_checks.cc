@@ -79,20 +79,20 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "dp", c.dp, 1);
   TS_CHECK(c.zero >= 0 && c.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}", c.zero);
   require_at_least(gpt, "accum", c.accum, 1);
-  models::validate_compress(gpt, c.compress_choice(), c.optimizer);
-  models::require_compress_zero(gpt, c.compress_choice(), c.zero);
-  if (c.compress != "none") {
+  models::validate_compress(gpt, c.compress, c.optimizer);
+  models::require_compress_zero(gpt, c.compress, c.zero);
+  if (c.compress.name != "none") {
     TS_CHECK(c.pp == 1 && c.tp == 1,
              "gpt: --compress={} compresses the data-parallel gradient reduction of --dp/--zero; "
              "it cannot be combined with --pp {} or --tp {} yet",
-             c.compress, c.pp, c.tp);
+             c.compress.name, c.pp, c.tp);
     TS_CHECK(!c.check, "gpt: --compress={} approximates the gradients, so --check (equality "
-             "with one device) does not apply", c.compress);
+             "with one device) does not apply", c.compress.name);
     TS_CHECK(c.precision != "f16",
              "gpt: --compress={} keeps error feedback across steps, which f16's loss scaling "
              "breaks (an overflowing step's inf enters the error for good, and a new scale "
              "leaves it in the old units); use --precision=bf16 or f32",
-             c.compress);
+             c.compress.name);
   }
   require_at_least(gpt, "pp", c.pp, 1);
   require_at_least(gpt, "tp", c.tp, 1);

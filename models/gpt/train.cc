@@ -125,16 +125,6 @@ GptConfig GptTrainConfig::model_config() const {
   return m;
 }
 
-models::CompressChoice GptTrainConfig::compress_choice() const {
-  return {.name = compress,
-          .powersgd_rank = powersgd_rank,
-          .powersgd_start = powersgd_start,
-          .onebit_freeze = onebit_freeze,
-          .onebit_send = onebit_send,
-          .onebit_scale = onebit_scale,
-          .onebit_bound = onebit_bound};
-}
-
 models::OptimizerChoice GptTrainConfig::optimizer_choice() const {
   models::OptimizerChoice o;
   o.name = optimizer;
@@ -240,14 +230,11 @@ class GptReplica final : public models::Replica {
     // Initialised on the CPU (the same values everywhere), then moved before the optimizer
     // sees the parameters.
     if (!device_.is_cpu()) model_->to(device_);
-    hook_ = models::make_comm_hook("gpt", config.compress,
-                                   {.rank = config.powersgd_rank,
-                                    .start_iter = config.powersgd_start,
-                                    .seed = static_cast<uint64_t>(config.seed)});
+    hook_ = models::make_comm_hook("gpt", config.compress, static_cast<uint64_t>(config.seed));
     TS_CHECK(!hook_ || comm != nullptr,
              "gpt: --compress={} compresses the data-parallel gradient reduction; it needs "
              "--dp >= 2 (or mpirun)",
-             config.compress);
+             config.compress.name);
     if (comm != nullptr) {
       parallel::ZeroOptions zopt;
       zopt.comm_hook = hook_;
@@ -260,8 +247,8 @@ class GptReplica final : public models::Replica {
       for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
     }
-    if (config.compress == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
-      opt_ = models::make_onebit_adam(config.compress_choice(),
+    if (config.compress.name == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
+      opt_ = models::make_onebit_adam(config.compress,
                                       zero_->param_groups(config.lr, config.weight_decay), *comm,
                                       hook_, config.lr, {config.beta1, config.beta2},
                                       config.weight_decay, config.steps);

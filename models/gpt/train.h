@@ -113,20 +113,10 @@ struct GptTrainConfig {
   int64_t dp = 1;
   int64_t zero = 0;
   int64_t accum = 1;
-  // Gradient compression over dp: none; powersgd (parallel/powersgd.h: rank powersgd_rank,
-  // after powersgd_start exact steps); onebit_adam (parallel/onebit_adam.h: replaces AdamW;
-  // AdamW for onebit_freeze steps, 0: 20% of `steps`, then 1-bit: onebit_send "update"
-  // (m / (sqrt(v) + eps)) or "momentum" (m, the paper's), signs scaled by onebit_scale "l1"
-  // (mean |x|) or "l2" (DeepSpeed's ||x|| / sqrt(n))): ZeRO 0; powersgd on ZeRO 0-3; no
-  // pp/tp. Checkpoints keep each rank's error feedback (a resume needs the same --dp and
-  // --zero).
-  std::string compress = "none";
-  int64_t powersgd_rank = 1;
-  int64_t powersgd_start = 10;
-  int64_t onebit_freeze = 0;
-  std::string onebit_send = "update";
-  std::string onebit_scale = "l1";
-  bool onebit_bound = true;  // the update clamped to Adam's step bound (OnebitAdamOptions)
+  // Gradient compression over dp (models/common/comm_hooks.h: --compress=powersgd on ZeRO
+  // 0-3, or onebit_adam in AdamW's place on ZeRO 0, with their flags); no pp/tp yet.
+  // Checkpoints keep each rank's error feedback (a resume needs the same --dp and --zero).
+  models::CompressChoice compress;
   // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
   // (ZeRO 0-3 over dp), `microbatches` per dp rank and pipeline run by `schedule` (gpipe,
   // 1f1b, interleaved with `chunks` model chunks per rank), `accum` runs per step. Every
@@ -156,7 +146,6 @@ struct GptTrainConfig {
 
   GptConfig model_config() const;
   models::OptimizerChoice optimizer_choice() const;
-  models::CompressChoice compress_choice() const;
 };
 
 // Validation batches of --synthetic_data (random tokens have no split of their own).

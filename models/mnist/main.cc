@@ -44,18 +44,7 @@ int main(int argc, char** argv) {
   f.bind("log_every", c.log_every, "steps between metrics lines");
   f.bind("dp", c.dp, "data-parallel ranks (threads here; under mpirun: the process count)");
   f.bind("zero", c.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
-  f.bind("compress", c.compress.name,
-         "gradient compression over dp: none, powersgd or onebit_adam (1-bit Adam, for AdamW)");
-  f.bind("powersgd_rank", c.compress.powersgd_rank, "PowerSGD: the low-rank approximation's rank");
-  f.bind("powersgd_start", c.compress.powersgd_start, "PowerSGD: exact steps before compressing");
-  f.bind("onebit_freeze", c.compress.onebit_freeze,
-         "1-bit Adam: AdamW warm-up steps before the variance freezes (0: 20% of the steps)");
-  f.bind("onebit_send", c.compress.onebit_send,
-         "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the paper's)");
-  f.bind("onebit_scale", c.compress.onebit_scale,
-         "1-bit Adam: the signs' scale, l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's)");
-  f.bind("onebit_bound", c.compress.onebit_bound,
-         "1-bit Adam: clamp the sent update to Adam's step bound max(1, (1 - beta1) / sqrt(1 - beta2))");
+  tessera::models::bind_compress_flags(f, c.compress);
   f.bind("nonfinite", c.nonfinite,
          "a step with a NaN/inf loss or gradient norm: error (stop, keep the last "
          "checkpoint) or skip (drop it)");

@@ -115,10 +115,7 @@ class MnistReplica final : public models::Replica {
       : c_(c), comm_(comm), model_(model), loader_(loader), test_(test), epochs_(epochs),
         low_(low), device_(device), verbose_(c.verbose && (comm == nullptr || comm->rank() == 0)),
         progress_(progress), metrics_(metrics), result_(result), params_(model.parameters()) {
-    hook_ = models::make_comm_hook("mnist", c.compress.name,
-                                   {.rank = c.compress.powersgd_rank,
-                                    .start_iter = c.compress.powersgd_start,
-                                    .seed = static_cast<uint64_t>(c.seed)});
+    hook_ = models::make_comm_hook("mnist", c.compress, static_cast<uint64_t>(c.seed));
     TS_CHECK(!hook_ || comm != nullptr,
              "mnist: --compress={} compresses the data-parallel gradient reduction; it needs "
              "--dp >= 2 (or mpirun)",

@@ -905,7 +905,7 @@ TEST_CASE("--optimizer=adamw8bit: learns; state bytes the formula; ZeRO, dp and 
 // later ones not. Returns the compressed run.
 GptResult compressed_beside_exact(const GptTrainConfig& compressed) {
   GptTrainConfig c = compressed;
-  c.compress = "none";
+  c.compress.name = "none";
   const GptResult exact = train_gpt(c);
   const GptResult full = train_gpt(compressed);
   REQUIRE(full.losses.size() == 8);
@@ -937,8 +937,8 @@ TEST_CASE("--compress=powersgd on dp: exact steps first, then 1/16 of the elemen
   // algorithm against an f64 reference and PyTorch's hook; this checks gpt's wiring).
   GptTrainConfig c = short_run(8);
   c.dp = 2;
-  c.compress = "powersgd";
-  c.powersgd_start = 3;
+  c.compress.name = "powersgd";
+  c.compress.powersgd_start = 3;
   const GptResult full = compressed_beside_exact(c);
   // tiny()'s matrices at rank 1 ((n + m) of n m elements) and its vectors whole.
   int64_t total = 0, sent = 0;
@@ -998,7 +998,7 @@ TEST_CASE("--compress=powersgd on dp: exact steps first, then 1/16 of the elemen
   bad.dp = 1;
   CHECK(contains(error_of([&] { train_gpt(bad); }), "it needs --dp >= 2 (or mpirun)"));
   bad = c;
-  bad.compress = "onebit";
+  bad.compress.name = "onebit";
   CHECK(contains(error_of([&] { train_gpt(bad); }), "compress"));
   bad = c;
   bad.precision = "f16";
@@ -1013,8 +1013,8 @@ TEST_CASE("--compress=onebit_adam on dp: AdamW's warm-up, then 1-bit momenta; bi
   // run, the step line's ratio, checkpoints with every rank's error feedback).
   GptTrainConfig c = short_run(8);
   c.dp = 2;
-  c.compress = "onebit_adam";
-  c.onebit_freeze = 3;
+  c.compress.name = "onebit_adam";
+  c.compress.onebit_freeze = 3;
   const GptResult full = compressed_beside_exact(c);
   // Each parameter's momentum in bits, padded to 8 x 2 elements, and two scales per rank:
   // the bytes of an all-reduce of padded / 32 + 2 elements, ~1/32 of the elements.
