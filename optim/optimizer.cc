@@ -186,10 +186,15 @@ void Optimizer::load_state_dict(const StateDict& dict) {
   // Hyperparameters first: which state a parameter has (SGD's momentum buffer) depends on
   // them. They are put back if anything after fails.
   const std::map<std::string, double> old_hparams = hyperparameters();
+  const std::map<std::string, double> before = hyperparameters_before();
   std::map<std::string, double> new_hparams;
   for (const auto& [name, value] : old_hparams) {
     const std::string key = "hparam." + name;
     const auto it = dict.find(key);
+    if (it == dict.end() && before.count(name) != 0) {  // an older dict: the value it stood for
+      new_hparams[name] = before.at(name);
+      continue;
+    }
     TS_CHECK(it != dict.end(), "{}.load_state_dict: missing key '{}'", kind_, key);
     internal::check_keys(kind_, {*it}, {{key, KeySpec{{}, DType::f64}}});
     new_hparams[name] = it->second.item<double>();
@@ -197,7 +202,11 @@ void Optimizer::load_state_dict(const StateDict& dict) {
   set_hyperparameters(new_hparams);
   try {
     std::map<std::string, KeySpec> expected;
-    for (const auto& [name, value] : old_hparams) expected["hparam." + name] = {{}, DType::f64};
+    for (const auto& [name, value] : old_hparams) {
+      if (dict.count("hparam." + name) != 0 || before.count(name) == 0) {
+        expected["hparam." + name] = {{}, DType::f64};
+      }
+    }
     for (size_t g = 0; g < groups_.size(); ++g) {
       const std::string prefix = fmt::format("group.{}.", g);
       expected[prefix + "lr"] = {{}, DType::f64};

@@ -183,6 +183,9 @@ class Optimizer {
   // (Error naming the optimizer and the value) before changing any.
   virtual std::map<std::string, double> hyperparameters() const = 0;
   virtual void set_hyperparameters(const std::map<std::string, double>& values) = 0;
+  // Hyperparameters added after state dicts were first saved, with the value an older dict
+  // (which lacks the key) stands for; load_state_dict takes that value for a missing one.
+  virtual std::map<std::string, double> hyperparameters_before() const { return {}; }
   // Checks one group's lr and weight decay (Error naming the optimizer and the value).
   void check_group_values(double lr, double weight_decay) const;
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 
 #include "optim/adamw.h"
 #include "parallel/comm/comm_log.h"
@@ -99,7 +100,8 @@ OnebitAdam::~OnebitAdam() {
 
 double OnebitAdam::update_bound() const {
   const double b1 = options_.betas.first, b2 = options_.betas.second;
-  return std::max(1.0, (1.0 - b1) / std::sqrt(1.0 - b2));
+  if (b1 * b1 >= b2) return std::numeric_limits<double>::infinity();
+  return (1.0 - b1) / std::sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2));
 }
 
 int64_t OnebitAdam::steps_done() const {
@@ -113,6 +115,11 @@ std::vector<optim::Optimizer::StateSpec> OnebitAdam::state_specs(const Tensor& p
            "{}: parameters must be f32 or f64 (mixed precision through autocast), got {} {}",
            kName, p.dtype(), shape_str(p.shape()));
   return {{"exp_avg", p.shape(), p.dtype()}, {"exp_avg_sq", p.shape(), p.dtype()}};
+}
+
+std::map<std::string, double> OnebitAdam::hyperparameters_before() const {
+  // Dicts saved before these existed were the paper's: the momentum, l2 scales, no bound.
+  return {{"precondition", 0.0}, {"scale_l2", 1.0}, {"bound_update", 0.0}};
 }
 
 std::map<std::string, double> OnebitAdam::hyperparameters() const {
@@ -130,23 +137,23 @@ void OnebitAdam::set_hyperparameters(const std::map<std::string, double>& values
   OnebitAdamOptions o = options_;
   o.betas = {values.at("beta1"), values.at("beta2")};
   o.eps = values.at("eps");
-  // A state dict from before precondition and scale existed was the paper's pair.
-  const auto flag = [&](const char* key, double before) {
-    const auto it = values.find(key);
-    return it == values.end() ? before : it->second;
+  // What the steps after the freeze depend on (the bound only when the update is sent).
+  const auto settings = [](double freeze, bool correct, bool update, bool l2, bool bound) {
+    return fmt::format("freeze_step {}, bias_correction {}, and sends the {} with {} scales{}",
+                       freeze, correct, update ? "update" : "momentum", l2 ? "l2" : "l1",
+                       update ? (bound ? ", bounded" : ", unbounded") : "");
   };
-  const double precondition = flag("precondition", 0.0), scale_l2 = flag("scale_l2", 1.0),
-               bound = flag("bound_update", 0.0);
-  TS_CHECK(values.at("freeze_step") == static_cast<double>(o.freeze_step) &&
-               values.at("bias_correction") == (o.bias_correction ? 1.0 : 0.0) &&
-               precondition == (o.precondition ? 1.0 : 0.0) &&
-               scale_l2 == (o.scale == OnebitScale::l2 ? 1.0 : 0.0) &&
-               bound == (o.bound_update ? 1.0 : 0.0),
-           "{}: the state dict was saved with freeze_step {}, bias_correction {}, precondition {}, "
-           "scale {} and bound_update {}; this optimizer has {}, {}, {}, {} and {}",
-           kName, values.at("freeze_step"), values.at("bias_correction") != 0.0,
-           precondition != 0.0, scale_l2 != 0.0 ? "l2" : "l1", bound != 0.0, o.freeze_step,
-           o.bias_correction, o.precondition, onebit_scale_name(o.scale), o.bound_update);
+  const bool update = values.at("precondition") != 0.0;
+  const std::string saved =
+      settings(values.at("freeze_step"), values.at("bias_correction") != 0.0, update,
+               values.at("scale_l2") != 0.0, values.at("bound_update") != 0.0);
+  const std::string mine =
+      settings(static_cast<double>(o.freeze_step), o.bias_correction, o.precondition,
+               o.scale == OnebitScale::l2, o.bound_update);
+  TS_CHECK(saved == mine,
+           "{}: the state dict was saved with {}; this optimizer has {} (gpt, mnist: "
+           "--onebit_freeze, --onebit_send, --onebit_scale, --onebit_bound)",
+           kName, saved, mine);
   optim::check_adamw_values(kName, o.lr, o.betas, o.eps, o.weight_decay);
   options_ = o;
 }
@@ -244,9 +251,9 @@ OnebitAdam::Local OnebitAdam::local_momentum(const Pending& item) {
   Tensor sent = m;
   if (options_.precondition) {
     sent = m / denom;
-    if (options_.bound_update) {  // Adam's own bound on its bias-corrected step, times bc1
-      const double t = static_cast<double>(item.state->step + 1);
-      const double bound = update_bound() * (options_.bias_correction ? 1.0 - std::pow(options_.betas.first, t) : 1.0);
+    // Within the largest |m| / sqrt(v) AdamW can reach, on u's scale (u carries sqrt(bc2)).
+    const double bound = update_bound() * std::sqrt(bc2);
+    if (options_.bound_update && std::isfinite(bound)) {
       sent = minimum(maximum(sent, scalar_like(-bound, sent, kName)), scalar_like(bound, sent, kName));
     }
   }

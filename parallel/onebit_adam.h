@@ -16,7 +16,7 @@
 //                                        worker and server error feedback (parallel/onebit.h)
 //   m = u d
 //   p = p (1 - lr wd) - lr / bc1 * u
-// (clamp: OnebitAdamOptions::bound_update, Adam's own step bound). With precondition false
+// (clamp: OnebitAdamOptions::bound_update, the largest |m| / sqrt(v) AdamW reaches). With precondition false
 // (the paper's, DeepSpeed's) m itself is reduced, unclamped, and u = m / d. d is the same on
 // every rank, so both average the same thing; they differ in what the signs' scale is
 // spread over (OnebitAdamOptions::precondition). The default scale is l1 (mean |x|),
@@ -57,12 +57,13 @@ struct OnebitAdamOptions {
   // bias with no gradient) turns the chunk's sign scale into a step of lr x scale / sqrt(v).
   bool precondition = true;
   OnebitScale scale = OnebitScale::l1;  // the signs' scale (parallel/onebit.h); l2: DeepSpeed's
-  // With precondition: each element of u is clamped to Adam's own bound on its step,
-  // |m_hat / sqrt(v_hat)| <= max(1, (1 - beta1) / sqrt(1 - beta2)) (Kingma and Ba, 2015,
-  // section 2.1), times bc1, before it is sent. Running AdamW keeps its steps inside it
-  // because v grows with a new gradient; frozen, v does not, and an element whose gradient
-  // was near zero during the warm-up and appears afterwards (a unit that was dead, a
-  // filter that wakes up) would send m / eps and set its whole chunk's scale.
+  // With precondition: each element of u is clamped, before it is sent, to the largest
+  // |m| / sqrt(v) any gradient sequence gives AdamW, B = (1 - beta1) / sqrt((1 - beta2)
+  // (1 - beta1^2 / beta2)) (Cauchy-Schwarz on the two moving sums; none when beta1^2 >=
+  // beta2), times sqrt(bc2_frozen) as u carries it. Running AdamW stays inside B because v
+  // grows with a new gradient; frozen, v does not, and an element whose gradient was near
+  // zero during the warm-up and appears afterwards (a unit that was dead, a filter that
+  // wakes up) would send m / eps and set its whole chunk's scale.
   bool bound_update = true;
 };
 
@@ -107,12 +108,13 @@ class OnebitAdam : public optim::Optimizer {
   std::shared_ptr<OnebitAdamHook> comm_hook() const { return hook_; }
   // Steps taken (the most any parameter took): warm-up while <= freeze_step.
   int64_t steps_done() const;
-  // max(1, (1 - beta1) / sqrt(1 - beta2)): the bound_update clamp, before its bc1 factor.
+  // B of bound_update (infinity when beta1^2 >= beta2).
   double update_bound() const;
 
  protected:
   std::vector<StateSpec> state_specs(const Tensor& param) const override;
   std::map<std::string, double> hyperparameters() const override;
+  std::map<std::string, double> hyperparameters_before() const override;
   void set_hyperparameters(const std::map<std::string, double>& values) override;
 
  private:
@@ -131,7 +133,6 @@ class OnebitAdam : public optim::Optimizer {
 
   Communicator& comm_;
   OnebitAdamOptions options_;
-  int dummy_;
   std::shared_ptr<OnebitAdamHook> hook_;
 };
 

@@ -79,11 +79,16 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     st.units[st.params[i].unit].params.push_back(i);
   }
 
-  check_same_parameters(comm, kName, st.named(),
-                        static_cast<uint64_t>(options.stage) * 1000003u +
-                            static_cast<uint64_t>(options.bucket_bytes) * 7 +
-                            options.units.size() + (options.row_shards ? 1000u : 0u) +
-                            static_cast<uint64_t>(options.block_shards) * 10007u);
+  uint64_t options_hash = static_cast<uint64_t>(options.stage) * 1000003u +
+                          static_cast<uint64_t>(options.bucket_bytes) * 7 +
+                          options.units.size() + (options.row_shards ? 1000u : 0u) +
+                          static_cast<uint64_t>(options.block_shards) * 10007u;
+  if (options.comm_hook) {  // every member must reduce its segments the same way
+    for (const char c : options.comm_hook->name()) {  // FNV-1a over the hook's name
+      options_hash = (options_hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    }
+  }
+  check_same_parameters(comm, kName, st.named(), options_hash);
   if (options.check_replicas) check_same_values(comm, kName, st.named());
 
   // Segments in the order backward completes them: the wrapped units last to first, then

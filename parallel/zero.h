@@ -64,7 +64,10 @@ struct ZeroOptions {
   // segment in place of the reduce-scatter, and each rank keeps its block; a hook that is no
   // full reduction (CommHook::full_reduction: 1-bit Adam's) is refused. Its buckets are the
   // segments (bucket i: segment i), so its state (PowerSGD's error feedback per bucket)
-  // resumes only under the same stage and layout.
+  // resumes only under the same stage and layout. Memory: the hook reduces whole segments,
+  // so stages 2-3 hold a full segment's gradients until it is reduced, and PowerSGD adds
+  // its error feedback and an input copy of every segment (model-sized in all): with it,
+  // ZeRO saves the optimizer state and the parameters, not the gradients.
   std::shared_ptr<CommHook> comm_hook = nullptr;
   // Stages 1-3: shard every parameter on its own, by whole rows (a 2-D parameter's rows, a
   // 1-D one's elements), and tell the optimizer where each shard sits (optim::RowShard), so

@@ -208,7 +208,11 @@ struct ZeroDataParallel::State {
         bucket.gradients.push_back(param_view(seg.flat_grad, params[i]));
         bucket.names.push_back(params[i].name);
       }
+      CommCause cause(fmt::format("zero {} segment {}", options.comm_hook->name(), s),
+                      CommKind::gradients);
       seg.work = options.comm_hook->reduce(*comm, bucket);
+      TS_CHECK(seg.work != nullptr, "{}: comm hook '{}' returned no work for segment {}", kName,
+               options.comm_hook->name(), s);
     } else {
       {
         MemoryTagScope tag(MemoryTag::gradients);

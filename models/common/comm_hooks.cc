@@ -103,7 +103,7 @@ std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const Co
 }
 
 std::map<std::string, Tensor> gather_hook_state(const parallel::CommHook& hook,
-                                                parallel::Communicator& comm) {
+                                                parallel::Communicator& comm, int64_t zero) {
   parallel::CommCause cause("checkpoint comm hook state", parallel::CommKind::control);
   std::map<std::string, Tensor> out;
   for (const auto& [key, v] : hook.state_dict()) {
@@ -114,11 +114,12 @@ std::map<std::string, Tensor> gather_hook_state(const parallel::CommHook& hook,
     out["comm." + key] = all;
   }
   out["comm.kind"] = name_tensor(hook.name());
+  out["comm.zero"] = Tensor::from_vector<int64_t>({zero}, {});
   return out;
 }
 
 void load_hook_state(const char* program, parallel::CommHook* hook, parallel::Communicator* comm,
-                     optim::Optimizer::StateDict& dict) {
+                     optim::Optimizer::StateDict& dict, int64_t zero) {
   std::map<std::string, Tensor> saved;
   for (auto it = dict.begin(); it != dict.end();) {
     if (it->first.starts_with("comm.")) {
@@ -137,6 +138,19 @@ void load_hook_state(const char* program, parallel::CommHook* hook, parallel::Co
            program, kind.empty() ? "an unnamed hook" : kind, hook->name(),
            kind.empty() ? "none" : kind);
   saved.erase("kind");
+  if (saved.count("zero") != 0) {  // older checkpoints: ZeRO 0, the only stage hooks had
+    const int64_t was = saved.at("zero").item<int64_t>();
+    TS_CHECK(was == zero,
+             "{}: the checkpoint's gradient compression state was saved under --zero {}, whose "
+             "buckets differ from --zero {}'s: resume with --zero {}",
+             program, was, zero, was);
+    saved.erase("zero");
+  } else {
+    TS_CHECK(zero == 0,
+             "{}: the checkpoint's gradient compression state was saved under --zero 0, whose "
+             "buckets differ from --zero {}'s: resume with --zero 0",
+             program, zero);
+  }
   std::map<std::string, Tensor> mine;
   for (const auto& [key, v] : saved) {
     TS_CHECK(v.dim() >= 1 && v.size(0) == comm->size(),

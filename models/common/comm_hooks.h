@@ -4,8 +4,8 @@
 // data-parallel group, and a resume takes its own rank's row (the same number of ranks).
 //
 //   auto hook = models::make_comm_hook("gpt", config.compress, seed);   // null for "none"
-//   state.merge(models::gather_hook_state(*hook, comm));                  // collective
-//   models::load_hook_state("gpt", hook.get(), &comm, dict);              // takes comm.* out
+//   state.merge(models::gather_hook_state(*hook, comm, zero));            // collective
+//   models::load_hook_state("gpt", hook.get(), &comm, dict, zero);        // takes comm.* out
 #pragma once
 
 #include <cstdint>
@@ -61,15 +61,17 @@ std::shared_ptr<parallel::CommHook> make_comm_hook(const char* program, const Co
                                                    uint64_t seed);
 
 // Every rank's hook state as "comm.<key>" tensors [comm.size(), ...]; collective over `comm`
-// (every member gets them all).
+// (every member gets them all). `zero`: the ZeRO stage whose buckets the hook reduced
+// (stage 0: DDP's buckets; 1-3: the segments), kept as "comm.zero".
 std::map<std::string, Tensor> gather_hook_state(const parallel::CommHook& hook,
-                                                parallel::Communicator& comm);
+                                                parallel::Communicator& comm, int64_t zero);
 
 // Takes the "comm." entries out of `dict` and, with a hook (and its group `comm`), loads this
-// rank's row of each into it. Error when they were saved by another kind of hook or another
-// number of ranks. Without "comm." entries the hook starts afresh; without a hook they are
-// dropped (a run resumed without --compress).
+// rank's row of each into it. Error naming the flags when they were saved by another kind of
+// hook, another number of ranks or under another ZeRO stage (the buckets differ). Without
+// "comm." entries the hook starts afresh; without a hook they are dropped (a run resumed
+// without --compress).
 void load_hook_state(const char* program, parallel::CommHook* hook, parallel::Communicator* comm,
-                     optim::Optimizer::StateDict& dict);
+                     optim::Optimizer::StateDict& dict, int64_t zero);
 
 }  // namespace tessera::models

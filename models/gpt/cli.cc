@@ -57,7 +57,7 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("threads", cli.config.threads, "kernel threads per rank (0: the cores shared by the ranks)");
   f.bind("device", cli.config.device, "cpu, cuda or cuda:N (single rank; needs a --config=cuda build)");
   f.bind("timing_skip", cli.config.timing_skip, "first steps left out of the final tokens/s (warm-up)");
-  f.bind("dp", cli.config.dp, "data-parallel ranks (threads here; under mpirun: the process count)");
+  f.bind("dp", cli.config.dp, "data-parallel ranks (threads here; under mpirun it must equal the process count)");
   f.bind("zero", cli.config.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
   models::bind_compress_flags(f, cli.config.compress);
   f.bind("accum", cli.config.accum, "micro-batches per step (gradient accumulation)");

@@ -285,7 +285,7 @@ class GptReplica final : public models::Replica {
       // The gradient compression's state (per rank) goes to the hook, the rest to the
       // optimizer.
       optim::Optimizer::StateDict state = saved;
-      models::load_hook_state("gpt", hook_.get(), comm_, state);
+      models::load_hook_state("gpt", hook_.get(), comm_, state, c_.zero);
       if (zero_) {
         zero_->load_model_state_dict(weights);
         zero_->load_optimizer_state_dict(*opt_, state);
@@ -371,7 +371,7 @@ class GptReplica final : public models::Replica {
       const nn::StateDict weights = zero_ ? zero_->model_state_dict() : model_->state_dict();
       optim::Optimizer::StateDict state =
           zero_ ? zero_->optimizer_state_dict(*opt_) : opt_->state_dict();
-      if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_));
+      if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_, c_.zero));
       save_sharded(c_, comm_, step, scaler_, [&](models::ShardedCheckpointWriter& w) {
         if (rank_ == 0) add_single_device(w, weights, state, optimizer_order(*model_));
       });
@@ -384,7 +384,7 @@ class GptReplica final : public models::Replica {
     // Every rank gathers (collective); rank 0 writes the single-device layout.
     const nn::StateDict weights = zero_->model_state_dict();
     optim::Optimizer::StateDict state = zero_->optimizer_state_dict(*opt_);
-    if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_));
+    if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_, c_.zero));
     if (rank_ == 0) models::save_checkpoint(c_.save, weights, state, scaler_, s);
     comm_->barrier();  // nobody reads the files before they exist
   }

@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
   f.bind("train_limit", c.train_limit, "use only the first N training images (0: all)");
   f.bind("test_limit", c.test_limit, "evaluate on the first N test images (0: all)");
   f.bind("log_every", c.log_every, "steps between metrics lines");
-  f.bind("dp", c.dp, "data-parallel ranks (threads here; under mpirun: the process count)");
+  f.bind("dp", c.dp, "data-parallel ranks (threads here; under mpirun it must equal the process count)");
   f.bind("zero", c.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
   tessera::models::bind_compress_flags(f, c.compress);
   f.bind("nonfinite", c.nonfinite,

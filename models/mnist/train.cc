@@ -166,7 +166,7 @@ class MnistReplica final : public models::Replica {
         path,
         [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& saved) {
           optim::Optimizer::StateDict state = saved;
-          models::load_hook_state("mnist", hook_.get(), comm_, state);
+          models::load_hook_state("mnist", hook_.get(), comm_, state, c_.zero);
           if (zero_) {
             zero_->load_model_state_dict(weights);
             zero_->load_optimizer_state_dict(*opt_, state);
@@ -285,7 +285,7 @@ class MnistReplica final : public models::Replica {
     // Every rank gathers (collective); rank 0 writes the single-device layout.
     const nn::StateDict weights = zero_->model_state_dict();
     optim::Optimizer::StateDict state = zero_->optimizer_state_dict(*opt_);
-    if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_));
+    if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_, c_.zero));
     if (comm_->rank() == 0) models::save_checkpoint(c_.save, weights, state, *scaler_, s);
     comm_->barrier();  // nobody reads the files before they exist
   }

@@ -988,6 +988,12 @@ TEST_CASE("--compress=powersgd on dp: exact steps first, then 1/16 of the elemen
     ++stages;
   }
   CHECK(stages == 3);
+  // With gradient accumulation (2 micro-batches, the first under no_sync) too.
+  GptTrainConfig acc = c;
+  acc.accum = 2;
+  const GptResult acc0 = train_gpt(acc);
+  acc.zero = 2;
+  CHECK(train_gpt(acc).losses == acc0.losses);
   // What it does not combine with yet, and what it needs.
   GptTrainConfig bad = c;
   bad.tp = 2;

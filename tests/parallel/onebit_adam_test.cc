@@ -58,6 +58,16 @@ Vec grad_values(int r, int t, size_t k, int64_t n) {
 }
 
 constexpr double kLr = 0.01, kB1 = 0.9, kB2 = 0.99, kEps = 1e-8, kWd = 0.1;
+// The largest |m| / sqrt(v) AdamW reaches with these betas: (1 - b1) / sqrt((1 - b2)
+// (1 - b1^2 / b2)) = 2.345.
+const double kBound = (1 - kB1) / std::sqrt((1 - kB2) * (1 - kB1 * kB1 / kB2));
+
+// grad_values, with parameter 0's element 0 at 0 before the freeze and 1 after (wake).
+Vec ref_grad(int r, int t, size_t k, int64_t n, bool wake, int64_t freeze) {
+  Vec g = grad_values(r, t, k, n);
+  if (wake && k == 0) g[0] = t < freeze ? 0.0 : 1.0;
+  return g;
+}
 
 struct RankRun {
   std::vector<std::vector<Vec>> params;  // after each step, per parameter
@@ -158,16 +168,18 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
   // Freeze after step 2; steps 3-6 compress each parameter's momentum (padded to 8 x ranks).
   constexpr int kSteps = 6;
   int configs = 0;
+  for (bool wake : {false, true}) {
   for (bool precondition : {true, false}) {
   for (OnebitScale scale : {OnebitScale::l1, OnebitScale::l2}) {
   for (int w : {2, 4}) {
     for (bool bias_correction : {true, false}) {
+      CAPTURE(wake);
       CAPTURE(precondition);
       CAPTURE(onebit_scale_name(scale));
       CAPTURE(w);
       CAPTURE(bias_correction);
       const Setup s{.ranks = w, .freeze = 2, .bias_correction = bias_correction,
-                    .precondition = precondition, .scale = scale};
+                    .precondition = precondition, .scale = scale, .wake_first = wake};
       const std::vector<RankRun> got = run(s, 0, kSteps);
       // The reference: every rank's parameters, m and v (the same on every rank), errors.
       Params init(DType::f64);
@@ -179,7 +191,7 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
       }
       std::vector<RefState> err;
       for (const Vec& x : p) err.push_back(fresh_state(w, onebit_padded(static_cast<int64_t>(x.size()), w)));
-      double worst = 0;
+      double worst = 0, worst_scale = 0;  // the largest difference, and |parameter|
       for (int t = 0; t < kSteps; ++t) {
         const double step = t + 1;
         for (size_t k = 0; k < p.size(); ++k) {
@@ -191,7 +203,7 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
           if (step <= s.freeze) {
             Vec g(static_cast<size_t>(n), 0.0);
             for (int r = 0; r < w; ++r) {
-              const Vec gr = grad_values(r, t, k, n);
+              const Vec gr = ref_grad(r, t, k, n, wake, s.freeze);
               for (int64_t i = 0; i < n; ++i) g[static_cast<size_t>(i)] += gr[static_cast<size_t>(i)];
             }
             for (double& x : g) x /= w;
@@ -204,14 +216,13 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
             const int64_t padded = onebit_padded(n, w);
             std::vector<Vec> x;
             for (int r = 0; r < w; ++r) {
-              const Vec gr = grad_values(r, t, k, n);
+              const Vec gr = ref_grad(r, t, k, n, wake, s.freeze);
               Vec mr(static_cast<size_t>(padded), 0.0);
               for (int64_t i = 0; i < n; ++i) {
                 const size_t j = static_cast<size_t>(i);
                 mr[j] = m[k][j] + (1 - kB1) * (gr[j] - m[k][j]);
-                if (precondition) {  // the update m / d is sent, within Adam's bound x bc1
-                  const double bound = std::max(1.0, (1 - kB1) / std::sqrt(1 - kB2)) * bc1;
-                  mr[j] = std::clamp(mr[j] / denom(j), -bound, bound);
+                if (precondition) {  // the update m / d is sent, within AdamW's bound
+                  mr[j] = std::clamp(mr[j] / denom(j), -kBound * std::sqrt(bc2), kBound * std::sqrt(bc2));
                 }
               }
               x.push_back(mr);
@@ -230,19 +241,22 @@ TEST_CASE("1-bit Adam after the warm-up equals an independent f64 1-bit Adam") {
             const Vec& have = got[static_cast<size_t>(r)].params[static_cast<size_t>(t)][k];
             for (int64_t i = 0; i < n; ++i) {
               worst = std::max(worst, std::abs(have[static_cast<size_t>(i)] - p[k][static_cast<size_t>(i)]));
+              worst_scale = std::max(worst_scale, std::abs(p[k][static_cast<size_t>(i)]));
             }
           }
         }
       }
-      MESSAGE(std::string(precondition ? "update" : "momentum"), ", ", std::string(onebit_scale_name(scale)), ", ", w,
-              " ranks, bias correction ", bias_correction, ": largest parameter difference ", worst);
-      CHECK(worst <= 1e-13);
+      MESSAGE(std::string(wake ? "wake, " : ""), std::string(precondition ? "update" : "momentum"), ", ",
+              std::string(onebit_scale_name(scale)), ", ", w, " ranks, bias correction ", bias_correction,
+              ": largest parameter difference ", worst);
+      CHECK(worst <= 1e-13 * std::max(1.0, worst_scale));
       ++configs;
     }
   }
   }
   }
-  CHECK(configs == 16);
+  }
+  CHECK(configs == 32);
 }
 
 TEST_CASE("1-bit Adam: an element with no gradient (frozen v = 0) takes its chunk's step when the update is sent") {
@@ -274,7 +288,7 @@ TEST_CASE("1-bit Adam: a gradient that appears after the freeze is sent within A
   // Parameter 0's element 0 has no gradient through the warm-up (v = 0) and 1 afterwards:
   // unbounded it sends (1 - beta1) / eps = 1e7 and sets its chunk's l1 scale, so every
   // element of the chunk moves by ~1e5 lr; bounded (the default) it sends at most
-  // max(1, (1 - beta1) / sqrt(1 - beta2)) bc1, and no element moves by more than a few lr.
+  // kBound sqrt(bc2), and no element moves by more than lr / bc1 times that.
   for (bool bound : {true, false}) {
     CAPTURE(bound);
     const Setup s{.ranks = 2, .freeze = 2, .wake_first = true, .bound_update = bound};
@@ -288,7 +302,9 @@ TEST_CASE("1-bit Adam: a gradient that appears after the freeze is sent within A
     }
     MESSAGE(std::string(bound ? "bounded" : "unbounded"), ": the largest step ", most, " (lr ", kLr, ")");
     if (bound) {
-      CHECK(most < 10 * kLr);
+      // Every sent element within kBound sqrt(bc2), so each scale and step within lr / bc1 of it.
+      const double bc1 = 1 - std::pow(kB1, 3), bc2 = 1 - std::pow(kB2, 2);
+      CHECK(most <= kLr / bc1 * kBound * std::sqrt(bc2) * (1 + 1e-12));
     } else {
       CHECK(most > 1e4 * kLr);
     }
@@ -361,7 +377,26 @@ TEST_CASE("1-bit Adam: bad options and states are errors naming the value") {
     const Tensor q = zeros({4});
     OnebitAdam other({{{q}, {}}}, *world, {.scale = OnebitScale::l2});
     CHECK(contains(error_of([&] { other.load_state_dict(opt.state_dict()); }),
-                   "precondition true, scale l1 and bound_update true; this optimizer has 100, true, true, l2 and true"));
+                   "OnebitAdam: the state dict was saved with freeze_step 100, bias_correction "
+                   "true, and sends the update with l1 scales, bounded; this optimizer has "
+                   "freeze_step 100, bias_correction true, and sends the update with l2 scales, "
+                   "bounded (gpt, mnist: --onebit_freeze, --onebit_send, --onebit_scale, "
+                   "--onebit_bound)"));
+    // The bound only matters when the update is sent: the momentum resumes either way.
+    const Tensor r = zeros({4});
+    OnebitAdam paper({{{r}, {}}}, *world, {.precondition = false, .scale = OnebitScale::l2});
+    OnebitAdam paper_unbounded({{{zeros({4})}, {}}}, *world,
+                               {.precondition = false, .scale = OnebitScale::l2, .bound_update = false});
+    paper_unbounded.load_state_dict(paper.state_dict());
+    // A dict from before precondition, scale and bound_update existed stands for the paper's.
+    optim::Optimizer::StateDict older = paper.state_dict();
+    for (const char* key : {"hparam.precondition", "hparam.scale_l2", "hparam.bound_update"}) {
+      CHECK(older.erase(key) == 1);
+    }
+    paper_unbounded.load_state_dict(older);
+    CHECK(contains(error_of([&] { opt.load_state_dict(older); }),
+                   "was saved with freeze_step 100, bias_correction true, and sends the momentum "
+                   "with l2 scales; this optimizer has"));
   });
 }
 

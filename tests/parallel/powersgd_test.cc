@@ -22,6 +22,7 @@
 
 #include "parallel/comm/threads.h"
 #include "parallel/powersgd.h"
+#include "parallel/zero.h"
 #include "tensor/ops.h"
 #include "tests/parallel/powersgd_reference.h"
 #include "tests/testing.h"
@@ -239,6 +240,26 @@ TEST_CASE("PowerSGD's drawn Qs do not depend on the bucket layout") {
     ++configs;
   }
   CHECK(configs == 2);
+}
+
+TEST_CASE("ZeRO 1-3 with a comm hook: every rank must reduce the same way") {
+  // A rank with PowerSGD and one without would pair different collectives and hang: the
+  // members' options (the hook's name among them) are compared at construction.
+  int stages = 0;
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    std::vector<std::string> errors(2);
+    run_threads(2, [&](CommPtr world) {
+      Params model;
+      std::shared_ptr<CommHook> hook;
+      if (world->rank() == 0) hook = std::make_shared<PowerSgd>();
+      errors[static_cast<size_t>(world->rank())] =
+          error_of([&] { ZeroDataParallel z(model, *world, {.stage = stage, .comm_hook = hook}); });
+    });
+    for (const std::string& e : errors) CHECK(contains(e, "disagree on the parameter list (names, shapes, dtypes) or the options"));
+    ++stages;
+  }
+  CHECK(stages == 3);
 }
 
 TEST_CASE("PowerSGD agrees with PyTorch's powerSGD_hook on the same gradients and initial Qs") {
