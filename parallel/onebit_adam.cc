@@ -237,9 +237,8 @@ OnebitAdam::Local OnebitAdam::local_momentum(const Pending& item) {
   // Padded for the 1-bit all-reduce, with this parameter's error feedback.
   const int64_t n = m.numel(), padded = onebit_padded(n, w);
   // AdamW's denominator with the variance of the last warm-up step (frozen).
-  const double bc2 = options_.bias_correction
-                         ? 1.0 - std::pow(options_.betas.second, static_cast<double>(options_.freeze_step))
-                         : 1.0;
+  const double frozen = static_cast<double>(options_.freeze_step);
+  const double bc2 = options_.bias_correction ? 1.0 - std::pow(options_.betas.second, frozen) : 1.0;
   Tensor denom = sqrt(s.at("exp_avg_sq")) / std::sqrt(bc2) + options_.eps;
   auto [it, fresh] = hook_->errors_.try_emplace(item.index);
   if (fresh) {
@@ -254,7 +253,8 @@ OnebitAdam::Local OnebitAdam::local_momentum(const Pending& item) {
     // Within the largest |m| / sqrt(v) AdamW can reach, on u's scale (u carries sqrt(bc2)).
     const double bound = update_bound() * std::sqrt(bc2);
     if (options_.bound_update && std::isfinite(bound)) {
-      sent = minimum(maximum(sent, scalar_like(-bound, sent, kName)), scalar_like(bound, sent, kName));
+      sent = minimum(maximum(sent, scalar_like(-bound, sent, kName)),
+                     scalar_like(bound, sent, kName));
     }
   }
   buf.narrow(0, 0, n).copy_(sent.reshape({n}));

@@ -16,13 +16,13 @@
 //                                        worker and server error feedback (parallel/onebit.h)
 //   m = u d
 //   p = p (1 - lr wd) - lr / bc1 * u
-// (clamp: OnebitAdamOptions::bound_update, the largest |m| / sqrt(v) AdamW reaches). With precondition false
-// (the paper's, DeepSpeed's) m itself is reduced, unclamped, and u = m / d. d is the same on
-// every rank, so both average the same thing; they differ in what the signs' scale is
-// spread over (OnebitAdamOptions::precondition). The default scale is l1 (mean |x|),
-// DeepSpeed's is l2 (onebit.h). On the default GPT the paper's pair (momentum, l2) diverges
-// after the freeze and the default does not; on the MNIST CNN the clamp is what keeps the
-// default from diverging (BENCHMARKS.md).
+// (clamp: OnebitAdamOptions::bound_update, the largest |m| / sqrt(v) AdamW reaches). With
+// precondition false (the paper's, DeepSpeed's) m itself is reduced, unclamped, and
+// u = m / d. d is the same on every rank, so both average the same thing; they differ in
+// what the signs' scale is spread over (OnebitAdamOptions::precondition). The default
+// scale is l1 (mean |x|), DeepSpeed's is l2 (onebit.h). On the default GPT the paper's pair
+// (momentum, l2) diverges after the freeze and the default does not; on the MNIST CNN the
+// clamp is what keeps the default from diverging (BENCHMARKS.md).
 // About 1/32 of the bytes of an f32 gradient all-reduce per step. Each rank's error feedback
 // lives in the hook (a per-rank state, checkpointed per rank as every comm hook's is); the
 // optimizer's state (m, v, step) is the same on every rank. Not for ZeRO's flat shards (a

@@ -37,11 +37,12 @@ void bind_compress_flags(Flags& f, CompressChoice& c) {
   f.bind("onebit_freeze", c.onebit_freeze,
          "1-bit Adam: AdamW warm-up steps before the variance freezes (0: 20% of the steps)");
   f.bind("onebit_send", c.onebit_send,
-         "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the paper's)");
+         "1-bit Adam: what is compressed, update (m / (sqrt(v) + eps)) or momentum (m, the "
+         "paper's)");
   f.bind("onebit_scale", c.onebit_scale,
          "1-bit Adam: the signs' scale, l1 (mean |x|) or l2 (||x|| / sqrt(n), DeepSpeed's)");
   f.bind("onebit_bound", c.onebit_bound,
-         "1-bit Adam: clamp the sent update to Adam's step bound max(1, (1 - beta1) / sqrt(1 - beta2))");
+         "1-bit Adam: clamp the sent update to the largest |m| / sqrt(v) AdamW can reach");
 }
 
 void validate_compress(const char* program, const CompressChoice& c, const std::string& optimizer) {
