@@ -138,10 +138,13 @@ class CpuAllocator final : public Allocator {
       }
     }
     if (p == nullptr) {
-      p = std::aligned_alloc(cls >= kCacheMin ? kHugePage : 64, static_cast<size_t>(cls));
+      // posix_memalign: a size class need not be a multiple of the alignment (1 MiB classes
+      // on 2 MiB huge-page boundaries), which aligned_alloc requires in C11.
+      const size_t align = cls >= kCacheMin ? kHugePage : 64;
+      if (posix_memalign(&p, align, static_cast<size_t>(cls)) != 0) p = nullptr;
       if (p == nullptr) {
         empty_cache();
-        p = std::aligned_alloc(cls >= kCacheMin ? kHugePage : 64, static_cast<size_t>(cls));
+        if (posix_memalign(&p, align, static_cast<size_t>(cls)) != 0) p = nullptr;
       }
       if (p == nullptr) {
         fail("cpu allocator: out of memory allocating {} bytes ({:.1f} MiB) of {} ({:.1f} MiB "
