@@ -1,6 +1,7 @@
 #include "models/common/comm_hooks.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <vector>
@@ -139,6 +140,10 @@ void load_hook_state(const char* program, parallel::CommHook* hook, parallel::Co
            program, kind.empty() ? "an unnamed hook" : kind, hook->name(),
            kind.empty() ? "none" : kind);
   saved.erase("kind");
+  TS_CHECK(saved.count("layout") == 0,
+           "{}: the checkpoint's gradient compression state was saved per rank by a --pp/--tp "
+           "run: resume with its --pp, --dp, --tp and --zero",
+           program);
   if (saved.count("zero") != 0) {  // older checkpoints: ZeRO 0, the only stage hooks had
     const int64_t was = saved.at("zero").item<int64_t>();
     TS_CHECK(was == zero,
@@ -160,6 +165,91 @@ void load_hook_state(const char* program, parallel::CommHook* hook, parallel::Co
              "is per rank)",
              program, v.dim() >= 1 ? v.size(0) : 0, key, shape_str(v.shape()), comm->size());
     mine[key] = v.select(0, comm->rank()).contiguous().clone();
+  }
+  hook->load_state_dict(mine);
+}
+
+std::map<std::string, Tensor> own_hook_state(const parallel::CommHook& hook, int rank,
+                                             const std::vector<int64_t>& layout) {
+  std::map<std::string, Tensor> out;
+  for (const auto& [key, v] : hook.state_dict()) {
+    out[fmt::format("comm.r{}.{}", rank, key)] = v.to(kCPU).contiguous();
+  }
+  if (rank == 0) {
+    out["comm.kind"] = name_tensor(hook.name());
+    out["comm.layout"] = Tensor::from_vector<int64_t>(layout, {static_cast<int64_t>(layout.size())});
+  }
+  return out;
+}
+
+std::map<std::string, Tensor> world_hook_state(const parallel::CommHook& hook,
+                                               parallel::Communicator& world,
+                                               const std::vector<int64_t>& layout) {
+  parallel::CommCause cause("checkpoint comm hook state", parallel::CommKind::control);
+  const std::map<std::string, Tensor> mine = own_hook_state(hook, world.rank(), layout);
+  std::map<std::string, Tensor> out;
+  for (int r = 0; r < world.size(); ++r) {
+    // Rank r's manifest: per entry the name's bytes, the dtype, the rank and the dims.
+    std::vector<int64_t> code;
+    if (r == world.rank()) {
+      for (const auto& [key, v] : mine) {
+        code.push_back(static_cast<int64_t>(key.size()));
+        code.insert(code.end(), key.begin(), key.end());
+        code.push_back(static_cast<int64_t>(v.dtype()));
+        code.push_back(v.dim());
+        code.insert(code.end(), v.shape().begin(), v.shape().end());
+      }
+    }
+    Tensor length = Tensor::from_vector<int64_t>({static_cast<int64_t>(code.size())}, {1});
+    world.broadcast(length, r);
+    const int64_t n = length.to_vector<int64_t>()[0];
+    Tensor encoded = r == world.rank() ? Tensor::from_vector<int64_t>(code, {n}) : zeros({n}, DType::i64);
+    world.broadcast(encoded, r);
+    code = encoded.to_vector<int64_t>();
+    for (size_t at = 0; at < code.size();) {
+      const int64_t len = code.at(at++);
+      std::string key;
+      for (int64_t c = 0; c < len; ++c) key.push_back(static_cast<char>(code.at(at++)));
+      const auto dtype = static_cast<DType>(code.at(at++));
+      Shape shape(static_cast<size_t>(code.at(at++)));
+      for (int64_t& d : shape) d = code.at(at++);
+      const Tensor t = r == world.rank() ? mine.at(key).clone() : Tensor::empty(shape, dtype);
+      world.broadcast(t, r);
+      out[key] = t;
+    }
+  }
+  return out;
+}
+
+void load_world_hook_state(const char* program, parallel::CommHook* hook, int rank,
+                           optim::Optimizer::StateDict& dict, const std::vector<int64_t>& layout,
+                           const char* layout_flags) {
+  std::map<std::string, Tensor> saved;
+  for (auto it = dict.begin(); it != dict.end();) {
+    if (it->first.starts_with("comm.")) {
+      saved[it->first.substr(5)] = it->second;
+      it = dict.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (hook == nullptr || saved.empty()) return;
+  const std::string kind = saved.count("kind") ? name_of(saved.at("kind")) : "";
+  TS_CHECK(kind == hook->name(),
+           "{}: the checkpoint's gradient compression state is {}'s, not {}'s: resume with "
+           "--compress={}",
+           program, kind.empty() ? "an unnamed hook" : kind, hook->name(),
+           kind.empty() ? "none" : kind);
+  const std::vector<int64_t> was =
+      saved.count("layout") ? saved.at("layout").to_vector<int64_t>() : std::vector<int64_t>{};
+  TS_CHECK(was == layout,
+           "{}: the checkpoint's gradient compression state was saved by a run of {} [{}]; this "
+           "run has [{}]: resume with the same (each rank's error feedback is its own)",
+           program, layout_flags, fmt::join(was, ", "), fmt::join(layout, ", "));
+  const std::string prefix = fmt::format("r{}.", rank);
+  std::map<std::string, Tensor> mine;
+  for (const auto& [key, v] : saved) {
+    if (key.starts_with(prefix)) mine[key.substr(prefix.size())] = v.contiguous().clone();
   }
   hook->load_state_dict(mine);
 }

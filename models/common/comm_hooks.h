@@ -74,4 +74,21 @@ std::map<std::string, Tensor> gather_hook_state(const parallel::CommHook& hook,
 void load_hook_state(const char* program, parallel::CommHook* hook, parallel::Communicator* comm,
                      optim::Optimizer::StateDict& dict, int64_t zero);
 
+// For layouts whose ranks hold different parameters (--pp, --tp): each rank's hook state
+// as "comm.r<world rank>.<key>", with "comm.kind" and "comm.layout" (`layout`, e.g. pp, dp,
+// tp, zero, checked on resume). world_hook_state is collective over `world` and every rank
+// gets every rank's entries (the keys, dtypes and shapes travel first); own_hook_state is
+// this rank's alone (a sharded checkpoint's writer adds its own), kind and layout on rank 0.
+std::map<std::string, Tensor> world_hook_state(const parallel::CommHook& hook,
+                                               parallel::Communicator& world,
+                                               const std::vector<int64_t>& layout);
+std::map<std::string, Tensor> own_hook_state(const parallel::CommHook& hook, int rank,
+                                             const std::vector<int64_t>& layout);
+// Takes the "comm." entries out of `dict` and, with a hook, loads this rank's (`rank`);
+// Error naming the flags when another hook or another layout (`layout_flags` names its
+// parts: "--pp, --dp, --tp, --zero") saved them. Without entries the hook starts afresh.
+void load_world_hook_state(const char* program, parallel::CommHook* hook, int rank,
+                           optim::Optimizer::StateDict& dict, const std::vector<int64_t>& layout,
+                           const char* layout_flags);
+
 }  // namespace tessera::models

@@ -95,6 +95,7 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   s.holder_order = decay_first(holder_names);
   parallel::ZeroOptions zopt;
   zopt.stage = static_cast<int>(opt.zero);
+  zopt.comm_hook = opt.comm_hook;
   zopt.decay = [shapes](const std::string& name, const Tensor&) {
     return shapes.at(name).size() >= 2;
   };

@@ -27,6 +27,7 @@
 #include "models/gpt/model.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
+#include "parallel/comm_hook.h"
 #include "parallel/comm/communicator.h"
 
 namespace tessera::gpt {
@@ -45,6 +46,9 @@ struct Gpt3dOptions {
   double loss_scale = 0.0;
   bool sequence_parallel = false;  // the residual stream split along the sequence on tp
   double lr = 1e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95;
+  // The gradient reduction over dp replaced by this rank's hook (ZeroOptions::comm_hook:
+  // PowerSGD on the stages' and shards' own tensors); null: exact.
+  std::shared_ptr<parallel::CommHook> comm_hook = nullptr;
   // The optimizer over this rank's shards' groups (elementwise: an Error otherwise); null:
   // AdamW with the values above.
   std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>

@@ -82,10 +82,10 @@ void validate_train_config(const GptTrainConfig& c) {
   models::validate_compress(gpt, c.compress, c.optimizer);
   models::require_compress_zero(gpt, c.compress, c.zero);
   if (c.compress.name != "none") {
-    TS_CHECK(c.pp == 1 && c.tp == 1,
-             "gpt: --compress={} compresses the data-parallel gradient reduction of --dp/--zero; "
-             "it cannot be combined with --pp {} or --tp {} yet",
-             c.compress.name, c.pp, c.tp);
+    TS_CHECK(c.compress.name != "onebit_adam" || (c.pp == 1 && c.tp == 1),
+             "gpt: --compress=onebit_adam keeps whole-tensor state on every rank and a scale per "
+             "tensor; it cannot be combined with --pp {} or --tp {} yet (--compress=powersgd can)",
+             c.pp, c.tp);
     TS_CHECK(!c.check, "gpt: --compress={} approximates the gradients, so --check (equality "
              "with one device) does not apply", c.compress.name);
     TS_CHECK(c.precision != "f16",

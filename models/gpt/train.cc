@@ -596,7 +596,9 @@ class Gpt3dReplica final : public models::Replica {
                const std::function<void(const std::string&)>& say)
       : c_(config), world_(std::move(world)), say_(say), batches_(config),
         model_((manual_seed(static_cast<uint64_t>(config.seed)), config.model_config())),
-        after_init_(default_generator().offset()), g_(model_, world_, gpt3d_options(config)),
+        after_init_(default_generator().offset()),
+        hook_(models::make_comm_hook("gpt", config.compress, static_cast<uint64_t>(config.seed))),
+        g_(model_, world_, with_hook(gpt3d_options(config), hook_)),
         eval_model_(config.model_config()) {
     // The generator continues from where one device's is after building its model (dropout
     // draws from there); building the evaluation model drew more.
@@ -605,6 +607,14 @@ class Gpt3dReplica final : public models::Replica {
 
   Gpt& eval_model() { return eval_model_; }
   std::string describe() const { return g_.describe(); }
+  // --compress: rank 0's last round, elements sent over an exact reduction's (1: none).
+  double compress_ratio() const {
+    if (!hook_) return 1.0;
+    const parallel::CommHook::Traffic t = hook_->last_round();
+    return t.uncompressed > 0 ? static_cast<double>(t.sent) / static_cast<double>(t.uncompressed)
+                              : 1.0;
+  }
+  std::string line_suffix() const override { return hook_ ? models::hook_traffic(*hook_) : ""; }
   std::string optimizer_kind() const { return optimizer_label(g_.optimizer(), c_); }
   const optim::Optimizer& optimizer() const { return g_.optimizer(); }
   int64_t skipped_steps() const { return g_.skipped_steps(); }
@@ -627,11 +637,18 @@ class Gpt3dReplica final : public models::Replica {
         return region_of(reader.read(key), key, global, starts, shape);
       };
       g_.read_blocks(source);
+      optim::Optimizer::StateDict comm;  // each rank's gradient compression state, whole
+      for (const std::string& key : reader.keys("comm.")) comm[key] = reader.read(key);
+      models::load_world_hook_state("gpt", hook_.get(), world_->rank(), comm, layout(),
+                                    kLayoutFlags);
       return resumed(c_, sharded_state(reader, g_.scaler()), world_->rank() == 0, say_);
     }
     const models::TrainingState s = models::load_checkpoint(
         c_.resume,
-        [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& state) {
+        [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& saved) {
+          optim::Optimizer::StateDict state = saved;  // this rank's compression state out
+          models::load_world_hook_state("gpt", hook_.get(), world_->rank(), state, layout(),
+                                        kLayoutFlags);
           g_.load_state_dicts(weights, state);
         },
         g_.scaler());
@@ -659,10 +676,16 @@ class Gpt3dReplica final : public models::Replica {
       save_sharded(c_, world_.get(), step, g_.scaler(), [&](models::ShardedCheckpointWriter& w) {
         g_.write_blocks([&](const std::string& key, const Tensor& block, const Shape& global,
                             const std::vector<int64_t>& starts) { w.add(key, block, global, starts); });
+        if (hook_) {  // each rank its own compression state, whole
+          for (const auto& [key, t] : models::own_hook_state(*hook_, world_->rank(), layout())) {
+            w.add(key, t, t.shape(), std::vector<int64_t>(static_cast<size_t>(t.dim()), 0));
+          }
+        }
       });
       return;
     }
-    const auto [weights, state] = g_.state_dicts();
+    auto [weights, state] = g_.state_dicts();
+    if (hook_) state.merge(models::world_hook_state(*hook_, *world_, layout()));  // collective
     if (world_->rank() == 0) {
       models::save_checkpoint(c_.save, weights, state, g_.scaler(), training_state(c_, step));
     }
@@ -676,13 +699,23 @@ class Gpt3dReplica final : public models::Replica {
     return gpt::evaluate(eval_model_, batches_, c_.val_batches, DType::f32);
   }
 
+  // What a compression state is per rank for: the layout's pp, dp, tp and ZeRO stage.
+  std::vector<int64_t> layout() const { return {c_.pp, c_.dp, c_.tp, c_.zero}; }
+  static constexpr const char* kLayoutFlags = "--pp, --dp, --tp, --zero";
+
  private:
+  static Gpt3dOptions with_hook(Gpt3dOptions o, std::shared_ptr<parallel::CommHook> hook) {
+    o.comm_hook = std::move(hook);
+    return o;
+  }
+
   const GptTrainConfig& c_;
   parallel::CommPtr world_;
   const std::function<void(const std::string&)>& say_;
   const GptData batches_;
   Gpt model_;
   uint64_t after_init_;
+  std::shared_ptr<parallel::CommHook> hook_;  // --compress (null: none)
   Gpt3d g_;
   Gpt eval_model_;
   double lr_ = 0.0;
@@ -718,6 +751,7 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
 
   GptResult result;
   result.skipped_steps = replica.skipped_steps();
+  result.compress_ratio = replica.compress_ratio();
   // This rank's optimizer state over its shards (a stage's parameters, cut by tp and ZeRO),
   // per element it steps, beside the formula's figure for the whole model.
   const optim::Optimizer& opt = replica.optimizer();

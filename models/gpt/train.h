@@ -114,8 +114,8 @@ struct GptTrainConfig {
   int64_t zero = 0;
   int64_t accum = 1;
   // Gradient compression over dp (models/common/comm_hooks.h: --compress=powersgd on ZeRO
-  // 0-3, or onebit_adam in AdamW's place on ZeRO 0, with their flags); no pp/tp yet.
-  // Checkpoints keep each rank's error feedback (a resume needs the same --dp and --zero).
+  // 0-3 and pp/tp, or onebit_adam in AdamW's place on ZeRO 0 without pp/tp, with their
+  // flags). Checkpoints keep each rank's error feedback (a resume needs the same layout).
   models::CompressChoice compress;
   // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
   // (ZeRO 0-3 over dp), `microbatches` per dp rank and pipeline run by `schedule` (gpipe,
