@@ -240,8 +240,11 @@ void load_world_hook_state(const char* program, parallel::CommHook* hook, int ra
            "--compress={}",
            program, kind.empty() ? "an unnamed hook" : kind, hook->name(),
            kind.empty() ? "none" : kind);
-  const std::vector<int64_t> was =
-      saved.count("layout") ? saved.at("layout").to_vector<int64_t>() : std::vector<int64_t>{};
+  TS_CHECK(saved.count("layout") != 0,
+           "{}: the checkpoint's gradient compression state was saved by a run without --pp "
+           "or --tp (gathered over dp, not per rank): resume with that run's --dp and --zero",
+           program);
+  const std::vector<int64_t> was = saved.at("layout").to_vector<int64_t>();
   TS_CHECK(was == layout,
            "{}: the checkpoint's gradient compression state was saved by a run of {} [{}]; this "
            "run has [{}]: resume with the same (each rank's error feedback is its own)",

@@ -1044,6 +1044,23 @@ TEST_CASE("--compress=powersgd on --pp and --tp: exact steps first, per-rank sta
     ++layouts;
   }
   CHECK(layouts == 3);
+  // A dp-only run's state (gathered over dp) is not per rank: refused both ways.
+  GptTrainConfig flat = short_run(8);
+  flat.dp = 2;
+  flat.compress.name = "powersgd";
+  flat.compress.powersgd_start = 3;
+  flat.max_steps = 4;
+  flat.save = temp_dir() + "/gpt_powersgd_flat.safetensors";
+  train_gpt(flat);
+  GptTrainConfig deep = flat;
+  deep.save.clear();
+  deep.max_steps = 0;
+  deep.resume = flat.save;
+  deep.heads = 4;
+  deep.tp = 2;
+  CHECK(contains(error_of([&] { train_gpt(deep); }),
+                 "gpt: the checkpoint's gradient compression state was saved by a run without "
+                 "--pp or --tp"));
   GptTrainConfig bad = short_run(8);
   bad.pp = 2;
   bad.dp = 2;
