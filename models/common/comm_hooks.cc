@@ -28,6 +28,31 @@ std::string name_of(const Tensor& t) {
   return out;
 }
 
+// Takes the "comm." entries out of `dict`, keyed without the prefix.
+std::map<std::string, Tensor> take_comm_entries(optim::Optimizer::StateDict& dict) {
+  std::map<std::string, Tensor> saved;
+  for (auto it = dict.begin(); it != dict.end();) {
+    if (it->first.starts_with("comm.")) {
+      saved[it->first.substr(5)] = it->second;
+      it = dict.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return saved;
+}
+
+// Error naming --compress unless `hook`'s kind wrote `saved` (its "kind" entry).
+void check_hook_kind(const char* program, const std::map<std::string, Tensor>& saved,
+                     const parallel::CommHook& hook) {
+  const std::string kind = saved.count("kind") ? name_of(saved.at("kind")) : "";
+  TS_CHECK(kind == hook.name(),
+           "{}: the checkpoint's gradient compression state is {}'s, not {}'s: resume with "
+           "--compress={}",
+           program, kind.empty() ? "an unnamed hook" : kind, hook.name(),
+           kind.empty() ? "none" : kind);
+}
+
 }  // namespace
 
 void bind_compress_flags(Flags& f, CompressChoice& c) {
@@ -122,23 +147,10 @@ std::map<std::string, Tensor> gather_hook_state(const parallel::CommHook& hook,
 
 void load_hook_state(const char* program, parallel::CommHook* hook, parallel::Communicator* comm,
                      optim::Optimizer::StateDict& dict, int64_t zero) {
-  std::map<std::string, Tensor> saved;
-  for (auto it = dict.begin(); it != dict.end();) {
-    if (it->first.starts_with("comm.")) {
-      saved[it->first.substr(5)] = it->second;
-      it = dict.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  std::map<std::string, Tensor> saved = take_comm_entries(dict);
   if (hook == nullptr || saved.empty()) return;
   TS_CHECK(comm != nullptr, "{}: a comm hook needs a data-parallel group", program);
-  const std::string kind = saved.count("kind") ? name_of(saved.at("kind")) : "";
-  TS_CHECK(kind == hook->name(),
-           "{}: the checkpoint's gradient compression state is {}'s, not {}'s: resume with "
-           "--compress={}",
-           program, kind.empty() ? "an unnamed hook" : kind, hook->name(),
-           kind.empty() ? "none" : kind);
+  check_hook_kind(program, saved, *hook);
   saved.erase("kind");
   TS_CHECK(saved.count("layout") == 0,
            "{}: the checkpoint's gradient compression state was saved per rank by a --pp/--tp "
@@ -224,22 +236,9 @@ std::map<std::string, Tensor> world_hook_state(const parallel::CommHook& hook,
 void load_world_hook_state(const char* program, parallel::CommHook* hook, int rank,
                            optim::Optimizer::StateDict& dict, const std::vector<int64_t>& layout,
                            const char* layout_flags) {
-  std::map<std::string, Tensor> saved;
-  for (auto it = dict.begin(); it != dict.end();) {
-    if (it->first.starts_with("comm.")) {
-      saved[it->first.substr(5)] = it->second;
-      it = dict.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  std::map<std::string, Tensor> saved = take_comm_entries(dict);
   if (hook == nullptr || saved.empty()) return;
-  const std::string kind = saved.count("kind") ? name_of(saved.at("kind")) : "";
-  TS_CHECK(kind == hook->name(),
-           "{}: the checkpoint's gradient compression state is {}'s, not {}'s: resume with "
-           "--compress={}",
-           program, kind.empty() ? "an unnamed hook" : kind, hook->name(),
-           kind.empty() ? "none" : kind);
+  check_hook_kind(program, saved, *hook);
   TS_CHECK(saved.count("layout") != 0,
            "{}: the checkpoint's gradient compression state was saved by a run without --pp "
            "or --tp (gathered over dp, not per rank): resume with that run's --dp and --zero",

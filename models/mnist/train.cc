@@ -226,16 +226,10 @@ class MnistReplica final : public models::Replica {
     }
   }
   Tensor forward_backward(int64_t /*step*/, int /*micro*/) override {
-    Tensor x = batch_.inputs, y = batch_.targets;
-    if (comm_ != nullptr) {  // this rank's rows of the batch
-      const int64_t rows = x.size(0) / comm_->size();
-      x = narrow(x, 0, comm_->rank() * rows, rows);
-      y = narrow(y, 0, comm_->rank() * rows, rows);
-    }
-    Tensor loss;
+    Tensor loss;  // over this rank's rows of the batch (the loader's slice)
     {
       AutocastGuard amp(low_);
-      loss = cross_entropy(model_(x.to(device_)), y.to(device_));
+      loss = cross_entropy(model_(batch_.inputs.to(device_)), batch_.targets.to(device_));
     }
     const Tensor scaled = scaler_->scale(loss);
     if (zero_) {
@@ -356,6 +350,10 @@ MnistResult train_rank(const MnistConfig& config, parallel::Communicator* comm,
   // Every rank draws the same batches (the same seed) and trains on its slice of each.
   data::LoaderOptions lopt;
   lopt.batch_size = config.batch;
+  if (comm != nullptr) {
+    lopt.rank = comm->rank();
+    lopt.world = comm->size();
+  }
   lopt.shuffle = true;
   lopt.seed = static_cast<uint64_t>(config.seed);
   lopt.drop_last = true;  // equal batches: every step has the same shape and cost
