@@ -33,6 +33,14 @@ TS_REGISTER_DERIVATIVE(matmul, kIn0 | kIn1, 0, [](const GradCtx& c) {
                grad_b};
 });
 
+// x's gradient runs the same grouping through the transposed experts; the weights' is one
+// product per group (grouped_matmul_backward_weight), in w's logical layout [E, K, M].
+TS_REGISTER_DERIVATIVE(grouped_matmul, kIn0 | kIn1 | kIn2, 0, [](const GradCtx& c) {
+  const Tensor &x = c.input(0), &w = c.input(1), &sizes = c.input(2);
+  return Grads{c.needs(0) ? grouped_matmul(c.grad(), transpose(w, 1, 2), sizes) : Tensor(),
+               c.needs(1) ? grouped_matmul_backward_weight(x, c.grad(), sizes) : Tensor(), Tensor()};
+});
+
 TS_REGISTER_DERIVATIVE(softmax, 0, kOut0, [](const GradCtx& c) {
   const Tensor& y = c.output(0);
   const Tensor gy = c.grad() * y;

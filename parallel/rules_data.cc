@@ -248,6 +248,8 @@ TS_REGISTER_SHARDING_RULE(index_add, {.options = [](const AxisCtx& c) { return i
 TS_REGISTER_SHARDING_RULE(gather, {.options = [](const AxisCtx& c) { return indexed(c, {1}, {0}); }});
 TS_REGISTER_SHARDING_RULE(scatter_add, {.options = [](const AxisCtx& c) { return indexed(c, {1, 2}, {0, 2}); }});
 
+// counting_sort's order is over the whole key list: keys and outputs whole.
+TS_REGISTER_SHARDING_RULE(counting_sort, {.options = [](const AxisCtx& c) { return AxisOptions{all_replicate(c)}; }});
 TS_REGISTER_SHARDING_RULE(cat, {.options = cat_options});
 TS_REGISTER_SHARDING_RULE(stack, {.composite = true});
 TS_REGISTER_SHARDING_RULE(split, {.composite = true});

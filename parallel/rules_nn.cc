@@ -1,4 +1,4 @@
-// Sharding rules: matmul and the fused layers (softmax, layer_norm, cross_entropy,
+// Sharding rules: matmul, grouped_matmul and the fused layers (softmax, layer_norm, cross_entropy,
 // attention, conv2d, max_pool2d) with their backward helpers, and dropout.
 //
 // matmul follows Megatron: a split
@@ -157,6 +157,28 @@ AxisOptions conv2d_backward_weight_options(const AxisCtx& c) {
           {{Partial(), R}, {Partial()}}};
 }
 
+// grouped_matmul: x [N, K], w [E, K, M], sizes [E] -> [N, M]. The rows are grouped by the
+// sizes' values, so they stay whole; splitting each expert as Megatron splits a Linear
+// (expert tensor parallelism) is local: w's columns give output columns, split K a Partial.
+AxisOptions grouped_matmul_options(const AxisCtx& c) {
+  const Placement R = Replicate();
+  return {all_replicate(c),
+          {{R, Shard(2), R}, {Shard(1)}},
+          {{Shard(1), Shard(1), R}, {Partial()}},
+          {{Partial(), R, R}, {Partial()}},
+          {{R, Partial(), R}, {Partial()}}};
+}
+
+// grouped_matmul_backward_weight: x [N, K], grad [N, M], sizes [E] -> [E, K, M].
+AxisOptions grouped_matmul_backward_weight_options(const AxisCtx& c) {
+  const Placement R = Replicate();
+  return {all_replicate(c),
+          {{Shard(1), R, R}, {Shard(1)}},
+          {{R, Shard(1), R}, {Shard(2)}},
+          {{Partial(), R, R}, {Partial()}},
+          {{R, Partial(), R}, {Partial()}}};
+}
+
 // attention (q, k, v -> out, lse) and its backward (grad, q, k, v, out, lse -> dq, dk, dv):
 // every (batch, head) pair is independent, so a split batch (dim 0) or head dim (dim 1) of
 // all operands computes locally; the sequence and head-size dims stay whole.
@@ -175,6 +197,9 @@ AxisOptions pool_options(const AxisCtx& c) {
 }  // namespace
 
 TS_REGISTER_SHARDING_RULE(matmul, {.options = matmul_options});
+TS_REGISTER_SHARDING_RULE(grouped_matmul, {.options = grouped_matmul_options});
+TS_REGISTER_SHARDING_RULE(grouped_matmul_backward_weight,
+                          {.options = grouped_matmul_backward_weight_options});
 const bool kAlongDimRegistered = [] {
 #define TS_ALONG_DIM_RULE(name, kind, grad, family, props) \
   if (OpProps::props == OpProps::AlongDim) {               \

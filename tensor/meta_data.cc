@@ -88,6 +88,19 @@ std::vector<TensorSpec> topk_meta(std::span<const TensorSpec> in, const Attrs& a
   return {spec(s, x.dtype, x.device), spec(s, DType::i64, x.device)};
 }
 
+// counting_sort: keys [n] (integers in [0, k); checked by the kernel) -> the stable order
+// that sorts them, i64 [n], and the count of each key, i64 [k].
+std::vector<TensorSpec> counting_sort_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
+  constexpr OpId op = OpId::counting_sort;
+  require_count(op, in, 1);
+  const TensorSpec& keys = required(op, in, 0, "keys");
+  require_index(op, keys, "keys");
+  require_ndim(op, keys, 1, "keys");
+  TS_CHECK(attrs.k >= 1, "counting_sort: the number of buckets k = {} must be >= 1 (keys {})",
+           attrs.k, shape_str(keys.shape));
+  return {spec(keys.shape, DType::i64, keys.device), spec({attrs.k}, DType::i64, keys.device)};
+}
+
 std::vector<TensorSpec> scatter_add_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
   constexpr OpId op = OpId::scatter_add;
   require_count(op, in, 3);
@@ -238,6 +251,7 @@ TS_REGISTER_META(index_add, index_add_meta);
 TS_REGISTER_META(gather, gather_meta);
 TS_REGISTER_META(scatter_add, scatter_add_meta);
 TS_REGISTER_META(topk, topk_meta);
+TS_REGISTER_META(counting_sort, counting_sort_meta);
 TS_REGISTER_META(cat, cat_meta);
 TS_REGISTER_META(cast, cast_meta);
 TS_REGISTER_META(sign_pack, sign_pack_meta);

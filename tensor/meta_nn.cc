@@ -275,7 +275,49 @@ std::vector<TensorSpec> max_pool2d_backward_meta(std::span<const TensorSpec> in,
   return {spec(attrs.shape, grad.dtype, grad.device)};
 }
 
+// grouped_matmul: x [N, K] (rows grouped consecutively: group e has sizes[e] rows) times w
+// [E, K, M] -> [N, M]; group e's rows times w[e]. The sizes' values (summing to N) are checked
+// by the kernel: shapes do not depend on them.
+std::vector<TensorSpec> grouped_matmul_meta(std::span<const TensorSpec> in, const Attrs&) {
+  constexpr OpId op = OpId::grouped_matmul;
+  require_count(op, in, 3);
+  const TensorSpec& x = required(op, in, 0, "x");
+  const TensorSpec& w = required(op, in, 1, "weight");
+  const TensorSpec& sizes = required(op, in, 2, "group sizes");
+  require_float(op, x, "x");
+  require_same_dtype(op, x, w);
+  require_index(op, sizes, "group sizes");
+  require_ndim(op, x, 2, "x");
+  require_ndim(op, w, 3, "weight");
+  require_ndim(op, sizes, 1, "group sizes");
+  TS_CHECK(w.shape[1] == x.shape[1] && sizes.shape[0] == w.shape[0],
+           "grouped_matmul: x {} @ weight {} with group sizes {}: expected weight [E, {}, M] and "
+           "sizes [E]", shape_str(x.shape), shape_str(w.shape), shape_str(sizes.shape), x.shape[1]);
+  return {spec({x.shape[0], w.shape[2]}, x.dtype, x.device)};
+}
+
+// grouped_matmul_backward_weight: x [N, K], grad [N, M], sizes [E] -> [E, K, M], group e's
+// x rows transposed times its grad rows (an empty group gives zeros).
+std::vector<TensorSpec> grouped_matmul_backward_weight_meta(std::span<const TensorSpec> in, const Attrs&) {
+  constexpr OpId op = OpId::grouped_matmul_backward_weight;
+  require_count(op, in, 3);
+  const TensorSpec& x = required(op, in, 0, "x");
+  const TensorSpec& g = required(op, in, 1, "grad");
+  const TensorSpec& sizes = required(op, in, 2, "group sizes");
+  require_float(op, x, "x");
+  require_same_dtype(op, x, g);
+  require_index(op, sizes, "group sizes");
+  require_ndim(op, x, 2, "x");
+  require_ndim(op, g, 2, "grad");
+  require_ndim(op, sizes, 1, "group sizes");
+  TS_CHECK(g.shape[0] == x.shape[0], "grouped_matmul_backward_weight: x {} and grad {} must have "
+           "the same rows", shape_str(x.shape), shape_str(g.shape));
+  return {spec({sizes.shape[0], x.shape[1], g.shape[1]}, x.dtype, x.device)};
+}
+
 TS_REGISTER_META(matmul, matmul_meta);
+TS_REGISTER_META(grouped_matmul, grouped_matmul_meta);
+TS_REGISTER_META(grouped_matmul_backward_weight, grouped_matmul_backward_weight_meta);
 TS_REGISTER_META(softmax, softmax_meta<OpId::softmax>);
 TS_REGISTER_META(log_softmax, softmax_meta<OpId::log_softmax>);
 TS_REGISTER_META(layer_norm, layer_norm_meta);

@@ -98,6 +98,8 @@
   X(conv2d_backward_weight, Compute, NoDiff, Linear, None)        \
   X(max_pool2d, Compute, Diff, Fused, None)                       \
   X(max_pool2d_backward, Compute, NoDiff, Fused, None)            \
+  X(grouped_matmul, Compute, Diff, Linear, None)                  \
+  X(grouped_matmul_backward_weight, Compute, NoDiff, Linear, None) \
   /* indexing */                                                  \
   X(embedding, Compute, Diff, Index, None)                        \
   X(index_select, Compute, Diff, Index, None)                     \
@@ -105,6 +107,7 @@
   X(gather, Compute, Diff, Index, None)                           \
   X(scatter_add, Compute, Diff, Index, None)                      \
   X(topk, Compute, Diff, Index, AlongDim)                         \
+  X(counting_sort, Compute, NoDiff, Index, None)                  \
   /* joining and splitting */                                     \
   X(cat, Compute, Diff, Join, None)                               \
   X(stack, Composite, Diff, Join, None)                           \

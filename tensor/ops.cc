@@ -469,6 +469,10 @@ Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Sha
   return call1(OpId::conv2d_backward_input, {grad, weight}, a);
 }
 
+Tensor grouped_matmul_backward_weight(const Tensor& x, const Tensor& grad, const Tensor& sizes) {
+  return call1(OpId::grouped_matmul_backward_weight, {x, grad, sizes}, Attrs{});
+}
+
 Tensor conv2d_backward_weight(const Tensor& grad, const Tensor& x, const Shape& weight_shape,
                               std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
   Attrs a;

@@ -72,6 +72,12 @@ Tensor sum_to(const Tensor& x, const Shape& shape);
 // ---- linear algebra and fused layers -----------------------------------------------------
 // NumPy matmul: 1-D operands are promoted, batch dims broadcast.
 Tensor matmul(const Tensor& a, const Tensor& b);
+// Grouped (segmented) matmul for Mixture of Experts: x [N, K] holds E groups of consecutive
+// rows, sizes[e] of them (an integer tensor [E] summing to N); group e is multiplied by
+// w[e] (w [E, K, M], any strides): [N, M]. One op instead of E small matmuls.
+inline Tensor grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& sizes) {
+  return call(OpId::grouped_matmul, {x, w, sizes}, Attrs{})[0];
+}
 Tensor softmax(const Tensor& x, int64_t dim = -1);
 Tensor log_softmax(const Tensor& x, int64_t dim = -1);
 // Normalises over the trailing dims given by normalized_shape; weight/bias optional.
@@ -112,6 +118,14 @@ Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tens
 // index order), and their i64 indices: {values, indices}, x's shape with k along dim.
 inline std::vector<Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1) {
   return call(OpId::topk, {x}, op_attrs::topk(k, dim));
+}
+// A stable counting sort of integer keys [n] in [0, buckets): {order, counts}, order i64 [n]
+// the positions of the keys in sorted order (equal keys in position order), counts i64
+// [buckets]. Not differentiable (Mixture of Experts groups its tokens by expert with it).
+inline std::vector<Tensor> counting_sort(const Tensor& keys, int64_t buckets) {
+  Attrs a;
+  a.k = buckets;
+  return call(OpId::counting_sort, {keys}, a);
 }
 
 // ---- joining and splitting ---------------------------------------------------------------
@@ -263,5 +277,7 @@ Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Sha
                              std::array<int64_t, 2> stride, std::array<int64_t, 2> padding);
 Tensor conv2d_backward_weight(const Tensor& grad, const Tensor& x, const Shape& weight_shape,
                               std::array<int64_t, 2> stride, std::array<int64_t, 2> padding);
+// [E, K, M]: group e's rows of x [N, K] transposed times its rows of grad [N, M].
+Tensor grouped_matmul_backward_weight(const Tensor& x, const Tensor& grad, const Tensor& sizes);
 
 }  // namespace tessera

@@ -1,6 +1,6 @@
-// CPU indexing kernels: embedding, index_select, index_add, gather, scatter_add, topk. Indices
-// are checked (tessera::Error naming the op, the bad index and the size). Accumulating
-// kernels are parallel only over positions that never collide, and add in index order, so
+// CPU indexing kernels: embedding, index_select, index_add, gather, scatter_add, topk,
+// counting_sort. Indices are checked (tessera::Error naming the op, the bad index and the
+// size). Accumulating kernels are parallel only over positions that never collide, and add in index order, so
 // they are deterministic.
 #include <algorithm>
 #include <numeric>
@@ -187,7 +187,23 @@ void topk_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&
   });
 }
 
+// Keys in [0, k): counts per key, then each key's positions in position order (stable).
+void counting_sort_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  const std::vector<int64_t> keys = load_indices(in[0]);
+  int64_t* order = static_cast<int64_t*>(out[0].raw_data());
+  int64_t* counts = static_cast<int64_t*>(out[1].raw_data());
+  std::fill(counts, counts + a.k, int64_t{0});
+  for (int64_t key : keys) {
+    check_range("counting_sort", key, a.k, 0);
+    ++counts[key];
+  }
+  std::vector<int64_t> next(static_cast<size_t>(a.k), 0);
+  for (int64_t b = 1; b < a.k; ++b) next[b] = next[b - 1] + counts[b - 1];
+  for (size_t i = 0; i < keys.size(); ++i) order[next[keys[i]]++] = static_cast<int64_t>(i);
+}
+
 TS_REGISTER_KERNEL(cpu, embedding, embedding_kernel);
+TS_REGISTER_KERNEL(cpu, counting_sort, counting_sort_kernel);
 TS_REGISTER_KERNEL(cpu, index_select, index_select_kernel);
 TS_REGISTER_KERNEL(cpu, index_add, index_add_kernel);
 TS_REGISTER_KERNEL(cpu, gather, gather_kernel);

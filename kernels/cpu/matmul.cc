@@ -160,5 +160,107 @@ void matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
 
 TS_REGISTER_KERNEL(cpu, matmul, matmul_kernel);
 
+// ---- grouped matmul (Mixture of Experts) ----------------------------------------------------
+
+// The first row of each group and, last, N: the group sizes checked (non-negative, summing to
+// the rows of x).
+std::vector<int64_t> group_starts(const char* op, const Tensor& sizes, int64_t rows) {
+  const std::vector<int64_t> n = sizes.to_vector<int64_t>();
+  std::vector<int64_t> starts(n.size() + 1, 0);
+  for (size_t e = 0; e < n.size(); ++e) {
+    if (n[e] < 0) fail("{}: group {} has a negative size {}", op, e, n[e]);
+    starts[e + 1] = starts[e] + n[e];
+  }
+  if (starts.back() != rows) {
+    fail("{}: the group sizes sum to {} but x has {} rows", op, starts.back(), rows);
+  }
+  return starts;
+}
+
+// Group e's rows [starts[e], starts[e + 1]) of x times w[e]. Each product uses every thread
+// (the groups are the experts' token sets: few, and large when it matters).
+template <typename T>
+void grouped_matmul_typed(Tensor x, Tensor w, const std::vector<int64_t>& starts, const Tensor& out) {
+  const int64_t K = x.shape()[1], M = w.shape()[2];
+  T* op = static_cast<T*>(out.raw_data());
+  if constexpr (std::is_same_v<T, float>) {
+    const float* xp = static_cast<const float*>(x.raw_data());
+    const float* wp = static_cast<const float*>(w.raw_data());
+    for (size_t e = 0; e + 1 < starts.size(); ++e) {
+      const int64_t r0 = starts[e], m = starts[e + 1] - r0;
+      if (m == 0) continue;
+      sgemm(m, M, K, StridedMatrix{xp + r0 * x.strides()[0], x.strides()[0], x.strides()[1]},
+            StridedMatrix{wp + static_cast<int64_t>(e) * w.strides()[0], w.strides()[1], w.strides()[2]},
+            op + r0 * M, M);
+    }
+  } else {
+    bool x_row = true, w_row = true;
+    int64_t ldx = 0, ldw = 0;
+    if (!gemm_layout(x, x_row, ldx)) {
+      x = contiguous_cpu(x);
+      gemm_layout(x, x_row, ldx);
+    }
+    if (!gemm_layout(w, w_row, ldw)) {
+      w = contiguous_cpu(w);
+      gemm_layout(w, w_row, ldw);
+    }
+    const T* xp = static_cast<const T*>(x.raw_data());
+    const T* wp = static_cast<const T*>(w.raw_data());
+    for (size_t e = 0; e + 1 < starts.size(); ++e) {
+      const int64_t r0 = starts[e], m = starts[e + 1] - r0;
+      if (m == 0) continue;
+      const int64_t x_off = r0 * (x_row ? ldx : 1);
+      gemm<T>(MatView<T>{xp + x_off, m, K, ldx, x_row},
+              MatView<T>{wp + static_cast<int64_t>(e) * w.strides()[0], K, M, ldw, w_row}, op + r0 * M);
+    }
+  }
+}
+
+void grouped_matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  const std::vector<int64_t> starts = group_starts("grouped_matmul", in[2], in[0].shape()[0]);
+  const DType dt = in[0].dtype();
+  if (dt == DType::f32) return grouped_matmul_typed<float>(in[0], in[1], starts, out[0]);
+  if (dt == DType::f64) return grouped_matmul_typed<double>(in[0], in[1], starts, out[0]);
+  Tensor wide = Tensor::empty(out[0].shape(), DType::f32, out[0].device());
+  grouped_matmul_typed<float>(to_compute_cpu(in[0]), to_compute_cpu(in[1]), starts, wide);
+  copy_cpu(out[0], wide);
+}
+
+// dw[e] = x_e^T g_e: a [K, M] product over group e's rows (k = its size; zero rows give zeros).
+template <typename T>
+void grouped_weight_typed(const Tensor& x_in, const Tensor& g_in, const std::vector<int64_t>& starts,
+                          const Tensor& out) {
+  const Tensor x = contiguous_cpu(x_in), g = contiguous_cpu(g_in);
+  const int64_t K = x.shape()[1], M = g.shape()[1];
+  const T* xp = static_cast<const T*>(x.raw_data());
+  const T* gp = static_cast<const T*>(g.raw_data());
+  T* op = static_cast<T*>(out.raw_data());
+  for (size_t e = 0; e + 1 < starts.size(); ++e) {
+    const int64_t r0 = starts[e], n = starts[e + 1] - r0;
+    T* dst = op + static_cast<int64_t>(e) * K * M;
+    if constexpr (std::is_same_v<T, float>) {
+      sgemm(K, M, n, StridedMatrix{xp + r0 * K, 1, K}, StridedMatrix{gp + r0 * M, M, 1}, dst, M);
+    } else if (n == 0) {
+      std::fill(dst, dst + K * M, T(0));
+    } else {
+      gemm<T>(MatView<T>{xp + r0 * K, K, n, K, false}, MatView<T>{gp + r0 * M, n, M, M, true}, dst);
+    }
+  }
+}
+
+void grouped_matmul_backward_weight_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  const std::vector<int64_t> starts =
+      group_starts("grouped_matmul_backward_weight", in[2], in[0].shape()[0]);
+  const DType dt = in[0].dtype();
+  if (dt == DType::f32) return grouped_weight_typed<float>(in[0], in[1], starts, out[0]);
+  if (dt == DType::f64) return grouped_weight_typed<double>(in[0], in[1], starts, out[0]);
+  Tensor wide = Tensor::empty(out[0].shape(), DType::f32, out[0].device());
+  grouped_weight_typed<float>(to_compute_cpu(in[0]), to_compute_cpu(in[1]), starts, wide);
+  copy_cpu(out[0], wide);
+}
+
+TS_REGISTER_KERNEL(cpu, grouped_matmul, grouped_matmul_kernel);
+TS_REGISTER_KERNEL(cpu, grouped_matmul_backward_weight, grouped_matmul_backward_weight_kernel);
+
 }  // namespace
 }  // namespace tessera::cpu

@@ -54,12 +54,23 @@ void factories(std::vector<OpCase>& out) {
   }
 }
 
+// counting_sort takes integer keys only, so its record (no f64 case) does not run here.
+void counting_sorts(std::vector<OpCase>& out) {
+  for (auto [label, n, buckets] : {std::tuple{"[13] keys in [0, 4)", int64_t{13}, int64_t{4}},
+                                   std::tuple{"[6] keys in [0, 8)", int64_t{6}, int64_t{8}}}) {
+    Attrs a;
+    a.k = buckets;
+    out.push_back(op_case(OpId::counting_sort, label, {index({n}, 0, buckets - 1)}, a));
+  }
+}
+
 }  // namespace
 
 std::vector<OpCase> data_cases() {
   std::vector<OpCase> out;
   joining(out);
   factories(out);
+  counting_sorts(out);
   return out;
 }
 

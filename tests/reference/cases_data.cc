@@ -82,6 +82,48 @@ OpSweep topk_sweep() {
   return s;
 }
 
+// counting_sort: keys in [0, k) of the case's integer dtype; the reference sorts (key,
+// position) pairs with std::stable_sort and counts by scanning.
+OpSweep counting_sort_sweep() {
+  OpSweep s{OpId::counting_sort, {DType::i32, DType::i64}, {DType::f32, DType::f64, DType::b8}, {}, {}};
+  struct K {
+    const char* label;
+    int64_t n, buckets, hi;
+  };
+  for (const K& k : {K{"[12] in [0, 4)", 12, 4, 3}, K{"[30] in [0, 8), buckets 8 (some empty)", 30, 8, 5},
+                     K{"[0] buckets 3", 0, 3, 2}, K{"[9] one bucket", 9, 1, 0}}) {
+    Case c;
+    c.label = k.label;
+    c.args = {arg({k.n}, uniform(0, 1), ints(0, k.hi))};
+    c.attrs.k = k.buckets;
+    c.ref = [b = k.buckets](const Arrays& in, DType) {
+      const int64_t n = in[0].numel();
+      std::vector<std::pair<double, int64_t>> pairs;
+      for (int64_t i = 0; i < n; ++i) pairs.push_back({in[0].data[i], i});
+      std::stable_sort(pairs.begin(), pairs.end(),
+                       [](const auto& p, const auto& q) { return p.first < q.first; });
+      NdArray order = NdArray::zeros({n}), counts = NdArray::zeros({b});
+      for (int64_t i = 0; i < n; ++i) {
+        order.data[i] = static_cast<double>(pairs[i].second);
+        counts.data[static_cast<int64_t>(pairs[i].first)] += 1;
+      }
+      return Arrays{order, counts};
+    };
+    c.out_dtype = [](DType, size_t) { return DType::i64; };
+    c.exact = true;
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    expect_error("counting_sort key 4 with 4 buckets",
+                 [] { counting_sort(Tensor::from_vector<int64_t>({0, 4}, {2}), 4); });
+    expect_error("counting_sort negative key",
+                 [] { counting_sort(Tensor::from_vector<int64_t>({-1}, {1}), 4); });
+    expect_error("counting_sort 0 buckets", [] { counting_sort(Tensor::from_vector<int64_t>({0}, {1}), 0); });
+    expect_error("counting_sort 2-d keys", [] { counting_sort(zeros({2, 2}, DType::i64), 2); });
+  };
+  return s;
+}
+
 std::vector<OpSweep> index_sweeps() {
   std::vector<OpSweep> out;
   OpSweep emb{OpId::embedding, kAll, {}, {}, {}};
@@ -236,6 +278,7 @@ std::vector<OpSweep> index_sweeps() {
   }
   out.push_back(std::move(sa));
   out.push_back(topk_sweep());
+  out.push_back(counting_sort_sweep());
   return out;
 }
 

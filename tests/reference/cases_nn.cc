@@ -677,10 +677,143 @@ OpSweep max_pool_backward_sweep() {
   return s;
 }
 
+// ---- grouped matmul ------------------------------------------------------------------------
+
+// grouped_matmul's f64 reference: row r of x belongs to the group whose [start, start + size)
+// holds it, and out[r] = x[r] @ w[group]. Written per row, not per group.
+NdArray grouped_matmul_ref(const NdArray& x, const NdArray& w, const NdArray& sizes) {
+  const int64_t N = x.shape[0], K = x.shape[1], M = w.shape[2];
+  NdArray out = NdArray::zeros({N, M});
+  int64_t group = 0, end = static_cast<int64_t>(sizes.data[0]);
+  for (int64_t r = 0; r < N; ++r) {
+    while (r >= end) end += static_cast<int64_t>(sizes.data[++group]);
+    for (int64_t j = 0; j < M; ++j) {
+      double acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += x.data[r * K + k] * w.data[(group * K + k) * M + j];
+      out.data[r * M + j] = acc;
+    }
+  }
+  return out;
+}
+
+// dw[e][k][j] = sum over group e's rows r of x[r][k] g[r][j].
+NdArray grouped_matmul_backward_weight_ref(const NdArray& x, const NdArray& g, const NdArray& sizes) {
+  const int64_t E = sizes.shape[0], K = x.shape[1], M = g.shape[1];
+  NdArray out = NdArray::zeros({E, K, M});
+  int64_t r0 = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(sizes.data[e]);
+    for (int64_t r = r0; r < r0 + n; ++r) {
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t j = 0; j < M; ++j) out.data[(e * K + k) * M + j] += x.data[r * K + k] * g.data[r * M + j];
+      }
+    }
+    r0 += n;
+  }
+  return out;
+}
+
+struct GroupedShapes {
+  const char* label;
+  int64_t K, M;
+  std::vector<double> sizes;
+};
+// Groups: uneven, an empty one first, in the middle and last, one group, no rows. The
+// largest group sums 33 terms per output: 33 * 2^-24 relative to mag, inside rel32.
+const std::vector<GroupedShapes>& grouped_shapes() {
+  static const std::vector<GroupedShapes> shapes = {
+      {"K 4 M 6 sizes [2, 0, 3]", 4, 6, {2, 0, 3}},
+      {"K 33 M 17 sizes [0, 7, 13, 0, 20]", 33, 17, {0, 7, 13, 0, 20}},
+      {"K 5 M 3 one group [4]", 5, 3, {4}},
+      {"K 3 M 2 no rows [0, 0]", 3, 2, {0, 0}}};
+  return shapes;
+}
+
+int64_t rows_of(const std::vector<double>& sizes) {
+  double n = 0;
+  for (double v : sizes) n += v;
+  return static_cast<int64_t>(n);
+}
+
+Arg sizes_arg(const std::vector<double>& sizes) {
+  Arg a = fixed_arg({static_cast<int64_t>(sizes.size())}, sizes, DType::i64);
+  a.expandable = false;  // a broadcast layout would repeat one size: they would not sum to N
+  return a;
+}
+
+OpSweep grouped_matmul_sweep() {
+  OpSweep s{OpId::grouped_matmul, kFloats, kNonFloat, {}, {}};
+  for (const GroupedShapes& g : grouped_shapes()) {
+    const int64_t E = static_cast<int64_t>(g.sizes.size());
+    Case c;
+    c.label = g.label;
+    c.args = {arg({rows_of(g.sizes), g.K}), arg({E, g.K, g.M}), sizes_arg(g.sizes)};
+    c.ref = [](const Arrays& in, DType) { return Arrays{grouped_matmul_ref(in[0], in[1], in[2])}; };
+    c.mag = [](const Arrays& in, DType) {
+      return Arrays{grouped_matmul_ref(abs_of(in[0]), abs_of(in[1]), in[2])};
+    };
+    s.cases.push_back(std::move(c));
+  }
+  // The experts stored as Linear weights [E, M, K] and passed transposed (strided B panels).
+  Case t;
+  t.label = "weight [3, 6, 4] transposed, sizes [1, 3, 1] (api)";
+  t.args = {arg({5, 4}), arg({3, 6, 4}), sizes_arg({1, 3, 1})};
+  const auto transposed = [](const NdArray& w) { return ref::permute(w, {0, 2, 1}); };
+  t.ref = [transposed](const Arrays& in, DType) {
+    return Arrays{grouped_matmul_ref(in[0], transposed(in[1]), in[2])};
+  };
+  t.mag = [transposed](const Arrays& in, DType) {
+    return Arrays{grouped_matmul_ref(abs_of(in[0]), transposed(abs_of(in[1])), in[2])};
+  };
+  t.run = [](const Tensors& in, DType) { return Tensors{grouped_matmul(in[0], in[1].transpose(1, 2), in[2])}; };
+  s.cases.push_back(std::move(t));
+  s.extra = [] {
+    const Tensor x = zeros({5, 4}), w = zeros({3, 4, 6});
+    const auto sizes = [](std::vector<int64_t> v) {
+      return Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
+    };
+    expect_error("grouped_matmul sizes sum to 4, x has 5 rows",
+                 [&] { grouped_matmul(x, w, sizes({1, 1, 2})); });
+    expect_error("grouped_matmul negative size", [&] { grouped_matmul(x, w, sizes({6, -1, 0})); });
+    expect_error("grouped_matmul K mismatch", [&] { grouped_matmul(x, zeros({3, 5, 6}), sizes({2, 0, 3})); });
+    expect_error("grouped_matmul E mismatch", [&] { grouped_matmul(x, w, sizes({2, 3})); });
+    expect_error("grouped_matmul float sizes", [&] { grouped_matmul(x, w, zeros({3})); });
+  };
+  return s;
+}
+
+OpSweep grouped_matmul_backward_weight_sweep() {
+  OpSweep s{OpId::grouped_matmul_backward_weight, kFloats, kNonFloat, {}, {}};
+  for (const GroupedShapes& g : grouped_shapes()) {
+    const int64_t N = rows_of(g.sizes);
+    Case c;
+    c.label = g.label;
+    c.args = {arg({N, g.K}), arg({N, g.M}), sizes_arg(g.sizes)};
+    c.ref = [](const Arrays& in, DType) {
+      return Arrays{grouped_matmul_backward_weight_ref(in[0], in[1], in[2])};
+    };
+    c.mag = [](const Arrays& in, DType) {
+      return Arrays{grouped_matmul_backward_weight_ref(abs_of(in[0]), abs_of(in[1]), in[2])};
+    };
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    expect_error("grouped_matmul_backward_weight sizes sum to 3, rows 5", [] {
+      grouped_matmul_backward_weight(zeros({5, 4}), zeros({5, 2}), Tensor::from_vector<int64_t>({1, 2}, {2}));
+    });
+    expect_error("grouped_matmul_backward_weight rows differ", [] {
+      grouped_matmul_backward_weight(zeros({5, 4}), zeros({4, 2}), Tensor::from_vector<int64_t>({5}, {1}));
+    });
+  };
+  return s;
+}
+
 }  // namespace
 
 std::vector<OpSweep> nn_sweeps() {
   std::vector<OpSweep> out = {matmul_sweep(),
+                              grouped_matmul_sweep(),
+                              grouped_matmul_backward_weight_sweep(),
                               softmax_sweep(OpId::softmax),
                               softmax_sweep(OpId::log_softmax),
                               layer_norm_sweep(),
