@@ -5,6 +5,7 @@
 //   loss.backward();                          // w.grad() now holds d loss / d w
 #pragma once
 
+#include "autograd/aux_loss.h"
 #include "autograd/checkpoint.h"
 #include "autograd/derivatives.h"
 #include "autograd/engine.h"

@@ -1,0 +1,282 @@
+#include "nn/moe.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "autograd/aux_loss.h"
+#include "nn/init.h"
+#include "tensor/autocast.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+
+namespace tessera::nn {
+namespace {
+
+thread_local MoeStatsScope* t_stats = nullptr;
+thread_local MoeCountReduction* t_reduction = nullptr;
+
+// Which expert rows the experts run, in order: each expert's rows together (expert 0's
+// first), within an expert by capacity group, within a group by position or score.
+struct RoutingPlan {
+  std::vector<int64_t> assignment;  // row -> assignment t * k + slot
+  std::vector<int64_t> sizes;       // rows per expert
+  std::vector<int64_t> counts;      // assignments per expert before capacity drops
+  int64_t dropped = 0;
+};
+
+RoutingPlan plan_routing(const MoeOptions& o, const std::vector<int64_t>& expert_of,
+                         const std::vector<double>& gate_of, int64_t tokens) {
+  const int64_t E = o.experts, k = o.top_k;
+  const bool capped = o.capacity_factor > 0;
+  const int64_t groups = capped ? o.groups : 1;
+  TS_CHECK(tokens % groups == 0,
+           "MixtureOfExperts: {} tokens do not split into groups = {} capacity groups", tokens, groups);
+  const int64_t per_group = tokens / groups;
+  // Bucket (group, expert) of every assignment, sorted stably: each bucket in position order.
+  std::vector<int64_t> keys(expert_of.size());
+  for (size_t a = 0; a < keys.size(); ++a) {
+    keys[a] = (static_cast<int64_t>(a) / k / per_group) * E + expert_of[a];
+  }
+  const std::vector<Tensor> sorted = counting_sort(
+      Tensor::from_vector(keys, {static_cast<int64_t>(keys.size())}), groups * E);
+  const std::vector<int64_t> order = sorted[0].to_vector<int64_t>();
+  const std::vector<int64_t> bucket_size = sorted[1].to_vector<int64_t>();
+  std::vector<int64_t> bucket_start(bucket_size.size() + 1, 0);
+  for (size_t b = 0; b < bucket_size.size(); ++b) bucket_start[b + 1] = bucket_start[b] + bucket_size[b];
+
+  const int64_t capacity =
+      capped ? static_cast<int64_t>(std::ceil(static_cast<double>(per_group * k) * o.capacity_factor /
+                                              static_cast<double>(E)))
+             : std::numeric_limits<int64_t>::max();
+  RoutingPlan p;
+  p.sizes.assign(E, 0);
+  p.counts.assign(E, 0);
+  p.assignment.reserve(expert_of.size());
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t b = g * E + e;
+      std::vector<int64_t> bucket(order.begin() + bucket_start[b], order.begin() + bucket_start[b + 1]);
+      p.counts[e] += static_cast<int64_t>(bucket.size());
+      if (static_cast<int64_t>(bucket.size()) > capacity) {
+        if (o.drop_policy == MoeOptions::DropPolicy::score) {
+          std::stable_sort(bucket.begin(), bucket.end(),
+                           [&](int64_t a1, int64_t a2) { return gate_of[a1] > gate_of[a2]; });
+        }
+        p.dropped += static_cast<int64_t>(bucket.size()) - capacity;
+        bucket.resize(capacity);
+        // The kept ones run in position order whatever chose them.
+        std::sort(bucket.begin(), bucket.end());
+      }
+      p.sizes[e] += static_cast<int64_t>(bucket.size());
+      p.assignment.insert(p.assignment.end(), bucket.begin(), bucket.end());
+    }
+  }
+  return p;
+}
+
+Tensor index_tensor(const std::vector<int64_t>& v, Device device) {
+  return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}).to(device);
+}
+
+}  // namespace
+
+void MoeOptions::validate(int64_t width) const {
+  TS_CHECK(experts >= 1, "MixtureOfExperts: experts must be >= 1, got {}", experts);
+  TS_CHECK(top_k >= 1 && top_k <= experts, "MixtureOfExperts: top_k = {} must be in [1, experts = {}]",
+           top_k, experts);
+  TS_CHECK(hidden >= 0, "MixtureOfExperts: hidden must be >= 0 (0: 4 x width), got {}", hidden);
+  TS_CHECK(width >= 1, "MixtureOfExperts: width must be >= 1, got {}", width);
+  TS_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor),
+           "MixtureOfExperts: capacity_factor must be >= 0 (0: dropless), got {}", capacity_factor);
+  TS_CHECK(groups >= 1, "MixtureOfExperts: groups must be >= 1, got {}", groups);
+  TS_CHECK(aux_loss >= 0 && std::isfinite(aux_loss), "MixtureOfExperts: aux_loss must be >= 0, got {}",
+           aux_loss);
+  TS_CHECK(z_loss >= 0 && std::isfinite(z_loss), "MixtureOfExperts: z_loss must be >= 0, got {}", z_loss);
+  TS_CHECK(bias_rate >= 0 && std::isfinite(bias_rate),
+           "MixtureOfExperts: bias_rate must be >= 0, got {}", bias_rate);
+}
+
+double MoeLayerStats::imbalance() const {
+  int64_t total = 0, most = 0;
+  for (int64_t c : counts) {
+    total += c;
+    most = std::max(most, c);
+  }
+  if (total == 0) return 1.0;
+  return static_cast<double>(most) * static_cast<double>(counts.size()) / static_cast<double>(total);
+}
+
+MoeStatsScope::MoeStatsScope() : previous_(t_stats) { t_stats = this; }
+MoeStatsScope::~MoeStatsScope() { t_stats = previous_; }
+
+MoeCountReduction::MoeCountReduction(std::function<void(Tensor&)> sum)
+    : sum_(std::move(sum)), previous_(t_reduction) {
+  t_reduction = this;
+}
+MoeCountReduction::~MoeCountReduction() { t_reduction = previous_; }
+
+void reduce_moe_counts(Tensor& t) {
+  if (t_reduction != nullptr && t_reduction->sum_) t_reduction->sum_(t);
+}
+
+Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, const std::string& name) {
+  const int64_t E = o.experts, k = o.top_k;
+  TS_CHECK(x.defined() && x.dim() == 2 && w.router.defined() && w.router.dim() == 2 &&
+               w.router.size(0) == E && x.size(1) == w.router.size(1),
+           "MixtureOfExperts '{}': expected x [N, C] and a router [{}, C], got {} and {}", name, E,
+           x.defined() ? shape_str(x.shape()) : std::string("undefined"),
+           w.router.defined() ? shape_str(w.router.shape()) : std::string("undefined"));
+  const int64_t N = x.size(0), C = x.size(1);
+  const Device device = x.device();
+
+  // The router in f32 (f64 stays f64), whatever autocast or the model's dtype.
+  Tensor logits, scores, balance_probs;
+  {
+    const AutocastGuard full_precision(DType::f32);
+    const DType rdt = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
+    const Tensor xr = x.dtype() == rdt ? x : cast(x, rdt);
+    const Tensor wr = w.router.dtype() == rdt ? w.router : cast(w.router, rdt);
+    logits = matmul(xr, transpose(wr, 0, 1));  // [N, E]
+    if (o.score == MoeOptions::Score::softmax) {
+      scores = softmax(logits, 1);
+      balance_probs = scores;
+    } else {
+      scores = sigmoid(logits);
+      balance_probs = scores / sum(scores, {1}, /*keepdim=*/true);
+    }
+  }
+  // Selection may add the balancing bias; the gates are the unbiased scores.
+  Tensor select = scores.detach();
+  if (w.selection_bias.defined()) select = select + cast(w.selection_bias, select.dtype());
+  const Tensor chosen = topk(select, k, 1)[1];  // [N, k] i64
+  Tensor gates = gather(scores, 1, chosen);     // [N, k]
+  if (o.renormalize && k > 1) gates = gates / sum(gates, {1}, /*keepdim=*/true);
+
+  const std::vector<int64_t> expert_of = chosen.to_vector<int64_t>();
+  std::vector<double> gate_of;
+  if (o.capacity_factor > 0 && o.drop_policy == MoeOptions::DropPolicy::score) {
+    gate_of = gates.to_vector<double>();
+  }
+  const RoutingPlan plan = plan_routing(o, expert_of, gate_of, N);
+
+  // The experts over their rows, then each row back to its token, weighted by its gate.
+  std::vector<int64_t> token_rows(plan.assignment.size()), expert_rows(plan.assignment.size());
+  for (size_t r = 0; r < plan.assignment.size(); ++r) {
+    token_rows[r] = plan.assignment[r] / k;
+    expert_rows[r] = expert_of[plan.assignment[r]];
+  }
+  const Tensor tokens = index_tensor(token_rows, device);
+  const Tensor experts = index_tensor(expert_rows, device);
+  const Tensor sizes = index_tensor(plan.sizes, device);
+  const Tensor xs = index_select(x, 0, tokens);  // [R, C]
+  const Tensor h = gelu(grouped_matmul(xs, w.fc_weight, sizes) + index_select(w.fc_bias, 0, experts),
+                        /*approximate_tanh=*/true);
+  Tensor y = grouped_matmul(h, w.proj_weight, sizes) + index_select(w.proj_bias, 0, experts);
+  const Tensor row_gates = index_select(view(gates, {N * k}), 0, index_tensor(plan.assignment, device));
+  y = y * unsqueeze(row_gates, 1);
+  Tensor out = index_add(zeros({N, C}, y.dtype(), device), 0, tokens, y);
+  if (out.dtype() != x.dtype()) out = cast(out, x.dtype());
+
+  // Counts, probability sums and z sums over every rank sharing the batch: one all-reduce.
+  const bool z_on = o.z_loss > 0;
+  Tensor lse_sq;
+  if (z_on) {
+    const AutocastGuard full_precision(DType::f32);
+    const Tensor m = max(logits, {1}, /*keepdim=*/true).detach();
+    const Tensor lse = log(sum(exp(logits - m), {1})) + squeeze(m, {1});
+    lse_sq = lse * lse;
+  }
+  const Tensor psum = sum(balance_probs, {0});  // [E]
+  std::vector<double> shared(2 * E + 3, 0.0);
+  const std::vector<double> psum_local = psum.to_vector<double>();
+  for (int64_t e = 0; e < E; ++e) {
+    shared[e] = static_cast<double>(plan.counts[e]);
+    shared[E + e] = psum_local[e];
+  }
+  shared[2 * E] = static_cast<double>(N);
+  shared[2 * E + 1] = z_on ? sum(lse_sq).item<double>() : 0.0;
+  shared[2 * E + 2] = static_cast<double>(plan.dropped);
+  Tensor reduced = Tensor::from_vector(shared, {2 * E + 3});
+  reduce_moe_counts(reduced);
+  const std::vector<double> all = reduced.to_vector<double>();
+  const double tokens_all = all[2 * E];
+
+  MoeLayerStats stats;
+  stats.name = name;
+  stats.tokens = static_cast<int64_t>(tokens_all);
+  stats.dropped = static_cast<int64_t>(all[2 * E + 2]);
+  std::vector<double> fraction(E);
+  for (int64_t e = 0; e < E; ++e) {
+    stats.counts.push_back(static_cast<int64_t>(all[e]));
+    fraction[e] = tokens_all > 0 ? all[e] / (tokens_all * static_cast<double>(k)) : 0.0;
+    stats.aux_loss += o.aux_loss * static_cast<double>(E) * fraction[e] *
+                      (tokens_all > 0 ? all[E + e] / tokens_all : 0.0);
+  }
+  stats.z_loss = z_on && tokens_all > 0 ? o.z_loss * all[2 * E + 1] / tokens_all : 0.0;
+
+  // This rank's share, as its loss is its own tokens' mean: alpha E sum f_i (its P_i).
+  Tensor aux;
+  if (o.aux_loss > 0 && N > 0) {
+    const Tensor f = Tensor::from_vector(fraction, {E}).to(device);
+    aux = sum(cast(f, psum.dtype()) * psum) * (o.aux_loss * static_cast<double>(E) / static_cast<double>(N));
+  }
+  if (z_on && N > 0) {
+    const Tensor z = sum(lse_sq) * (o.z_loss / static_cast<double>(N));
+    aux = aux.defined() ? aux + z : z;
+  }
+  if (aux.defined()) out = autograd::attach_loss(out, aux);
+  if (t_stats != nullptr) t_stats->add(std::move(stats));
+  return out;
+}
+
+void update_selection_bias(Tensor& bias, const std::vector<int64_t>& counts, double rate) {
+  TS_CHECK(bias.defined() && bias.dim() == 1 && bias.size(0) == static_cast<int64_t>(counts.size()),
+           "update_selection_bias: bias {} for {} experts' counts",
+           bias.defined() ? shape_str(bias.shape()) : std::string("undefined"), counts.size());
+  double mean = 0;
+  for (int64_t c : counts) mean += static_cast<double>(c);
+  mean /= static_cast<double>(std::max<size_t>(counts.size(), 1));
+  std::vector<double> b = bias.to_vector<double>();
+  for (size_t e = 0; e < counts.size(); ++e) {
+    const double err = mean - static_cast<double>(counts[e]);
+    b[e] += rate * static_cast<double>((err > 0) - (err < 0));
+  }
+  const NoGradGuard no_grad;
+  bias.copy_(Tensor::from_vector(b, {static_cast<int64_t>(b.size())}).to(bias.device()));
+}
+
+MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, DType dtype)
+    : Module("MixtureOfExperts"), options(o) {
+  options.validate(width);
+  const int64_t E = options.experts, H = options.hidden_for(width);
+  // Per expert as torch's Linear(in, out): U(-1/sqrt(in), 1/sqrt(in)) for weights.
+  const auto uniform = [dtype](Shape s, int64_t in) {
+    Tensor t = Tensor::empty(std::move(s), dtype);
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    init::uniform_(t, -bound, bound);
+    return t;
+  };
+  router = register_parameter("router", uniform({E, width}, width));
+  fc_weight = register_parameter("fc_weight", uniform({E, width, H}, width));
+  fc_bias = register_parameter("fc_bias", zeros({E, H}, dtype));
+  proj_weight = register_parameter("proj_weight", uniform({E, H, width}, H));
+  proj_bias = register_parameter("proj_bias", zeros({E, width}, dtype));
+  selection_bias = register_buffer("selection_bias", zeros({E}, DType::f32));
+}
+
+MoeWeights MixtureOfExperts::weights() const {
+  return {router, fc_weight, fc_bias, proj_weight, proj_bias, selection_bias};
+}
+
+Tensor MixtureOfExperts::forward(const Tensor& x) {
+  TS_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == router.size(1),
+           "MixtureOfExperts: expected input [..., {}], got {}", router.size(1),
+           x.defined() ? shape_str(x.shape()) : std::string("undefined"));
+  const Tensor y = moe_forward(options, weights(), reshape(x, {-1, x.size(-1)}), "moe");
+  return reshape(y, x.shape());
+}
+
+}  // namespace tessera::nn

@@ -1,0 +1,129 @@
+// Mixture of Experts (GShard, Switch Transformer, Mixtral, DeepSeek-V3): a router picks k of E
+// feed-forward experts for every token and the token's output is their outputs weighted by
+// the router's scores. Written with ops (no backward code): the router's linear layer in f32,
+// softmax or sigmoid scores, topk, the tokens grouped by expert (counting_sort) and the
+// experts run as two grouped matmuls over the sorted rows, then scattered back (index_add)
+// weighted by their gates.
+//
+//   nn::MoeOptions o;  o.experts = 8;  o.top_k = 2;  o.aux_loss = 0.01;
+//   auto moe = std::make_shared<nn::MixtureOfExperts>(/*width=*/128, o);
+//   Tensor y = moe->forward(x);            // x [..., 128] -> [..., 128]
+//
+// Dropless by default (every token reaches its k experts); with a capacity factor each of
+// `groups` contiguous groups of tokens sends at most ceil(tokens_per_group * k * factor / E)
+// tokens to an expert, by position or by score, and a dropped token's slot adds nothing (in a
+// residual block the token passes through). The Switch/GShard balancing loss alpha * E *
+// sum_i f_i P_i (f_i: the fraction of the k * N assignments routed to expert i, counted before
+// dropping and without gradient; P_i: the mean router probability of expert i) and the
+// router z-loss (ST-MoE: the mean squared logsumexp of the router logits) are attached to the
+// output (autograd/aux_loss.h), so they train wherever the layer runs. Counts are those of
+// every rank that shares the batch when a `MoeCountReduction` is installed (the data-parallel
+// group): the aux loss is then the single-device value, not a per-rank one. DeepSeek-V3's
+// aux-loss-free balancing adds a per-expert bias to the scores for selection only, moved by
+// +-rate against each expert's load after every step (`update_selection_bias`).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "nn/module.h"
+
+namespace tessera::nn {
+
+struct MoeOptions {
+  int64_t experts = 8;  // E
+  int64_t top_k = 2;    // k experts per token
+  int64_t hidden = 0;   // each expert's FFN width (0: 4 x the model width)
+  enum class Score { softmax, sigmoid };
+  Score score = Score::softmax;
+  bool renormalize = true;       // the k gates divided by their sum (top_k > 1)
+  double capacity_factor = 0.0;  // 0: dropless
+  enum class DropPolicy { position, score };
+  DropPolicy drop_policy = DropPolicy::position;
+  int64_t groups = 1;            // capacity groups the forward's tokens are split into
+  double aux_loss = 0.0;         // alpha of the balancing loss
+  double z_loss = 0.0;           // coefficient of the router z-loss
+  double bias_rate = 0.0;        // aux-loss-free balancing: the bias step (0: off)
+  // Throws tessera::Error naming the field and its value.
+  void validate(int64_t width) const;
+  int64_t hidden_for(int64_t width) const { return hidden > 0 ? hidden : 4 * width; }
+};
+
+// The layer's tensors, by role (a module's own, or a model's parameters by path).
+struct MoeWeights {
+  Tensor router;          // [E, C] (as a Linear's weight, no bias)
+  Tensor fc_weight;       // [E, C, H]
+  Tensor fc_bias;         // [E, H]
+  Tensor proj_weight;     // [E, H, C]
+  Tensor proj_bias;       // [E, C]
+  Tensor selection_bias;  // [E] f32, no gradient (aux-loss-free balancing)
+};
+
+// What one forward saw, over every rank that shares the batch (see MoeCountReduction).
+struct MoeLayerStats {
+  std::string name;
+  std::vector<int64_t> counts;  // assignments routed to each expert, before capacity drops
+  int64_t tokens = 0;           // tokens routed
+  int64_t dropped = 0;          // assignments dropped by the capacity
+  double aux_loss = 0.0;        // alpha * E * sum f_i P_i (0 when alpha is 0)
+  double z_loss = 0.0;          // coefficient * mean lse^2
+  // max over experts of counts / their mean (1: perfectly balanced).
+  double imbalance() const;
+};
+
+// Collects the stats of every forward on this thread while alive (innermost scope).
+class MoeStatsScope {
+ public:
+  MoeStatsScope();
+  ~MoeStatsScope();
+  MoeStatsScope(const MoeStatsScope&) = delete;
+  MoeStatsScope& operator=(const MoeStatsScope&) = delete;
+  const std::vector<MoeLayerStats>& layers() const { return layers_; }
+  void add(MoeLayerStats s) { layers_.push_back(std::move(s)); }
+
+ private:
+  std::vector<MoeLayerStats> layers_;
+  MoeStatsScope* previous_;
+};
+
+// Sums a small f64 tensor over every rank that shares the batch, in place (data parallelism
+// installs an all-reduce over its group). Installed per thread while alive; the layer calls
+// it once per forward, also when recomputation reruns the forward in backward, so every
+// rank must run the same forwards.
+class MoeCountReduction {
+ public:
+  explicit MoeCountReduction(std::function<void(Tensor&)> sum);
+  ~MoeCountReduction();
+  MoeCountReduction(const MoeCountReduction&) = delete;
+  MoeCountReduction& operator=(const MoeCountReduction&) = delete;
+
+ private:
+  std::function<void(Tensor&)> sum_;
+  MoeCountReduction* previous_;
+  friend void reduce_moe_counts(Tensor& t);
+};
+void reduce_moe_counts(Tensor& t);
+
+// The layer as a function: x [N, C] -> [N, C] (the k experts' outputs weighted by their
+// gates; the attached auxiliary losses). `name` labels its stats.
+Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, const std::string& name);
+
+// DeepSeek-V3's bias update: b_i += rate * sign(mean(counts) - counts_i), in place.
+void update_selection_bias(Tensor& bias, const std::vector<int64_t>& counts, double rate);
+
+// Parameters router [E, C], fc_weight [E, C, H], fc_bias [E, H], proj_weight
+// [E, H, C], proj_bias [E, C]; buffer selection_bias [E]. Initialised as torch's Linear
+// per expert (U(-1/sqrt(in), 1/sqrt(in))), biases zero.
+class MixtureOfExperts : public Module {
+ public:
+  MixtureOfExperts(int64_t width, MoeOptions options, DType dtype = DType::f32);
+  // x [..., C] -> [..., C].
+  Tensor forward(const Tensor& x) override;
+  MoeWeights weights() const;
+  MoeOptions options;
+  Tensor router, fc_weight, fc_bias, proj_weight, proj_bias, selection_bias;
+};
+
+}  // namespace tessera::nn
