@@ -107,6 +107,7 @@ Tensor ShardedParameters::full_grad(const std::string& path) const {
 
 ModuleParameters::ModuleParameters(const nn::Module& module) {
   for (const auto& [name, t] : module.named_parameters()) params_.emplace(name, t);
+  for (const auto& [name, t] : module.named_buffers()) params_.emplace(name, t);
 }
 
 const Tensor& ModuleParameters::operator()(const std::string& path) const {

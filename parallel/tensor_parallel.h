@@ -80,7 +80,8 @@ class ShardedParameters {
   std::map<std::string, Shape> shapes_;  // single-device shapes
 };
 
-// A plain module's parameters by dotted path: the same accessor for the single-device run.
+// A plain module's parameters and buffers by dotted path: the same accessor for the
+// single-device run.
 class ModuleParameters {
  public:
   explicit ModuleParameters(const nn::Module& module);

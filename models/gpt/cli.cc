@@ -73,6 +73,19 @@ models::Flags gpt_flags(GptCli& cli) {
          "tensors saved for backward kept compressed: none, int8 (8 bits and a scale per 256 "
          "elements) or bf16");
   f.bind("sp", cli.config.sp, "sequence parallelism: the residual stream split along the sequence on tp");
+  f.bind("experts", cli.config.experts, "Mixture of Experts: experts per MoE block (0: dense MLPs)");
+  f.bind("moe_top_k", cli.config.moe_top_k, "experts each token uses (k)");
+  f.bind("moe_every", cli.config.moe_every, "every N-th block is a Mixture-of-Experts block");
+  f.bind("moe_hidden", cli.config.moe_hidden, "each expert's hidden width (0: 4 x --width)");
+  f.bind("capacity_factor", cli.config.capacity_factor,
+         "expert capacity ceil(tokens per group x k x F / E), tokens past it dropped (0: dropless)");
+  f.bind("moe_groups", cli.config.moe_groups, "capacity groups each forward's tokens are split into");
+  f.bind("drop_policy", cli.config.drop_policy, "which tokens an over-full expert keeps: position or score");
+  f.bind("moe_score", cli.config.moe_score, "router scores: softmax or sigmoid");
+  f.bind("aux_loss", cli.config.aux_loss, "load-balancing loss coefficient alpha (Switch/GShard)");
+  f.bind("z_loss", cli.config.z_loss, "router z-loss coefficient (ST-MoE)");
+  f.bind("moe_bias_rate", cli.config.moe_bias_rate,
+         "aux-loss-free balancing (DeepSeek-V3): selection-bias step per training step (0: off)");
   f.bind("check", cli.config.check,
          "instead of training, compare the layout with one device tensor by tensor (f64) each step");
   f.bind("check_tolerance", cli.config.check_tolerance, "--check: largest relative error per tensor");

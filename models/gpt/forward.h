@@ -6,7 +6,7 @@
 //
 //   const parallel::SingleDevice one;
 //   Tensor x = gpt::embed(one, parallel::ModuleParameters(model), config, idx, {p, training});
-//   x = gpt::block(one, gpt::Prefixed{params, "h.0."}, config, x, {p, training});
+//   x = gpt::block(one, gpt::Prefixed{params, "h.0."}, config, 0, x, {p, training});
 #pragma once
 
 #include <fmt/format.h>
@@ -15,6 +15,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "models/gpt/model.h"
 #include "parallel/tensor_parallel.h"
@@ -154,9 +155,29 @@ typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c
   return layout.region([&] { return dropout(out + param("attn.c_proj.bias"), drop.p, drop.training); });
 }
 
-// x + attn(ln_1(x)), then + mlp(ln_2(x)); the MLP is Linear(C, 4C), tanh-GELU, Linear(4C, C).
+// The experts in block `index`'s MLP place (nn/moe.h) over the B*T tokens of n [B, T, C].
+// One device (and data parallelism, whose ranks run it): a tensor-parallel layout has no
+// expert plan yet.
 template <class L, class P>
-typename L::Tensor block(const L& layout, const P& param, const GptConfig& c,
+typename L::Tensor moe_mlp(const L& layout, const P& param, const GptConfig& c, int64_t index,
+                           const typename L::Tensor& n, DropoutState drop) {
+  if constexpr (std::is_same_v<typename L::Tensor, Tensor>) {
+    const int64_t B = n.size(0), S = n.size(1);
+    const nn::MoeWeights w{param("mlp.router"),      param("mlp.fc_weight"), param("mlp.fc_bias"),
+                           param("mlp.proj_weight"), param("mlp.proj_bias"), param("mlp.selection_bias")};
+    const Tensor y = nn::moe_forward(c.moe_options(), w, view(n.contiguous(), {B * S, c.width}),
+                                     fmt::format("h.{}", index));
+    return layout.region([&] { return dropout(view(y, {B, S, c.width}), drop.p, drop.training); });
+  } else {
+    (void)layout, (void)param, (void)n, (void)drop;
+    fail("gpt: block {} is a Mixture-of-Experts block; --tp/--pp layouts do not run experts yet", index);
+  }
+}
+
+// x + attn(ln_1(x)), then + mlp(ln_2(x)); the MLP is Linear(C, 4C), tanh-GELU, Linear(4C, C),
+// or in a Mixture-of-Experts block (c.moe_block(index)) the experts.
+template <class L, class P>
+typename L::Tensor block(const L& layout, const P& param, const GptConfig& c, int64_t index,
                          const typename L::Tensor& x, DropoutState drop) {
   using T = typename L::Tensor;
   const Shape w{c.width};
@@ -166,6 +187,10 @@ typename L::Tensor block(const L& layout, const P& param, const GptConfig& c,
   const T a = gpt::attention(layout, param, c, n1, drop);
   const T h = layout.region([&] { return x + a; });
   const T n2 = layout.region([&] { return layer_norm(h, w, param("ln_2.weight"), param("ln_2.bias")); });
+  if (c.moe_block(index)) {
+    const T down = gpt::moe_mlp(layout, param, c, index, n2, drop);
+    return layout.region([&] { return h + down; });
+  }
   if (c.recompute != GptConfig::Recompute::selective || !drop.training) {  // (eval: no backward)
     const T up = gelu(linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias")),
                       /*approximate_tanh=*/true);

@@ -20,7 +20,20 @@ void GptConfig::validate() const {
            heads);
   TS_CHECK(dropout >= 0.0 && dropout < 1.0, "GptConfig: dropout must be in [0, 1), got {}",
            dropout);
+  TS_CHECK(experts >= 0, "GptConfig: experts must be >= 0 (0: dense MLPs), got {}", experts);
+  TS_CHECK(moe_every >= 1, "GptConfig: moe_every must be >= 1, got {}", moe_every);
+  if (experts > 0) {
+    TS_CHECK(moe_every <= layers, "GptConfig: moe_every = {} leaves no Mixture-of-Experts block in "
+             "{} layers", moe_every, layers);
+    moe_options().validate(width);
+  }
   num_parameters();  // throws when the sizes overflow
+}
+
+nn::MoeOptions GptConfig::moe_options() const {
+  nn::MoeOptions o = moe;
+  o.experts = experts;
+  return o;
 }
 
 int64_t GptConfig::num_parameters() const {
@@ -40,6 +53,14 @@ int64_t GptConfig::num_parameters() const {
   const int64_t c = width;
   const int64_t block = add(mul(12, mul(c, c)), mul(13, c));
   total = add(add(add(mul(vocab, c), mul(context, c)), mul(layers, block)), mul(2, c));
+  if (experts > 0) {
+    // Each MoE block trades the MLP's 8 C^2 + 5 C for the router and E experts.
+    const int64_t h = moe.hidden > 0 ? moe.hidden : mul(4, c);
+    const int64_t expert = add(add(mul(2, mul(c, h)), h), c);
+    const int64_t moe_mlp = add(mul(experts, c), mul(experts, expert));
+    const int64_t blocks = layers / moe_every;
+    total = add(total, mul(blocks, add(moe_mlp, -add(mul(8, mul(c, c)), mul(5, c)))));
+  }
   TS_CHECK(!overflow,
            "GptConfig: the parameter count of vocab {} x width {} with {} layers and context {} "
            "overflows int64",
@@ -59,18 +80,22 @@ Mlp::Mlp(const GptConfig& config) : Module("Mlp") {
   c_proj = register_module("c_proj", std::make_shared<nn::Linear>(4 * config.width, config.width));
 }
 
-Block::Block(const GptConfig& config) : Module("Block"), config_(config) {
+Block::Block(const GptConfig& config, int64_t index) : Module("Block"), config_(config), index_(index) {
   ln_1 = register_module("ln_1", std::make_shared<nn::LayerNorm>(Shape{config.width}));
   attn = register_module("attn", std::make_shared<CausalSelfAttention>(config));
   ln_2 = register_module("ln_2", std::make_shared<nn::LayerNorm>(Shape{config.width}));
-  mlp = register_module("mlp", std::make_shared<Mlp>(config));
+  if (config.moe_block(index)) {
+    moe = register_module("mlp", std::make_shared<nn::MixtureOfExperts>(config.width, config.moe_options()));
+  } else {
+    mlp = register_module("mlp", std::make_shared<Mlp>(config));
+  }
 }
 
 Tensor Block::forward(const Tensor& x) {
   TS_CHECK(x.defined() && x.dim() == 3 && x.size(2) == config_.width,
            "Block: expected input [B, T, {}], got {}", config_.width,
            x.defined() ? shape_str(x.shape()) : std::string("undefined"));
-  return block(parallel::SingleDevice{}, parallel::ModuleParameters(*this), config_, x,
+  return block(parallel::SingleDevice{}, parallel::ModuleParameters(*this), config_, index_, x,
                {config_.dropout, is_training()});
 }
 
@@ -81,7 +106,7 @@ Gpt::Gpt(const GptConfig& config) : Module("Gpt"), config_(config) {
   wte = register_module("wte", std::make_shared<nn::Embedding>(config_.vocab, config_.width));
   wpe = register_module("wpe", std::make_shared<nn::Embedding>(config_.context, config_.width));
   h = register_module("h", std::make_shared<nn::Sequential>());
-  for (int64_t i = 0; i < config_.layers; ++i) h->push_back(std::make_shared<Block>(config_));
+  for (int64_t i = 0; i < config_.layers; ++i) h->push_back(std::make_shared<Block>(config_, i));
   ln_f = register_module("ln_f", std::make_shared<nn::LayerNorm>(Shape{config_.width}));
   init_weights();
 }
@@ -103,6 +128,12 @@ void Gpt::init_weights() {
     Block& b = static_cast<Block&>(*(*h)[i]);
     init_linear(*b.attn->c_attn, std);
     init_linear(*b.attn->c_proj, resid_std);
+    if (b.moe) {  // the router and every expert as the MLP's layers
+      nn::init::normal_(b.moe->router, 0.0, std);
+      nn::init::normal_(b.moe->fc_weight, 0.0, std);
+      nn::init::normal_(b.moe->proj_weight, 0.0, resid_std);
+      continue;  // biases and the selection bias start at zero
+    }
     init_linear(*b.mlp->c_fc, std);
     init_linear(*b.mlp->c_proj, resid_std);
   }

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "nn/layers.h"
+#include "nn/moe.h"
 
 namespace tessera::gpt {
 
@@ -33,10 +34,19 @@ struct GptConfig {
   // cheap to compute and hold [B, H, T, T] and [B, T, 4C] tensors).
   enum class Recompute { none, full, selective };
   Recompute recompute = Recompute::none;
+  // Mixture of Experts (nn/moe.h): with experts > 0, the MLP of every moe_every-th block
+  // (blocks moe_every - 1, 2 moe_every - 1, ...) is `experts` experts of which each token
+  // uses moe.top_k. moe.experts is ignored (experts decides); moe.hidden 0 is 4C.
+  int64_t experts = 0;
+  int64_t moe_every = 1;
+  nn::MoeOptions moe;
+  bool moe_block(int64_t i) const { return experts > 0 && i % moe_every == moe_every - 1; }
+  nn::MoeOptions moe_options() const;
 
   // Throws tessera::Error naming the offending field ("GptConfig: heads must ...").
   void validate() const;
-  // V*C + context*C + layers*(12*C^2 + 13*C) + 2*C (the head is tied: no extra parameters).
+  // V*C + context*C + layers*(12*C^2 + 13*C) + 2*C (the head is tied: no extra parameters);
+  // a Mixture-of-Experts block has E*C (router) + E*(2*C*H + H + C) in its MLP's place.
   int64_t num_parameters() const;
 };
 
@@ -56,17 +66,20 @@ class Mlp : public nn::Module {
 };
 
 // x + attn(ln_1(x)), then + mlp(ln_2(x)): causal self-attention (the future masked; fused
-// unless attention dropout is active), a 4x tanh-GELU MLP, dropout on each residual branch.
+// unless attention dropout is active), a 4x tanh-GELU MLP (or, in a Mixture-of-Experts
+// block, the experts: `moe` in `mlp`'s place), dropout on each residual branch.
 class Block : public nn::Module {
  public:
-  explicit Block(const GptConfig& config);
+  Block(const GptConfig& config, int64_t index);
   Tensor forward(const Tensor& x) override;
   std::shared_ptr<nn::LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
-  std::shared_ptr<Mlp> mlp;
+  std::shared_ptr<Mlp> mlp;                     // null in a Mixture-of-Experts block
+  std::shared_ptr<nn::MixtureOfExperts> moe;    // registered as "mlp"; null otherwise
 
  private:
   GptConfig config_;
+  int64_t index_;
 };
 
 class Gpt : public nn::Module {

@@ -31,6 +31,29 @@ void validate_train_config(const GptTrainConfig& c) {
   TS_CHECK(c.width % c.heads == 0, "gpt: --width {} must be divisible by --heads {}", c.width,
            c.heads);
   require_fraction(gpt, "dropout", c.dropout, /*include_one=*/false);
+  require_at_least(gpt, "experts", c.experts, 0);
+  if (c.experts > 0) {
+    require_at_least(gpt, "moe_top_k", c.moe_top_k, 1);
+    TS_CHECK(c.moe_top_k <= c.experts, "gpt: --moe_top_k {} must be at most --experts {}",
+             c.moe_top_k, c.experts);
+    require_at_least(gpt, "moe_every", c.moe_every, 1);
+    TS_CHECK(c.moe_every <= c.layers, "gpt: --moe_every {} leaves no Mixture-of-Experts block in "
+             "--layers {}", c.moe_every, c.layers);
+    require_at_least(gpt, "moe_hidden", c.moe_hidden, 0);
+    require_finite_at_least(gpt, "capacity_factor", c.capacity_factor, 0);
+    require_at_least(gpt, "moe_groups", c.moe_groups, 1);
+    require_one_of(gpt, "drop_policy", c.drop_policy, {"position", "score"});
+    require_one_of(gpt, "moe_score", c.moe_score, {"softmax", "sigmoid"});
+    require_finite_at_least(gpt, "aux_loss", c.aux_loss, 0);
+    require_finite_at_least(gpt, "z_loss", c.z_loss, 0);
+    require_finite_at_least(gpt, "moe_bias_rate", c.moe_bias_rate, 0);
+    TS_CHECK(c.pp == 1 && c.tp == 1,
+             "gpt: --experts {} runs on one device and with --dp/--zero; --pp {} / --tp {} have no "
+             "expert layout yet", c.experts, c.pp, c.tp);
+    TS_CHECK(Device::parse(c.device).is_cpu(),
+             "gpt: --experts runs on the CPU for now (the grouped matmul has no CUDA kernel), got "
+             "--device={}", c.device);
+  }
   // Optimisation.
   require_at_least(gpt, "batch", c.batch, 1);
   require_at_least(gpt, "steps", c.steps, 1);

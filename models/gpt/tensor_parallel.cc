@@ -41,7 +41,7 @@ parallel::ShardedTensor TpGpt::embed(const Tensor& idx) {
 
 parallel::ShardedTensor TpGpt::block(int64_t i, const parallel::ShardedTensor& x) {
   return gpt::block(layout_, Prefixed<parallel::ShardedParameters>{params_, fmt::format("h.{}.", i)},
-                    config_, x, {config_.dropout, training_});
+                    config_, i, x, {config_.dropout, training_});
 }
 
 parallel::ShardedTensor TpGpt::head(const parallel::ShardedTensor& x) {

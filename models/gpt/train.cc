@@ -12,6 +12,7 @@
 #include <numeric>
 #include <optional>
 
+#include "autograd/aux_loss.h"
 #include "autograd/saved_compression.h"
 #include "models/common/checkpoint.h"
 #include "models/common/comm_hooks.h"
@@ -31,6 +32,7 @@
 #include "models/gpt/check.h"
 #include "models/gpt/checkpoints.h"
 #include "models/gpt/data.h"
+#include "models/gpt/moe_step.h"
 #include "models/gpt/parallel3d.h"
 #include "models/gpt/run_checks.h"
 #include "tensor/allocator.h"
@@ -122,6 +124,18 @@ GptConfig GptTrainConfig::model_config() const {
   m.recompute = recompute == "full"        ? GptConfig::Recompute::full
                 : recompute == "selective" ? GptConfig::Recompute::selective
                                            : GptConfig::Recompute::none;
+  m.experts = experts;
+  m.moe_every = moe_every;
+  m.moe.top_k = moe_top_k;
+  m.moe.hidden = moe_hidden;
+  m.moe.capacity_factor = capacity_factor;
+  m.moe.groups = moe_groups;
+  m.moe.drop_policy = drop_policy == "score" ? nn::MoeOptions::DropPolicy::score
+                                             : nn::MoeOptions::DropPolicy::position;
+  m.moe.score = moe_score == "sigmoid" ? nn::MoeOptions::Score::sigmoid : nn::MoeOptions::Score::softmax;
+  m.moe.aux_loss = aux_loss;
+  m.moe.z_loss = z_loss;
+  m.moe.bias_rate = moe_bias_rate;
   return m;
 }
 
@@ -219,7 +233,7 @@ class GptReplica final : public models::Replica {
         low_(models::precision_dtype(config.precision, "gpt")),
         device_(Device::parse(config.device)), batches_(config),
         rank_(comm != nullptr ? comm->rank() : 0), ranks_(comm != nullptr ? comm->size() : 1),
-        scaler_(scaler_options(low_, config.loss_scale)) {
+        moe_(config.model_config(), comm), scaler_(scaler_options(low_, config.loss_scale)) {
     TS_CHECK(config.batch % (ranks_ * config.accum) == 0,
              "gpt: --batch {} must divide into --dp {} x --accum {} equal micro-batches",
              config.batch, ranks_, config.accum);
@@ -323,15 +337,21 @@ class GptReplica final : public models::Replica {
     const int64_t rows = c_.batch / parts;
     default_generator().set_state(default_generator().seed(), step_rng_offset_);
     const BatchSliceScope slice({c_.batch, part * rows, rows});
-    Tensor loss;
-    {
-      AutocastGuard amp(low_);
-      loss = Gpt::loss((*model_)(batch.idx.to(device_)), batch.targets.to(device_));
-    }
     // This micro-batch's share of the global batch's mean loss (ranks x accum micro-batches
     // of equal size), so backward sees one device's per-sample gradient magnitudes (what f16
-    // loss scaling is sized for), and the ranks' gradients are summed.
+    // loss scaling is sized for), and the ranks' gradients are summed. The experts' attached
+    // losses get the same factor; their routing counts are summed over the dp group (also
+    // when recomputation reruns a block in backward).
     const int64_t shares = ranks_ * c_.accum;
+    const autograd::AuxLossScale aux_scale(scaler_.scale_value() / static_cast<double>(shares));
+    const std::unique_ptr<nn::MoeCountReduction> moe_counts = moe_.reduction();
+    Tensor loss;
+    {
+      const nn::MoeStatsScope routing;
+      AutocastGuard amp(low_);
+      loss = Gpt::loss((*model_)(batch.idx.to(device_)), batch.targets.to(device_));
+      if (moe_.on()) moe_.add(routing, micro);
+    }
     Tensor scaled = scaler_.scale(shares > 1 ? loss / static_cast<double>(shares) : loss);
     if (!zero_) {
       scaled.backward();
@@ -360,6 +380,11 @@ class GptReplica final : public models::Replica {
       scaler_.step(*opt_);
     }
     scaler_.update();
+    if (!skip) moe_.update_bias(*model_);
+    if (moe_.on()) {
+      result_.moe_stats = moe_.layers();
+      result_.moe_loss = moe_.loss();
+    }
   }
 
   parallel::Communicator* group() override { return comm_; }
@@ -430,8 +455,10 @@ class GptReplica final : public models::Replica {
     }
     // The last step's gradient elements on the wire against an exact all-reduce's.
     if (hook_) out += models::hook_traffic(*hook_);
-    return out;
+    return out + moe_.line();
   }
+
+  void annotate(nlohmann::json& record) const override { moe_.annotate(record); }
 
  private:
   static optim::LossScalerOptions scaler_options(DType low, double init_scale) {
@@ -449,6 +476,7 @@ class GptReplica final : public models::Replica {
   Device device_;
   const GptData batches_;
   int64_t rank_, ranks_;
+  MoeStep moe_;
   std::unique_ptr<Gpt> model_;
   std::shared_ptr<parallel::CommHook> hook_;  // --compress (null: none)
   std::unique_ptr<parallel::ZeroDataParallel> zero_;

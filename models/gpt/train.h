@@ -134,6 +134,24 @@ struct GptTrainConfig {
   // scale per 256 elements) | bf16; parameters and their casts are never compressed.
   std::string act_compress = "none";
   bool sp = false;  // sequence parallelism over tp
+  // Mixture of Experts (nn/moe.h): experts > 0 replaces the MLP of every moe_every-th block
+  // by `experts` experts, moe_top_k per token (--top_k is sampling's); dropless unless
+  // capacity_factor > 0 (then per moe_groups groups of a forward's tokens, dropping by
+  // drop_policy = position | score); router scores moe_score = softmax | sigmoid; the
+  // balancing loss aux_loss (alpha), the router z_loss, and DeepSeek-V3's selection bias
+  // moved by moe_bias_rate after each step from the step's global counts. One device and
+  // --dp/--zero for now.
+  int64_t experts = 0;
+  int64_t moe_top_k = 2;
+  int64_t moe_every = 2;
+  int64_t moe_hidden = 0;
+  double capacity_factor = 0.0;
+  int64_t moe_groups = 1;
+  std::string drop_policy = "position";
+  std::string moe_score = "softmax";
+  double aux_loss = 0.01;
+  double z_loss = 0.0;
+  double moe_bias_rate = 0.0;
   // Instead of training: run the layout above and one device side by side in f64 and compare
   // every layer output, gradient and parameter at each step (models/gpt/check.h); stop at
   // the first tensor whose relative error exceeds check_tolerance. `inject`: a bug to inject
@@ -180,6 +198,10 @@ struct GptResult {
   // --compress: the gradient elements the last step sent over the elements of an exact
   // all-reduce (1 before compression starts).
   double compress_ratio = 1.0;
+  // --experts: the last step's routing per Mixture-of-Experts block, over every rank (summed
+  // over its micro-batches), and the mean of its aux_loss + z_loss.
+  std::vector<nn::MoeLayerStats> moe_stats;
+  double moe_loss = 0.0;
 };
 
 // Runs the ranks (threads, or this process's part under mpirun) and returns rank 0's result.

@@ -10,8 +10,10 @@
 #include <optional>
 
 #include "models/data/text.h"
+#include "autograd/aux_loss.h"
 #include "models/gpt/model.h"
 #include "models/mnist/model.h"
+#include "nn/moe.h"
 #include "optim/adamw.h"
 #include "optim/adamw8bit.h"
 #include "optim/clip.h"
@@ -86,6 +88,35 @@ Task gpt_task(Device device) {
   return task;
 }
 
+Task gpt_moe_task(Device device) {
+  Task task = gpt_task(device);
+  task.name = "gpt-mini-moe";
+  task.experts = true;
+  // f32 at dp 4 measured 1.5e-5 in h.0.mlp.fc_weight (the loss curve 9e-8, every other
+  // tensor under 1e-5), half of it in two hidden units (expert 3's unit 8, expert 0's unit
+  // 17: all 32 of their input weights): units fed by a few tokens through a flat part of
+  // GELU, whose small gradients AdamW normalises to full steps, so the ranks' summation
+  // order shows. f64 holds every element to 1e-10 (measured 4e-13).
+  task.f32_param_norm = 1e-4;
+  task.make = [] {
+    manual_seed(0);
+    gpt::GptConfig c{.layers = 2, .heads = 2, .width = 32, .context = 16, .vocab = 256};
+    c.experts = 4;
+    c.moe_every = 1;
+    c.moe.top_k = 2;
+    c.moe.aux_loss = 0.01;
+    c.moe.z_loss = 0.001;
+    return std::shared_ptr<nn::Module>(std::make_shared<gpt::Gpt>(c));
+  };
+  return task;
+}
+
+// The attached losses of the forwards `scope` saw (over every rank sharing the batch).
+double attached_losses(const nn::MoeStatsScope& scope) {
+  double total = 0;
+  for (const nn::MoeLayerStats& s : scope.layers()) total += s.aux_loss + s.z_loss;
+  return total;
+}
 
 std::vector<std::vector<double>> values_of(const nn::Module& model) {
   std::vector<std::vector<double>> out;
@@ -117,7 +148,11 @@ Diff compare(const Task& task, const Run& got, const Run& want) {
     }
     d.param_abs = std::max(d.param_abs, worst);
     d.param_rel = std::max(d.param_rel, worst / std::max(scale, 1e-30));
-    d.param_norm = std::max(d.param_norm, std::sqrt(err2 / std::max(norm2, 1e-300)));
+    const double norm_rel = std::sqrt(err2 / std::max(norm2, 1e-300));
+    if (norm_rel > d.param_norm) {
+      d.param_norm = norm_rel;
+      d.worst_tensor = want.names[t];
+    }
   }
   return d;
 }
@@ -128,16 +163,16 @@ bool check_close(const Task& task, DType dtype, const Run& got, const Run& refer
   const Diff d = compare(task, got, reference);
   const bool bitwise = got.losses == reference.losses && got.params == reference.params;
   MESSAGE(fmt::format("{} {} {}: {} (loss rel {:.2g}; params: max abs {:.2g}, max rel {:.2g}, "
-                      "norm rel {:.2g}, zero-gradient elements abs {:.2g})",
+                      "norm rel {:.2g} ({}), zero-gradient elements abs {:.2g})",
                       task.name, dtype, label, bitwise ? "bitwise equal" : "close", d.loss,
-                      d.param_abs, d.param_rel, d.param_norm, d.zero_grad_abs));
+                      d.param_abs, d.param_rel, d.param_norm, d.worst_tensor, d.zero_grad_abs));
   if (dtype == DType::f64) {
     CHECK(d.loss <= 1e-10);
     CHECK(d.param_abs <= 1e-10);
     CHECK(d.param_rel <= 1e-10);
   } else {
     CHECK(d.loss <= 1e-5);
-    CHECK(d.param_norm <= 1e-5);
+    CHECK(d.param_norm <= task.f32_param_norm);
     CHECK(d.zero_grad_abs <= 2 * kSteps * task.lr);
   }
   return bitwise;
@@ -169,8 +204,10 @@ Run train_reference(const Task& task, DType dtype, Opt which) {
   Run run;
   for (int64_t step = 0; step < kSteps; ++step) {
     opt.zero_grad();
+    const nn::MoeStatsScope routing;
     Tensor loss = task.loss(*model, dtype, step, 0, 1);
     run.losses.push_back(loss.item<double>());
+    if (task.experts) run.aux.push_back(attached_losses(routing));
     loss.backward();
     optim::clip_grad_norm(params, kClip);
     opt.step();
@@ -193,13 +230,21 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
     zero.load_optimizer_state_dict(opt, spec.load->optimizer);
   }
   const int ranks = world.size(), accum = spec.accum;
+  std::optional<nn::MoeCountReduction> counts;
+  if (task.experts) {
+    counts.emplace([&world](Tensor& t) { world.all_reduce(t, ReduceOp::sum); });
+  }
+  // ZeRO averages the ranks' gradients; each micro-batch's loss is divided by accum.
+  const autograd::AuxLossScale aux_scale(1.0 / accum);
   Run run;
   for (int64_t step = spec.start; step < spec.stop; ++step) {
     zero.zero_grad();
-    double local = 0;
+    double local = 0, aux = 0;
     for (int micro = 0; micro < accum; ++micro) {
+      const nn::MoeStatsScope routing;
       Tensor loss = task.loss(*model, dtype, step, world.rank() * accum + micro, ranks * accum);
       local += loss.item<double>();
+      aux += attached_losses(routing) / accum;
       if (accum > 1) loss = loss / static_cast<double>(accum);
       if (micro + 1 < accum) {
         auto guard = zero.no_sync();
@@ -217,6 +262,7 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
     Tensor total = Tensor::from_vector<double>({local}, {1});
     world.all_reduce(total, ReduceOp::sum);
     run.losses.push_back(total.item<double>() / (ranks * accum));
+    if (task.experts) run.aux.push_back(aux);
   }
   if (spec.save != nullptr) spec.save->optimizer = zero.optimizer_state_dict(opt);
   const nn::StateDict full = zero.model_state_dict();

@@ -89,6 +89,36 @@ TEST_CASE("zero: GPT-mini, dp x stage x accumulation equals one rank (f64 and f3
   check_equivalence(gpt_task(), DType::f32);
 }
 
+// Dropless experts (4, top-2) in both blocks, with the balancing and z-losses: the routing
+// counts are summed over the ranks, so the losses the experts attach (and their gradients)
+// are one device's, and every layout trains the single-device model. Accumulation is left
+// out: a micro-batch's balancing loss uses that micro-batch's counts (as Megatron's), which
+// one device's whole batch does not.
+TEST_CASE("zero: GPT-mini with experts, dp x stage equals one rank (f64 and f32), aux losses too") {
+  const Task task = gpt_moe_task();
+  int runs = 0;
+  for (DType dtype : {DType::f64, DType::f32}) {
+    const Run reference = train_reference(task, dtype);
+    CHECK(reference.losses.back() < reference.losses.front() - 0.1);
+    REQUIRE(reference.aux.size() == static_cast<size_t>(kSteps));
+    CHECK(reference.aux[0] > 0.02);  // two blocks' alpha = 0.01 balancing losses, and more
+    for (int dp : {1, 2, 4}) {
+      for (int stage : {0, 1, 2, 3}) {
+        CAPTURE(dtype);
+        CAPTURE(dp);
+        CAPTURE(stage);
+        const Run run = run_zero(task, dtype, dp, {.stage = stage});
+        check_close(task, dtype, run, reference, fmt::format("dp={} zero={}", dp, stage));
+        double worst = 0;
+        for (int64_t s = 0; s < kSteps; ++s) worst = std::max(worst, std::abs(run.aux[s] - reference.aux[s]));
+        CHECK(worst <= (dtype == DType::f64 ? 1e-13 : 1e-6));
+        ++runs;
+      }
+    }
+  }
+  CHECK(runs == 2 * 3 * 4);
+}
+
 // One training step of `task` under ZeRO on `world`, with the model called through
 // operator() (the slice of rank r of the step's global batch).
 void one_step(ZeroDataParallel& zero, optim::Optimizer& opt, const Task& task,

@@ -1,0 +1,86 @@
+#include "models/gpt/moe_step.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "parallel/comm/comm_log.h"
+
+namespace tessera::gpt {
+
+std::unique_ptr<nn::MoeCountReduction> MoeStep::reduction() const {
+  if (!on() || comm_ == nullptr || comm_->size() == 1) return nullptr;
+  return std::make_unique<nn::MoeCountReduction>([comm = comm_](Tensor& t) {
+    parallel::CommCause cause("moe routing counts", parallel::CommKind::control);
+    comm->all_reduce(t, parallel::ReduceOp::sum);
+  });
+}
+
+void MoeStep::add(const nn::MoeStatsScope& scope, int micro) {
+  if (micro == 0) {
+    layers_.clear();
+    loss_sum_ = 0.0;
+    micro_batches_ = 0;
+  }
+  const std::vector<nn::MoeLayerStats>& seen = scope.layers();
+  if (layers_.empty()) {
+    layers_ = seen;
+  } else {
+    TS_CHECK(seen.size() == layers_.size(), "gpt: micro-batch {} ran {} Mixture-of-Experts blocks, "
+             "the first {}", micro, seen.size(), layers_.size());
+    for (size_t l = 0; l < seen.size(); ++l) {
+      nn::MoeLayerStats& s = layers_[l];
+      for (size_t e = 0; e < s.counts.size(); ++e) s.counts[e] += seen[l].counts[e];
+      s.tokens += seen[l].tokens;
+      s.dropped += seen[l].dropped;
+      s.aux_loss += seen[l].aux_loss;
+      s.z_loss += seen[l].z_loss;
+    }
+  }
+  for (const nn::MoeLayerStats& s : seen) loss_sum_ += s.aux_loss + s.z_loss;
+  ++micro_batches_;
+}
+
+void MoeStep::update_bias(Gpt& model) const {
+  if (!on() || config_.moe.bias_rate <= 0) return;
+  size_t next = 0;
+  for (size_t i = 0; i < model.h->size(); ++i) {
+    Block& b = static_cast<Block&>(*(*model.h)[i]);
+    if (!b.moe) continue;
+    TS_CHECK(next < layers_.size(), "gpt: block h.{} has experts but the step recorded no routing for it", i);
+    nn::update_selection_bias(b.moe->selection_bias, layers_[next++].counts, config_.moe.bias_rate);
+  }
+}
+
+std::string MoeStep::line() const {
+  if (layers_.empty()) return "";
+  double worst = 0.0;
+  int64_t dropped = 0, assigned = 0;
+  for (const nn::MoeLayerStats& s : layers_) {
+    worst = std::max(worst, s.imbalance());
+    dropped += s.dropped;
+    for (int64_t c : s.counts) assigned += c;
+  }
+  std::string out = fmt::format("  moe max/mean {:.2f}", worst);
+  if (config_.moe.capacity_factor > 0) {
+    out += fmt::format(" dropped {:.1f}%", assigned > 0 ? 100.0 * dropped / assigned : 0.0);
+  }
+  if (config_.moe.aux_loss > 0 || config_.moe.z_loss > 0) out += fmt::format(" aux {:.4f}", loss());
+  return out;
+}
+
+void MoeStep::annotate(nlohmann::json& record) const {
+  if (layers_.empty()) return;
+  nlohmann::json layers = nlohmann::json::array();
+  for (const nn::MoeLayerStats& s : layers_) {
+    layers.push_back({{"layer", s.name},
+                      {"counts", s.counts},
+                      {"tokens", s.tokens},
+                      {"dropped", s.dropped},
+                      {"aux_loss", micro_batches_ > 0 ? s.aux_loss / micro_batches_ : 0.0},
+                      {"z_loss", micro_batches_ > 0 ? s.z_loss / micro_batches_ : 0.0}});
+  }
+  record["moe"] = std::move(layers);
+}
+
+}  // namespace tessera::gpt

@@ -1,0 +1,50 @@
+// What a training step does for GPT's Mixture-of-Experts blocks (nn/moe.h), the same on one
+// device and with data parallelism: the routing counts reduced over the dp group (so the
+// balancing loss uses the global batch's counts), each micro-batch's routing gathered into
+// the step's, the aux-loss-free selection bias moved from the step's global counts, and the
+// progress line's and the metrics' load figures.
+//
+//   MoeStep moe(config, comm);
+//   { auto counts = moe.reduction();  nn::MoeStatsScope s;  forward...;  moe.add(s, micro); }
+//   ... optimizer step ...;  moe.update_bias(model);
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "models/gpt/model.h"
+#include "parallel/comm/communicator.h"
+
+namespace tessera::gpt {
+
+class MoeStep {
+ public:
+  // comm: the dp group (null: one rank).
+  MoeStep(const GptConfig& config, parallel::Communicator* comm) : config_(config), comm_(comm) {}
+  bool on() const { return config_.experts > 0; }
+  // The counts' all-reduce over the dp group, installed while alive (none with one rank).
+  std::unique_ptr<nn::MoeCountReduction> reduction() const;
+  // Adds a micro-batch's routing (micro 0 starts the step).
+  void add(const nn::MoeStatsScope& scope, int micro);
+  // DeepSeek-V3's bias update of every Mixture-of-Experts block from the step's counts.
+  void update_bias(Gpt& model) const;
+  const std::vector<nn::MoeLayerStats>& layers() const { return layers_; }
+  // The mean over micro-batches of the attached losses (aux + z) summed over the blocks.
+  double loss() const { return micro_batches_ > 0 ? loss_sum_ / micro_batches_ : 0.0; }
+  // "  moe max/mean 1.31 dropped 0.4% aux 0.0102": the worst block's imbalance.
+  std::string line() const;
+  // record["moe"] = [{"layer", "counts", "dropped", "tokens", "aux_loss", "z_loss"}, ...].
+  void annotate(nlohmann::json& record) const;
+
+ private:
+  GptConfig config_;
+  parallel::Communicator* comm_;
+  std::vector<nn::MoeLayerStats> layers_;
+  double loss_sum_ = 0.0;
+  int micro_batches_ = 0;
+};
+
+}  // namespace tessera::gpt
