@@ -17,6 +17,7 @@ namespace {
 
 thread_local MoeStatsScope* t_stats = nullptr;
 thread_local MoeCountReduction* t_reduction = nullptr;
+thread_local MoeDispatch* t_dispatch = nullptr;
 
 // Which expert rows the experts run, in order: each expert's rows together (expert 0's
 // first), within an expert by capacity group, within a group by position or score.
@@ -118,6 +119,9 @@ MoeCountReduction::MoeCountReduction(std::function<void(Tensor&)> sum)
 }
 MoeCountReduction::~MoeCountReduction() { t_reduction = previous_; }
 
+MoeDispatchScope::MoeDispatchScope(MoeDispatch* dispatch) : previous_(t_dispatch) { t_dispatch = dispatch; }
+MoeDispatchScope::~MoeDispatchScope() { t_dispatch = previous_; }
+
 void reduce_moe_counts(Tensor& t) {
   if (t_reduction != nullptr && t_reduction->sum_) t_reduction->sum_(t);
 }
@@ -162,19 +166,28 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
   }
   const RoutingPlan plan = plan_routing(o, expert_of, gate_of, N);
 
-  // The experts over their rows, then each row back to its token, weighted by its gate.
-  std::vector<int64_t> token_rows(plan.assignment.size()), expert_rows(plan.assignment.size());
-  for (size_t r = 0; r < plan.assignment.size(); ++r) {
-    token_rows[r] = plan.assignment[r] / k;
-    expert_rows[r] = expert_of[plan.assignment[r]];
-  }
+  // The experts over their rows (here, or where a dispatch sends them), then each row back
+  // to its token, weighted by its gate.
+  std::vector<int64_t> token_rows(plan.assignment.size());
+  for (size_t r = 0; r < plan.assignment.size(); ++r) token_rows[r] = plan.assignment[r] / k;
   const Tensor tokens = index_tensor(token_rows, device);
-  const Tensor experts = index_tensor(expert_rows, device);
-  const Tensor sizes = index_tensor(plan.sizes, device);
-  const Tensor xs = index_select(x, 0, tokens);  // [R, C]
-  const Tensor h = gelu(grouped_matmul(xs, w.fc_weight, sizes) + index_select(w.fc_bias, 0, experts),
-                        /*approximate_tanh=*/true);
-  Tensor y = grouped_matmul(h, w.proj_weight, sizes) + index_select(w.proj_bias, 0, experts);
+  const ExpertsFn experts = [&](const Tensor& rows, const std::vector<int64_t>& sizes, int64_t first) {
+    const int64_t n = static_cast<int64_t>(sizes.size());
+    TS_CHECK(first >= 0 && first + n <= E, "MixtureOfExperts '{}': experts [{}, {}) of {}", name,
+             first, first + n, E);
+    // The weights of experts [first, first + n): views of the layer's [E, ...] tensors.
+    const auto mine = [&](const Tensor& t) { return n == E ? t : slice(t, 0, first, first + n); };
+    std::vector<int64_t> local_ids;
+    local_ids.reserve(static_cast<size_t>(rows.size(0)));
+    for (int64_t j = 0; j < n; ++j) local_ids.insert(local_ids.end(), sizes[j], j);
+    const Tensor ids = index_tensor(local_ids, rows.device());
+    const Tensor counts = index_tensor(sizes, rows.device());
+    const Tensor h = gelu(grouped_matmul(rows, mine(w.fc_weight), counts) + index_select(mine(w.fc_bias), 0, ids),
+                          /*approximate_tanh=*/true);
+    return grouped_matmul(h, mine(w.proj_weight), counts) + index_select(mine(w.proj_bias), 0, ids);
+  };
+  const Tensor xs = index_select(x, 0, tokens);  // [R, C], grouped by expert
+  Tensor y = t_dispatch != nullptr ? t_dispatch->run(xs, plan.sizes, experts) : experts(xs, plan.sizes, 0);
   const Tensor row_gates = index_select(view(gates, {N * k}), 0, index_tensor(plan.assignment, device));
   y = y * unsqueeze(row_gates, 1);
   Tensor out = index_add(zeros({N, C}, y.dtype(), device), 0, tokens, y);

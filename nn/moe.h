@@ -106,6 +106,32 @@ class MoeCountReduction {
 };
 void reduce_moe_counts(Tensor& t);
 
+// Runs experts [first, first + sizes.size()) over rows grouped by expert (sizes[j] rows of
+// expert first + j, in order): their outputs, row for row.
+using ExpertsFn =
+    std::function<Tensor(const Tensor& rows, const std::vector<int64_t>& sizes, int64_t first)>;
+
+// Where the experts run. Without one installed, every expert runs here; expert parallelism
+// (parallel/expert_parallel.h) sends each expert's rows to the rank holding it and the
+// outputs back. rows [R, C] are grouped by expert over all E experts (sizes [E]); the result
+// is each row's expert output, in the same order.
+class MoeDispatch {
+ public:
+  virtual ~MoeDispatch() = default;
+  virtual Tensor run(const Tensor& rows, const std::vector<int64_t>& sizes, const ExpertsFn& experts) = 0;
+};
+// Installs `dispatch` for this thread's forwards while alive (innermost wins; null: local).
+class MoeDispatchScope {
+ public:
+  explicit MoeDispatchScope(MoeDispatch* dispatch);
+  ~MoeDispatchScope();
+  MoeDispatchScope(const MoeDispatchScope&) = delete;
+  MoeDispatchScope& operator=(const MoeDispatchScope&) = delete;
+
+ private:
+  MoeDispatch* previous_;
+};
+
 // The layer as a function: x [N, C] -> [N, C] (the k experts' outputs weighted by their
 // gates; the attached auxiliary losses). `name` labels its stats.
 Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, const std::string& name);

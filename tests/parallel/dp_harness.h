@@ -34,10 +34,11 @@ struct Task {
   // Where the model and its batches live: the parameters are initialised on the CPU (the
   // same values everywhere), cast, then moved; loss() moves each batch there.
   Device device = kCPU;
-  // The model has Mixture-of-Experts layers (nn/moe.h): a ZeRO run sums their routing
-  // counts over the world (nn::MoeCountReduction) and gives their attached losses each
-  // micro-batch's share (autograd::AuxLossScale), and Run::aux records the losses.
-  bool experts = false;
+  // The model's Mixture-of-Experts layers have this many experts (0: none): a ZeRO run sums
+  // their routing counts over the world (nn::MoeCountReduction), gives their attached losses
+  // each micro-batch's share (autograd::AuxLossScale) and, with ZeroRun::ep, splits the
+  // experts over groups of ep ranks (parallel/expert_parallel.h); Run::aux records the losses.
+  int64_t experts = 0;
   // f32: the bound on every parameter tensor's ||a - b|| / ||b|| (check_close).
   double f32_param_norm = 1e-5;
 };
@@ -111,6 +112,9 @@ struct ZeroRun {
   Checkpoint* save = nullptr;        // filled after step `stop` - 1 (on every rank)
   Opt opt = Opt::adamw;
   CommLog* step_log = nullptr;       // records the collectives of every zero.step()
+  int ep = 1;                        // expert parallelism over groups of ep consecutive ranks
+  CommLog* forward_log = nullptr;    // records the collectives of every micro-batch's forward
+                                     // and backward
 };
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec);
 

@@ -17,18 +17,18 @@ namespace {
 
 using namespace testing_dp;
 
-void check_mpi(const Task& task, DType dtype) {
+void check_mpi(const Task& task, DType dtype, int ep = 1) {
   CommPtr world = mpi_world();
   REQUIRE(world->size() == 2);
   const Run reference = train_reference(task, dtype);
   for (int stage : {0, 1, 2, 3}) {
     // Experts: a micro-batch's balancing loss uses its own counts (zero_test.cc says why).
-    for (int accum : task.experts ? std::vector<int>{1} : std::vector<int>{1, 2}) {
+    for (int accum : task.experts > 0 ? std::vector<int>{1} : std::vector<int>{1, 2}) {
       CAPTURE(stage);
       CAPTURE(accum);
-      const Run run = train_zero(*world, task, dtype, {.stage = stage, .accum = accum});
+      const Run run = train_zero(*world, task, dtype, {.stage = stage, .accum = accum, .ep = ep});
       check_close(task, dtype, run, reference,
-                  fmt::format("mpi rank {} of 2, zero={} accum={}", world->rank(), stage, accum));
+                  fmt::format("mpi rank {} of 2, zero={} accum={} ep={}", world->rank(), stage, accum, ep));
       REQUIRE(run.aux.size() == reference.aux.size());
       for (size_t s = 0; s < run.aux.size(); ++s) {
         CHECK(std::abs(run.aux[s] - reference.aux[s]) <= (dtype == DType::f64 ? 1e-13 : 1e-6));
@@ -50,6 +50,11 @@ TEST_CASE("zero over mpi: GPT-mini, stages x accumulation equal one rank") {
 TEST_CASE("zero over mpi: GPT-mini with experts, stages equal one rank (aux losses too)") {
   check_mpi(gpt_moe_task(), DType::f64);
   check_mpi(gpt_moe_task(), DType::f32);
+}
+
+TEST_CASE("zero over mpi: GPT-mini with its experts split over the 2 processes (ep 2)") {
+  check_mpi(gpt_moe_task(), DType::f64, /*ep=*/2);
+  check_mpi(gpt_moe_task(), DType::f32, /*ep=*/2);
 }
 
 TEST_CASE("zero over mpi: Adafactor on row shards, stages 1-3 x every mode, equals one rank") {

@@ -16,6 +16,7 @@
 
 #include "models/data/text.h"
 #include "models/gpt/model.h"
+#include "nn/moe.h"
 #include "optim/adamw.h"
 #include "parallel/comm/comm_log.h"
 #include "parallel/comm/threads.h"
@@ -117,6 +118,88 @@ TEST_CASE("zero: GPT-mini with experts, dp x stage equals one rank (f64 and f32)
     }
   }
   CHECK(runs == 2 * 3 * 4);
+}
+
+// Expert parallelism: the 4 experts split over groups of ep consecutive ranks (2 or 4 of the
+// dp ranks), each expert's rows exchanged by all-to-all: the single-device model, in f64 to
+// 1e-10 (f32 as stated above), on every ZeRO stage. The experts' parameters stay whole on
+// every rank (a rank's gradient is zero for the experts it does not hold; the dp reduction
+// sums the holders').
+TEST_CASE("zero: GPT-mini with experts over ep ranks (all-to-all) equals one rank, every stage") {
+  const Task task = gpt_moe_task();
+  int runs = 0;
+  for (DType dtype : {DType::f64, DType::f32}) {
+    const Run reference = train_reference(task, dtype);
+    for (auto [dp, ep] : {std::pair{2, 2}, std::pair{4, 2}, std::pair{4, 4}}) {
+      for (int stage : {0, 1, 2, 3}) {
+        CAPTURE(dtype);
+        CAPTURE(dp);
+        CAPTURE(ep);
+        CAPTURE(stage);
+        const Run run = run_zero(task, dtype, dp, {.stage = stage, .ep = ep});
+        check_close(task, dtype, run, reference, fmt::format("dp={} ep={} zero={}", dp, ep, stage));
+        double worst = 0;
+        for (int64_t s = 0; s < kSteps; ++s) worst = std::max(worst, std::abs(run.aux[s] - reference.aux[s]));
+        CHECK(worst <= (dtype == DType::f64 ? 1e-13 : 1e-6));
+        ++runs;
+      }
+    }
+  }
+  CHECK(runs == 2 * 3 * 4);
+}
+
+// The all-to-all bytes of one step from the comm log against the formula from the routed
+// counts. Per layer, rank r sends the rows of its tokens for experts it does not hold
+// (dispatch) and the outputs of the rows other ranks sent it (combine); backward sends the
+// same amounts the other way. Each rank's counts come from the single-device model run on
+// its slice of the batch (the same routing, independently of the exchange).
+TEST_CASE("zero: expert parallelism's all-to-all bytes per step equal the formula from the counts") {
+  const Task task = gpt_moe_task();
+  constexpr int dp = 4;
+  for (int ep : {2, 4}) {
+    CAPTURE(ep);
+    // counts[r][layer][e]: rank r's assignments to expert e in each block.
+    std::vector<std::vector<std::vector<int64_t>>> counts(dp);
+    {
+      const std::shared_ptr<nn::Module> model = make_model(task, DType::f64);
+      const NoGradGuard no_grad;
+      for (int r = 0; r < dp; ++r) {
+        const nn::MoeStatsScope routing;
+        task.loss(*model, DType::f64, 0, r, dp);
+        for (const nn::MoeLayerStats& l : routing.layers()) counts[r].push_back(l.counts);
+      }
+    }
+    const int64_t E = task.experts, local = E / ep, C = 32, bytes = 8;
+    std::vector<int64_t> want(dp, 0);
+    for (int r = 0; r < dp; ++r) {
+      const int group = r / ep, me = r % ep;
+      for (size_t l = 0; l < counts[r].size(); ++l) {
+        int64_t dispatch = 0, combine = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          if (e / local != me) dispatch += counts[r][l][e];
+        }
+        for (int s = group * ep; s < (group + 1) * ep; ++s) {
+          if (s == r) continue;
+          for (int64_t e = me * local; e < (me + 1) * local; ++e) combine += counts[s][l][e];
+        }
+        want[r] += 2 * (dispatch + combine) * C * bytes;  // forward and backward
+      }
+    }
+    std::vector<CommLog> logs(dp);
+    run_threads(dp, [&](CommPtr world) {
+      ZeroRun spec{.stage = 0, .stop = 1, .ep = ep};
+      spec.forward_log = &logs[world->rank()];
+      train_zero(*world, task, DType::f64, spec);
+    });
+    for (int r = 0; r < dp; ++r) {
+      CAPTURE(r);
+      CHECK(counts[r].size() == 2);  // both blocks route
+      CHECK(want[r] > 0);
+      CHECK(logs[r].bytes({CommKind::activations}) == want[r]);
+      // Per block: the counts' exchange, dispatch and combine forward, both again backward.
+      CHECK(logs[r].count("all_to_all", "ep") == 2 * 5);
+    }
+  }
 }
 
 // One training step of `task` under ZeRO on `world`, with the model called through

@@ -1,0 +1,134 @@
+#include "parallel/expert_parallel.h"
+
+#include <fmt/format.h>
+
+#include <numeric>
+
+#include "autograd/node.h"
+#include "parallel/comm/comm_log.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+
+namespace tessera::parallel {
+namespace {
+
+std::vector<int64_t> times(const std::vector<int64_t>& rows, int64_t width) {
+  std::vector<int64_t> out(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) out[i] = rows[i] * width;
+  return out;
+}
+
+Tensor exchange(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
+                const std::vector<int64_t>& recv_rows, const std::string& cause) {
+  const int64_t width = rows.dim() == 2 ? rows.size(1) : 1;
+  const int64_t total = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+  Tensor out = Tensor::empty({total, width}, rows.dtype(), rows.device());
+  const CommCause why(cause, CommKind::activations);
+  group.all_to_all(out, rows.contiguous(), times(send_rows, width), times(recv_rows, width));
+  return out;
+}
+
+class AllToAllRowsNode final : public autograd::Node {
+ public:
+  AllToAllRowsNode(Communicator& group, std::vector<int64_t> send, std::vector<int64_t> recv,
+                   Shape in_shape, DType dtype, Device device, std::string cause)
+      : group_(group), send_(std::move(send)), recv_(std::move(recv)), in_shape_(std::move(in_shape)),
+        dtype_(dtype), device_(device), cause_(std::move(cause)) {}
+  std::string name() const override { return "all_to_all_rows"; }
+  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
+    const int64_t recv_total = std::accumulate(recv_.begin(), recv_.end(), int64_t{0});
+    const Tensor g = grads[0].defined() ? grads[0] : zeros({recv_total, in_shape_[1]}, dtype_, device_);
+    return {exchange(group_, g, recv_, send_, cause_ + " backward")};
+  }
+
+ private:
+  Communicator& group_;
+  std::vector<int64_t> send_, recv_;
+  Shape in_shape_;
+  DType dtype_;
+  Device device_;
+  std::string cause_;
+};
+
+}  // namespace
+
+Tensor all_to_all_rows(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
+                       const std::vector<int64_t>& recv_rows, const std::string& cause) {
+  TS_CHECK(rows.defined() && rows.dim() == 2, "all_to_all_rows ({}): expected rows [R, C], got {}", cause,
+           rows.defined() ? shape_str(rows.shape()) : std::string("undefined"));
+  const size_t n = static_cast<size_t>(group.size());
+  TS_CHECK(send_rows.size() == n && recv_rows.size() == n &&
+               std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0}) == rows.size(0),
+           "all_to_all_rows ({}): {} send and {} receive counts for a group of {} and {} rows", cause,
+           send_rows.size(), recv_rows.size(), n, rows.size(0));
+  Tensor out;
+  {
+    const NoGradGuard no_grad;
+    out = exchange(group, rows, send_rows, recv_rows, cause);
+  }
+  if (!GradMode::enabled() || !rows.requires_grad()) return out;
+  auto node = std::make_shared<AllToAllRowsNode>(group, send_rows, recv_rows, rows.shape(), rows.dtype(),
+                                                 rows.device(), cause);
+  node->mutable_next_edges().push_back(autograd::gradient_edge(rows));
+  AutogradMeta& meta = out.ensure_autograd_meta();
+  meta.grad_fn = node;
+  meta.output_nr = 0;
+  return out;
+}
+
+ExpertParallel::ExpertParallel(Communicator& group, int64_t experts)
+    : group_(group), experts_(experts), local_(0), first_(0) {
+  TS_CHECK(experts >= 1 && experts % group.size() == 0,
+           "ExpertParallel: {} experts do not split evenly over the {} ranks of group '{}'", experts,
+           group.size(), group.name());
+  local_ = experts / group.size();
+  first_ = local_ * group.rank();
+}
+
+Tensor ExpertParallel::run(const Tensor& rows, const std::vector<int64_t>& sizes,
+                           const nn::ExpertsFn& experts) {
+  TS_CHECK(static_cast<int64_t>(sizes.size()) == experts_,
+           "ExpertParallel: {} group sizes for {} experts", sizes.size(), experts_);
+  const int P = group_.size();
+  // 1. Each member's row counts for my experts: [source][local expert].
+  std::vector<int64_t> send_rows(P, 0);
+  for (int64_t e = 0; e < experts_; ++e) send_rows[e / local_] += sizes[e];
+  Tensor counts_in = Tensor::empty({P * local_}, DType::i64);
+  {
+    const CommCause why("moe routing counts", CommKind::control);
+    group_.all_to_all(counts_in, Tensor::from_vector(sizes, {experts_}));
+  }
+  const std::vector<int64_t> from = counts_in.to_vector<int64_t>();
+  std::vector<int64_t> recv_rows(P, 0), local_sizes(local_, 0);
+  for (int s = 0; s < P; ++s) {
+    for (int64_t j = 0; j < local_; ++j) {
+      recv_rows[s] += from[s * local_ + j];
+      local_sizes[j] += from[s * local_ + j];
+    }
+  }
+  // 2. The rows to their experts' members.
+  const Tensor received = all_to_all_rows(group_, rows, send_rows, recv_rows, "moe dispatch");
+  // 3. Received by (source, expert); regrouped by (expert, source) for the grouped matmuls.
+  std::vector<int64_t> source_start(P + 1, 0);
+  for (int s = 0; s < P; ++s) source_start[s + 1] = source_start[s] + recv_rows[s];
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(source_start[P]));
+  for (int64_t j = 0; j < local_; ++j) {
+    for (int s = 0; s < P; ++s) {
+      int64_t at = source_start[s];
+      for (int64_t i = 0; i < j; ++i) at += from[s * local_ + i];
+      for (int64_t r = 0; r < from[s * local_ + j]; ++r) order.push_back(at + r);
+    }
+  }
+  std::vector<int64_t> back(order.size());
+  for (size_t i = 0; i < order.size(); ++i) back[order[i]] = static_cast<int64_t>(i);
+  const auto index = [&](const std::vector<int64_t>& v) {
+    return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}).to(rows.device());
+  };
+  const Tensor grouped = index_select(received, 0, index(order));
+  const Tensor out = experts(grouped, local_sizes, first_);
+  // 4. Back in received order, then to the members the rows came from.
+  return all_to_all_rows(group_, index_select(out, 0, index(back)), recv_rows, send_rows, "moe combine");
+}
+
+}  // namespace tessera::parallel
