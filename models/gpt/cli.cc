@@ -86,6 +86,7 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("z_loss", cli.config.z_loss, "router z-loss coefficient (ST-MoE)");
   f.bind("moe_bias_rate", cli.config.moe_bias_rate,
          "aux-loss-free balancing (DeepSeek-V3): selection-bias step per training step (0: off)");
+  f.bind("ep", cli.config.ep, "expert parallelism: the experts split over groups of this many dp ranks");
   f.bind("check", cli.config.check,
          "instead of training, compare the layout with one device tensor by tensor (f64) each step");
   f.bind("check_tolerance", cli.config.check_tolerance, "--check: largest relative error per tensor");

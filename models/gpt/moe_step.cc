@@ -8,6 +8,18 @@
 
 namespace tessera::gpt {
 
+MoeStep::MoeStep(const GptConfig& config, parallel::Communicator* comm, int64_t ep)
+    : config_(config), comm_(comm) {
+  if (ep <= 1) return;
+  TS_CHECK(on() && comm != nullptr && comm->size() % ep == 0,
+           "gpt: --ep {} splits the experts over groups of ep data-parallel ranks; it needs "
+           "--experts > 0 and a dp size divisible by it (dp {}, experts {})", ep,
+           comm != nullptr ? comm->size() : 1, config.experts);
+  const int rank = comm->rank();
+  ep_group_ = comm->split(rank / static_cast<int>(ep), rank % static_cast<int>(ep), "ep");
+  expert_parallel_ = std::make_unique<parallel::ExpertParallel>(*ep_group_, config.experts);
+}
+
 std::unique_ptr<nn::MoeCountReduction> MoeStep::reduction() const {
   if (!on() || comm_ == nullptr || comm_->size() == 1) return nullptr;
   return std::make_unique<nn::MoeCountReduction>([comm = comm_](Tensor& t) {

@@ -4,8 +4,9 @@
 // the step's, the aux-loss-free selection bias moved from the step's global counts, and the
 // progress line's and the metrics' load figures.
 //
-//   MoeStep moe(config, comm);
-//   { auto counts = moe.reduction();  nn::MoeStatsScope s;  forward...;  moe.add(s, micro); }
+//   MoeStep moe(config, comm, ep);
+//   { auto counts = moe.reduction();  nn::MoeDispatchScope d(moe.dispatch());
+//     nn::MoeStatsScope s;  forward...;  moe.add(s, micro);  backward... }
 //   ... optimizer step ...;  moe.update_bias(model);
 #pragma once
 
@@ -17,14 +18,18 @@
 
 #include "models/gpt/model.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/expert_parallel.h"
 
 namespace tessera::gpt {
 
 class MoeStep {
  public:
-  // comm: the dp group (null: one rank).
-  MoeStep(const GptConfig& config, parallel::Communicator* comm) : config_(config), comm_(comm) {}
+  // comm: the dp group (null: one rank). ep > 1 splits the experts over groups of ep
+  // consecutive dp ranks (collective: every rank of comm constructs its MoeStep).
+  MoeStep(const GptConfig& config, parallel::Communicator* comm, int64_t ep = 1);
   bool on() const { return config_.experts > 0; }
+  // The expert-parallel dispatch for the layers' scope (null: every expert runs here).
+  nn::MoeDispatch* dispatch() const { return expert_parallel_.get(); }
   // The counts' all-reduce over the dp group, installed while alive (none with one rank).
   std::unique_ptr<nn::MoeCountReduction> reduction() const;
   // Adds a micro-batch's routing (micro 0 starts the step).
@@ -42,6 +47,8 @@ class MoeStep {
  private:
   GptConfig config_;
   parallel::Communicator* comm_;
+  parallel::CommPtr ep_group_;
+  std::unique_ptr<parallel::ExpertParallel> expert_parallel_;
   std::vector<nn::MoeLayerStats> layers_;
   double loss_sum_ = 0.0;
   int micro_batches_ = 0;

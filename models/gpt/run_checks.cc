@@ -32,6 +32,8 @@ void validate_train_config(const GptTrainConfig& c) {
            c.heads);
   require_fraction(gpt, "dropout", c.dropout, /*include_one=*/false);
   require_at_least(gpt, "experts", c.experts, 0);
+  TS_CHECK(c.ep == 1 || c.experts > 0, "gpt: --ep {} splits Mixture-of-Experts experts over ranks; it "
+           "needs --experts > 0", c.ep);
   if (c.experts > 0) {
     require_at_least(gpt, "moe_top_k", c.moe_top_k, 1);
     TS_CHECK(c.moe_top_k <= c.experts, "gpt: --moe_top_k {} must be at most --experts {}",
@@ -50,6 +52,10 @@ void validate_train_config(const GptTrainConfig& c) {
     TS_CHECK(c.pp == 1 && c.tp == 1,
              "gpt: --experts {} runs on one device and with --dp/--zero; --pp {} / --tp {} have no "
              "expert layout yet", c.experts, c.pp, c.tp);
+    require_at_least(gpt, "ep", c.ep, 1);
+    TS_CHECK(c.experts % c.ep == 0, "gpt: --ep {} must divide --experts {}", c.ep, c.experts);
+    TS_CHECK(c.ep == 1 || c.dp % c.ep == 0,
+             "gpt: --ep {} splits the experts over groups of dp ranks; it must divide --dp {}", c.ep, c.dp);
     TS_CHECK(Device::parse(c.device).is_cpu(),
              "gpt: --experts runs on the CPU for now (the grouped matmul has no CUDA kernel), got "
              "--device={}", c.device);
@@ -165,7 +171,16 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   const double C = static_cast<double>(c.width), T = static_cast<double>(c.context),
                V = static_cast<double>(c.vocab), H = static_cast<double>(c.heads),
                L = static_cast<double>(c.layers), e = 4;  // f32 bytes
-  const double psi = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C;
+  const GptConfig model = c.model_config();
+  const double psi = static_cast<double>(model.num_parameters());
+  // Mixture of Experts: moe_blocks of the L blocks hold E experts of hidden width Hx in the
+  // MLP's place; each token runs k of them.
+  const double moe_blocks = c.experts > 0 ? std::floor(L / static_cast<double>(c.moe_every)) : 0;
+  const double E = static_cast<double>(c.experts), k = static_cast<double>(c.moe_top_k),
+               Hx = c.moe_hidden > 0 ? static_cast<double>(c.moe_hidden) : 4 * C;
+  const double dense_block = 12 * C * C + 13 * C;
+  const double moe_block = 4 * C * C + 8 * C + E * C + E * (2 * C * Hx + Hx + C);
+  const double largest_block = moe_blocks > 0 ? std::max(dense_block, moe_block) : dense_block;
   const bool three_d = c.pp > 1 || c.tp > 1;
   const double pp = static_cast<double>(c.pp), tp = static_cast<double>(c.tp),
                dp = static_cast<double>(c.dp);
@@ -198,7 +213,7 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     m.model_state = c.dp > 1 || c.zero > 0 ? z.formula() : 16 * psi;
     if (c.zero == 3) {
       // Gathered: the root unit (embeddings, final norm) and two blocks (one prefetched).
-      m.model_state += e * (V * C + T * C + 2 * C) + 2 * e * (12 * C * C + 13 * C);
+      m.model_state += e * (V * C + T * C + 2 * C) + 2 * e * largest_block;
     } else if (c.dp > 1 || c.zero > 0) {
       m.model_state += e * psi;  // flat full-gradient buffers before their reduction
     }
@@ -215,6 +230,21 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
                          : e * (4 * C + 12 * C * width_share + heads_here * T);
   // Dropout's kept masks and outputs: measured at about 2 bytes per masked element.
   if (c.dropout > 0) per_token += 2 * (heads_here * T + 3 * C * width_share);
+  // A Mixture-of-Experts block keeps, instead of the MLP's two 4C tensors, per token: k
+  // rows of its input (C), the expert's pre-activation and GELU output (2 Hx) and output
+  // before and after its gate (2 C); and the router's logits and scores (f32, E each).
+  // Averaged over the blocks.
+  // Expert parallelism adds the rows exchanged both ways (2 C per row), and a rank runs its
+  // experts on the rows every rank of its group sends them: the mean is k per token, the
+  // busiest rank more (a capacity factor F bounds it at F times the mean; dropless, the
+  // early steps measured max/mean 1.9 per expert: taken as 2).
+  if (moe_blocks > 0) {
+    const double ep = static_cast<double>(c.ep);
+    const double busiest = c.ep == 1 ? 1.0
+                           : std::min(ep, c.capacity_factor > 0 ? std::max(1.0, c.capacity_factor) : 2.0);
+    const double exchanged = c.ep > 1 ? 2 * C : 0;
+    per_token += moe_blocks / L * e * (k * (3 * C + exchanged + busiest * 2 * Hx) + 2 * E - 8 * C);
+  }
   // Recomputation: per token and block, what backward reruns instead of keeping (the
   // pipeline's full recomputation is in_flight above).
   double rerun = 0;

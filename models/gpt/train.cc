@@ -233,7 +233,7 @@ class GptReplica final : public models::Replica {
         low_(models::precision_dtype(config.precision, "gpt")),
         device_(Device::parse(config.device)), batches_(config),
         rank_(comm != nullptr ? comm->rank() : 0), ranks_(comm != nullptr ? comm->size() : 1),
-        moe_(config.model_config(), comm), scaler_(scaler_options(low_, config.loss_scale)) {
+        moe_(config.model_config(), comm, config.ep), scaler_(scaler_options(low_, config.loss_scale)) {
     TS_CHECK(config.batch % (ranks_ * config.accum) == 0,
              "gpt: --batch {} must divide into --dp {} x --accum {} equal micro-batches",
              config.batch, ranks_, config.accum);
@@ -345,6 +345,7 @@ class GptReplica final : public models::Replica {
     const int64_t shares = ranks_ * c_.accum;
     const autograd::AuxLossScale aux_scale(scaler_.scale_value() / static_cast<double>(shares));
     const std::unique_ptr<nn::MoeCountReduction> moe_counts = moe_.reduction();
+    const nn::MoeDispatchScope experts_where(moe_.dispatch());
     Tensor loss;
     {
       const nn::MoeStatsScope routing;

@@ -152,6 +152,9 @@ struct GptTrainConfig {
   double aux_loss = 0.01;
   double z_loss = 0.0;
   double moe_bias_rate = 0.0;
+  // Expert parallelism: the experts split over groups of ep consecutive dp ranks, each
+  // expert's tokens sent to its rank and back by all-to-all (parallel/expert_parallel.h).
+  int64_t ep = 1;
   // Instead of training: run the layout above and one device side by side in f64 and compare
   // every layer output, gradient and parameter at each step (models/gpt/check.h); stop at
   // the first tensor whose relative error exceeds check_tolerance. `inject`: a bug to inject

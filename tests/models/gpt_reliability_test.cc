@@ -216,8 +216,10 @@ TEST_CASE("the memory prediction is within 25% of the measured peak on every lay
       {"pp 2 1f1b", [](auto& c) { c.layers = 2, c.pp = 2, c.microbatches = 4; }},
       {"pp 2 gpipe", [](auto& c) { c.layers = 2, c.pp = 2, c.microbatches = 4, c.schedule = "gpipe"; }},
       {"tp 2", [](auto& c) { c.tp = 2; }},
+      {"experts 4 top-2", [](auto& c) { c.experts = 4, c.moe_every = 1; }},
+      {"experts 4 over dp 2 ep 2", [](auto& c) { c.experts = 4, c.moe_every = 1, c.dp = 2, c.ep = 2; }},
   };
-  CHECK(layouts.size() == 12);
+  CHECK(layouts.size() == 14);
   for (const Layout& l : layouts) {
     GptTrainConfig c = tiny();
     c.layers = 2;

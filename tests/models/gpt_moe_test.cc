@@ -1,0 +1,163 @@
+// GPT with Mixture-of-Experts blocks through the training program (models/gpt/train.h):
+// one device, data parallelism and expert parallelism give the same losses; the progress
+// figures and the metrics file carry the routing; a resume continues bitwise, the selection
+// bias included; bad flags are refused naming them. The numerics (one device against the
+// layouts in f64) are tests/parallel/zero_test's; the layer is tests/nn/moe_test's.
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "models/gpt/train.h"
+#include "tests/testing.h"
+
+namespace tessera::gpt {
+namespace {
+
+using testing::contains;
+using testing::error_of;
+using testing::temp_dir;
+
+GptTrainConfig moe_run(int64_t steps) {
+  GptTrainConfig c;
+  c.layers = 2;
+  c.heads = 2;
+  c.width = 32;
+  c.context = 32;
+  c.batch = 8;
+  c.steps = steps;
+  c.lr = 1e-2;
+  c.warmup = 5;
+  c.val_every = 0;
+  c.val_batches = 2;
+  c.sample_length = 0;
+  c.verbose = false;
+  c.threads = 1;
+  c.experts = 4;
+  c.moe_top_k = 2;
+  c.moe_every = 1;
+  c.aux_loss = 0.01;
+  c.z_loss = 0.001;
+  return c;
+}
+
+double worst_relative(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
+  return worst;
+}
+
+TEST_CASE("--experts: it learns; --dp, --zero and --ep give one device's losses (f32)") {
+  const GptTrainConfig base = moe_run(12);
+  const GptResult one = train_gpt(base);
+  REQUIRE(one.losses.size() == 12);
+  CHECK(one.losses.back() < one.losses.front() - 0.5);
+  // Both blocks routed every step: 4 experts' counts summing to k x tokens.
+  REQUIRE(one.moe_stats.size() == 2);
+  for (const nn::MoeLayerStats& s : one.moe_stats) {
+    CHECK(s.counts.size() == 4);
+    int64_t total = 0;
+    for (int64_t n : s.counts) total += n;
+    CHECK(total == 2 * base.batch * base.context);
+    CHECK(s.tokens == base.batch * base.context);
+    CHECK(s.dropped == 0);
+  }
+  CHECK(one.moe_loss > 0.02);  // two blocks' balancing losses of alpha 0.01, and the z-losses
+  struct Layout {
+    const char* name;
+    int64_t dp, zero, ep;
+  };
+  int ran = 0;
+  for (const Layout& l : {Layout{"dp 2", 2, 0, 1}, Layout{"dp 2 ep 2", 2, 0, 2},
+                          Layout{"dp 4 ep 2 ZeRO 2", 4, 2, 2}, Layout{"dp 4 ep 4 ZeRO 3", 4, 3, 4}}) {
+    CAPTURE(l.name);
+    GptTrainConfig c = base;
+    c.dp = l.dp;
+    c.zero = l.zero;
+    c.ep = l.ep;
+    const GptResult r = train_gpt(c);
+    // f32 sums in another order: the dp suites' 1e-5 on the loss curve.
+    CHECK(worst_relative(r.losses, one.losses) <= 1e-5);
+    REQUIRE(r.moe_stats.size() == 2);
+    for (size_t b = 0; b < 2; ++b) CHECK(r.moe_stats[b].counts == one.moe_stats[b].counts);
+    CHECK(std::abs(r.moe_loss - one.moe_loss) <= 1e-6);
+    ++ran;
+  }
+  CHECK(ran == 4);
+}
+
+TEST_CASE("--experts: a capacity factor drops tokens; the metrics file logs each expert's load") {
+  const std::string metrics = temp_dir() + "/gpt_moe_metrics.jsonl";
+  std::filesystem::remove(metrics);
+  GptTrainConfig c = moe_run(4);
+  c.capacity_factor = 0.5;  // half the mean load: every step drops
+  c.moe_groups = 2;
+  c.drop_policy = "score";
+  c.log_every = 2;
+  c.metrics = metrics;
+  const GptResult r = train_gpt(c);
+  REQUIRE(r.moe_stats.size() == 2);
+  // Capacity per group and expert ceil(128 x 2 x 0.5 / 4) = 32: at most 2 x 4 x 32 kept.
+  for (const nn::MoeLayerStats& s : r.moe_stats) CHECK(s.dropped >= 2 * 256 - 2 * 4 * 32);
+  std::ifstream in(metrics);
+  std::string line;
+  int with_moe = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json rec = nlohmann::json::parse(line);
+    if (!rec.contains("moe")) continue;
+    ++with_moe;
+    REQUIRE(rec["moe"].size() == 2);
+    CHECK(rec["moe"][0]["layer"] == "h.0");
+    CHECK(rec["moe"][1]["counts"].size() == 4);
+    CHECK(rec["moe"][0]["dropped"].get<int64_t>() > 0);
+  }
+  CHECK(with_moe == 2);  // steps 2 and 4
+}
+
+TEST_CASE("--experts with --moe_bias_rate: the selection bias moves and resumes bitwise") {
+  const std::string dir = temp_dir() + "/gpt_moe_resume";
+  std::filesystem::create_directories(dir);
+  GptTrainConfig c = moe_run(10);
+  c.moe_bias_rate = 0.01;
+  c.aux_loss = 0;  // balanced by the bias alone (DeepSeek-V3)
+  c.save = dir + "/straight.safetensors";
+  const GptResult straight = train_gpt(c);
+  c.max_steps = 5;
+  c.save = dir + "/split.safetensors";
+  const GptResult first = train_gpt(c);
+  c.max_steps = 0;
+  c.resume = c.save;
+  const GptResult second = train_gpt(c);
+  REQUIRE(second.losses.size() == 5);
+  for (size_t i = 0; i < 5; ++i) CHECK(second.losses[i] == straight.losses[5 + i]);
+  CHECK(second.val_loss == straight.val_loss);
+  // Without the bias (and without the balancing loss) the run differs: the bias acted.
+  GptTrainConfig off = moe_run(10);
+  off.aux_loss = 0;
+  CHECK(train_gpt(off).losses != straight.losses);
+}
+
+TEST_CASE("--experts: bad flags are refused, naming them") {
+  const auto refused = [](const std::function<void(GptTrainConfig&)>& set, const char* what) {
+    GptTrainConfig c = moe_run(2);
+    set(c);
+    const std::string e = error_of([&] { train_gpt(c); });
+    CHECK_MESSAGE(contains(e, what), e);
+  };
+  refused([](auto& c) { c.moe_top_k = 5; }, "--moe_top_k 5 must be at most --experts 4");
+  refused([](auto& c) { c.ep = 3; }, "--ep 3 must divide --experts 4");
+  refused([](auto& c) { c.ep = 2; }, "--ep 2 splits the experts over groups of dp ranks");
+  refused([](auto& c) { c.experts = 0, c.ep = 2; }, "needs --experts > 0");
+  refused([](auto& c) { c.tp = 2; }, "--tp 2 have no expert layout yet");
+  refused([](auto& c) { c.moe_every = 3; }, "--moe_every 3 leaves no Mixture-of-Experts block");
+  refused([](auto& c) { c.drop_policy = "random"; }, "drop_policy");
+  refused([](auto& c) { c.capacity_factor = -1; }, "capacity_factor");
+  refused([](auto& c) { c.moe_score = "relu"; }, "moe_score");
+}
+
+}  // namespace
+}  // namespace tessera::gpt
