@@ -11,6 +11,15 @@
 namespace tessera::autograd {
 namespace {
 
+thread_local int t_recomputing = 0;
+struct RecomputeMark {
+  RecomputeMark() { ++t_recomputing; }
+  ~RecomputeMark() { --t_recomputing; }
+  RecomputeMark(const RecomputeMark&) = delete;
+  RecomputeMark& operator=(const RecomputeMark&) = delete;
+};
+
+
 class CheckpointNode final : public Node {
  public:
   CheckpointNode(CheckpointFn fn, const std::vector<Tensor>& inputs, uint64_t seed,
@@ -56,6 +65,7 @@ class CheckpointNode final : public Node {
       // outside the slice its forward ran in).
       GradModeGuard grad_on(true);
       AutocastGuard amp(autocast_);
+      const RecomputeMark mark;
       // What the replay saves is read right away: compressing it would only add rounding.
       const SavedCompressionGuard exact({.mode = SavedCompression::none});
       const BatchSliceScope slice(has_slice_ ? &slice_ : nullptr);
@@ -96,6 +106,8 @@ class CheckpointNode final : public Node {
 };
 
 }  // namespace
+
+bool recomputing() { return t_recomputing > 0; }
 
 std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs) {
   if (!GradMode::enabled()) return fn(inputs);

@@ -24,4 +24,8 @@ using CheckpointFn = std::function<std::vector<Tensor>(const std::vector<Tensor>
 
 std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& inputs);
 
+// True while a checkpoint's backward reruns its function on this thread: a layer that
+// records what its forward saw (routing statistics) records the first run only.
+bool recomputing();
+
 }  // namespace tessera::autograd

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "autograd/aux_loss.h"
+#include "autograd/checkpoint.h"
 #include "nn/init.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
@@ -18,6 +19,7 @@ namespace {
 thread_local MoeStatsScope* t_stats = nullptr;
 thread_local MoeCountReduction* t_reduction = nullptr;
 thread_local MoeDispatch* t_dispatch = nullptr;
+thread_local MoeStepCounts* t_step_counts = nullptr;
 
 // Which expert rows the experts run, in order: each expert's rows together (expert 0's
 // first), within an expert by capacity group, within a group by position or score.
@@ -118,6 +120,23 @@ MoeCountReduction::MoeCountReduction(std::function<void(Tensor&)> sum)
   t_reduction = this;
 }
 MoeCountReduction::~MoeCountReduction() { t_reduction = previous_; }
+
+MoeStepCounts::MoeStepCounts(const std::vector<MoeLayerStats>& step) : previous_(t_step_counts) {
+  for (const MoeLayerStats& s : step) {
+    Counts& c = counts_[s.name];
+    if (c.counts.empty()) c.counts.assign(s.counts.size(), 0);
+    TS_CHECK(c.counts.size() == s.counts.size(), "MoeStepCounts: layer '{}' with {} and {} experts",
+             s.name, c.counts.size(), s.counts.size());
+    for (size_t e = 0; e < s.counts.size(); ++e) c.counts[e] += s.counts[e];
+    c.tokens += s.tokens;
+  }
+  t_step_counts = this;
+}
+MoeStepCounts::~MoeStepCounts() { t_step_counts = previous_; }
+const MoeStepCounts::Counts* MoeStepCounts::find(const std::string& name) const {
+  auto it = counts_.find(name);
+  return it != counts_.end() ? &it->second : nullptr;
+}
 
 MoeDispatchScope::MoeDispatchScope(MoeDispatch* dispatch) : previous_(t_dispatch) { t_dispatch = dispatch; }
 MoeDispatchScope::~MoeDispatchScope() { t_dispatch = previous_; }
@@ -221,10 +240,22 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
   stats.name = name;
   stats.tokens = static_cast<int64_t>(tokens_all);
   stats.dropped = static_cast<int64_t>(all[2 * E + 2]);
+  // f_i: from the step's counts when a routing pass gave them (accumulation: the whole
+  // batch's, as one device's), else from this forward's (over the ranks sharing it).
+  const MoeStepCounts::Counts* step = t_step_counts != nullptr ? t_step_counts->find(name) : nullptr;
+  TS_CHECK(step == nullptr || static_cast<int64_t>(step->counts.size()) == E,
+           "MixtureOfExperts '{}': the step's counts hold {} experts, the layer {}", name,
+           step != nullptr ? step->counts.size() : 0, E);
   std::vector<double> fraction(E);
   for (int64_t e = 0; e < E; ++e) {
     stats.counts.push_back(static_cast<int64_t>(all[e]));
-    fraction[e] = tokens_all > 0 ? all[e] / (tokens_all * static_cast<double>(k)) : 0.0;
+    if (step != nullptr) {
+      fraction[e] = step->tokens > 0 ? static_cast<double>(step->counts[e]) /
+                                           (static_cast<double>(step->tokens) * static_cast<double>(k))
+                                     : 0.0;
+    } else {
+      fraction[e] = tokens_all > 0 ? all[e] / (tokens_all * static_cast<double>(k)) : 0.0;
+    }
     stats.aux_loss += o.aux_loss * static_cast<double>(E) * fraction[e] *
                       (tokens_all > 0 ? all[E + e] / tokens_all : 0.0);
   }
@@ -241,7 +272,7 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
     aux = aux.defined() ? aux + z : z;
   }
   if (aux.defined()) out = autograd::attach_loss(out, aux);
-  if (t_stats != nullptr) t_stats->add(std::move(stats));
+  if (t_stats != nullptr && !autograd::recomputing()) t_stats->add(std::move(stats));
   return out;
 }
 
@@ -277,7 +308,7 @@ MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, DType dtype)
   fc_bias = register_parameter("fc_bias", zeros({E, H}, dtype));
   proj_weight = register_parameter("proj_weight", uniform({E, H, width}, H));
   proj_bias = register_parameter("proj_bias", zeros({E, width}, dtype));
-  selection_bias = register_buffer("selection_bias", zeros({E}, DType::f32));
+  if (options.bias_rate > 0) selection_bias = register_buffer("selection_bias", zeros({E}, DType::f32));
 }
 
 MoeWeights MixtureOfExperts::weights() const {

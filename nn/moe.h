@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -58,7 +59,7 @@ struct MoeWeights {
   Tensor fc_bias;         // [E, H]
   Tensor proj_weight;     // [E, H, C]
   Tensor proj_bias;       // [E, C]
-  Tensor selection_bias;  // [E] f32, no gradient (aux-loss-free balancing)
+  Tensor selection_bias;  // [E] f32, no gradient (aux-loss-free balancing); may be undefined
 };
 
 // What one forward saw, over every rank that shares the batch (see MoeCountReduction).
@@ -73,7 +74,8 @@ struct MoeLayerStats {
   double imbalance() const;
 };
 
-// Collects the stats of every forward on this thread while alive (innermost scope).
+// Collects the stats of every forward on this thread while alive (innermost scope); a
+// checkpoint's recomputation in backward records nothing.
 class MoeStatsScope {
  public:
   MoeStatsScope();
@@ -105,6 +107,29 @@ class MoeCountReduction {
   friend void reduce_moe_counts(Tensor& t);
 };
 void reduce_moe_counts(Tensor& t);
+
+// The counts a step's forwards use for the balancing loss's f_i instead of their own: the
+// whole step's, from a routing pass over all its micro-batches (forwards without grad),
+// summed by layer name. With gradient accumulation each micro-batch's balancing loss then
+// has one device's f_i (the whole batch's), so the step's gradient is one device's.
+// Installed per thread while alive.
+class MoeStepCounts {
+ public:
+  struct Counts {
+    std::vector<int64_t> counts;
+    int64_t tokens = 0;
+  };
+  // Every forward the routing pass recorded (each micro-batch's, over the ranks sharing it).
+  explicit MoeStepCounts(const std::vector<MoeLayerStats>& step);
+  ~MoeStepCounts();
+  MoeStepCounts(const MoeStepCounts&) = delete;
+  MoeStepCounts& operator=(const MoeStepCounts&) = delete;
+  const Counts* find(const std::string& name) const;  // null: not recorded
+
+ private:
+  std::map<std::string, Counts> counts_;
+  MoeStepCounts* previous_;
+};
 
 // Runs experts [first, first + sizes.size()) over rows grouped by expert (sizes[j] rows of
 // expert first + j, in order): their outputs, row for row.
@@ -140,8 +165,9 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
 void update_selection_bias(Tensor& bias, const std::vector<int64_t>& counts, double rate);
 
 // Parameters router [E, C], fc_weight [E, C, H], fc_bias [E, H], proj_weight
-// [E, H, C], proj_bias [E, C]; buffer selection_bias [E]. Initialised as torch's Linear
-// per expert (U(-1/sqrt(in), 1/sqrt(in))), biases zero.
+// [E, H, C], proj_bias [E, C]; with bias_rate > 0 the buffer selection_bias [E] (f32, zero
+// at first). Initialised as torch's Linear per expert (U(-1/sqrt(in), 1/sqrt(in))), biases
+// zero.
 class MixtureOfExperts : public Module {
  public:
   MixtureOfExperts(int64_t width, MoeOptions options, DType dtype = DType::f32);

@@ -156,22 +156,48 @@ typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c
 }
 
 // The experts in block `index`'s MLP place (nn/moe.h) over the B*T tokens of n [B, T, C].
-// One device (and data parallelism, whose ranks run it): a tensor-parallel layout has no
-// expert plan yet.
 template <class L, class P>
 typename L::Tensor moe_mlp(const L& layout, const P& param, const GptConfig& c, int64_t index,
                            const typename L::Tensor& n, DropoutState drop) {
-  if constexpr (std::is_same_v<typename L::Tensor, Tensor>) {
-    const int64_t B = n.size(0), S = n.size(1);
-    const nn::MoeWeights w{param("mlp.router"),      param("mlp.fc_weight"), param("mlp.fc_bias"),
-                           param("mlp.proj_weight"), param("mlp.proj_bias"), param("mlp.selection_bias")};
-    const Tensor y = nn::moe_forward(c.moe_options(), w, view(n.contiguous(), {B * S, c.width}),
-                                     fmt::format("h.{}", index));
-    return layout.region([&] { return dropout(view(y, {B, S, c.width}), drop.p, drop.training); });
+  using T = typename L::Tensor;
+  // The layer runs on plain tensors: the tokens whole over tp (gathered from the sequence
+  // split under sp), the experts' parameters replicated there (the plan leaves them whole),
+  // so every tp rank routes and computes the same tokens and holds the whole gradients.
+  const T whole = layout.column_input(n);
+  const Tensor local = [&] {
+    if constexpr (std::is_same_v<T, Tensor>) {
+      return whole;
+    } else {
+      // On a mesh of tp alone (Gpt3d reduces dp itself): with a batch axis too, the
+      // parameters' gradients would need the sum over it that the sharding rules add.
+      TS_CHECK(whole.placements().size() == 1,
+               "gpt: block {}'s experts run on a tensor-parallel mesh of one axis, got {} axes",
+               index, whole.placements().size());
+      return whole.local();
+    }
+  }();
+  const auto plain = [&](const std::string& path) -> Tensor {
+    if constexpr (std::is_same_v<T, Tensor>) {
+      return param(path);
+    } else {
+      return param(path).local();
+    }
+  };
+  const nn::MoeOptions o = c.moe_options();
+  const nn::MoeWeights w{plain("mlp.router"), plain("mlp.fc_weight"), plain("mlp.fc_bias"),
+                         plain("mlp.proj_weight"), plain("mlp.proj_bias"),
+                         o.bias_rate > 0 ? plain("mlp.selection_bias") : Tensor()};
+  const int64_t B = local.size(0), S = local.size(1);
+  const Tensor y = view(nn::moe_forward(o, w, view(local.contiguous(), {B * S, c.width}),
+                                        fmt::format("h.{}", index)),
+                        {B, S, c.width});
+  T out;
+  if constexpr (std::is_same_v<T, Tensor>) {
+    out = y;
   } else {
-    (void)layout, (void)param, (void)n, (void)drop;
-    fail("gpt: block {} is a Mixture-of-Experts block; --tp/--pp layouts do not run experts yet", index);
+    out = layout.stream(parallel::ShardedTensor(y, whole.mesh_ptr(), whole.placements(), whole.shape()));
   }
+  return layout.region([&] { return dropout(out, drop.p, drop.training); });
 }
 
 // x + attn(ln_1(x)), then + mlp(ln_2(x)); the MLP is Linear(C, 4C), tanh-GELU, Linear(4C, C),

@@ -28,39 +28,40 @@ std::unique_ptr<nn::MoeCountReduction> MoeStep::reduction() const {
   });
 }
 
-void MoeStep::add(const nn::MoeStatsScope& scope, int micro) {
-  if (micro == 0) {
-    layers_.clear();
-    loss_sum_ = 0.0;
-    micro_batches_ = 0;
-  }
-  const std::vector<nn::MoeLayerStats>& seen = scope.layers();
-  if (layers_.empty()) {
-    layers_ = seen;
-  } else {
-    TS_CHECK(seen.size() == layers_.size(), "gpt: micro-batch {} ran {} Mixture-of-Experts blocks, "
-             "the first {}", micro, seen.size(), layers_.size());
-    for (size_t l = 0; l < seen.size(); ++l) {
-      nn::MoeLayerStats& s = layers_[l];
-      for (size_t e = 0; e < s.counts.size(); ++e) s.counts[e] += seen[l].counts[e];
-      s.tokens += seen[l].tokens;
-      s.dropped += seen[l].dropped;
-      s.aux_loss += seen[l].aux_loss;
-      s.z_loss += seen[l].z_loss;
+void MoeStep::begin_step() {
+  layers_.clear();
+  loss_sum_ = 0.0;
+  micro_batches_ = 0;
+}
+
+void MoeStep::add(const nn::MoeStatsScope& scope, int micro_batches) {
+  for (const nn::MoeLayerStats& seen : scope.layers()) {
+    loss_sum_ += seen.aux_loss + seen.z_loss;
+    auto same = std::find_if(layers_.begin(), layers_.end(),
+                             [&](const nn::MoeLayerStats& l) { return l.name == seen.name; });
+    if (same == layers_.end()) {
+      layers_.push_back(seen);
+      continue;
     }
+    for (size_t e = 0; e < same->counts.size(); ++e) same->counts[e] += seen.counts[e];
+    same->tokens += seen.tokens;
+    same->dropped += seen.dropped;
+    same->aux_loss += seen.aux_loss;
+    same->z_loss += seen.z_loss;
   }
-  for (const nn::MoeLayerStats& s : seen) loss_sum_ += s.aux_loss + s.z_loss;
-  ++micro_batches_;
+  micro_batches_ += micro_batches;
 }
 
 void MoeStep::update_bias(Gpt& model) const {
   if (!on() || config_.moe.bias_rate <= 0) return;
-  size_t next = 0;
   for (size_t i = 0; i < model.h->size(); ++i) {
     Block& b = static_cast<Block&>(*(*model.h)[i]);
     if (!b.moe) continue;
-    TS_CHECK(next < layers_.size(), "gpt: block h.{} has experts but the step recorded no routing for it", i);
-    nn::update_selection_bias(b.moe->selection_bias, layers_[next++].counts, config_.moe.bias_rate);
+    const std::string name = fmt::format("h.{}", i);
+    auto seen = std::find_if(layers_.begin(), layers_.end(),
+                             [&](const nn::MoeLayerStats& l) { return l.name == name; });
+    TS_CHECK(seen != layers_.end(), "gpt: block {} has experts but the step recorded no routing for it", name);
+    nn::update_selection_bias(b.moe->selection_bias, seen->counts, config_.moe.bias_rate);
   }
 }
 

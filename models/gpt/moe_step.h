@@ -5,8 +5,9 @@
 // progress line's and the metrics' load figures.
 //
 //   MoeStep moe(config, comm, ep);
+//   moe.begin_step();
 //   { auto counts = moe.reduction();  nn::MoeDispatchScope d(moe.dispatch());
-//     nn::MoeStatsScope s;  forward...;  moe.add(s, micro);  backward... }
+//     nn::MoeStatsScope s;  forward...;  moe.add(s);  backward... }   // each micro-batch
 //   ... optimizer step ...;  moe.update_bias(model);
 #pragma once
 
@@ -32,8 +33,10 @@ class MoeStep {
   nn::MoeDispatch* dispatch() const { return expert_parallel_.get(); }
   // The counts' all-reduce over the dp group, installed while alive (none with one rank).
   std::unique_ptr<nn::MoeCountReduction> reduction() const;
-  // Adds a micro-batch's routing (micro 0 starts the step).
-  void add(const nn::MoeStatsScope& scope, int micro);
+  // Starts a step's routing; add() then merges the forwards `scope` saw (by layer name),
+  // `micro_batches` of them per layer.
+  void begin_step();
+  void add(const nn::MoeStatsScope& scope, int micro_batches = 1);
   // DeepSeek-V3's bias update of every Mixture-of-Experts block from the step's counts.
   void update_bias(Gpt& model) const;
   const std::vector<nn::MoeLayerStats>& layers() const { return layers_; }

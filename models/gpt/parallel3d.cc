@@ -6,6 +6,7 @@
 #include <cmath>
 #include <set>
 
+#include "autograd/aux_loss.h"
 #include "models/gpt/forward.h"
 #include "models/gpt/pipeline.h"
 #include "models/gpt/tensor_parallel.h"
@@ -64,8 +65,15 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
            "Gpt3d: heads ({}) must be divisible by tp ({}): each rank computes whole heads",
            model.config().heads, opt.tp);
 
+  TS_CHECK(opt.ep == 1 || (model.config().experts > 0 && opt.dp % opt.ep == 0),
+           "Gpt3d: ep ({}) splits the experts over groups of dp ranks: it needs experts and must "
+           "divide dp ({})", opt.ep, opt.dp);
+  TS_CHECK(model.config().moe.bias_rate == 0,
+           "Gpt3d: the experts' selection bias (bias rate {}) is a buffer the pipeline and tensor-"
+           "parallel layouts do not carry yet", model.config().moe.bias_rate);
   s.mesh = parallel::make_mesh(s.world, {{"pp", opt.pp}, {"dp", opt.dp}, {"tp", opt.tp}});
   s.tp_mesh = parallel::make_mesh(s.mesh->group_ptr(2), {{"tp", opt.tp}});
+  s.moe = std::make_unique<MoeStep>(model.config(), &s.dp(), opt.ep);
   const int pp_rank = s.pp().rank();
   for (const auto& [name, t] : s.pipe.parameters(model, s.schedule, pp_rank)) s.mine.insert(name);
   for (int st = 0; st < s.schedule.num_stages(); ++st) {
@@ -280,6 +288,13 @@ double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double 
     return s.o.inject == "swap_microbatches" && m >= 2 && mb < 2 ? 1 - mb : mb;
   };
   double loss_sum = 0.0;
+  // Mixture-of-Experts blocks: their attached losses take a micro-batch's share of the loss
+  // scale as its cross-entropy does; routing counts are summed over dp; experts may live on
+  // other dp ranks of the ep group.
+  const autograd::AuxLossScale aux_scale(s.scaler.scale_value() / static_cast<double>(k * m));
+  const std::unique_ptr<nn::MoeCountReduction> moe_counts = s.moe->reduction();
+  const nn::MoeDispatchScope experts_where(s.moe->dispatch());
+  const nn::MoeStatsScope routing;
   {
     auto guard = s.zero->no_sync();  // micro-batches accumulate; dp reduces once, below
     for (s.run = 0; s.run < k; ++s.run) {
@@ -305,6 +320,8 @@ double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double 
     }
   }
   s.zero->finish();
+  s.moe->begin_step();
+  s.moe->add(routing, static_cast<int>(k * m));
   if (s.o.inject == "grad_times_dp") s.zero->scale_grads(static_cast<double>(s.o.dp));
   if (s.o.capture) s.grads = s.zero->gradient_dict();
   DropoutKeys(config, /*training=*/true, B, T, base).end();  // where one device's step ends
@@ -357,6 +374,8 @@ double Gpt3d::clip_grad_norm(double max_norm) {
 }
 
 optim::DynamicLossScaler& Gpt3d::scaler() { return impl_->scaler; }
+const MoeStep& Gpt3d::moe() const { return *impl_->moe; }
+
 const optim::Optimizer& Gpt3d::optimizer() const { return *impl_->opt; }
 
 std::vector<std::pair<std::string, Tensor>> Gpt3d::activations() {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "models/gpt/model.h"
+#include "models/gpt/moe_step.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "parallel/comm_hook.h"
@@ -73,6 +74,9 @@ struct Gpt3dOptions {
   // first stage feeds micro-batch 1's tokens as micro-batch 0's and the other way round) or
   // "drop_dropout_offset" (every micro-batch draws the first rows of the dropout masks).
   std::string inject = {};
+  // Expert parallelism (Mixture-of-Experts blocks): the experts split over groups of ep
+  // consecutive dp ranks (models/gpt/moe_step.h).
+  int64_t ep = 1;
 };
 
 // The region [starts, starts + shape) of `whole` viewed as `global` (same size; Error naming
@@ -140,6 +144,8 @@ class Gpt3d {
   optim::DynamicLossScaler& scaler();
   // The optimizer over this rank's shards.
   const optim::Optimizer& optimizer() const;
+  // The last step's routing of this rank's Mixture-of-Experts blocks (over its dp group).
+  const MoeStep& moe() const;
   // "pp 2 x dp 2 x tp 2, 1f1b, 4 micro-batches: stage 0: embed h.0 h.1 | stage 1: ..."
   std::string describe() const;
 

@@ -60,6 +60,7 @@ struct Gpt3d::Impl {
   std::map<int, std::map<int64_t, Tensor>> outputs;
   nn::StateDict grads;
   optim::DynamicLossScaler scaler{{.enabled = false}};
+  std::unique_ptr<MoeStep> moe;
 
   Impl(Gpt& m, parallel::CommPtr w, Gpt3dOptions options) : model(m), o(std::move(options)), world(std::move(w)) {}
 

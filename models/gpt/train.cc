@@ -328,15 +328,22 @@ class GptReplica final : public models::Replica {
     }
   }
 
-  Tensor forward_backward(int64_t step, int micro) override {
+  // Micro-batch `micro`'s batch and logits, its dropout drawing its rows of the masks one
+  // device draws for the whole batch (every micro-batch starts from the step's generator
+  // state and takes its block).
+  std::pair<data::TextBatch, Tensor> forward(int64_t step, int micro) {
     const int parts = static_cast<int>(ranks_ * c_.accum);
     const int part = static_cast<int>(rank_ * c_.accum + micro);
-    const data::TextBatch batch = batches_.train(step, part, parts);
-    // Dropout draws this part's rows of the masks one device draws for the whole batch:
-    // every micro-batch starts from the step's generator state and takes its block.
+    data::TextBatch batch = batches_.train(step, part, parts);
     const int64_t rows = c_.batch / parts;
     default_generator().set_state(default_generator().seed(), step_rng_offset_);
     const BatchSliceScope slice({c_.batch, part * rows, rows});
+    AutocastGuard amp(low_);
+    Tensor logits = (*model_)(batch.idx.to(device_));
+    return {std::move(batch), std::move(logits)};
+  }
+
+  Tensor forward_backward(int64_t step, int micro) override {
     // This micro-batch's share of the global batch's mean loss (ranks x accum micro-batches
     // of equal size), so backward sees one device's per-sample gradient magnitudes (what f16
     // loss scaling is sized for), and the ranks' gradients are summed. The experts' attached
@@ -346,12 +353,25 @@ class GptReplica final : public models::Replica {
     const autograd::AuxLossScale aux_scale(scaler_.scale_value() / static_cast<double>(shares));
     const std::unique_ptr<nn::MoeCountReduction> moe_counts = moe_.reduction();
     const nn::MoeDispatchScope experts_where(moe_.dispatch());
+    if (micro == 0) {
+      moe_.begin_step();
+      step_counts_.reset();
+      if (moe_.on() && c_.accum > 1 && c_.aux_loss > 0) {
+        // The balancing loss's f_i are the whole batch's, as on one device: a routing pass
+        // (forwards without grad) over the step's micro-batches counts them first.
+        const nn::MoeStatsScope routing;
+        const NoGradGuard no_grad;
+        for (int j = 0; j < c_.accum; ++j) forward(step, j);
+        step_counts_ = std::make_unique<nn::MoeStepCounts>(routing.layers());
+      }
+    }
     Tensor loss;
     {
       const nn::MoeStatsScope routing;
+      auto [batch, logits] = forward(step, micro);
       AutocastGuard amp(low_);
-      loss = Gpt::loss((*model_)(batch.idx.to(device_)), batch.targets.to(device_));
-      if (moe_.on()) moe_.add(routing, micro);
+      loss = Gpt::loss(logits, batch.targets.to(device_));
+      if (moe_.on()) moe_.add(routing);
     }
     Tensor scaled = scaler_.scale(shares > 1 ? loss / static_cast<double>(shares) : loss);
     if (!zero_) {
@@ -381,6 +401,7 @@ class GptReplica final : public models::Replica {
       scaler_.step(*opt_);
     }
     scaler_.update();
+    step_counts_.reset();
     if (!skip) moe_.update_bias(*model_);
     if (moe_.on()) {
       result_.moe_stats = moe_.layers();
@@ -478,6 +499,7 @@ class GptReplica final : public models::Replica {
   const GptData batches_;
   int64_t rank_, ranks_;
   MoeStep moe_;
+  std::unique_ptr<nn::MoeStepCounts> step_counts_;  // with --accum: the step's routing
   std::unique_ptr<Gpt> model_;
   std::shared_ptr<parallel::CommHook> hook_;  // --compress (null: none)
   std::unique_ptr<parallel::ZeroDataParallel> zero_;
@@ -643,7 +665,11 @@ class Gpt3dReplica final : public models::Replica {
     return t.uncompressed > 0 ? static_cast<double>(t.sent) / static_cast<double>(t.uncompressed)
                               : 1.0;
   }
-  std::string line_suffix() const override { return hook_ ? models::hook_traffic(*hook_) : ""; }
+  std::string line_suffix() const override {
+    return (hook_ ? models::hook_traffic(*hook_) : "") + g_.moe().line();
+  }
+  void annotate(nlohmann::json& record) const override { g_.moe().annotate(record); }
+  const MoeStep& moe() const { return g_.moe(); }
   std::string optimizer_kind() const { return optimizer_label(g_.optimizer(), c_); }
   const optim::Optimizer& optimizer() const { return g_.optimizer(); }
   int64_t skipped_steps() const { return g_.skipped_steps(); }
@@ -781,6 +807,8 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   GptResult result;
   result.skipped_steps = replica.skipped_steps();
   result.compress_ratio = replica.compress_ratio();
+  result.moe_stats = replica.moe().layers();
+  result.moe_loss = replica.moe().loss();
   // This rank's optimizer state over its shards (a stage's parameters, cut by tp and ZeRO),
   // per element it steps, beside the formula's figure for the whole model.
   const optim::Optimizer& opt = replica.optimizer();
@@ -824,6 +852,7 @@ Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
   o.recompute = c.recompute == "full";
   if (c.precision == "f16") o.loss_scale = c.loss_scale;
   o.sequence_parallel = c.sp;
+  o.ep = c.ep;
   o.clip = c.clip;
   o.lr = c.lr;
   o.weight_decay = c.weight_decay;

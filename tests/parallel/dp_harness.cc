@@ -19,6 +19,7 @@
 #include "optim/clip.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/zero.h"
+#include "tensor/grad_mode.h"
 #include "tensor/ops.h"
 #include "tensor/quant8.h"
 #include "tensor/random.h"
@@ -250,6 +251,17 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
   for (int64_t step = spec.start; step < spec.stop; ++step) {
     zero.zero_grad();
     double local = 0, aux = 0;
+    // Experts with accumulation: the balancing loss's f_i from the whole step's routing (a
+    // pass without grad over the micro-batches first), as one device counts the whole batch.
+    std::optional<nn::MoeStepCounts> step_counts;
+    if (task.experts > 0 && accum > 1) {
+      const nn::MoeStatsScope routing;
+      const NoGradGuard no_grad;
+      for (int micro = 0; micro < accum; ++micro) {
+        task.loss(*model, dtype, step, world.rank() * accum + micro, ranks * accum);
+      }
+      step_counts.emplace(routing.layers());
+    }
     for (int micro = 0; micro < accum; ++micro) {
       const nn::MoeStatsScope routing;
       std::optional<CommLogScope> logged;

@@ -91,11 +91,10 @@ TEST_CASE("zero: GPT-mini, dp x stage x accumulation equals one rank (f64 and f3
 }
 
 // Dropless experts (4, top-2) in both blocks, with the balancing and z-losses: the routing
-// counts are summed over the ranks, so the losses the experts attach (and their gradients)
-// are one device's, and every layout trains the single-device model. Accumulation is left
-// out: a micro-batch's balancing loss uses that micro-batch's counts (as Megatron's), which
-// one device's whole batch does not.
-TEST_CASE("zero: GPT-mini with experts, dp x stage equals one rank (f64 and f32), aux losses too") {
+// counts are summed over the ranks, and with accumulation taken from a routing pass over the
+// whole step, so the losses the experts attach (and their gradients) are one device's, and
+// every layout trains the single-device model.
+TEST_CASE("zero: GPT-mini with experts, dp x stage x accumulation equals one rank (f64 and f32), aux losses too") {
   const Task task = gpt_moe_task();
   int runs = 0;
   for (DType dtype : {DType::f64, DType::f32}) {
@@ -105,19 +104,22 @@ TEST_CASE("zero: GPT-mini with experts, dp x stage equals one rank (f64 and f32)
     CHECK(reference.aux[0] > 0.02);  // two blocks' alpha = 0.01 balancing losses, and more
     for (int dp : {1, 2, 4}) {
       for (int stage : {0, 1, 2, 3}) {
-        CAPTURE(dtype);
-        CAPTURE(dp);
-        CAPTURE(stage);
-        const Run run = run_zero(task, dtype, dp, {.stage = stage});
-        check_close(task, dtype, run, reference, fmt::format("dp={} zero={}", dp, stage));
-        double worst = 0;
-        for (int64_t s = 0; s < kSteps; ++s) worst = std::max(worst, std::abs(run.aux[s] - reference.aux[s]));
-        CHECK(worst <= (dtype == DType::f64 ? 1e-13 : 1e-6));
-        ++runs;
+        for (int accum : {1, 2}) {
+          CAPTURE(dtype);
+          CAPTURE(dp);
+          CAPTURE(stage);
+          CAPTURE(accum);
+          const Run run = run_zero(task, dtype, dp, {.stage = stage, .accum = accum});
+          check_close(task, dtype, run, reference, fmt::format("dp={} zero={} accum={}", dp, stage, accum));
+          double worst = 0;
+          for (int64_t s = 0; s < kSteps; ++s) worst = std::max(worst, std::abs(run.aux[s] - reference.aux[s]));
+          CHECK(worst <= (dtype == DType::f64 ? 1e-13 : 1e-6));
+          ++runs;
+        }
       }
     }
   }
-  CHECK(runs == 2 * 3 * 4);
+  CHECK(runs == 2 * 3 * 4 * 2);
 }
 
 // Expert parallelism: the 4 experts split over groups of ep consecutive ranks (2 or 4 of the
