@@ -294,6 +294,17 @@ double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double 
   const autograd::AuxLossScale aux_scale(s.scaler.scale_value() / static_cast<double>(k * m));
   const std::unique_ptr<nn::MoeCountReduction> moe_counts = s.moe->reduction();
   const nn::MoeDispatchScope experts_where(s.moe->dispatch());
+  // With several micro-batches, the balancing loss's f_i are the whole step's, as one
+  // device counts them: a forward-only routing pass over every micro-batch first.
+  std::unique_ptr<nn::MoeStepCounts> step_counts;
+  if (s.moe->on() && config.moe.aux_loss > 0 && k * m > 1) {
+    const nn::MoeStatsScope pass;
+    for (s.run = 0; s.run < k; ++s.run) {
+      parallel::pipeline::run_pipeline_forward(
+          s.pp(), s.schedule, chunks, [&](int mb) { return idx.narrow(0, first_row(s.run, source(mb)), rows); });
+    }
+    step_counts = std::make_unique<nn::MoeStepCounts>(pass.layers());
+  }
   const nn::MoeStatsScope routing;
   {
     auto guard = s.zero->no_sync();  // micro-batches accumulate; dp reduces once, below

@@ -168,4 +168,37 @@ PipelineStep run_pipeline(Communicator& pp, const Schedule& s, const PipelineChu
   return step;
 }
 
+void run_pipeline_forward(Communicator& pp, const Schedule& s, const PipelineChunks& chunks,
+                          const std::function<Tensor(int)>& input) {
+  TS_CHECK(pp.size() == s.ranks && static_cast<int>(chunks.size()) == s.chunks,
+           "run_pipeline_forward: the {} schedule is for {} ranks and {} chunks, got {} and {}",
+           s.name, s.ranks, s.chunks, pp.size(), chunks.size());
+  const NoGradGuard no_grad;
+  const CommCause cause(fmt::format("pipeline {} forward only", s.name));
+  const int me = pp.rank(), stages = s.num_stages();
+  std::vector<Sent> sent;
+  for (int mb = 0; mb < s.microbatches; ++mb) {
+    Tensor carried;  // the previous stage's output, when this rank ran it
+    for (int stage = 0; stage < stages; ++stage) {
+      if (s.rank_of(stage) != me) continue;
+      Tensor x;
+      if (stage == 0) {
+        x = input(mb);
+      } else if (s.rank_of(stage - 1) == me) {
+        x = carried;
+      } else {
+        x = recv_tensor(pp, s.rank_of(stage - 1), tag_of(false, mb, stage, stages, 0));
+      }
+      carried = chunks[static_cast<size_t>(stage / s.ranks)](x, mb);
+      if (stage + 1 < stages && s.rank_of(stage + 1) != me) {
+        send_tensor(pp, carried, s.rank_of(stage + 1), tag_of(false, mb, stage + 1, stages, 0), sent);
+      }
+    }
+  }
+  for (Sent& x : sent) {
+    x.header->wait();
+    x.data->wait();
+  }
+}
+
 }  // namespace tessera::parallel::pipeline

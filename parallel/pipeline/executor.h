@@ -50,4 +50,10 @@ PipelineStep run_pipeline(Communicator& pp, const Schedule& schedule, const Pipe
                           const std::function<Tensor(const Tensor& output, int microbatch)>& loss,
                           PipelineOptions options = {});
 
+// Collective over `pp`: every micro-batch's forward through every stage, without gradients
+// and in stage order (no overlap: for passes that only look, such as the routing pass of
+// Mixture-of-Experts blocks). The last stage's outputs are dropped.
+void run_pipeline_forward(Communicator& pp, const Schedule& schedule, const PipelineChunks& chunks,
+                          const std::function<Tensor(int microbatch)>& input);
+
 }  // namespace tessera::parallel::pipeline

@@ -94,9 +94,9 @@ TEST_CASE("--experts: it learns; --dp, --zero and --ep give one device's losses 
 
 // The equivalence checker (models/gpt/check.h) runs the layout beside one device in f64 and
 // compares every layer output, gradient and parameter each step: the experts compose with
-// tensor, pipeline and sequence parallelism, ZeRO, expert parallelism and recomputation.
-// One pipeline micro-batch per run: with several, each micro-batch's balancing loss counts
-// its own tokens (the pipeline has no routing pass yet), which one device's does not.
+// tensor, pipeline and sequence parallelism, ZeRO, expert parallelism, recomputation, and
+// several micro-batches and accumulation runs (a forward-only routing pass gives each
+// micro-batch's balancing loss the whole step's counts, as one device's).
 TEST_CASE("--experts on --tp, --pp, --sp, --dp, --ep, ZeRO and recomputation: --check equals one device (f64)") {
   struct Layout {
     const char* name;
@@ -107,6 +107,10 @@ TEST_CASE("--experts on --tp, --pp, --sp, --dp, --ep, ZeRO and recomputation: --
       {"pp 2 x dp 2, ep 2, ZeRO 2", [](auto& c) { c.pp = 2, c.dp = 2, c.ep = 2, c.zero = 2; }},
       {"dp 2 x tp 2 + sp, ep 2, ZeRO 3", [](auto& c) { c.dp = 2, c.tp = 2, c.sp = true, c.ep = 2, c.zero = 3; }},
       {"pp 2 x tp 2, full recomputation", [](auto& c) { c.pp = 2, c.tp = 2, c.recompute = "full"; }},
+      {"pp 2 x dp 2, 2 micro-batches x accum 2, ep 2",
+       [](auto& c) { c.pp = 2, c.dp = 2, c.microbatches = 2, c.accum = 2, c.ep = 2; }},
+      {"pp 2 interleaved, 4 layers, 2 micro-batches",
+       [](auto& c) { c.pp = 2, c.layers = 4, c.schedule = "interleaved", c.chunks = 2, c.microbatches = 2; }},
   };
   int ran = 0;
   for (const Layout& l : layouts) {
@@ -119,7 +123,7 @@ TEST_CASE("--experts on --tp, --pp, --sp, --dp, --ep, ZeRO and recomputation: --
     CHECK_MESSAGE(r.check_ok, r.check_report);
     ++ran;
   }
-  CHECK(ran == 4);
+  CHECK(ran == 6);
 }
 
 TEST_CASE("--experts: a capacity factor drops tokens; the metrics file logs each expert's load") {
