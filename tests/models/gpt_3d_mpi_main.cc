@@ -3,7 +3,8 @@
 // schedule where pp > 1, ZeRO 0 and 1, against the single-device run each process trains
 // itself (f64, 1e-10), and in f32 with 1F1B and ZeRO 1 (1e-5; tests/models/gpt_3d_cases.h);
 // part of the composition matrix (ZeRO 2/3, accumulation, recomputation, dropout, bf16);
-// Adafactor and 8-bit AdamW on a few layouts.
+// Adafactor and 8-bit AdamW on a few layouts; Mixture of Experts (E = 8) over ep, dp, tp and
+// pp.
 #include <doctest/doctest.h>
 
 #include <string>
@@ -79,6 +80,50 @@ TEST_CASE("optimizers over mpi: Adafactor on pp x tp and dp x tp, 8-bit AdamW on
     c.tp = l.tp;
     c.zero = l.zero;
     if (std::string(l.optimizer) == "adafactor") c.check_tolerance = 1e-5;
+    const GptResult r = train_gpt(c);
+    MESSAGE(r.check_report);
+    CHECK(r.check_ok);
+    ++runs;
+  }
+  CHECK(runs == 4);
+}
+
+TEST_CASE("experts over mpi: dropless E = 8, k = 2 on ep x dp, tp and pp layouts of 4 processes, as one device") {
+  // gpt --check (f64, 1e-9 per tensor) in each of the 4 processes: Mixture-of-Experts blocks
+  // (8 experts, top-2, balancing and z-losses) with the experts over ep ranks of dp, on tp
+  // and pp; routing counts and the all-to-alls by MPI.
+  struct L {
+    const char* name;
+    int pp, dp, tp, ep, zero, microbatches;
+  };
+  int runs = 0;
+  for (const L& l : {L{"dp 4 x ep 4, ZeRO 3", 1, 4, 1, 4, 3, 1}, L{"dp 4 x ep 2, ZeRO 1", 1, 4, 1, 2, 1, 1},
+                     L{"pp 2 x dp 2 x ep 2, 2 micro-batches", 2, 2, 1, 2, 0, 2},
+                     L{"dp 2 x tp 2 x ep 2, ZeRO 2", 1, 2, 2, 2, 2, 1}}) {
+    CAPTURE(std::string(l.name));
+    GptTrainConfig c;
+    c.layers = 2;
+    c.heads = 2;
+    c.width = 16;
+    c.context = 16;
+    c.batch = 8;
+    c.steps = 2;
+    c.lr = 1e-2;
+    c.warmup = 0;
+    c.check = true;
+    c.verbose = false;
+    c.threads = 1;
+    c.experts = 8;
+    c.moe_top_k = 2;
+    c.moe_every = 1;
+    c.aux_loss = 0.01;
+    c.z_loss = 0.001;
+    c.pp = l.pp;
+    c.dp = l.dp;
+    c.tp = l.tp;
+    c.ep = l.ep;
+    c.zero = l.zero;
+    c.microbatches = l.microbatches;
     const GptResult r = train_gpt(c);
     MESSAGE(r.check_report);
     CHECK(r.check_ok);
