@@ -7,7 +7,9 @@
 Each line of a metrics file is a JSON object with some of: step, epoch, loss, lr, accuracy
 (test accuracy, often only on some lines), val_loss, samples_per_s / tokens_per_s. Panels:
 loss (train loss vs step, val_loss dashed), accuracy if any file has it, throughput if any file
-has it; one colour per file, labelled by file name or --labels. Lines without "step" are
+has it, expert load if any file has Mixture-of-Experts routing ("moe": per block its
+per-expert "counts", from gpt --experts; drawn as max/mean per block, 1 = balanced); one
+colour per file, labelled by file name or --labels. Lines without "step" are
 numbered in order. --smooth N draws a trailing N-point mean over the raw loss (kept faint).
 Run with Debian's /usr/bin/python3 (python3-matplotlib); rendering uses the Agg backend, so
 no display is needed.
@@ -52,6 +54,10 @@ def read_metrics(path):
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if value is not None and not is_number:
                 raise MetricsError(f"{path}:{number}: \"{key}\" must be a number, got {value!r}")
+        try:
+            expert_load([record])
+        except MetricsError as e:
+            raise MetricsError(f"{path}:{number}: {e}") from e
         records.append(record)
     return records
 
@@ -65,6 +71,29 @@ def series(records, key):
         xs.append(record.get("step", index))
         ys.append(record[key])
     return xs, ys
+
+
+def expert_load(records):
+    """{block: (steps, max/mean)} from the records' "moe" lists; MetricsError when malformed."""
+    out = {}
+    for index, record in enumerate(records):
+        blocks = record.get("moe")
+        if blocks is None:
+            continue
+        if not isinstance(blocks, list):
+            raise MetricsError(f"\"moe\" must be a list of blocks, got {blocks!r}")
+        for block in blocks:
+            counts = block.get("counts") if isinstance(block, dict) else None
+            if (not isinstance(counts, list) or not counts or
+                    not all(isinstance(c, int) and c >= 0 for c in counts)):
+                raise MetricsError(f"a \"moe\" block needs \"counts\", a list of counts: {block!r}")
+            total = sum(counts)
+            if total == 0:
+                continue
+            xs, ys = out.setdefault(str(block.get("layer", "?")), ([], []))
+            xs.append(record.get("step", index))
+            ys.append(max(counts) * len(counts) / total)
+    return out
 
 
 def trailing_mean(values, window):
@@ -88,6 +117,9 @@ def plot(runs, output, title=None, smooth=1, logy=False):
     throughput_key = next((k for k in ("samples_per_s", "tokens_per_s") if have(k)), None)
     if throughput_key:
         panels.append("throughput")
+    loads = [expert_load(r) for _, r in runs]
+    if any(loads):
+        panels.append("expert load")
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     axes = dict(zip(panels, axes[0]))
@@ -113,6 +145,11 @@ def plot(runs, output, title=None, smooth=1, logy=False):
             xs, ys = series(records, throughput_key)
             if ys:
                 axes["throughput"].plot(xs, ys, color=color, label=label)
+        if "expert load" in axes:
+            styles = ["-", "--", ":", "-."]
+            for j, (block, (xs, ys)) in enumerate(sorted(loads[i].items())):
+                axes["expert load"].plot(xs, ys, color=color, linestyle=styles[j % len(styles)],
+                                         label=f"{label} {block}")
 
     axes["loss"].set_ylabel("loss" + (f" (mean of {smooth})" if smooth > 1 else ""))
     if logy:
@@ -121,6 +158,8 @@ def plot(runs, output, title=None, smooth=1, logy=False):
         axes["accuracy"].set_ylabel("test accuracy")
     if throughput_key:
         axes["throughput"].set_ylabel(throughput_key.replace("_per_s", "/s"))
+    if "expert load" in axes:
+        axes["expert load"].set_ylabel("max / mean tokens per expert")
     for name, ax in axes.items():
         ax.set_xlabel("step")
         ax.set_title(name)

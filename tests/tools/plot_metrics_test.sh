@@ -60,6 +60,19 @@ out="$("$PY" "$SCRIPT" "$tmp/b.jsonl" -o "$tmp/loss_only.png" --labels "run B")"
 check_png "$tmp/loss_only.png"
 [[ "$out" == *"panels loss; 1 runs, 3 loss points"* ]] || fail "unexpected summary: $out"
 
+# Mixture-of-Experts routing (gpt --experts --metrics): an expert-load panel of max/mean
+# per block; a malformed "moe" entry is an error naming the file and line.
+cat >"$tmp/moe.jsonl" <<'JSON'
+{"step": 10, "loss": 3.0, "moe": [{"layer": "h.1", "counts": [40, 20, 10, 10]}, {"layer": "h.3", "counts": [20, 20, 20, 20]}]}
+{"step": 20, "loss": 2.5, "moe": [{"layer": "h.1", "counts": [30, 20, 20, 10]}, {"layer": "h.3", "counts": [25, 20, 20, 15]}]}
+JSON
+out="$("$PY" "$SCRIPT" "$tmp/moe.jsonl" -o "$tmp/moe.png")"
+check_png "$tmp/moe.png"
+[[ "$out" == *"panels loss, expert load; 1 runs, 2 loss points"* ]] || fail "unexpected summary: $out"
+printf '{"step": 1, "loss": 1.0, "moe": [{"layer": "h.0", "counts": "many"}]}\n' >"$tmp/badmoe.jsonl"
+if err="$("$PY" "$SCRIPT" "$tmp/badmoe.jsonl" -o "$tmp/x.png" 2>&1)"; then fail "bad moe accepted"; fi
+[[ "$err" == *'badmoe.jsonl:1: a "moe" block needs "counts"'* ]] || fail "message: $err"
+
 # Errors: a missing file, a bad line (named by number), a mismatched --labels.
 if err="$("$PY" "$SCRIPT" "$tmp/nope.jsonl" -o "$tmp/x.png" 2>&1)"; then fail "missing file accepted"; fi
 [[ "$err" == *"cannot read '$tmp/nope.jsonl': No such file or directory"* ]] || fail "message: $err"
