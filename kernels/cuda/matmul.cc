@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/runtime.h"
@@ -334,6 +335,83 @@ void matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out_span, const
 }
 
 TS_REGISTER_KERNEL(cuda, matmul, matmul_kernel);
+
+// ---- grouped matmul (Mixture of Experts) ----------------------------------------------------
+// One cuBLASLt GEMM per non-empty group, on the compute stream, with the operands read at
+// their strides (a transposed expert weight with OP_T). The group sizes are read on the host
+// (a synchronisation: the routing's counts decide the products' shapes).
+
+// out [r, c] (row-major, ld c) = A [r, k] (strides ars, acs) @ B [k, c] (strides brs, bcs).
+void gemm_2d(DType dt, const char* a, int64_t ars, int64_t acs, const char* b, int64_t brs, int64_t bcs,
+             char* out, int64_t r, int64_t c, int64_t k, Device d) {
+  LtOperand la, lb;
+  TS_CHECK(lt_operand(r, k, ars, acs, la) && lt_operand(k, c, brs, bcs, lb),
+           "grouped_matmul (CUDA): operands with strides ({}, {}) and ({}, {}) need a copy", ars, acs,
+           brs, bcs);
+  const LtProblem p{dt, c, r, k, lb, la, 1, 0, 0};
+  run_gemm(p, b, a, out, d);
+}
+
+std::vector<int64_t> group_starts_cuda(const char* op, const Tensor& sizes, int64_t rows) {
+  const std::vector<int64_t> n = sizes.to_vector<int64_t>();
+  std::vector<int64_t> starts(n.size() + 1, 0);
+  for (size_t e = 0; e < n.size(); ++e) {
+    TS_CHECK(n[e] >= 0, "{}: group {} has a negative size {}", op, e, n[e]);
+    starts[e + 1] = starts[e] + n[e];
+  }
+  TS_CHECK(starts.back() == rows, "{}: the group sizes sum to {} but x has {} rows", op, starts.back(), rows);
+  return starts;
+}
+
+void grouped_matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  const Tensor& o = out[0];
+  const Device d = o.device();
+  DeviceGuard guard(d);
+  const std::vector<int64_t> starts = group_starts_cuda("grouped_matmul", in[2], in[0].shape()[0]);
+  Tensor x = in[0], w = in[1];
+  const int64_t K = x.shape()[1], M = w.shape()[2];
+  LtOperand probe;
+  if (!lt_operand(x.shape()[0], K, x.strides()[0], x.strides()[1], probe)) x = contiguous_cuda(x);
+  if (!lt_operand(K, M, w.strides()[1], w.strides()[2], probe)) w = contiguous_cuda(w);
+  const size_t es = static_cast<size_t>(dtype_size(x.dtype()));
+  if (K == 0 && o.numel() > 0) {
+    cuda_check(cudaMemsetAsync(o.raw_data(), 0, static_cast<size_t>(o.nbytes()), compute_stream(d)),
+               "grouped_matmul (zero fill)", d);
+    return;
+  }
+  for (size_t e = 0; e + 1 < starts.size(); ++e) {
+    const int64_t r0 = starts[e], rows = starts[e + 1] - r0;
+    if (rows == 0 || M == 0) continue;
+    gemm_2d(x.dtype(), static_cast<const char*>(x.raw_data()) + r0 * x.strides()[0] * es, x.strides()[0],
+            x.strides()[1], static_cast<const char*>(w.raw_data()) + static_cast<int64_t>(e) * w.strides()[0] * es,
+            w.strides()[1], w.strides()[2], static_cast<char*>(o.raw_data()) + r0 * M * es, rows, M, K, d);
+  }
+}
+
+void grouped_matmul_backward_weight_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  const Tensor& o = out[0];
+  const Device d = o.device();
+  DeviceGuard guard(d);
+  const std::vector<int64_t> starts =
+      group_starts_cuda("grouped_matmul_backward_weight", in[2], in[0].shape()[0]);
+  const Tensor x = contiguous_cuda(in[0]), g = contiguous_cuda(in[1]);
+  const int64_t K = x.shape()[1], M = g.shape()[1];
+  const size_t es = static_cast<size_t>(dtype_size(x.dtype()));
+  if (o.numel() == 0) return;
+  cuda_check(cudaMemsetAsync(o.raw_data(), 0, static_cast<size_t>(o.nbytes()), compute_stream(d)),
+             "grouped_matmul_backward_weight (zero fill)", d);
+  for (size_t e = 0; e + 1 < starts.size(); ++e) {
+    const int64_t r0 = starts[e], rows = starts[e + 1] - r0;
+    if (rows == 0) continue;  // its block stays zero
+    // dw[e] [K, M] = x_e^T [K, rows] @ g_e [rows, M]: x_e^T is column-major (strides 1, K).
+    gemm_2d(x.dtype(), static_cast<const char*>(x.raw_data()) + r0 * K * es, 1, K,
+            static_cast<const char*>(g.raw_data()) + r0 * M * es, M, 1,
+            static_cast<char*>(o.raw_data()) + static_cast<int64_t>(e) * K * M * es, K, M, rows, d);
+  }
+}
+
+TS_REGISTER_KERNEL(cuda, grouped_matmul, grouped_matmul_kernel);
+TS_REGISTER_KERNEL(cuda, grouped_matmul_backward_weight, grouped_matmul_backward_weight_kernel);
 
 }  // namespace
 }  // namespace tessera::cuda_kernels
