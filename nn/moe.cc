@@ -20,6 +20,7 @@ thread_local MoeStatsScope* t_stats = nullptr;
 thread_local MoeCountReduction* t_reduction = nullptr;
 thread_local MoeDispatch* t_dispatch = nullptr;
 thread_local MoeStepCounts* t_step_counts = nullptr;
+thread_local int64_t t_parts = 1;
 
 // Which expert rows the experts run, in order: each expert's rows together (expert 0's
 // first), within an expert by capacity group, within a group by position or score.
@@ -34,7 +35,13 @@ RoutingPlan plan_routing(const MoeOptions& o, const std::vector<int64_t>& expert
                          const std::vector<double>& gate_of, int64_t tokens) {
   const int64_t E = o.experts, k = o.top_k;
   const bool capped = o.capacity_factor > 0;
-  const int64_t groups = capped ? o.groups : 1;
+  int64_t groups = capped ? o.groups : 1;
+  if (capped && t_parts > 1) {
+    TS_CHECK(o.groups % t_parts == 0,
+             "MixtureOfExperts: groups = {} capacity groups over the whole batch do not divide among "
+             "the {} forwards it is split into (ranks x micro-batches)", o.groups, t_parts);
+    groups = o.groups / t_parts;
+  }
   TS_CHECK(tokens % groups == 0,
            "MixtureOfExperts: {} tokens do not split into groups = {} capacity groups", tokens, groups);
   const int64_t per_group = tokens / groups;
@@ -137,6 +144,12 @@ const MoeStepCounts::Counts* MoeStepCounts::find(const std::string& name) const 
   auto it = counts_.find(name);
   return it != counts_.end() ? &it->second : nullptr;
 }
+
+MoeBatchParts::MoeBatchParts(int64_t parts) : previous_(t_parts) {
+  TS_CHECK(parts >= 1, "MoeBatchParts: parts must be >= 1, got {}", parts);
+  t_parts = parts;
+}
+MoeBatchParts::~MoeBatchParts() { t_parts = previous_; }
 
 MoeDispatchScope::MoeDispatchScope(MoeDispatch* dispatch) : previous_(t_dispatch) { t_dispatch = dispatch; }
 MoeDispatchScope::~MoeDispatchScope() { t_dispatch = previous_; }
@@ -292,8 +305,8 @@ void update_selection_bias(Tensor& bias, const std::vector<int64_t>& counts, dou
   bias.copy_(Tensor::from_vector(b, {static_cast<int64_t>(b.size())}).to(bias.device()));
 }
 
-MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, DType dtype)
-    : Module("MixtureOfExperts"), options(o) {
+MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, std::string name, DType dtype)
+    : Module("MixtureOfExperts"), options(o), name(std::move(name)) {
   options.validate(width);
   const int64_t E = options.experts, H = options.hidden_for(width);
   // Per expert as torch's Linear(in, out): U(-1/sqrt(in), 1/sqrt(in)) for weights.
@@ -319,7 +332,7 @@ Tensor MixtureOfExperts::forward(const Tensor& x) {
   TS_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == router.size(1),
            "MixtureOfExperts: expected input [..., {}], got {}", router.size(1),
            x.defined() ? shape_str(x.shape()) : std::string("undefined"));
-  const Tensor y = moe_forward(options, weights(), reshape(x, {-1, x.size(-1)}), "moe");
+  const Tensor y = moe_forward(options, weights(), reshape(x, {-1, x.size(-1)}), name);
   return reshape(y, x.shape());
 }
 

@@ -43,7 +43,9 @@ struct MoeOptions {
   double capacity_factor = 0.0;  // 0: dropless
   enum class DropPolicy { position, score };
   DropPolicy drop_policy = DropPolicy::position;
-  int64_t groups = 1;            // capacity groups the forward's tokens are split into
+  // Capacity groups the batch's tokens are split into (contiguous); a forward that runs a
+  // part of the batch (MoeBatchParts) takes its share of them.
+  int64_t groups = 1;
   double aux_loss = 0.0;         // alpha of the balancing loss
   double z_loss = 0.0;           // coefficient of the router z-loss
   double bias_rate = 0.0;        // aux-loss-free balancing: the bias step (0: off)
@@ -131,6 +133,21 @@ class MoeStepCounts {
   MoeStepCounts* previous_;
 };
 
+// This thread's forwards each run 1/parts of the batch (data-parallel ranks x micro-
+// batches): a capacity's groups are the batch's, so each forward cuts its tokens into
+// groups / parts of them (groups must divide), and tokens drop as on one device. Installed
+// while alive.
+class MoeBatchParts {
+ public:
+  explicit MoeBatchParts(int64_t parts);
+  ~MoeBatchParts();
+  MoeBatchParts(const MoeBatchParts&) = delete;
+  MoeBatchParts& operator=(const MoeBatchParts&) = delete;
+
+ private:
+  int64_t previous_;
+};
+
 // Runs experts [first, first + sizes.size()) over rows grouped by expert (sizes[j] rows of
 // expert first + j, in order): their outputs, row for row.
 using ExpertsFn =
@@ -158,7 +175,8 @@ class MoeDispatchScope {
 };
 
 // The layer as a function: x [N, C] -> [N, C] (the k experts' outputs weighted by their
-// gates; the attached auxiliary losses). `name` labels its stats.
+// gates; the attached auxiliary losses). `name` labels its stats and keys the step's counts:
+// each MoE layer of a model needs its own.
 Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, const std::string& name);
 
 // DeepSeek-V3's bias update: b_i += rate * sign(mean(counts) - counts_i), in place.
@@ -170,11 +188,15 @@ void update_selection_bias(Tensor& bias, const std::vector<int64_t>& counts, dou
 // zero.
 class MixtureOfExperts : public Module {
  public:
-  MixtureOfExperts(int64_t width, MoeOptions options, DType dtype = DType::f32);
+  // `name` labels its routing statistics and keys the step's counts (MoeStepCounts): every
+  // MoE layer of a model needs its own.
+  MixtureOfExperts(int64_t width, MoeOptions options, std::string name = "moe",
+                   DType dtype = DType::f32);
   // x [..., C] -> [..., C].
   Tensor forward(const Tensor& x) override;
   MoeWeights weights() const;
   MoeOptions options;
+  std::string name;
   Tensor router, fc_weight, fc_bias, proj_weight, proj_bias, selection_bias;
 };
 

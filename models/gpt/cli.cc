@@ -79,7 +79,8 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("moe_hidden", cli.config.moe_hidden, "each expert's hidden width (0: 4 x --width)");
   f.bind("capacity_factor", cli.config.capacity_factor,
          "expert capacity ceil(tokens per group x k x F / E), tokens past it dropped (0: dropless)");
-  f.bind("moe_groups", cli.config.moe_groups, "capacity groups each forward's tokens are split into");
+  f.bind("moe_groups", cli.config.moe_groups,
+         "capacity groups the batch's tokens are split into (each rank's micro-batch its share)");
   f.bind("drop_policy", cli.config.drop_policy, "which tokens an over-full expert keeps: position or score");
   f.bind("moe_score", cli.config.moe_score, "router scores: softmax or sigmoid");
   f.bind("aux_loss", cli.config.aux_loss, "load-balancing loss coefficient alpha (Switch/GShard)");

@@ -183,7 +183,10 @@ typename L::Tensor moe_mlp(const L& layout, const P& param, const GptConfig& c, 
       return param(path).local();
     }
   };
-  const nn::MoeOptions o = c.moe_options();
+  // Evaluation and generation run dropless: a capacity is a training-time budget, and a
+  // generated window's tokens need not divide into its groups.
+  nn::MoeOptions o = c.moe_options();
+  if (!drop.training) o.capacity_factor = 0;
   const nn::MoeWeights w{plain("mlp.router"), plain("mlp.fc_weight"), plain("mlp.fc_bias"),
                          plain("mlp.proj_weight"), plain("mlp.proj_bias"),
                          o.bias_rate > 0 ? plain("mlp.selection_bias") : Tensor()};

@@ -85,7 +85,8 @@ Block::Block(const GptConfig& config, int64_t index) : Module("Block"), config_(
   attn = register_module("attn", std::make_shared<CausalSelfAttention>(config));
   ln_2 = register_module("ln_2", std::make_shared<nn::LayerNorm>(Shape{config.width}));
   if (config.moe_block(index)) {
-    moe = register_module("mlp", std::make_shared<nn::MixtureOfExperts>(config.width, config.moe_options()));
+    moe = register_module("mlp", std::make_shared<nn::MixtureOfExperts>(config.width, config.moe_options(),
+                                                                       fmt::format("h.{}", index)));
   } else {
     mlp = register_module("mlp", std::make_shared<Mlp>(config));
   }

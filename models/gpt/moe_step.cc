@@ -52,6 +52,50 @@ void MoeStep::add(const nn::MoeStatsScope& scope, int micro_batches) {
   micro_batches_ += micro_batches;
 }
 
+void MoeStep::gather(parallel::Communicator& pp) {
+  if (!on()) return;
+  std::vector<int64_t> blocks;
+  for (int64_t i = 0; i < config_.layers; ++i) {
+    if (config_.moe_block(i)) blocks.push_back(i);
+  }
+  const int64_t E = config_.experts, width = E + 4, n = static_cast<int64_t>(blocks.size());
+  // One row per block: counts, tokens, dropped, aux and z summed over the micro-batches; zero
+  // on the ranks that do not run it (each block runs on one pp rank).
+  std::vector<double> rows(static_cast<size_t>(n * width), 0.0);
+  for (int64_t b = 0; b < n; ++b) {
+    const std::string name = fmt::format("h.{}", blocks[b]);
+    for (const nn::MoeLayerStats& l : layers_) {
+      if (l.name != name) continue;
+      double* row = rows.data() + b * width;
+      for (int64_t e = 0; e < E; ++e) row[e] = static_cast<double>(l.counts[e]);
+      row[E] = static_cast<double>(l.tokens);
+      row[E + 1] = static_cast<double>(l.dropped);
+      row[E + 2] = l.aux_loss;
+      row[E + 3] = l.z_loss;
+    }
+  }
+  Tensor t = Tensor::from_vector(rows, {n, width});
+  {
+    const parallel::CommCause cause("moe routing statistics", parallel::CommKind::control);
+    pp.all_reduce(t, parallel::ReduceOp::sum);
+  }
+  const std::vector<double> all = t.to_vector<double>();
+  layers_.clear();
+  loss_sum_ = 0.0;
+  for (int64_t b = 0; b < n; ++b) {
+    const double* row = all.data() + b * width;
+    nn::MoeLayerStats l;
+    l.name = fmt::format("h.{}", blocks[b]);
+    for (int64_t e = 0; e < E; ++e) l.counts.push_back(static_cast<int64_t>(row[e]));
+    l.tokens = static_cast<int64_t>(row[E]);
+    l.dropped = static_cast<int64_t>(row[E + 1]);
+    l.aux_loss = row[E + 2];
+    l.z_loss = row[E + 3];
+    loss_sum_ += l.aux_loss + l.z_loss;
+    layers_.push_back(std::move(l));
+  }
+}
+
 void MoeStep::update_bias(Gpt& model) const {
   if (!on() || config_.moe.bias_rate <= 0) return;
   for (size_t i = 0; i < model.h->size(); ++i) {

@@ -37,6 +37,9 @@ class MoeStep {
   // `micro_batches` of them per layer.
   void begin_step();
   void add(const nn::MoeStatsScope& scope, int micro_batches = 1);
+  // Collective over `pp`, whose ranks each recorded their own stages' blocks: afterwards
+  // every rank holds every block's routing (for the progress line and the metrics).
+  void gather(parallel::Communicator& pp);
   // DeepSeek-V3's bias update of every Mixture-of-Experts block from the step's counts.
   void update_bias(Gpt& model) const;
   const std::vector<nn::MoeLayerStats>& layers() const { return layers_; }

@@ -294,6 +294,7 @@ double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double 
   const autograd::AuxLossScale aux_scale(s.scaler.scale_value() / static_cast<double>(k * m));
   const std::unique_ptr<nn::MoeCountReduction> moe_counts = s.moe->reduction();
   const nn::MoeDispatchScope experts_where(s.moe->dispatch());
+  const nn::MoeBatchParts parts(s.o.dp * k * m);  // each forward its share of the capacity groups
   // With several micro-batches, the balancing loss's f_i are the whole step's, as one
   // device counts them: a forward-only routing pass over every micro-batch first.
   std::unique_ptr<nn::MoeStepCounts> step_counts;
@@ -333,6 +334,7 @@ double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double 
   s.zero->finish();
   s.moe->begin_step();
   s.moe->add(routing, static_cast<int>(k * m));
+  if (s.o.pp > 1) s.moe->gather(s.pp());  // every stage's blocks, for the reports
   if (s.o.inject == "grad_times_dp") s.zero->scale_grads(static_cast<double>(s.o.dp));
   if (s.o.capture) s.grads = s.zero->gradient_dict();
   DropoutKeys(config, /*training=*/true, B, T, base).end();  // where one device's step ends

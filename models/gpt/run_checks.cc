@@ -44,6 +44,16 @@ void validate_train_config(const GptTrainConfig& c) {
     require_at_least(gpt, "moe_hidden", c.moe_hidden, 0);
     require_finite_at_least(gpt, "capacity_factor", c.capacity_factor, 0);
     require_at_least(gpt, "moe_groups", c.moe_groups, 1);
+    // Each forward (a rank's micro-batch) takes its share of the batch's capacity groups.
+    const int64_t parts = c.dp * c.accum * (c.pp > 1 || c.tp > 1 ? c.microbatches : 1);
+    TS_CHECK(c.capacity_factor == 0 || c.moe_groups % parts == 0,
+             "gpt: --moe_groups {} capacity groups must divide among the batch's {} forwards "
+             "(--dp {} x --accum {}{}), so that tokens drop as on one device", c.moe_groups, parts,
+             c.dp, c.accum,
+             c.pp > 1 || c.tp > 1 ? fmt::format(" x --microbatches {}", c.microbatches) : std::string());
+    TS_CHECK(c.capacity_factor == 0 || (c.batch * c.context) % c.moe_groups == 0,
+             "gpt: --moe_groups {} must divide the batch's --batch {} x --context {} tokens", c.moe_groups,
+             c.batch, c.context);
     require_one_of(gpt, "drop_policy", c.drop_policy, {"position", "score"});
     require_one_of(gpt, "moe_score", c.moe_score, {"softmax", "sigmoid"});
     require_finite_at_least(gpt, "aux_loss", c.aux_loss, 0);
@@ -199,7 +209,9 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     // Parameters of this rank's stage and tensor shard, with AdamW and gradients (ZeRO 1-3
     // shard the optimizer state over dp; the pipeline's micro-batches keep full gradients
     // until the step's one reduction, and stage 3 gathers the stage's parameters for it).
-    const double local = psi / (pp * tp);
+    // (The experts and routers are whole on every tp rank: only the rest splits over tp.)
+    const double experts_psi = moe_blocks * (E * C + E * (2 * C * Hx + Hx + C));
+    const double local = (psi - experts_psi) / (pp * tp) + experts_psi / pp;
     m.model_state = c.zero >= 1 ? 8 * local + 8 * local / dp : 16 * local;
     // The single-device model every rank builds first (same seed) and keeps, and rank 0's
     // copy of the gathered parameters for validation and sampling.
@@ -243,7 +255,7 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     const double busiest = c.ep == 1 ? 1.0
                            : std::min(ep, c.capacity_factor > 0 ? std::max(1.0, c.capacity_factor) : 2.0);
     const double exchanged = c.ep > 1 ? 2 * C : 0;
-    per_token += moe_blocks / L * e * (k * (3 * C + exchanged + busiest * 2 * Hx) + 2 * E - 8 * C);
+    per_token += moe_blocks / L * e * (k * (3 * C + exchanged + busiest * 2 * Hx) + 2 * E - 8 * C * width_share);
   }
   // Recomputation: per token and block, what backward reruns instead of keeping (the
   // pipeline's full recomputation is in_flight above).
@@ -251,7 +263,7 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   if (!three_d && c.recompute == "full") {
     rerun = per_token - e * C;  // each block keeps only its input
   } else if (c.recompute == "selective") {
-    rerun = e * 4 * C * width_share;  // the GELU output
+    rerun = e * 4 * C * width_share * (L - moe_blocks) / L;  // the dense MLPs' GELU output
     // The composite attention's softmax output, dropped probabilities and mask (measured).
     if (!fused_attention) rerun += 2 * e * heads_here * T + 2 * heads_here * T;
   }

@@ -353,6 +353,7 @@ class GptReplica final : public models::Replica {
     const autograd::AuxLossScale aux_scale(scaler_.scale_value() / static_cast<double>(shares));
     const std::unique_ptr<nn::MoeCountReduction> moe_counts = moe_.reduction();
     const nn::MoeDispatchScope experts_where(moe_.dispatch());
+    const nn::MoeBatchParts parts(shares);  // each forward its share of the capacity groups
     if (micro == 0) {
       moe_.begin_step();
       step_counts_.reset();

@@ -136,11 +136,12 @@ struct GptTrainConfig {
   bool sp = false;  // sequence parallelism over tp
   // Mixture of Experts (nn/moe.h): experts > 0 replaces the MLP of every moe_every-th block
   // by `experts` experts, moe_top_k per token (--top_k is sampling's); dropless unless
-  // capacity_factor > 0 (then per moe_groups groups of a forward's tokens, dropping by
+  // capacity_factor > 0 (then per moe_groups groups of the batch's tokens, dropping by
   // drop_policy = position | score); router scores moe_score = softmax | sigmoid; the
   // balancing loss aux_loss (alpha), the router z_loss, and DeepSeek-V3's selection bias
-  // moved by moe_bias_rate after each step from the step's global counts. One device and
-  // --dp/--zero for now.
+  // moved by moe_bias_rate after each step from the step's global counts (not yet on --pp/
+  // --tp). Every layout and --accum give one device's numbers; moe_groups are the whole
+  // batch's (each rank's micro-batch takes its share); evaluation and sampling are dropless.
   int64_t experts = 0;
   int64_t moe_top_k = 2;
   int64_t moe_every = 2;

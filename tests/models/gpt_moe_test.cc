@@ -1,4 +1,5 @@
-// GPT with Mixture-of-Experts blocks through the training program (models/gpt/train.h):
+// GPT with Mixture-of-Experts blocks (8 experts, top-2) through the training program
+// (models/gpt/train.h):
 // one device, data parallelism and expert parallelism give the same losses; the progress
 // figures and the metrics file carry the routing; a resume continues bitwise, the selection
 // bias included; bad flags are refused naming them. The numerics (one device against the
@@ -38,7 +39,7 @@ GptTrainConfig moe_run(int64_t steps) {
   c.sample_length = 0;
   c.verbose = false;
   c.threads = 1;
-  c.experts = 4;
+  c.experts = 8;
   c.moe_top_k = 2;
   c.moe_every = 1;
   c.aux_loss = 0.01;
@@ -58,10 +59,10 @@ TEST_CASE("--experts: it learns; --dp, --zero and --ep give one device's losses 
   const GptResult one = train_gpt(base);
   REQUIRE(one.losses.size() == 12);
   CHECK(one.losses.back() < one.losses.front() - 0.5);
-  // Both blocks routed every step: 4 experts' counts summing to k x tokens.
+  // Both blocks routed every step: 8 experts' counts summing to k x tokens.
   REQUIRE(one.moe_stats.size() == 2);
   for (const nn::MoeLayerStats& s : one.moe_stats) {
-    CHECK(s.counts.size() == 4);
+    CHECK(s.counts.size() == 8);
     int64_t total = 0;
     for (int64_t n : s.counts) total += n;
     CHECK(total == 2 * base.batch * base.context);
@@ -71,16 +72,22 @@ TEST_CASE("--experts: it learns; --dp, --zero and --ep give one device's losses 
   CHECK(one.moe_loss > 0.02);  // two blocks' balancing losses of alpha 0.01, and the z-losses
   struct Layout {
     const char* name;
-    int64_t dp, zero, ep;
+    int64_t dp, zero, ep, accum, pp, microbatches;
   };
   int ran = 0;
-  for (const Layout& l : {Layout{"dp 2", 2, 0, 1}, Layout{"dp 2 ep 2", 2, 0, 2},
-                          Layout{"dp 4 ep 2 ZeRO 2", 4, 2, 2}, Layout{"dp 4 ep 4 ZeRO 3", 4, 3, 4}}) {
+  for (const Layout& l : {Layout{"dp 2", 2, 0, 1, 1, 1, 1}, Layout{"dp 2 ep 2", 2, 0, 2, 1, 1, 1},
+                          Layout{"dp 4 ep 2 ZeRO 2", 4, 2, 2, 1, 1, 1}, Layout{"dp 4 ep 4 ZeRO 3", 4, 3, 4, 1, 1, 1},
+                          Layout{"accum 2 (routing pass)", 1, 0, 1, 2, 1, 1},
+                          Layout{"dp 2 ep 2 accum 2 ZeRO 1", 2, 1, 2, 2, 1, 1},
+                          Layout{"pp 2, 2 micro-batches (stats over both stages)", 1, 0, 1, 1, 2, 2}}) {
     CAPTURE(l.name);
     GptTrainConfig c = base;
     c.dp = l.dp;
     c.zero = l.zero;
     c.ep = l.ep;
+    c.accum = l.accum;
+    c.pp = l.pp;
+    c.microbatches = l.microbatches;
     const GptResult r = train_gpt(c);
     // f32 sums in another order: the dp suites' 1e-5 on the loss curve.
     CHECK(worst_relative(r.losses, one.losses) <= 1e-5);
@@ -89,7 +96,52 @@ TEST_CASE("--experts: it learns; --dp, --zero and --ep give one device's losses 
     CHECK(std::abs(r.moe_loss - one.moe_loss) <= 1e-6);
     ++ran;
   }
-  CHECK(ran == 4);
+  CHECK(ran == 7);
+}
+
+// A capacity factor with groups of the batch: each rank's micro-batch takes its share of
+// them, so the same tokens drop as on one device, on every layout.
+TEST_CASE("--experts --capacity_factor: dp, accumulation and pipeline micro-batches drop as one device") {
+  GptTrainConfig base = moe_run(6);
+  base.capacity_factor = 1.0;
+  base.moe_groups = 4;
+  base.drop_policy = "score";
+  const GptResult one = train_gpt(base);
+  REQUIRE(one.moe_stats.size() == 2);
+  CHECK(one.moe_stats[0].dropped + one.moe_stats[1].dropped > 0);
+  struct Layout {
+    const char* name;
+    int64_t dp, accum, pp, microbatches;
+  };
+  int ran = 0;
+  for (const Layout& l : {Layout{"dp 2", 2, 1, 1, 1}, Layout{"dp 2 accum 2", 2, 2, 1, 1},
+                          Layout{"pp 2 x dp 2, 2 micro-batches", 2, 1, 2, 2}}) {
+    CAPTURE(l.name);
+    GptTrainConfig c = base;
+    c.dp = l.dp;
+    c.accum = l.accum;
+    c.pp = l.pp;
+    c.microbatches = l.microbatches;
+    const GptResult r = train_gpt(c);
+    CHECK(worst_relative(r.losses, one.losses) <= 1e-5);
+    REQUIRE(r.moe_stats.size() == 2);
+    for (size_t b = 0; b < 2; ++b) {
+      CHECK(r.moe_stats[b].counts == one.moe_stats[b].counts);
+      CHECK(r.moe_stats[b].dropped == one.moe_stats[b].dropped);
+    }
+    ++ran;
+  }
+  CHECK(ran == 3);
+  // --check in f64 on a pipeline with micro-batches and a capacity.
+  GptTrainConfig c = base;
+  c.steps = 2;
+  c.context = 16;
+  c.check = true;
+  c.pp = 2;
+  c.dp = 2;
+  c.microbatches = 2;
+  const GptResult r = train_gpt(c);
+  CHECK_MESSAGE(r.check_ok, r.check_report);
 }
 
 // The equivalence checker (models/gpt/check.h) runs the layout beside one device in f64 and
@@ -111,6 +163,9 @@ TEST_CASE("--experts on --tp, --pp, --sp, --dp, --ep, ZeRO and recomputation: --
        [](auto& c) { c.pp = 2, c.dp = 2, c.microbatches = 2, c.accum = 2, c.ep = 2; }},
       {"pp 2 interleaved, 4 layers, 2 micro-batches",
        [](auto& c) { c.pp = 2, c.layers = 4, c.schedule = "interleaved", c.chunks = 2, c.microbatches = 2; }},
+      // 8 ranks.
+      {"pp 2 x dp 2 x tp 2, ep 2, ZeRO 1", [](auto& c) { c.pp = 2, c.dp = 2, c.tp = 2, c.ep = 2, c.zero = 1; }},
+      {"dp 8 x ep 8, ZeRO 3", [](auto& c) { c.dp = 8, c.ep = 8, c.zero = 3; }},
   };
   int ran = 0;
   for (const Layout& l : layouts) {
@@ -123,7 +178,7 @@ TEST_CASE("--experts on --tp, --pp, --sp, --dp, --ep, ZeRO and recomputation: --
     CHECK_MESSAGE(r.check_ok, r.check_report);
     ++ran;
   }
-  CHECK(ran == 6);
+  CHECK(ran == 8);
 }
 
 TEST_CASE("--experts: a capacity factor drops tokens; the metrics file logs each expert's load") {
@@ -137,8 +192,8 @@ TEST_CASE("--experts: a capacity factor drops tokens; the metrics file logs each
   c.metrics = metrics;
   const GptResult r = train_gpt(c);
   REQUIRE(r.moe_stats.size() == 2);
-  // Capacity per group and expert ceil(128 x 2 x 0.5 / 4) = 32: at most 2 x 4 x 32 kept.
-  for (const nn::MoeLayerStats& s : r.moe_stats) CHECK(s.dropped >= 2 * 256 - 2 * 4 * 32);
+  // Capacity per group and expert ceil(128 x 2 x 0.5 / 8) = 16: at most 2 x 8 x 16 kept.
+  for (const nn::MoeLayerStats& s : r.moe_stats) CHECK(s.dropped >= 2 * 256 - 2 * 8 * 16);
   std::ifstream in(metrics);
   std::string line;
   int with_moe = 0;
@@ -148,7 +203,7 @@ TEST_CASE("--experts: a capacity factor drops tokens; the metrics file logs each
     ++with_moe;
     REQUIRE(rec["moe"].size() == 2);
     CHECK(rec["moe"][0]["layer"] == "h.0");
-    CHECK(rec["moe"][1]["counts"].size() == 4);
+    CHECK(rec["moe"][1]["counts"].size() == 8);
     CHECK(rec["moe"][0]["dropped"].get<int64_t>() > 0);
   }
   CHECK(with_moe == 2);  // steps 2 and 4
@@ -184,14 +239,16 @@ TEST_CASE("--experts: bad flags are refused, naming them") {
     const std::string e = error_of([&] { train_gpt(c); });
     CHECK_MESSAGE(contains(e, what), e);
   };
-  refused([](auto& c) { c.moe_top_k = 5; }, "--moe_top_k 5 must be at most --experts 4");
-  refused([](auto& c) { c.ep = 3; }, "--ep 3 must divide --experts 4");
+  refused([](auto& c) { c.moe_top_k = 9; }, "--moe_top_k 9 must be at most --experts 8");
+  refused([](auto& c) { c.ep = 3; }, "--ep 3 must divide --experts 8");
   refused([](auto& c) { c.ep = 2; }, "--ep 2 splits the experts over groups of dp ranks");
   refused([](auto& c) { c.experts = 0, c.ep = 2; }, "needs --experts > 0");
   refused([](auto& c) { c.tp = 2, c.moe_bias_rate = 0.01; }, "--moe_bias_rate keeps a selection bias");
   refused([](auto& c) { c.moe_every = 3; }, "--moe_every 3 leaves no Mixture-of-Experts block");
   refused([](auto& c) { c.drop_policy = "random"; }, "drop_policy");
   refused([](auto& c) { c.capacity_factor = -1; }, "capacity_factor");
+  refused([](auto& c) { c.capacity_factor = 1, c.moe_groups = 3, c.dp = 2; },
+          "--moe_groups 3 capacity groups must divide among the batch's 2 forwards");
   refused([](auto& c) { c.moe_score = "relu"; }, "moe_score");
 }
 

@@ -90,7 +90,7 @@ TEST_CASE("zero: GPT-mini, dp x stage x accumulation equals one rank (f64 and f3
   check_equivalence(gpt_task(), DType::f32);
 }
 
-// Dropless experts (4, top-2) in both blocks, with the balancing and z-losses: the routing
+// Dropless experts (8, top-2) in both blocks, with the balancing and z-losses: the routing
 // counts are summed over the ranks, and with accumulation taken from a routing pass over the
 // whole step, so the losses the experts attach (and their gradients) are one device's, and
 // every layout trains the single-device model.
@@ -122,7 +122,7 @@ TEST_CASE("zero: GPT-mini with experts, dp x stage x accumulation equals one ran
   CHECK(runs == 2 * 3 * 4 * 2);
 }
 
-// Expert parallelism: the 4 experts split over groups of ep consecutive ranks (2 or 4 of the
+// Expert parallelism: the 8 experts split over groups of ep consecutive ranks (2 or 4 of the
 // dp ranks), each expert's rows exchanged by all-to-all: the single-device model, in f64 to
 // 1e-10 (f32 as stated above), on every ZeRO stage. The experts' parameters stay whole on
 // every rank (a rank's gradient is zero for the experts it does not hold; the dp reduction
