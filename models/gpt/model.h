@@ -39,7 +39,7 @@ struct GptConfig {
   // uses moe.top_k. moe.experts is ignored (experts decides); moe.hidden 0 is 4C.
   int64_t experts = 0;
   int64_t moe_every = 1;
-  nn::MoeOptions moe;
+  nn::MoeOptions moe = {};
   bool moe_block(int64_t i) const { return experts > 0 && i % moe_every == moe_every - 1; }
   nn::MoeOptions moe_options() const;
 

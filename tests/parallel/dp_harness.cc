@@ -174,6 +174,13 @@ bool check_close(const Task& task, DType dtype, const Run& got, const Run& refer
   return bitwise;
 }
 
+void check_aux(const Run& got, const Run& reference, DType dtype) {
+  REQUIRE(got.aux.size() == reference.aux.size());
+  double worst = 0;
+  for (size_t s = 0; s < got.aux.size(); ++s) worst = std::max(worst, std::abs(got.aux[s] - reference.aux[s]));
+  CHECK(worst <= (dtype == DType::f64 ? 1e-13 : 1e-6));
+}
+
 std::shared_ptr<nn::Module> make_model(const Task& task, DType dtype) {
   std::shared_ptr<nn::Module> model = task.make();
   model->to(dtype);

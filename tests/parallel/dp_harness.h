@@ -78,6 +78,10 @@ Diff compare(const Task& task, const Run& got, const Run& want);
 bool check_close(const Task& task, DType dtype, const Run& got, const Run& reference,
                  const std::string& label);
 
+// The experts' attached losses per step against the reference's: f64 within 1e-13 (the same
+// sums in another order), f32 within 1e-6 (doctest CHECKs).
+void check_aux(const Run& got, const Run& reference, DType dtype);
+
 // The ZeRO suites' optimisation: AdamW (weight decay 0.1 on matrices, optim::decay_groups)
 // with the global gradient norm clipped to kClip.
 inline constexpr double kWeightDecay = 0.1;

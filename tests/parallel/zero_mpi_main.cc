@@ -28,10 +28,7 @@ void check_mpi(const Task& task, DType dtype, int ep = 1) {
       const Run run = train_zero(*world, task, dtype, {.stage = stage, .accum = accum, .ep = ep});
       check_close(task, dtype, run, reference,
                   fmt::format("mpi rank {} of 2, zero={} accum={} ep={}", world->rank(), stage, accum, ep));
-      REQUIRE(run.aux.size() == reference.aux.size());
-      for (size_t s = 0; s < run.aux.size(); ++s) {
-        CHECK(std::abs(run.aux[s] - reference.aux[s]) <= (dtype == DType::f64 ? 1e-13 : 1e-6));
-      }
+      check_aux(run, reference, dtype);
     }
   }
 }
