@@ -244,7 +244,8 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
   shared[2 * E] = static_cast<double>(N);
   shared[2 * E + 1] = z_on ? sum(lse_sq).item<double>() : 0.0;
   shared[2 * E + 2] = static_cast<double>(plan.dropped);
-  Tensor reduced = Tensor::from_vector(shared, {2 * E + 3});
+  // On the layer's device: a device communicator (NCCL) takes device tensors only.
+  Tensor reduced = Tensor::from_vector(shared, {2 * E + 3}).to(device);
   reduce_moe_counts(reduced);
   const std::vector<double> all = reduced.to_vector<double>();
   const double tokens_all = all[2 * E];

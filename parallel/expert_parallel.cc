@@ -93,10 +93,11 @@ Tensor ExpertParallel::run(const Tensor& rows, const std::vector<int64_t>& sizes
   // 1. Each member's row counts for my experts: [source][local expert].
   std::vector<int64_t> send_rows(P, 0);
   for (int64_t e = 0; e < experts_; ++e) send_rows[e / local_] += sizes[e];
-  Tensor counts_in = Tensor::empty({P * local_}, DType::i64);
+  // On the rows' device: a device communicator (NCCL) takes device tensors only.
+  Tensor counts_in = Tensor::empty({P * local_}, DType::i64, rows.device());
   {
     const CommCause why("moe routing counts", CommKind::control);
-    group_.all_to_all(counts_in, Tensor::from_vector(sizes, {experts_}));
+    group_.all_to_all(counts_in, Tensor::from_vector(sizes, {experts_}).to(rows.device()));
   }
   const std::vector<int64_t> from = counts_in.to_vector<int64_t>();
   std::vector<int64_t> recv_rows(P, 0), local_sizes(local_, 0);
