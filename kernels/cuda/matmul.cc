@@ -370,11 +370,14 @@ void grouped_matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out, co
   const std::vector<int64_t> starts = group_starts_cuda("grouped_matmul", in[2], in[0].shape()[0]);
   Tensor x = in[0], w = in[1];
   const int64_t K = x.shape()[1], M = w.shape()[2];
-  // x's groups are row blocks of it, each read as its own matrix: rows in place (unit column
-  // stride) keep every block readable, whatever its size; a transposed x is copied once.
-  // Each expert's [K, M] block of w is readable as it is unless neither stride is 1.
+  // x's groups are row blocks of it, each read as its own matrix: row-major rows (unit column
+  // stride, row stride >= K) keep every block readable, whatever its size; anything else (a
+  // transposed x, broadcast rows with row stride 0) is copied once. Each expert's [K, M]
+  // block of w is readable as it is unless neither stride is 1.
   LtOperand probe;
-  if (x.strides()[1] != 1 && K > 1) x = contiguous_cuda(x);
+  if (!((x.strides()[1] == 1 || K <= 1) && x.strides()[0] >= std::max<int64_t>(K, 1))) {
+    x = contiguous_cuda(x);
+  }
   if (!lt_operand(K, M, w.strides()[1], w.strides()[2], probe)) w = contiguous_cuda(w);
   const size_t es = static_cast<size_t>(dtype_size(x.dtype()));
   if (K == 0 && o.numel() > 0) {

@@ -45,12 +45,14 @@ void validate_train_config(const GptTrainConfig& c) {
     require_finite_at_least(gpt, "capacity_factor", c.capacity_factor, 0);
     require_at_least(gpt, "moe_groups", c.moe_groups, 1);
     // Each forward (a rank's micro-batch) takes its share of the batch's capacity groups.
-    const int64_t parts = c.dp * c.accum * (c.pp > 1 || c.tp > 1 ? c.microbatches : 1);
+    // (--check runs every layout as Gpt3d does, by micro-batches.)
+    const bool by_microbatches = c.pp > 1 || c.tp > 1 || c.check;
+    const int64_t parts = c.dp * c.accum * (by_microbatches ? c.microbatches : 1);
     TS_CHECK(c.capacity_factor == 0 || c.moe_groups % parts == 0,
              "gpt: --moe_groups {} capacity groups must divide among the batch's {} forwards "
              "(--dp {} x --accum {}{}), so that tokens drop as on one device", c.moe_groups, parts,
              c.dp, c.accum,
-             c.pp > 1 || c.tp > 1 ? fmt::format(" x --microbatches {}", c.microbatches) : std::string());
+             by_microbatches ? fmt::format(" x --microbatches {}", c.microbatches) : std::string());
     TS_CHECK(c.capacity_factor == 0 || (c.batch * c.context) % c.moe_groups == 0,
              "gpt: --moe_groups {} must divide the batch's --batch {} x --context {} tokens", c.moe_groups,
              c.batch, c.context);

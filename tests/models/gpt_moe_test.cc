@@ -249,6 +249,8 @@ TEST_CASE("--experts: bad flags are refused, naming them") {
   refused([](auto& c) { c.capacity_factor = -1; }, "capacity_factor");
   refused([](auto& c) { c.capacity_factor = 1, c.moe_groups = 3, c.dp = 2; },
           "--moe_groups 3 capacity groups must divide among the batch's 2 forwards");
+  refused([](auto& c) { c.capacity_factor = 1, c.moe_groups = 2, c.dp = 2, c.microbatches = 2, c.check = true; },
+          "--moe_groups 2 capacity groups must divide among the batch's 4 forwards");
   refused([](auto& c) { c.moe_score = "relu"; }, "moe_score");
 }
 

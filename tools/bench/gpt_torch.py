@@ -9,6 +9,7 @@ training-throughput comparison. Windows are random (not Tessera's Philox stream)
 is what this measures.
 
     /usr/bin/python3 tools/bench/gpt_torch.py --steps=100 --threads=2
+    /usr/bin/python3 tools/bench/gpt_torch.py --experts=8 --moe_top_k=2 --moe_every=2 --moe_hidden=256
 
 Prints one JSON line per --log_every steps, as Tessera's --metrics lines:
 {"framework": "pytorch", "step", "loss", "lr", "tokens_per_s"} (tokens/s over the steps of
@@ -83,13 +84,48 @@ class FeedForward(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
+class MixtureOfExperts(nn.Module):
+    """nn/moe.h's dropless layer as PyTorch users write it (Hugging Face's Mixtral block): an
+    f32 router, softmax, top-k gates renormalised, a loop over the experts gathering each one's
+    tokens (torch.where) and adding its weighted outputs back (index_add_), and the
+    Switch/GShard balancing loss alpha E sum f_i P_i, kept in self.aux for the step's loss."""
+
+    def __init__(self, width, experts, top_k, hidden, alpha):
+        super().__init__()
+        self.experts, self.top_k, self.alpha = experts, top_k, alpha
+        self.router = nn.Parameter(torch.empty(experts, width))
+        self.fc_weight = nn.Parameter(torch.empty(experts, width, hidden))
+        self.fc_bias = nn.Parameter(torch.zeros(experts, hidden))
+        self.proj_weight = nn.Parameter(torch.empty(experts, hidden, width))
+        self.proj_bias = nn.Parameter(torch.zeros(experts, width))
+        self.aux = torch.zeros(())
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        probs = (flat.float() @ self.router.t()).softmax(dim=-1)
+        gates, chosen = probs.topk(self.top_k, dim=-1)
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in range(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel() == 0:
+                continue
+            h = F.gelu(flat[token] @ self.fc_weight[e] + self.fc_bias[e], approximate="tanh")
+            y = h @ self.proj_weight[e] + self.proj_bias[e]
+            out.index_add_(0, token, y * gates[token, slot, None])
+        counts = torch.bincount(chosen.flatten(), minlength=self.experts).float()
+        fraction = counts / (flat.shape[0] * self.top_k)
+        self.aux = self.alpha * self.experts * (fraction * probs.mean(dim=0)).sum()
+        return out.view_as(x)
+
+
 class Layer(nn.Module):
-    def __init__(self, width, heads):
+    def __init__(self, width, heads, moe=None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(width)
         self.attn = Attention(width, heads)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = FeedForward(width)
+        self.mlp = MixtureOfExperts(width, *moe) if moe else FeedForward(width)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -97,15 +133,21 @@ class Layer(nn.Module):
 
 
 class Gpt2(nn.Module):
-    def __init__(self, layers, heads, width, context, vocab=256):
+    def __init__(self, layers, heads, width, context, vocab=256, moe=None, moe_every=1):
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(context, width)
-        self.h = nn.ModuleList(Layer(width, heads) for _ in range(layers))
+        self.h = nn.ModuleList(
+            Layer(width, heads, moe if moe and i % moe_every == moe_every - 1 else None)
+            for i in range(layers))
         self.ln_f = nn.LayerNorm(width)
         # GPT-2 init, as Gpt::init_weights (LayerNorm keeps its 1 / 0).
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith("proj_weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers))
+            elif name.endswith("router") or name.endswith("fc_weight"):
+                nn.init.normal_(p, 0.0, 0.02)
+            elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers))
             elif name.endswith(".weight") and p.dim() >= 2:
                 nn.init.normal_(p, 0.0, 0.02)
@@ -117,6 +159,9 @@ class Gpt2(nn.Module):
         for layer in self.h:
             x = layer(x)
         return self.ln_f(x) @ self.wte.weight.t()
+
+    def aux_loss(self):
+        return sum((l.mlp.aux for l in self.h if isinstance(l.mlp, MixtureOfExperts)), torch.zeros(()))
 
 
 def main():
@@ -136,11 +181,19 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data", default="/usr/share/games/fortunes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", type=int, default=0, help="Mixture of Experts (0: dense MLPs)")
+    p.add_argument("--moe_top_k", type=int, default=2)
+    p.add_argument("--moe_every", type=int, default=2)
+    p.add_argument("--moe_hidden", type=int, default=0, help="0: 4 x width")
+    p.add_argument("--aux_loss", type=float, default=0.01)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     data = load_train_bytes(a.data)
-    model = Gpt2(a.layers, a.heads, a.width, a.context)
+    moe = None
+    if a.experts > 0:
+        moe = (a.experts, a.moe_top_k, a.moe_hidden or 4 * a.width, a.aux_loss)
+    model = Gpt2(a.layers, a.heads, a.width, a.context, moe=moe, moe_every=a.moe_every)
     model.train()
     params = list(model.parameters())
     decay = [q for q in params if q.dim() >= 2]
@@ -173,7 +226,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         logits = model(idx)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
+        (loss + model.aux_loss()).backward()
         if a.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, a.clip)
         opt.step()
