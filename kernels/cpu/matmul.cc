@@ -162,21 +162,6 @@ TS_REGISTER_KERNEL(cpu, matmul, matmul_kernel);
 
 // ---- grouped matmul (Mixture of Experts) ----------------------------------------------------
 
-// The first row of each group and, last, N: the group sizes checked (non-negative, summing to
-// the rows of x).
-std::vector<int64_t> group_starts(const char* op, const Tensor& sizes, int64_t rows) {
-  const std::vector<int64_t> n = sizes.to_vector<int64_t>();
-  std::vector<int64_t> starts(n.size() + 1, 0);
-  for (size_t e = 0; e < n.size(); ++e) {
-    if (n[e] < 0) fail("{}: group {} has a negative size {}", op, e, n[e]);
-    starts[e + 1] = starts[e] + n[e];
-  }
-  if (starts.back() != rows) {
-    fail("{}: the group sizes sum to {} but x has {} rows", op, starts.back(), rows);
-  }
-  return starts;
-}
-
 // Group e's rows [starts[e], starts[e + 1]) of x times w[e]. Each product uses every thread
 // (the groups are the experts' token sets: few, and large when it matters).
 template <typename T>
@@ -263,4 +248,18 @@ TS_REGISTER_KERNEL(cpu, grouped_matmul, grouped_matmul_kernel);
 TS_REGISTER_KERNEL(cpu, grouped_matmul_backward_weight, grouped_matmul_backward_weight_kernel);
 
 }  // namespace
+
+std::vector<int64_t> group_starts(const char* op, const Tensor& sizes, int64_t rows) {
+  const std::vector<int64_t> n = sizes.to_vector<int64_t>();
+  std::vector<int64_t> starts(n.size() + 1, 0);
+  for (size_t e = 0; e < n.size(); ++e) {
+    if (n[e] < 0) fail("{}: group {} has a negative size {}", op, e, n[e]);
+    starts[e + 1] = starts[e] + n[e];
+  }
+  if (starts.back() != rows) {
+    fail("{}: the group sizes sum to {} but x has {} rows", op, starts.back(), rows);
+  }
+  return starts;
+}
+
 }  // namespace tessera::cpu

@@ -2,6 +2,8 @@
 // loops directly).
 #pragma once
 
+#include <vector>
+
 #include "tensor/tensor.h"
 
 namespace tessera::cpu {
@@ -23,6 +25,11 @@ inline Split3 split3(const Shape& s, int64_t dim) {
   for (size_t i = dim + 1; i < s.size(); ++i) r.inner *= s[i];
   return r;
 }
+
+// The first row of each group of a grouped matmul and, last, `rows`: the integer group
+// sizes (any device) checked non-negative and summing to `rows` (tessera::Error naming `op`).
+// Shared by the CPU and CUDA kernels (kernels/cpu/matmul.cc defines it).
+std::vector<int64_t> group_starts(const char* op, const Tensor& sizes, int64_t rows);
 
 // A contiguous f32 copy of a 16-bit float tensor (f32/f64 tensors are returned contiguous).
 Tensor to_compute_cpu(const Tensor& t);

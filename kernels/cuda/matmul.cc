@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernels/cpu/util.h"
 #include "kernels/cuda/blas.h"
 #include "kernels/cuda/runtime.h"
 #include "tensor/op.h"
@@ -352,22 +353,11 @@ void gemm_2d(DType dt, const char* a, int64_t ars, int64_t acs, const char* b, i
   run_gemm(p, b, a, out, d);
 }
 
-std::vector<int64_t> group_starts_cuda(const char* op, const Tensor& sizes, int64_t rows) {
-  const std::vector<int64_t> n = sizes.to_vector<int64_t>();
-  std::vector<int64_t> starts(n.size() + 1, 0);
-  for (size_t e = 0; e < n.size(); ++e) {
-    TS_CHECK(n[e] >= 0, "{}: group {} has a negative size {}", op, e, n[e]);
-    starts[e + 1] = starts[e] + n[e];
-  }
-  TS_CHECK(starts.back() == rows, "{}: the group sizes sum to {} but x has {} rows", op, starts.back(), rows);
-  return starts;
-}
-
 void grouped_matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
   const Tensor& o = out[0];
   const Device d = o.device();
   DeviceGuard guard(d);
-  const std::vector<int64_t> starts = group_starts_cuda("grouped_matmul", in[2], in[0].shape()[0]);
+  const std::vector<int64_t> starts = cpu::group_starts("grouped_matmul", in[2], in[0].shape()[0]);
   Tensor x = in[0], w = in[1];
   const int64_t K = x.shape()[1], M = w.shape()[2];
   // x's groups are row blocks of it, each read as its own matrix: row-major rows (unit column
@@ -399,7 +389,7 @@ void grouped_matmul_backward_weight_kernel(std::span<const Tensor> in, std::span
   const Device d = o.device();
   DeviceGuard guard(d);
   const std::vector<int64_t> starts =
-      group_starts_cuda("grouped_matmul_backward_weight", in[2], in[0].shape()[0]);
+      cpu::group_starts("grouped_matmul_backward_weight", in[2], in[0].shape()[0]);
   const Tensor x = contiguous_cuda(in[0]), g = contiguous_cuda(in[1]);
   const int64_t K = x.shape()[1], M = g.shape()[1];
   const size_t es = static_cast<size_t>(dtype_size(x.dtype()));
