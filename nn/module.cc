@@ -79,6 +79,19 @@ Tensor Module::register_parameter(const std::string& name, Tensor t, bool requir
   return t;
 }
 
+Tensor Module::replace_parameter(const std::string& name, Tensor t) {
+  TS_CHECK(t.defined(), "{}: parameter '{}' replaced by an undefined tensor", type_name_, name);
+  for (auto& [n, p] : parameters_) {
+    if (n != name) continue;
+    const bool requires_grad = p.requires_grad();
+    t = t.detach();
+    if (requires_grad) t.requires_grad_();
+    p = t;
+    return t;
+  }
+  fail("{}: no parameter '{}' to replace", type_name_, name);
+}
+
 Tensor Module::register_buffer(const std::string& name, Tensor t) {
   check_new_name(name);
   TS_CHECK(t.defined(), "{}: buffer '{}' is an undefined tensor", type_name_, name);

@@ -87,6 +87,10 @@ class Module {
   // Registers `t` (made a leaf requiring grad) and returns the stored handle.
   Tensor register_parameter(const std::string& name, Tensor t, bool requires_grad = true);
   Tensor register_buffer(const std::string& name, Tensor t);
+  // Puts `t` (made a leaf requiring grad) in the place of this module's own parameter `name`
+  // (Error when there is none), keeping its place in the order; returns the stored handle.
+  // For a module whose parameters change shape (expert parallelism keeping some experts).
+  Tensor replace_parameter(const std::string& name, Tensor t);
   template <typename M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
     check_new_name(name);

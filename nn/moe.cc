@@ -203,12 +203,26 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
   std::vector<int64_t> token_rows(plan.assignment.size());
   for (size_t r = 0; r < plan.assignment.size(); ++r) token_rows[r] = plan.assignment[r] / k;
   const Tensor tokens = index_tensor(token_rows, device);
+  // The experts the layer's tensors hold: all E, or (expert parallelism) the dispatch's.
+  const int64_t held = w.fc_weight.size(0);
+  int64_t held_first = 0;
+  if (held != E) {
+    TS_CHECK(t_dispatch != nullptr && t_dispatch->local_experts().second == held,
+             "MixtureOfExperts '{}': its tensors hold {} of the {} experts; run it under the "
+             "expert-parallel dispatch that runs those here (it runs {})", name, held, E,
+             t_dispatch != nullptr ? fmt::format("{}", t_dispatch->local_experts().second)
+                                   : std::string("none: no dispatch installed"));
+    held_first = t_dispatch->local_experts().first;
+  }
   const ExpertsFn experts = [&](const Tensor& rows, const std::vector<int64_t>& sizes, int64_t first) {
     const int64_t n = static_cast<int64_t>(sizes.size());
-    TS_CHECK(first >= 0 && first + n <= E, "MixtureOfExperts '{}': experts [{}, {}) of {}", name,
-             first, first + n, E);
-    // The weights of experts [first, first + n): views of the layer's [E, ...] tensors.
-    const auto mine = [&](const Tensor& t) { return n == E ? t : slice(t, 0, first, first + n); };
+    TS_CHECK(first >= held_first && first + n <= held_first + held,
+             "MixtureOfExperts '{}': experts [{}, {}) of {}, but this layer holds [{}, {})", name,
+             first, first + n, E, held_first, held_first + held);
+    // The weights of experts [first, first + n): views of the layer's tensors.
+    const auto mine = [&](const Tensor& t) {
+      return n == held ? t : slice(t, 0, first - held_first, first - held_first + n);
+    };
     std::vector<int64_t> local_ids;
     local_ids.reserve(static_cast<size_t>(rows.size(0)));
     for (int64_t j = 0; j < n; ++j) local_ids.insert(local_ids.end(), sizes[j], j);
@@ -323,6 +337,24 @@ MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, std::string name
   proj_weight = register_parameter("proj_weight", uniform({E, H, width}, H));
   proj_bias = register_parameter("proj_bias", zeros({E, width}, dtype));
   if (options.bias_rate > 0) selection_bias = register_buffer("selection_bias", zeros({E}, DType::f32));
+}
+
+void MixtureOfExperts::keep_experts(int64_t first, int64_t count) {
+  const int64_t E = options.experts;
+  TS_CHECK(fc_weight.size(0) == E,
+           "MixtureOfExperts '{}': keep_experts on a layer that holds {} of its {} experts already",
+           name, fc_weight.size(0), E);
+  TS_CHECK(count >= 1 && first >= 0 && first + count <= E,
+           "MixtureOfExperts '{}': keep_experts({}, {}) is not a range of its {} experts", name, first,
+           count, E);
+  const NoGradGuard no_grad;
+  const auto keep = [&](const std::string& what, Tensor& t) {
+    t = replace_parameter(what, slice(t, 0, first, first + count).clone());
+  };
+  keep("fc_weight", fc_weight);
+  keep("fc_bias", fc_bias);
+  keep("proj_weight", proj_weight);
+  keep("proj_bias", proj_bias);
 }
 
 MoeWeights MixtureOfExperts::weights() const {

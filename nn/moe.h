@@ -27,6 +27,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/module.h"
@@ -161,6 +162,9 @@ class MoeDispatch {
  public:
   virtual ~MoeDispatch() = default;
   virtual Tensor run(const Tensor& rows, const std::vector<int64_t>& sizes, const ExpertsFn& experts) = 0;
+  // The experts [first, first + count) that run here: a layer holding only some experts
+  // holds these.
+  virtual std::pair<int64_t, int64_t> local_experts() const = 0;
 };
 // Installs `dispatch` for this thread's forwards while alive (innermost wins; null: local).
 class MoeDispatchScope {
@@ -185,7 +189,9 @@ void update_selection_bias(Tensor& bias, const std::vector<int64_t>& counts, dou
 // Parameters router [E, C], fc_weight [E, C, H], fc_bias [E, H], proj_weight
 // [E, H, C], proj_bias [E, C]; with bias_rate > 0 the buffer selection_bias [E] (f32, zero
 // at first). Initialised as torch's Linear per expert (U(-1/sqrt(in), 1/sqrt(in))), biases
-// zero.
+// zero. Under expert parallelism a rank may keep only the experts it runs (keep_experts):
+// its fc_* and proj_* then hold those, and moe_forward takes them for the dispatch's
+// local_experts().
 class MixtureOfExperts : public Module {
  public:
   // `name` labels its routing statistics and keys the step's counts (MoeStepCounts): every
@@ -195,6 +201,10 @@ class MixtureOfExperts : public Module {
   // x [..., C] -> [..., C].
   Tensor forward(const Tensor& x) override;
   MoeWeights weights() const;
+  // Keeps experts [first, first + count) only (their parameters become copies of those
+  // rows; the router stays whole): the experts this rank runs under expert parallelism.
+  // Before the optimizer and any data-parallel wrapper see the parameters.
+  void keep_experts(int64_t first, int64_t count);
   MoeOptions options;
   std::string name;
   Tensor router, fc_weight, fc_bias, proj_weight, proj_bias, selection_bias;

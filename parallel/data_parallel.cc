@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <utility>
 
 #include "parallel/comm/comm_log.h"
@@ -102,6 +103,13 @@ void check_same_values(Communicator& comm, std::string_view who, const nn::Named
        who, name, shape_str(param.shape()), rank.item<int64_t>(), max_diff.item<double>());
 }
 
+std::pair<nn::NamedTensors, nn::NamedTensors> split_subgroup(const nn::NamedTensors& named,
+                                                              const ParamSubgroup& sub) {
+  std::pair<nn::NamedTensors, nn::NamedTensors> out;
+  for (const auto& [name, t] : named) (sub.has(name) ? out.second : out.first).emplace_back(name, t);
+  return out;
+}
+
 struct DistributedDataParallel::State {
   struct Slot {
     std::string name;
@@ -115,6 +123,8 @@ struct DistributedDataParallel::State {
     Device device = kCPU;
     std::vector<int> slots = {};  // indices into State::slots, in bucket order
     int64_t elements = 0;
+    Communicator* comm = nullptr;  // the group it is reduced over (the subgroup's or the whole)
+    double scale = 1.0;            // times the reduced values (ParamSubgroup::scale)
     Tensor buffer = {};           // flat, contiguous: the slots' values back to back
     int waiting = 0;              // slots whose gradient has not arrived yet this round
     WorkHandle work = {};         // set while launched and not yet waited for
@@ -168,12 +178,12 @@ struct DistributedDataParallel::State {
         gb.gradients.push_back(view_of(bucket, s));
         gb.names.push_back(slots[s].name);
       }
-      bucket.work = options.comm_hook->reduce(*comm, gb);
+      bucket.work = options.comm_hook->reduce(*bucket.comm, gb);
       TS_CHECK(bucket.work != nullptr, "{}: comm hook '{}' returned no work for bucket {}",
                kName, options.comm_hook->name(), k);
     } else {
-      bucket.work = comm->all_reduce_async(bucket.buffer,
-                                           options.average ? ReduceOp::avg : ReduceOp::sum);
+      bucket.work = bucket.comm->all_reduce_async(bucket.buffer,
+                                                  options.average ? ReduceOp::avg : ReduceOp::sum);
     }
     ++(from_hook ? stats.launched_in_backward : stats.launched_in_finish);
   }
@@ -231,6 +241,10 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, Communicato
     : state_(std::make_shared<State>()) {
   TS_CHECK(options.bucket_bytes > 0, "{}: bucket_bytes must be positive, got {}", kName,
            options.bucket_bytes);
+  TS_CHECK(options.subgroup.group == nullptr || !options.comm_hook,
+           "{}: comm hook '{}' with parameters reduced over subgroup '{}': a hook reduces over "
+           "the whole group only", kName, options.comm_hook ? options.comm_hook->name() : "",
+           options.subgroup.group != nullptr ? options.subgroup.group->name() : "");
   State& st = *state_;
   st.module = &module;
   st.comm = &comm;
@@ -247,20 +261,23 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, Communicato
     if (!seen) st.slots.push_back({name, param});
   }
 
-  // Buckets in reverse registration order, one open bucket per (dtype, device): a parameter
-  // that would overflow its open bucket closes it and opens the next.
-  std::map<std::pair<int, std::string>, int> open;
+  // Buckets in reverse registration order, one open bucket per (dtype, device, subgroup): a
+  // parameter that would overflow its open bucket closes it and opens the next.
+  std::map<std::tuple<int, std::string, bool>, int> open;
   for (int s = static_cast<int>(st.slots.size()) - 1; s >= 0; --s) {
     State::Slot& slot = st.slots[s];
     const DType dtype = slot.param.dtype();
     const Device device = slot.param.device();
-    const auto key = std::make_pair(static_cast<int>(dtype), device.str());
+    const bool sub = options.subgroup.has(slot.name);
+    const auto key = std::make_tuple(static_cast<int>(dtype), device.str(), sub);
     auto it = open.find(key);
     const int64_t bytes = slot.param.nbytes();
     if (it == open.end() ||
         (st.buckets[it->second].elements > 0 &&
          (st.buckets[it->second].elements * dtype_size(dtype) + bytes > options.bucket_bytes))) {
       st.buckets.push_back({dtype, device});
+      st.buckets.back().comm = sub ? options.subgroup.group : &comm;
+      st.buckets.back().scale = sub ? options.subgroup.scale : 1.0;
       it = open.insert_or_assign(key, static_cast<int>(st.buckets.size()) - 1).first;
     }
     State::Bucket& bucket = st.buckets[it->second];
@@ -285,7 +302,11 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, Communicato
   if (options.comm_hook) {  // every member must reduce its buckets the same way
     hash_bytes(options_hash, options.comm_hook->name().data(), options.comm_hook->name().size());
   }
-  check_same_parameters(comm, kName, named, options_hash);
+  const auto [whole, sub] = split_subgroup(named, options.subgroup);
+  check_same_parameters(comm, kName, whole, options_hash);
+  if (options.subgroup.group != nullptr) {
+    check_same_parameters(*options.subgroup.group, kName, sub, options_hash);
+  }
   if (options.check_replicas) check_replicas();
 
   // The hooks hold the state weakly: once this object is gone they do nothing.
@@ -328,6 +349,10 @@ void DistributedDataParallel::finish() {
   for (State::Bucket& bucket : st.buckets) {
     bucket.work->wait();
     bucket.work.reset();
+    if (bucket.scale != 1.0) {
+      NoGradGuard no_grad;
+      bucket.buffer.copy_(bucket.buffer * bucket.scale);
+    }
     // The reduced values are in .grad() already (views of the bucket); a hook or user code
     // that replaced a .grad() between launch and here gets the view back.
     for (int s : bucket.slots) st.slot_grad_to_view(bucket, s);
@@ -361,8 +386,8 @@ void DistributedDataParallel::broadcast_parameters() {
   NoGradGuard no_grad;
   for (State::Bucket& bucket : st.buckets) {
     st.pack(bucket, /*values=*/true);
-    st.comm->broadcast(bucket.buffer, 0);
-    if (st.comm->rank() == 0) continue;
+    bucket.comm->broadcast(bucket.buffer, 0);
+    if (bucket.comm->rank() == 0) continue;
     for (int s : bucket.slots) {
       const State::Slot& slot = st.slots[s];
       slot.param.copy_(
@@ -376,7 +401,9 @@ void DistributedDataParallel::check_replicas() {
   TS_CHECK(st.pending() == 0, "{}: check_replicas() with buckets in flight", kName);
   nn::NamedTensors named;
   for (const State::Slot& slot : st.slots) named.emplace_back(slot.name, slot.param);
-  check_same_values(*st.comm, kName, named);
+  const auto [whole, sub] = split_subgroup(named, st.options.subgroup);
+  check_same_values(*st.comm, kName, whole);
+  if (st.options.subgroup.group != nullptr) check_same_values(*st.options.subgroup.group, kName, sub);
 }
 
 std::vector<DistributedDataParallel::BucketInfo> DistributedDataParallel::buckets() const {

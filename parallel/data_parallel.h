@@ -24,9 +24,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "nn/module.h"
@@ -35,6 +37,24 @@
 
 namespace tessera::parallel {
 
+// Parameters a rank shares with only some ranks of the data-parallel group: expert
+// parallelism's experts, each held by the ranks of its expert-data-parallel group (the ranks
+// at the same place in their ep groups; parallel/expert_parallel.h). Their gradients are
+// reduced, their replicas checked and (ZeRO) their shards cut over `group`, a subgroup of
+// the data-parallel group, and each reduced gradient is multiplied by `scale` (the reduction
+// averages over `group` where the caller means the whole group: group size / whole size;
+// 1 for sums).
+struct ParamSubgroup {
+  Communicator* group = nullptr;                              // null: none
+  std::function<bool(const std::string& name)> holds = nullptr;  // which parameters
+  double scale = 1.0;
+  bool has(const std::string& name) const { return group != nullptr && holds && holds(name); }
+};
+
+// `named` cut into the parameters reduced over the whole group and those of `sub`.
+std::pair<nn::NamedTensors, nn::NamedTensors> split_subgroup(const nn::NamedTensors& named,
+                                                              const ParamSubgroup& sub);
+
 struct DdpOptions {
   int64_t bucket_bytes = int64_t{25} << 20;  // 25 MiB, PyTorch's default
   bool average = true;         // all_reduce avg (sum / group size); false: plain sum
@@ -42,6 +62,8 @@ struct DdpOptions {
   // Reduces each bucket instead of the all-reduce (parallel/comm_hook.h: PowerSGD, ...);
   // shared, so its state outlives a DDP rebuilt around it. Null: the all-reduce.
   std::shared_ptr<CommHook> comm_hook = nullptr;
+  // Parameters reduced over a subgroup (expert parallelism); not with a comm hook.
+  ParamSubgroup subgroup = {};
 };
 
 // Collective: every member throws the same Error unless all agree on the names, shapes and

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <functional>
 #include <numeric>
 
 #include "autograd/node.h"
@@ -130,6 +131,115 @@ Tensor ExpertParallel::run(const Tensor& rows, const std::vector<int64_t>& sizes
   const Tensor out = experts(grouped, local_sizes, first_);
   // 4. Back in received order, then to the members the rows came from.
   return all_to_all_rows(group_, index_select(out, 0, index(back)), recv_rows, send_rows, "moe combine");
+}
+
+}  // namespace tessera::parallel
+
+namespace tessera::parallel {
+
+ExpertGroups::ExpertGroups(Communicator& dp, int64_t ep, int64_t experts) : experts_(experts) {
+  TS_CHECK(ep >= 1 && dp.size() % ep == 0 && experts % ep == 0,
+           "ExpertGroups: ep {} must divide the {} ranks of group '{}' and the {} experts", ep,
+           dp.size(), dp.name(), experts);
+  const int rank = dp.rank(), p = static_cast<int>(ep);
+  ep_ = dp.split(rank / p, rank % p, "ep");
+  edp_ = dp.split(rank % p, rank / p, "edp");
+  dispatch_ = std::make_unique<ExpertParallel>(*ep_, experts);
+}
+
+int ExpertGroups::keep(nn::Module& module) {
+  int layers = 0;
+  const std::function<void(nn::Module&, const std::string&)> walk = [&](nn::Module& m,
+                                                                       const std::string& prefix) {
+    if (auto* moe = dynamic_cast<nn::MixtureOfExperts*>(&m)) {
+      TS_CHECK(moe->options.experts == experts_,
+               "ExpertGroups: layer '{}' has {} experts, the groups were made for {}", prefix,
+               moe->options.experts, experts_);
+      moe->keep_experts(first(), local());
+      for (const char* name : {"fc_weight", "fc_bias", "proj_weight", "proj_bias"}) {
+        names_.insert(prefix.empty() ? std::string(name) : prefix + "." + name);
+      }
+      ++layers;
+    }
+    for (const auto& [name, child] : m.named_children()) {
+      walk(*child, prefix.empty() ? name : prefix + "." + name);
+    }
+  };
+  walk(module, "");
+  return layers;
+}
+
+ParamSubgroup ExpertGroups::subgroup(bool average) const {
+  ParamSubgroup s;
+  s.group = edp_.get();
+  s.holds = [names = names_](const std::string& name) { return names.count(name) == 1; };
+  s.scale = average ? 1.0 / static_cast<double>(ep_->size()) : 1.0;
+  return s;
+}
+
+namespace {
+
+// [local, ...] blocks of the ep group's members, in member order: [E, ...].
+Tensor gather_rows(Communicator& ep, const Tensor& mine) {
+  Shape whole = mine.shape();
+  whole[0] *= ep.size();
+  Tensor out = Tensor::empty(whole, mine.dtype(), mine.device());
+  const CommCause why("moe gather experts", CommKind::parameters);
+  ep.all_gather(out, mine.contiguous());
+  return out;
+}
+
+}  // namespace
+
+std::string ExpertGroups::expert_field(const std::string& key, const std::vector<std::string>& order) const {
+  if (!key.starts_with("state.")) return "";
+  const size_t dot = key.find('.', 6);
+  if (dot == std::string::npos || key.substr(dot + 1) == "step") return "";
+  const size_t i = static_cast<size_t>(std::stoll(key.substr(6, dot - 6)));
+  TS_CHECK(i < order.size(), "ExpertGroups: optimizer state '{}' for parameter {} of {}", key, i,
+           order.size());
+  return holds(order[i]) ? order[i] : "";
+}
+
+void ExpertGroups::gather(nn::StateDict& model) const {
+  for (auto& [name, t] : model) {  // (a map: every member walks the same keys in order)
+    if (holds(name)) t = gather_rows(*ep_, t);
+  }
+}
+
+void ExpertGroups::gather(std::map<std::string, Tensor>& optimizer,
+                          const std::vector<std::string>& order) const {
+  for (auto& [key, t] : optimizer) {
+    const std::string param = expert_field(key, order);
+    if (param.empty()) continue;
+    TS_CHECK(t.dim() >= 1 && t.size(0) == local(),
+             "ExpertGroups: optimizer state '{}' of expert parameter '{}' has shape {}; expected "
+             "the parameter's {} experts first (an elementwise optimizer's state)",
+             key, param, shape_str(t.shape()), local());
+    t = gather_rows(*ep_, t);
+  }
+}
+
+void ExpertGroups::slice(nn::StateDict& model) const {
+  for (auto& [name, t] : model) {
+    if (!holds(name)) continue;
+    TS_CHECK(t.dim() >= 1 && t.size(0) == experts_,
+             "ExpertGroups: '{}' has shape {}, expected its {} experts first", name,
+             shape_str(t.shape()), experts_);
+    t = t.narrow(0, first(), local()).contiguous();
+  }
+}
+
+void ExpertGroups::slice(std::map<std::string, Tensor>& optimizer,
+                         const std::vector<std::string>& order) const {
+  for (auto& [key, t] : optimizer) {
+    const std::string param = expert_field(key, order);
+    if (param.empty()) continue;
+    TS_CHECK(t.dim() >= 1 && t.size(0) == experts_,
+             "ExpertGroups: optimizer state '{}' of expert parameter '{}' has shape {}, expected "
+             "its {} experts first", key, param, shape_str(t.shape()), experts_);
+    t = t.narrow(0, first(), local()).contiguous();
+  }
 }
 
 }  // namespace tessera::parallel

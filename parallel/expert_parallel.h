@@ -21,10 +21,16 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/moe.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/data_parallel.h"
 
 namespace tessera::parallel {
 
@@ -33,12 +39,70 @@ class ExpertParallel final : public nn::MoeDispatch {
   // `group`: the ranks the experts are split over; `experts` must divide by its size.
   ExpertParallel(Communicator& group, int64_t experts);
   Tensor run(const Tensor& rows, const std::vector<int64_t>& sizes, const nn::ExpertsFn& experts) override;
+  std::pair<int64_t, int64_t> local_experts() const override { return {first_, local_}; }
   int64_t first_expert() const { return first_; }
-  int64_t local_experts() const { return local_; }
 
  private:
   Communicator& group_;
   int64_t experts_, local_, first_;
+};
+
+// The groups expert parallelism cuts a data-parallel group into (Megatron-Core's expert and
+// expert-data-parallel groups): `ep` consecutive dp ranks share out the experts, E / ep each
+// (the ep group, whose dispatch() exchanges the rows), and the dp / ep ranks at the same
+// place in their ep groups hold the same experts (the expert-data-parallel group, `edp`).
+// After keep(), each rank holds only its experts' parameters: ZeRO and DDP reduce (and
+// shard) them over edp with subgroup(), everything else over dp. Checkpoints stay in the
+// single-device layout: gather() assembles the experts whole over ep, slice() cuts a whole
+// dict back to this rank's.
+//
+//   ExpertGroups experts(dp, /*ep=*/2, /*experts=*/8);   // collective over dp
+//   experts.keep(*model);                                 // before ZeRO and the optimizer
+//   ZeroOptions z;  z.subgroup = experts.subgroup(z.average);
+//   ZeroDataParallel zero(*model, dp, z);
+//   nn::MoeDispatchScope d(&experts.dispatch());          // around every forward
+//   nn::StateDict whole = zero.model_state_dict();  experts.gather(whole);  // collective over ep
+class ExpertGroups {
+ public:
+  // Collective over `dp` (every member, the same ep and experts); ep must divide dp's size
+  // and the experts.
+  ExpertGroups(Communicator& dp, int64_t ep, int64_t experts);
+  Communicator& ep() const { return *ep_; }
+  Communicator& edp() const { return *edp_; }
+  ExpertParallel& dispatch() const { return *dispatch_; }
+  int64_t first() const { return dispatch_->first_expert(); }
+  int64_t local() const { return dispatch_->local_experts().second; }
+  // Every nn::MixtureOfExperts in `module` keeps this rank's experts; their parameters'
+  // names (as `module` names them) are the ones holds() answers for. Returns how many
+  // layers it cut.
+  int keep(nn::Module& module);
+  bool holds(const std::string& name) const { return names_.count(name) == 1; }
+  // The single-device shape of parameter `name`, of shape `here` on this rank.
+  Shape whole_shape(const std::string& name, const Shape& here) const {
+    Shape s = here;
+    if (holds(name)) s[0] = experts_;
+    return s;
+  }
+  // The parameters keep() cut, reduced over edp; `average`: the wrapper averages over dp
+  // (the scale then makes edp's average dp's: 1 / ep).
+  ParamSubgroup subgroup(bool average) const;
+  // Collective over ep: the expert parameters' tensors in a model state dict, and the state
+  // of those parameters in an optimizer state dict ("state.<i>.<field>", parameter i being
+  // order[i]), assembled whole along their first dim.
+  void gather(nn::StateDict& model) const;
+  void gather(std::map<std::string, Tensor>& optimizer, const std::vector<std::string>& order) const;
+  // The inverse on whole dicts: this rank's experts' rows (nothing collective).
+  void slice(nn::StateDict& model) const;
+  void slice(std::map<std::string, Tensor>& optimizer, const std::vector<std::string>& order) const;
+
+ private:
+  // Parameter i's name in an optimizer state key "state.<i>.<field>" (empty: not an
+  // expert's, or a scalar field).
+  std::string expert_field(const std::string& key, const std::vector<std::string>& order) const;
+  CommPtr ep_, edp_;
+  std::unique_ptr<ExpertParallel> dispatch_;
+  int64_t experts_;
+  std::set<std::string> names_;
 };
 
 // [R, C] rows to the group's members: send_rows[j] rows (consecutive, in member order) to

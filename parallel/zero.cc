@@ -37,6 +37,14 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
            "{}: comm hook '{}' leaves each rank its own gradient, and stage {} needs every "
            "segment reduced to take its block of it (use stage 0)",
            kName, options.comm_hook ? options.comm_hook->name() : "", options.stage);
+  TS_CHECK(options.subgroup.group == nullptr ||
+               (!options.comm_hook && !options.row_shards && options.block_shards == 0),
+           "{}: parameters reduced over subgroup '{}' take flat shards of plain reductions: not "
+           "with a comm hook, row_shards or block_shards (got hook '{}', row_shards {}, "
+           "block_shards {})",
+           kName, options.subgroup.group != nullptr ? options.subgroup.group->name() : "",
+           options.comm_hook ? options.comm_hook->name() : "", options.row_shards,
+           options.block_shards);
   State& st = *state_;
   st.module = &module;
   st.comm = &comm;
@@ -88,23 +96,31 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
       options_hash = (options_hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
     }
   }
-  check_same_parameters(comm, kName, st.named(), options_hash);
-  if (options.check_replicas) check_same_values(comm, kName, st.named());
+  {
+    const auto [whole, sub] = split_subgroup(st.named(), options.subgroup);
+    check_same_parameters(comm, kName, whole, options_hash);
+    if (options.check_replicas) check_same_values(comm, kName, whole);
+    if (options.subgroup.group != nullptr) {
+      check_same_parameters(*options.subgroup.group, kName, sub, options_hash);
+      if (options.check_replicas) check_same_values(*options.subgroup.group, kName, sub);
+    }
+  }
 
   // Segments in the order backward completes them: the wrapped units last to first, then
   // the root; inside a unit, parameters in reverse registration order.
-  const int n = comm.size();
   const int64_t cap = options.stage == 3 ? INT64_MAX : options.bucket_bytes;
   std::vector<int> unit_order;
   for (int u = st.root() - 1; u >= 0; --u) unit_order.push_back(u);
   unit_order.push_back(st.root());
   for (int u : unit_order) {
-    std::map<std::tuple<bool, int, std::string>, int> open;  // (decay, dtype, device) -> segment
+    // (decay, dtype, device, subgroup) -> segment
+    std::map<std::tuple<bool, int, std::string, bool>, int> open;
     const std::vector<int>& members = st.units[u].params;
     for (auto it = members.rbegin(); it != members.rend(); ++it) {
       State::Param& p = st.params[*it];
+      const bool sub = options.subgroup.has(p.name);
       const auto key = std::make_tuple(p.decay, static_cast<int>(p.tensor.dtype()),
-                                       p.tensor.device().str());
+                                       p.tensor.device().str(), sub);
       auto o = open.find(key);
       const int64_t bytes = p.tensor.nbytes();
       if (options.row_shards) {
@@ -130,6 +146,8 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
           (st.segments[o->second].numel > 0 &&
            st.segments[o->second].numel * dtype_size(p.tensor.dtype()) + bytes > cap)) {
         st.segments.push_back({u, p.decay, p.tensor.dtype(), p.tensor.device()});
+        st.segments.back().comm = sub ? options.subgroup.group : &comm;
+        st.segments.back().scale = sub ? options.subgroup.scale : 1.0;
         st.units[u].segments.push_back(static_cast<int>(st.segments.size()) - 1);
         o = open.insert_or_assign(key, static_cast<int>(st.segments.size()) - 1).first;
       }
@@ -147,15 +165,16 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     // Row (block) shards split the parameter's rows (blocks) instead of elements; a short
     // last block stays with the rank holding it.
     const int64_t row = st.row_length(seg);
+    const int n = seg.comm->size(), rank = seg.comm->rank();
     int64_t start = 0;
     for (int r = 0; r < n; ++r) {
       const int64_t count =
           std::min(block_size(st.rows_in(seg, seg.numel), n, r) * row, seg.numel - start);
       seg.counts.push_back(count);
-      if (r < comm.rank()) seg.shard_start += count;
+      if (r < rank) seg.shard_start += count;
       start += count;
     }
-    seg.shard_numel = seg.counts[comm.rank()];
+    seg.shard_numel = seg.counts[rank];
     {
       MemoryTagScope tag(options.stage == 3 ? MemoryTag::gathered : MemoryTag::parameters);
       seg.flat_param = Tensor::empty({seg.numel}, seg.dtype, seg.device);
@@ -187,6 +206,7 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     ddp.check_replicas = false;  // checked above
     ddp.average = options.average;
     ddp.comm_hook = options.comm_hook;
+    ddp.subgroup = options.subgroup;
     st.ddp = std::make_unique<DistributedDataParallel>(module, comm, ddp);
     return;
   }
@@ -319,10 +339,29 @@ ZeroDataParallel::NoSync ZeroDataParallel::no_sync() { return NoSync(*this); }
 
 double ZeroDataParallel::clip_grad_norm(double max_norm) {
   State& st = *state_;
-  if (st.stage() == 0) {
+  if (st.stage() == 0 && st.options.subgroup.group == nullptr) {
     std::vector<Tensor> ps;
     for (const State::Param& p : st.params) ps.push_back(p.tensor);
     return optim::clip_grad_norm(ps, max_norm);
+  }
+  if (st.stage() == 0) {
+    // Whole gradients: the group's parameters are the same everywhere; the subgroup's are
+    // the same on its ranks, the subgroups' differ, so their squares are summed over the
+    // whole group, each subgroup's counted group size times.
+    NoGradGuard no_grad;
+    std::vector<Tensor> whole, sub, all;
+    for (const State::Param& p : st.params) {
+      (st.options.subgroup.has(p.name) ? sub : whole).push_back(p.tensor);
+      all.push_back(p.tensor);
+    }
+    Tensor total = Tensor::from_vector<double>({std::pow(optim::grad_norm(sub), 2)}, {1});
+    {
+      CommCause cause("zero clip_grad_norm", CommKind::control);
+      st.comm->all_reduce(total, ReduceOp::sum);
+    }
+    const double norm2 = std::pow(optim::grad_norm(whole), 2) +
+                         total.item<double>() / st.options.subgroup.group->size();
+    return optim::clip_grads_to_norm(all, std::sqrt(norm2), max_norm);
   }
   NoGradGuard no_grad;
   std::vector<Tensor> shards;
@@ -346,6 +385,10 @@ double ZeroDataParallel::local_grad_norm_squared(
   };
   double total = 0.0;
   if (st.stage() == 0) {
+    TS_CHECK(st.options.subgroup.group == nullptr,
+             "{}: local_grad_norm_squared at stage 0 with parameters reduced over subgroup '{}' "
+             "(their copies differ between subgroups: use clip_grad_norm)",
+             kName, st.options.subgroup.group != nullptr ? st.options.subgroup.group->name() : "");
     for (const State::Param& p : st.params) {
       const Tensor g = p.tensor.grad();
       const double w = weight(p.name);
@@ -448,7 +491,7 @@ void ZeroDataParallel::step(optim::Optimizer& optimizer) {
     std::vector<std::pair<WorkHandle, Tensor>> works;
     for (State::Segment& seg : st.segments) {
       Tensor send = seg.shard.clone();  // the output holds the shard itself: do not alias
-      works.emplace_back(st.comm->all_gather_async(seg.flat_param, send, seg.counts), send);
+      works.emplace_back(seg.comm->all_gather_async(seg.flat_param, send, seg.counts), send);
     }
     for (auto& [work, send] : works) work->wait();
   }
@@ -463,6 +506,12 @@ ZeroMemory ZeroDataParallel::memory_report() const {
   m.stage = st.stage();
   m.ranks = st.comm->size();
   m.numel = st.numel;
+  if (st.options.subgroup.group != nullptr) {
+    m.sub_ranks = st.options.subgroup.group->size();
+    for (const State::Param& p : st.params) {
+      if (st.options.subgroup.has(p.name)) m.sub_numel += p.tensor.numel();
+    }
+  }
   m.parameters = t.current(MemoryTag::parameters);
   m.gradients = t.current(MemoryTag::gradients);
   m.optimizer_state = t.current(MemoryTag::optimizer_state);
@@ -476,22 +525,28 @@ ZeroMemory ZeroDataParallel::memory_report() const {
 }
 
 double ZeroMemory::formula() const {
-  const double psi = static_cast<double>(numel), n = ranks, k = state_per_param;
-  switch (stage) {
-    case 0: return (8 + k) * psi;
-    case 1: return 8 * psi + k * psi / n;
-    case 2: return 4 * psi + (4 + k) * psi / n;
-    default: return (8 + k) * psi / n;
-  }
+  const double k = state_per_param;
+  const auto part = [&](double psi, double n) {
+    switch (stage) {
+      case 0: return (8 + k) * psi;
+      case 1: return 8 * psi + k * psi / n;
+      case 2: return 4 * psi + (4 + k) * psi / n;
+      default: return (8 + k) * psi / n;
+    }
+  };
+  return part(static_cast<double>(numel - sub_numel), ranks) +
+         part(static_cast<double>(sub_numel), sub_ranks);
 }
 
 std::string ZeroMemory::str() const {
   auto mib = [](double b) { return fmt::format("{:.2f} MiB", b / (1 << 20)); };
   std::string s = fmt::format(
-      "memory per rank (ZeRO stage {}, {} ranks, Ψ = {} parameters): parameters {}, gradients "
+      "memory per rank (ZeRO stage {}, {} ranks, Ψ = {} parameters{}): parameters {}, gradients "
       "{} (peak {}), optimizer state {}; sum {} vs formula {} ({:.3f}x; optimizer state {:.3g} "
       "bytes per parameter)",
-      stage, ranks, numel, mib(parameters), mib(gradients), mib(gradients_peak),
+      stage, ranks, numel,
+      sub_numel > 0 ? fmt::format(" here, {} of them over {} ranks", sub_numel, sub_ranks) : "",
+      mib(parameters), mib(gradients), mib(gradients_peak),
       mib(optimizer_state), mib(measured()), mib(formula()),
       measured() / std::max(formula(), 1.0), state_per_param);
   if (stage == 3) {

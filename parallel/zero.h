@@ -109,6 +109,11 @@ struct ZeroOptions {
   // optim::decay_groups' rule, dim() >= 2. A wrapper of reshaped shards (tensor parallel)
   // passes the rule on the original shapes.
   std::function<bool(const std::string& name, const Tensor& param)> decay = nullptr;
+  // Parameters this rank shares with a subgroup of the data-parallel group only (expert
+  // parallelism's experts, parallel/expert_parallel.h: ExpertGroups): their segments are
+  // reduced and sharded over subgroup.group (each rank a block of its subgroup's), their
+  // stage-3 gathers and checkpoints too. Not with a comm hook, row_shards or block_shards.
+  ParamSubgroup subgroup = {};
 };
 
 // The formula's and the measured bytes per rank (see memory_report()).
@@ -116,6 +121,9 @@ struct ZeroMemory {
   int stage = 0;
   int ranks = 1;
   int64_t numel = 0;  // Ψ: parameter elements (each tensor once)
+  // Of those, the subgroup's (ZeroOptions::subgroup; experts): sharded over its sub_ranks.
+  int64_t sub_numel = 0;
+  int sub_ranks = 1;
   int64_t parameters = 0, gradients = 0, optimizer_state = 0;  // tagged bytes, now
   int64_t gradients_peak = 0;  // tagged "gradients" high-water mark (during backward)
   int64_t gathered_peak = 0;   // tagged "gathered" high-water mark (stage 3)
@@ -126,8 +134,9 @@ struct ZeroMemory {
   // models::optimizer_state_formula).
   double state_per_param = 8.0;
   // The ZeRO paper's figure in f32 (bytes), K = state_per_param: DDP (8 + K)Ψ, stage 1
-  // 8Ψ + KΨ/N, stage 2 4Ψ + (4 + K)Ψ/N, stage 3 (8 + K)Ψ/N (for AdamW, K = 8: 16Ψ, ...);
-  // measured = parameters + gradients + optimizer state.
+  // 8Ψ + KΨ/N, stage 2 4Ψ + (4 + K)Ψ/N, stage 3 (8 + K)Ψ/N (for AdamW, K = 8: 16Ψ, ...),
+  // the subgroup's parameters with their own N; measured = parameters + gradients +
+  // optimizer state.
   double formula() const;
   int64_t measured() const { return parameters + gradients + optimizer_state; }
   std::string str() const;  // one line: each tag, the sum, the formula and their ratio

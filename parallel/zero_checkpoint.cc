@@ -48,7 +48,7 @@ nn::StateDict ZeroDataParallel::gradient_dict() {
     const Tensor mine = g.defined() ? g.contiguous()
                                     : zeros({seg.shard_numel}, seg.dtype, seg.device);
     const Tensor full = Tensor::empty({seg.numel}, seg.dtype, seg.device);
-    st.comm->all_gather(full, mine, seg.counts);
+    seg.comm->all_gather(full, mine, seg.counts);
     for (int i : seg.params) out[st.params[i].name] = st.param_view(full, st.params[i]).clone();
   }
   return out;
@@ -126,7 +126,7 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
                  "{}: optimizer state '{}' has shape {}, expected [{}] (the shard's rows)", kName,
                  k, shape_str(v.shape()), st.rows_in(seg, seg.shard_numel));
         const Tensor full = Tensor::empty({st.rows_in(seg, seg.numel)}, v.dtype(), v.device());
-        st.comm->all_gather(full, v.contiguous(), counts);
+        seg.comm->all_gather(full, v.contiguous(), counts);
         out[fmt::format("state.{}.{}", index_of[seg.params.front()], name)] = full;
         continue;
       }
@@ -134,7 +134,7 @@ optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::
                "{}: optimizer state '{}' has shape {}, expected [{}] (the shard)", kName, k,
                shape_str(v.shape()), seg.shard_numel);
       const Tensor full = Tensor::empty({seg.numel}, v.dtype(), v.device());
-      st.comm->all_gather(full, v.contiguous(), seg.counts);
+      seg.comm->all_gather(full, v.contiguous(), seg.counts);
       for (int i : seg.params) {
         const State::Param& p = st.params[i];
         out[fmt::format("state.{}.{}", index_of[i], name)] = st.param_view(full, p).clone();

@@ -52,7 +52,9 @@ struct ZeroDataParallel::State {
     Device device = kCPU;
     std::vector<int> params = {};  // indices into State::params, in buffer order
     int64_t numel = 0;
-    std::vector<int64_t> counts = {};  // per rank (array_split)
+    Communicator* comm = nullptr;      // the group it is reduced and sharded over
+    double scale = 1.0;                // times its reduced gradient (ParamSubgroup::scale)
+    std::vector<int64_t> counts = {};  // per rank of comm (array_split)
     int64_t shard_start = 0;
     int64_t shard_numel = 0;
     Tensor flat_param = {};  // stages 1-2: the parameters' storage; stage 3: gathered/released
@@ -106,7 +108,7 @@ struct ZeroDataParallel::State {
     for (int s : unit.segments) {
       Segment& seg = segments[s];
       seg.flat_param.storage()->reallocate();
-      unit.works.push_back(comm->all_gather_async(seg.flat_param, seg.shard, seg.counts));
+      unit.works.push_back(seg.comm->all_gather_async(seg.flat_param, seg.shard, seg.counts));
     }
     unit.gather = Gather::gathering;
   }
@@ -210,7 +212,7 @@ struct ZeroDataParallel::State {
       }
       CommCause cause(fmt::format("zero {} segment {}", options.comm_hook->name(), s),
                       CommKind::gradients);
-      seg.work = options.comm_hook->reduce(*comm, bucket);
+      seg.work = options.comm_hook->reduce(*seg.comm, bucket);
       TS_CHECK(seg.work != nullptr, "{}: comm hook '{}' returned no work for segment {}", kName,
                options.comm_hook->name(), s);
     } else {
@@ -219,7 +221,7 @@ struct ZeroDataParallel::State {
         seg.reduced = Tensor::empty({seg.shard_numel}, seg.dtype, seg.device);
       }
       CommCause cause(fmt::format("zero reduce_scatter segment {}", s), CommKind::gradients);
-      seg.work = comm->reduce_scatter_async(seg.reduced, seg.flat_grad,
+      seg.work = seg.comm->reduce_scatter_async(seg.reduced, seg.flat_grad,
                                             options.average ? ReduceOp::avg : ReduceOp::sum,
                                             seg.counts);
     }
@@ -242,6 +244,7 @@ struct ZeroDataParallel::State {
       MemoryTagScope tag(MemoryTag::gradients);
       seg.reduced = shard_slice(seg, seg.flat_grad).clone();
     }
+    if (seg.scale != 1.0) seg.reduced.copy_(seg.reduced * seg.scale);
     const Tensor grad = seg.shard.grad();
     if (stage() == 1) {
       // The reduced block lives in this rank's block of the full gradient buffer, which the

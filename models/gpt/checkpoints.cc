@@ -116,11 +116,13 @@ void add_single_device(models::ShardedCheckpointWriter& w, const nn::StateDict& 
 
 // And back: the dicts a single-device model (`model`, optimizer order `order`) loads.
 std::pair<nn::StateDict, optim::Optimizer::StateDict> read_single_device(
-    models::ShardedCheckpointReader& r, const Gpt& model, const std::vector<std::string>& order) {
+    models::ShardedCheckpointReader& r, const Gpt& model, const std::vector<std::string>& order,
+    const std::function<Shape(const std::string& name, const Shape& here)>& whole) {
   nn::StateDict weights;
   for (const auto& [name, t] : model.named_parameters()) {
-    weights[name] = region_of(r.read("model/" + name), "model/" + name, t.shape(),
-                              std::vector<int64_t>(static_cast<size_t>(t.dim()), 0), t.shape());
+    const Shape shape = whole ? whole(name, t.shape()) : t.shape();
+    weights[name] = region_of(r.read("model/" + name), "model/" + name, shape,
+                              std::vector<int64_t>(shape.size(), 0), shape);
   }
   optim::Optimizer::StateDict dict;
   std::vector<int64_t> group[2];

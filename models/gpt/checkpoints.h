@@ -36,12 +36,14 @@ void save_sharded(const GptTrainConfig& c, parallel::Communicator* comm, int64_t
 models::TrainingState sharded_state(models::ShardedCheckpointReader& r,
                                     optim::DynamicLossScaler& scaler);
 // The single-device dicts as sharded-checkpoint keys, whole (`order`: the optimizer's global
-// order of parameter names), and back for a single-device model.
+// order of parameter names), and back for a single-device model (`whole`, when given, the
+// single-device shape of a parameter the model holds part of: expert parallelism's experts).
 void add_single_device(models::ShardedCheckpointWriter& w, const nn::StateDict& weights,
                        const optim::Optimizer::StateDict& optimizer,
                        const std::vector<std::string>& order);
 std::pair<nn::StateDict, optim::Optimizer::StateDict> read_single_device(
-    models::ShardedCheckpointReader& r, const Gpt& model, const std::vector<std::string>& order);
+    models::ShardedCheckpointReader& r, const Gpt& model, const std::vector<std::string>& order,
+    const std::function<Shape(const std::string& name, const Shape& here)>& whole = nullptr);
 // The optimizer's global order on a single-device model: optim::decay_groups' (decayed first).
 std::vector<std::string> optimizer_order(const Gpt& model);
 

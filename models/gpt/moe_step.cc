@@ -15,9 +15,7 @@ MoeStep::MoeStep(const GptConfig& config, parallel::Communicator* comm, int64_t 
            "gpt: --ep {} splits the experts over groups of ep data-parallel ranks; it needs "
            "--experts > 0 and a dp size divisible by it (dp {}, experts {})", ep,
            comm != nullptr ? comm->size() : 1, config.experts);
-  const int rank = comm->rank();
-  ep_group_ = comm->split(rank / static_cast<int>(ep), rank % static_cast<int>(ep), "ep");
-  expert_parallel_ = std::make_unique<parallel::ExpertParallel>(*ep_group_, config.experts);
+  groups_ = std::make_unique<parallel::ExpertGroups>(*comm, ep, config.experts);
 }
 
 std::unique_ptr<nn::MoeCountReduction> MoeStep::reduction() const {

@@ -30,7 +30,10 @@ class MoeStep {
   MoeStep(const GptConfig& config, parallel::Communicator* comm, int64_t ep = 1);
   bool on() const { return config_.experts > 0; }
   // The expert-parallel dispatch for the layers' scope (null: every expert runs here).
-  nn::MoeDispatch* dispatch() const { return expert_parallel_.get(); }
+  nn::MoeDispatch* dispatch() const { return groups_ ? &groups_->dispatch() : nullptr; }
+  // The ep and expert-data-parallel groups (null without ep): a layout whose ranks keep
+  // only their experts (groups()->keep) reduces those over groups()->subgroup().
+  parallel::ExpertGroups* groups() const { return groups_.get(); }
   // The counts' all-reduce over the dp group, installed while alive (none with one rank).
   std::unique_ptr<nn::MoeCountReduction> reduction() const;
   // Starts a step's routing; add() then merges the forwards `scope` saw (by layer name),
@@ -53,8 +56,7 @@ class MoeStep {
  private:
   GptConfig config_;
   parallel::Communicator* comm_;
-  parallel::CommPtr ep_group_;
-  std::unique_ptr<parallel::ExpertParallel> expert_parallel_;
+  std::unique_ptr<parallel::ExpertGroups> groups_;
   std::vector<nn::MoeLayerStats> layers_;
   double loss_sum_ = 0.0;
   int micro_batches_ = 0;

@@ -122,6 +122,16 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "accum", c.accum, 1);
   models::validate_compress(gpt, c.compress, c.optimizer);
   models::require_compress_zero(gpt, c.compress, c.zero);
+  // With --ep on the data-parallel layout each rank keeps its experts only, reduced over the
+  // ranks holding the same ones by plain reductions of flat shards.
+  const bool experts_cut = c.ep > 1 && c.pp == 1 && c.tp == 1 && !c.check;
+  TS_CHECK(!experts_cut || c.compress.name == "none",
+           "gpt: --compress={} reduces over the whole data-parallel group, but with --ep {} each "
+           "rank keeps only its experts, reduced over the ranks holding them", c.compress.name, c.ep);
+  TS_CHECK(!experts_cut || c.optimizer == "adamw" || c.optimizer == "sgd",
+           "gpt: --optimizer={} keeps per-row or per-block state that ZeRO's row or block shards "
+           "carry; with --ep {} each rank keeps only its experts, sharded flat over the ranks "
+           "holding them: use --optimizer=adamw or sgd", c.optimizer, c.ep);
   if (c.compress.name != "none") {
     TS_CHECK(c.compress.name != "onebit_adam" || (c.pp == 1 && c.tp == 1),
              "gpt: --compress=onebit_adam keeps whole-tensor state on every rank and a scale per "
@@ -199,6 +209,7 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   // Rows of one micro-batch on one rank, and how many micro-batches keep activations at
   // once (a pipeline holds up to pp of them under 1F1B, all of them under GPipe).
   double rows = 0, in_flight = 1, layers_here = L, heads_here = H, width_share = 1;
+  const double experts_psi = moe_blocks * (E * C + E * (2 * C * Hx + Hx + C));
   if (three_d) {
     rows = static_cast<double>(c.batch) /
            (dp * static_cast<double>(c.accum) * static_cast<double>(c.microbatches));
@@ -212,7 +223,6 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     // shard the optimizer state over dp; the pipeline's micro-batches keep full gradients
     // until the step's one reduction, and stage 3 gathers the stage's parameters for it).
     // (The experts and routers are whole on every tp rank: only the rest splits over tp.)
-    const double experts_psi = moe_blocks * (E * C + E * (2 * C * Hx + Hx + C));
     const double local = (psi - experts_psi) / (pp * tp) + experts_psi / pp;
     m.model_state = c.zero >= 1 ? 8 * local + 8 * local / dp : 16 * local;
     // The single-device model every rank builds first (same seed) and keeps, and rank 0's
@@ -223,13 +233,21 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     parallel::ZeroMemory z;
     z.stage = static_cast<int>(c.zero);
     z.ranks = static_cast<int>(c.dp);
-    z.numel = static_cast<int64_t>(std::min(psi, 9e18));
+    // With --ep each rank keeps E / ep experts, sharded over the dp / ep ranks holding them
+    // (the routers stay whole).
+    const double expert_here = (experts_psi - moe_blocks * E * C) / static_cast<double>(c.ep);
+    const double psi_here = psi - (experts_psi - moe_blocks * E * C) + expert_here;
+    z.numel = static_cast<int64_t>(std::min(psi_here, 9e18));
+    if (c.ep > 1) {
+      z.sub_numel = static_cast<int64_t>(expert_here);
+      z.sub_ranks = static_cast<int>(c.dp / c.ep);
+    }
     m.model_state = c.dp > 1 || c.zero > 0 ? z.formula() : 16 * psi;
     if (c.zero == 3) {
       // Gathered: the root unit (embeddings, final norm) and two blocks (one prefetched).
       m.model_state += e * (V * C + T * C + 2 * C) + 2 * e * largest_block;
     } else if (c.dp > 1 || c.zero > 0) {
-      m.model_state += e * psi;  // flat full-gradient buffers before their reduction
+      m.model_state += e * psi_here;  // flat full-gradient buffers before their reduction
     }
   }
   const double N = rows * T;  // tokens of one micro-batch on this rank

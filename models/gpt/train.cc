@@ -241,6 +241,9 @@ class GptReplica final : public models::Replica {
     mconfig.validate();
     manual_seed(static_cast<uint64_t>(config.seed));
     model_ = std::make_unique<Gpt>(mconfig);
+    // Expert parallelism: each rank keeps its experts' parameters only (initialised whole,
+    // so they are one device's values).
+    if (moe_.groups() != nullptr) moe_.groups()->keep(*model_);
     // Initialised on the CPU (the same values everywhere), then moved before the optimizer
     // sees the parameters.
     if (!device_.is_cpu()) model_->to(device_);
@@ -259,6 +262,8 @@ class GptReplica final : public models::Replica {
       zopt.row_shards = models::optimizer_needs_row_shards(config.optimizer);
       zopt.block_shards = models::optimizer_shard_block(config.optimizer);
       for (int64_t l = 0; l < config.layers; ++l) zopt.units.push_back(fmt::format("h.{}", l));
+      // The experts' parameters reduce (and shard) over the ranks holding the same experts.
+      if (moe_.groups() != nullptr) zopt.subgroup = moe_.groups()->subgroup(zopt.average);
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
     }
     if (config.compress.name == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
@@ -300,7 +305,13 @@ class GptReplica final : public models::Replica {
       // optimizer.
       optim::Optimizer::StateDict state = saved;
       models::load_hook_state("gpt", hook_.get(), comm_, state, c_.zero);
-      if (zero_) {
+      if (parallel::ExpertGroups* experts = moe_.groups()) {  // this rank's experts' rows
+        nn::StateDict mine = weights;
+        experts->slice(mine);
+        experts->slice(state, optimizer_order(*model_));
+        zero_->load_model_state_dict(mine);
+        zero_->load_optimizer_state_dict(*opt_, state);
+      } else if (zero_) {
         zero_->load_model_state_dict(weights);
         zero_->load_optimizer_state_dict(*opt_, state);
       } else {
@@ -311,7 +322,12 @@ class GptReplica final : public models::Replica {
     if (models::is_sharded_checkpoint(c_.resume)) {
       // Any layout's shards, assembled whole (this layout holds every parameter).
       models::ShardedCheckpointReader reader(c_.resume);
-      const auto [weights, state] = read_single_device(reader, *model_, optimizer_order(*model_));
+      parallel::ExpertGroups* experts = moe_.groups();
+      const auto [weights, state] = read_single_device(
+          reader, *model_, optimizer_order(*model_),
+          [experts](const std::string& name, const Shape& here) {
+            return experts != nullptr ? experts->whole_shape(name, here) : here;
+          });
       apply(weights, state);
       return resumed(c_, sharded_state(reader, scaler_), rank_ == 0, say_);
     }
@@ -415,10 +431,12 @@ class GptReplica final : public models::Replica {
   void save(int64_t step) override {
     const models::TrainingState s = training_state(c_, step);
     if (c_.save_sharded) {
-      // This layout's ranks each hold the whole model (ZeRO gathers it): rank 0 writes it.
-      const nn::StateDict weights = zero_ ? zero_->model_state_dict() : model_->state_dict();
+      // This layout's ranks each hold the whole model (ZeRO gathers it, and the experts are
+      // gathered over ep): rank 0 writes it.
+      nn::StateDict weights = zero_ ? zero_->model_state_dict() : model_->state_dict();
       optim::Optimizer::StateDict state =
           zero_ ? zero_->optimizer_state_dict(*opt_) : opt_->state_dict();
+      gather_experts(weights, state);
       if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_, c_.zero));
       save_sharded(c_, comm_, step, scaler_, [&](models::ShardedCheckpointWriter& w) {
         if (rank_ == 0) add_single_device(w, weights, state, optimizer_order(*model_));
@@ -430,16 +448,20 @@ class GptReplica final : public models::Replica {
       return;
     }
     // Every rank gathers (collective); rank 0 writes the single-device layout.
-    const nn::StateDict weights = zero_->model_state_dict();
+    nn::StateDict weights = zero_->model_state_dict();
     optim::Optimizer::StateDict state = zero_->optimizer_state_dict(*opt_);
+    gather_experts(weights, state);
     if (hook_) state.merge(models::gather_hook_state(*hook_, *comm_, c_.zero));
     if (rank_ == 0) models::save_checkpoint(c_.save, weights, state, scaler_, s);
     comm_->barrier();  // nobody reads the files before they exist
   }
 
   double evaluate(int64_t /*step*/) override {
+    const nn::MoeDispatchScope experts_where(moe_.dispatch());  // (every rank evaluates)
     return gpt::evaluate(*model_, batches_, c_.val_batches, low_);
   }
+
+  const MoeStep& moe() const { return moe_; }
 
   // ZeRO's memory after the first step and its traffic in the second (rank 0 reports).
   void after_step(int64_t run_step, const parallel::CommLog& log) override {
@@ -484,6 +506,15 @@ class GptReplica final : public models::Replica {
   void annotate(nlohmann::json& record) const override { moe_.annotate(record); }
 
  private:
+  // With expert parallelism: the experts' parameters and optimizer state whole, as one device
+  // holds them (collective over the ep group).
+  void gather_experts(nn::StateDict& weights, optim::Optimizer::StateDict& state) const {
+    if (parallel::ExpertGroups* experts = moe_.groups()) {
+      experts->gather(weights);
+      experts->gather(state, optimizer_order(*model_));
+    }
+  }
+
   static optim::LossScalerOptions scaler_options(DType low, double init_scale) {
     optim::LossScalerOptions o;
     o.enabled = low == DType::f16;  // f16 needs dynamic loss scaling; bf16 does not
@@ -591,7 +622,8 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
                   config.layers, config.heads, config.width, config.context,
                   config.vocab != data::kByteVocab ? fmt::format(", vocab {}", config.vocab)
                                                    : std::string(),
-                  model.num_parameters(), replica.batches().str(), config.batch, tokens_per_step,
+                  config.model_config().num_parameters(), replica.batches().str(), config.batch,
+                  tokens_per_step,
                   config.steps, replica.optimizer_kind(), config.lr, config.precision,
                   device.is_cpu() ? std::string() : fmt::format(", on {}", device)));
   if (comm != nullptr) {
@@ -634,6 +666,7 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   if (config.sample_length > 0 && config.synthetic_data) {
     say("no sample: the model was trained on random tokens");
   } else if (config.sample_length > 0) {
+    const nn::MoeDispatchScope experts_where(replica.moe().dispatch());  // (every rank samples)
     sample_into(result, model, config, replica.low(), say);
   }
   return result;

@@ -5,6 +5,7 @@
 // bias included; bad flags are refused naming them. The numerics (one device against the
 // layouts in f64) are tests/parallel/zero_test's; the layer is tests/nn/moe_test's.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -232,6 +233,64 @@ TEST_CASE("--experts with --moe_bias_rate: the selection bias moves and resumes 
   CHECK(train_gpt(off).losses != straight.losses);
 }
 
+// With --ep each rank keeps E / ep experts (ZeRO's memory report counts them), and the
+// checkpoints hold them whole in the single-device layout: a run saved under one ep resumes
+// bitwise under the same, and under another ep or one device as that layout's own run does
+// (f32 sums in another order: 1e-5); validation and the sample run through the exchange.
+TEST_CASE("--experts --ep: each rank keeps its experts; checkpoints are whole and resume across layouts") {
+  const std::string dir = temp_dir() + "/gpt_moe_ep_resume";
+  std::filesystem::create_directories(dir);
+  GptTrainConfig c = moe_run(8);
+  c.dp = 4;
+  c.ep = 2;
+  c.zero = 2;
+  c.val_every = 4;
+  c.sample_length = 16;
+  const GptResult straight = train_gpt(c);
+  CHECK(straight.sample_error.empty());
+  CHECK(straight.sample.size() == 16);
+  // 2 blocks of 8 experts [32 x 128] + [128] + [128 x 32] + [32], 4 of them on each rank,
+  // sharded over the 2 ranks holding them.
+  const int64_t experts_here = 2 * 4 * (32 * 128 + 128 + 128 * 32 + 32);
+  CHECK_MESSAGE(contains(straight.memory_report, fmt::format("{} of them over 2 ranks", experts_here)),
+                straight.memory_report);
+  int resumed = 0;
+  for (const bool sharded : {false, true}) {
+    CAPTURE(sharded);
+    GptTrainConfig first = c;
+    first.max_steps = 4;
+    first.save_sharded = sharded;
+    first.save = dir + (sharded ? "/ep2_sharded" : "/ep2.safetensors");
+    train_gpt(first);
+    GptTrainConfig same = c;
+    same.resume = first.save;
+    const GptResult again = train_gpt(same);
+    REQUIRE(again.losses.size() == 4);
+    for (size_t i = 0; i < 4; ++i) CHECK(again.losses[i] == straight.losses[4 + i]);
+    CHECK(again.val_loss == straight.val_loss);
+    ++resumed;
+    struct Other {
+      const char* name;
+      int64_t dp, ep, zero;
+    };
+    for (const Other& o : {Other{"dp 4 ep 4 ZeRO 3", 4, 4, 3}, Other{"dp 2 ep 1 ZeRO 1", 2, 1, 1},
+                           Other{"one device", 1, 1, 0}}) {
+      CAPTURE(o.name);
+      GptTrainConfig other = c;
+      other.dp = o.dp;
+      other.ep = o.ep;
+      other.zero = o.zero;
+      other.sample_length = 0;
+      other.resume = first.save;
+      const GptResult r = train_gpt(other);
+      REQUIRE(r.losses.size() == 4);
+      CHECK(worst_relative(r.losses, {straight.losses.begin() + 4, straight.losses.end()}) <= 1e-5);
+      ++resumed;
+    }
+  }
+  CHECK(resumed == 2 * 4);
+}
+
 TEST_CASE("--experts: bad flags are refused, naming them") {
   const auto refused = [](const std::function<void(GptTrainConfig&)>& set, const char* what) {
     GptTrainConfig c = moe_run(2);
@@ -243,6 +302,10 @@ TEST_CASE("--experts: bad flags are refused, naming them") {
   refused([](auto& c) { c.ep = 3; }, "--ep 3 must divide --experts 8");
   refused([](auto& c) { c.ep = 2; }, "--ep 2 splits the experts over groups of dp ranks");
   refused([](auto& c) { c.experts = 0, c.ep = 2; }, "needs --experts > 0");
+  refused([](auto& c) { c.dp = 2, c.ep = 2, c.optimizer = "adafactor"; },
+          "--optimizer=adafactor keeps per-row or per-block state");
+  refused([](auto& c) { c.dp = 2, c.ep = 2, c.compress.name = "powersgd"; },
+          "--compress=powersgd reduces over the whole data-parallel group");
   refused([](auto& c) { c.tp = 2, c.moe_bias_rate = 0.01; }, "--moe_bias_rate keeps a selection bias");
   refused([](auto& c) { c.moe_every = 3; }, "--moe_every 3 leaves no Mixture-of-Experts block");
   refused([](auto& c) { c.drop_policy = "random"; }, "drop_policy");

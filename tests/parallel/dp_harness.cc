@@ -224,6 +224,19 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
   std::shared_ptr<nn::Module> model = make_model(task, dtype);
   ZeroOptions zopt{.stage = spec.stage, .units = task.units};
   if (spec.opt == Opt::adamw8bit) zopt.block_shards = kQuant8Block;
+  // Expert parallelism: each rank keeps its experts only, reduced over the ranks holding the
+  // same ones.
+  std::unique_ptr<ExpertGroups> experts;
+  std::optional<nn::MoeDispatchScope> dispatch;
+  if (spec.ep > 1) {
+    REQUIRE(task.experts > 0);
+    REQUIRE(spec.save == nullptr);  // (the harness saves without the experts' gather)
+    experts = std::make_unique<ExpertGroups>(world, spec.ep, task.experts);
+    REQUIRE(experts->keep(*model) > 0);
+    zopt.subgroup = experts->subgroup(zopt.average);
+    dispatch.emplace(&experts->dispatch());
+    if (spec.local_params != nullptr) *spec.local_params = model->num_parameters();
+  }
   ZeroDataParallel zero(*model, world, zopt);
   std::unique_ptr<optim::Optimizer> optimizer =
       make_optimizer(spec.opt, zero.param_groups(task.lr, kWeightDecay), task.lr);
@@ -236,15 +249,6 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
   std::optional<nn::MoeCountReduction> counts;
   if (task.experts > 0) {
     counts.emplace([&world](Tensor& t) { world.all_reduce(t, ReduceOp::sum); });
-  }
-  CommPtr ep_group;
-  std::unique_ptr<ExpertParallel> ep;
-  std::optional<nn::MoeDispatchScope> dispatch;
-  if (spec.ep > 1) {
-    REQUIRE(task.experts > 0);
-    ep_group = world.split(world.rank() / spec.ep, world.rank() % spec.ep, "ep");
-    ep = std::make_unique<ExpertParallel>(*ep_group, task.experts);
-    dispatch.emplace(ep.get());
   }
   // ZeRO averages the ranks' gradients; each micro-batch's loss is divided by accum.
   const autograd::AuxLossScale aux_scale(1.0 / accum);
@@ -291,7 +295,8 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
     if (task.experts > 0) run.aux.push_back(aux);
   }
   if (spec.save != nullptr) spec.save->optimizer = zero.optimizer_state_dict(opt);
-  const nn::StateDict full = zero.model_state_dict();
+  nn::StateDict full = zero.model_state_dict();
+  if (experts) experts->gather(full);  // the experts whole, as one device holds them
   if (spec.save != nullptr) spec.save->model = full;
   for (auto& [name, _] : model->named_parameters()) {
     run.names.push_back(name);

@@ -116,6 +116,8 @@ struct ZeroRun {
   int ep = 1;                        // expert parallelism over groups of ep consecutive ranks
   CommLog* forward_log = nullptr;    // records the collectives of every micro-batch's forward
                                      // and backward
+  int64_t* local_params = nullptr;   // with ep: this rank's parameter elements once it keeps
+                                     // only its experts
 };
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec);
 

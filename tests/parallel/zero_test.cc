@@ -122,9 +122,9 @@ TEST_CASE("zero: GPT-mini with experts, dp x stage x accumulation equals one ran
 
 // Expert parallelism: the 8 experts split over groups of ep consecutive ranks (2 or 4 of the
 // dp ranks), each expert's rows exchanged by all-to-all: the single-device model, in f64 to
-// 1e-10 (f32 as stated above), on every ZeRO stage. The experts' parameters stay whole on
-// every rank (a rank's gradient is zero for the experts it does not hold; the dp reduction
-// sums the holders').
+// 1e-10 (f32 as stated above), on every ZeRO stage. Each rank holds its experts' parameters
+// only, reduced (and sharded) over the dp / ep ranks holding the same experts; the final
+// parameters compared are those gathered whole over ep.
 TEST_CASE("zero: GPT-mini with experts over ep ranks (all-to-all) equals one rank, every stage") {
   const Task task = gpt_moe_task();
   int runs = 0;
@@ -144,6 +144,63 @@ TEST_CASE("zero: GPT-mini with experts over ep ranks (all-to-all) equals one ran
     }
   }
   CHECK(runs == 2 * 3 * 4);
+}
+
+// Where the experts' parameters live: each rank keeps E / ep experts, so its parameter
+// elements are the whole model's less (1 - 1/ep) of the experts'; their gradients are
+// reduced over the expert-data-parallel group ("edp", dp / ep ranks), everything else over
+// the whole dp group, on every stage (the elements of each group's gradient collectives,
+// from the comm log of one step, against the parameters that belong to it).
+TEST_CASE("zero: experts' parameters live on their ranks and reduce over the expert-data-parallel group") {
+  const Task task = gpt_moe_task();
+  constexpr int dp = 4;
+  int64_t whole = 0, expert = 0;
+  {
+    const std::shared_ptr<nn::Module> model = make_model(task, DType::f64);
+    for (const auto& [name, t] : model->named_parameters()) {
+      whole += t.numel();
+      for (const char* part : {"mlp.fc_weight", "mlp.fc_bias", "mlp.proj_weight", "mlp.proj_bias"}) {
+        if (name.ends_with(part)) expert += t.numel();
+      }
+    }
+  }
+  REQUIRE(expert > 0);
+  int runs = 0;
+  for (int ep : {2, 4}) {
+    for (int stage : {0, 1, 2, 3}) {
+      CAPTURE(ep);
+      CAPTURE(stage);
+      std::vector<CommLog> logs(dp);
+      std::vector<int64_t> local(dp, 0);
+      run_threads(dp, [&](CommPtr world) {
+        ZeroRun spec{.stage = stage, .stop = 1, .ep = ep};
+        spec.forward_log = &logs[world->rank()];
+        spec.local_params = &local[world->rank()];
+        train_zero(*world, task, DType::f64, spec);
+      });
+      for (int r = 0; r < dp; ++r) {
+        CAPTURE(r);
+        CHECK(local[r] == whole - expert + expert / ep);
+        int64_t on_edp = 0, on_dp = 0, edp_records = 0;
+        for (const CommRecord& rec : logs[r].records) {
+          if (rec.kind != CommKind::gradients) continue;
+          if (rec.group == "edp") {
+            CHECK(rec.group_size == dp / ep);
+            on_edp += rec.elements;
+            ++edp_records;
+          } else {
+            CHECK(rec.group_size == dp);
+            on_dp += rec.elements;
+          }
+        }
+        CHECK(edp_records > 0);
+        CHECK(on_edp == expert / ep);
+        CHECK(on_dp == whole - expert);
+      }
+      ++runs;
+    }
+  }
+  CHECK(runs == 2 * 4);
 }
 
 // The all-to-all bytes of one step from the comm log against the formula from the routed
