@@ -201,6 +201,10 @@ std::string ExpertGroups::expert_field(const std::string& key, const std::vector
   return holds(order[i]) ? order[i] : "";
 }
 
+Tensor ExpertGroups::whole(const std::string& name, const Tensor& t) const {
+  return holds(name) ? gather_rows(*ep_, t) : t;
+}
+
 void ExpertGroups::gather(nn::StateDict& model) const {
   for (auto& [name, t] : model) {  // (a map: every member walks the same keys in order)
     if (holds(name)) t = gather_rows(*ep_, t);

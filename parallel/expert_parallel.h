@@ -90,6 +90,9 @@ class ExpertGroups {
   // of those parameters in an optimizer state dict ("state.<i>.<field>", parameter i being
   // order[i]), assembled whole along their first dim.
   void gather(nn::StateDict& model) const;
+  // Parameter `name`'s tensor (or its per-element state) `t` whole along dim 0: gathered
+  // over ep when it is an expert's (collective then), `t` itself otherwise.
+  Tensor whole(const std::string& name, const Tensor& t) const;
   void gather(std::map<std::string, Tensor>& optimizer, const std::vector<std::string>& order) const;
   // The inverse on whole dicts: this rank's experts' rows (nothing collective).
   void slice(nn::StateDict& model) const;

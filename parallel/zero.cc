@@ -385,10 +385,6 @@ double ZeroDataParallel::local_grad_norm_squared(
   };
   double total = 0.0;
   if (st.stage() == 0) {
-    TS_CHECK(st.options.subgroup.group == nullptr,
-             "{}: local_grad_norm_squared at stage 0 with parameters reduced over subgroup '{}' "
-             "(their copies differ between subgroups: use clip_grad_norm)",
-             kName, st.options.subgroup.group != nullptr ? st.options.subgroup.group->name() : "");
     for (const State::Param& p : st.params) {
       const Tensor g = p.tensor.grad();
       const double w = weight(p.name);

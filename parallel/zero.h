@@ -198,8 +198,9 @@ class ZeroDataParallel {
   // For wrappers that clip over more ranks than the dp group (pipeline, tensor parallel):
   // the squared L2 norm of the reduced gradients this rank holds after finish() (stage 0:
   // each parameter's .grad, stages 1-3: its shards), each element's square times
-  // weight(parameter name) (0 leaves out a copy another rank counts). Not reduced over any
-  // group: the caller sums it where it needs to.
+  // weight(parameter name) (0 leaves out a copy another rank counts; at stage 0 a subgroup's
+  // parameters are copies over their subgroup only). Not reduced over any group: the caller
+  // sums it where it needs to.
   double local_grad_norm_squared(const std::function<double(const std::string&)>& weight) const;
   // Multiplies the reduced gradients this rank holds by `coef` (stage 0: .grad; 1-3: shards).
   void scale_grads(double coef);

@@ -74,6 +74,15 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   s.mesh = parallel::make_mesh(s.world, {{"pp", opt.pp}, {"dp", opt.dp}, {"tp", opt.tp}});
   s.tp_mesh = parallel::make_mesh(s.mesh->group_ptr(2), {{"tp", opt.tp}});
   s.moe = std::make_unique<MoeStep>(model.config(), &s.dp(), opt.ep);
+  // Expert parallelism: every rank keeps its experts only (before anything records shapes);
+  // the stages, tp shards, ZeRO and checkpoints then see E / ep experts, gathered whole over
+  // ep where the single device's tensors are wanted (parallel3d_checkpoint.cc).
+  if (parallel::ExpertGroups* experts = s.moe->groups()) {
+    TS_CHECK(!opt.row_shards && opt.block_shards == 0 && !opt.comm_hook,
+             "Gpt3d: with ep {} each rank keeps its experts, reduced over the ranks holding the "
+             "same ones by plain flat shards: not with row_shards, block_shards or a comm hook", opt.ep);
+    experts->keep(model);
+  }
   const int pp_rank = s.pp().rank();
   for (const auto& [name, t] : s.pipe.parameters(model, s.schedule, pp_rank)) s.mine.insert(name);
   for (int st = 0; st < s.schedule.num_stages(); ++st) {
@@ -108,6 +117,15 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
     return shapes.at(name).size() >= 2;
   };
   zopt.block_shards = opt.block_shards;
+  if (parallel::ExpertGroups* experts = s.moe->groups()) {
+    // The experts' parameters reduce (and shard) over the ranks holding the same experts.
+    zopt.subgroup = experts->subgroup(zopt.average);
+    std::set<std::string> flat;
+    for (const std::string& name : names) {
+      if (experts->holds(name)) flat.insert(flat_name(name));
+    }
+    zopt.subgroup.holds = [flat](const std::string& name) { return flat.count(name) == 1; };
+  }
   TS_CHECK(!opt.row_shards || opt.block_shards == 0,
            "Gpt3d: row_shards and block_shards exclude each other (got block_shards {})",
            opt.block_shards);
@@ -361,15 +379,18 @@ double Gpt3d::clip_grad_norm(double max_norm) {
   Impl& s = *impl_;
   // Every element of the single-device gradient counted once over the whole world: a
   // parameter whole on tp only on tp rank 0, the tied embedding only on the first stage,
-  // and under ZeRO 0 (replicas) only on dp rank 0; ZeRO 1's shards are disjoint over dp.
+  // and under ZeRO 0 (replicas) only on dp rank 0 (an expert's: on the first rank of the
+  // ranks holding it); ZeRO 1's shards are disjoint over dp (and the experts' over them).
   const int tp_rank = s.tp_mesh->group(0).rank(), dp_rank = s.dp().rank();
+  const parallel::ExpertGroups* experts = s.moe->groups();
   const bool first_stage = s.pp().rank() == s.schedule.rank_of(0);
   std::map<std::string, double> weight;
   for (const auto& [name, p] : s.tp->params()) {
     double w = 1.0;
     if (p.placements()[0].is_replicate() && tp_rank != 0) w = 0.0;
     if (name == "wte.weight" && !first_stage) w = 0.0;
-    if (s.o.zero == 0 && dp_rank != 0) w = 0.0;
+    const bool expert = experts != nullptr && experts->holds(name);
+    if (s.o.zero == 0 && (expert ? experts->edp().rank() : dp_rank) != 0) w = 0.0;
     weight[flat_name(name)] = w;
   }
   Tensor total = Tensor::from_vector<double>(
@@ -471,14 +492,24 @@ std::string Gpt3d::where_param(const std::string& name) const {
     }
     held += p.is_shard() ? fmt::format(", split on tp along dim {}", p.dim) : ", whole on tp";
   }
-  if (s.o.zero > 0) held += fmt::format(", ZeRO {} shards over dp", s.o.zero);
+  const parallel::ExpertGroups* experts = s.moe->groups();
+  const bool expert = experts != nullptr && experts->holds(name);
+  if (expert) {
+    held += fmt::format(", experts [{}, {}) here (ep {})", experts->first(),
+                        experts->first() + experts->local(), s.o.ep);
+  }
+  if (s.o.zero > 0) {
+    held += fmt::format(", ZeRO {} shards over {}", s.o.zero,
+                        expert ? "the ranks holding the same experts" : "dp");
+  }
   return held;
 }
 
 std::string Gpt3d::describe() const {
   const Impl& s = *impl_;
-  return fmt::format("pp {} x dp {} x tp {}{}, {}{}, {} micro-batches{}, ZeRO {}{}: {}", s.o.pp,
+  return fmt::format("pp {} x dp {} x tp {}{}{}, {}{}, {} micro-batches{}, ZeRO {}{}: {}", s.o.pp,
                      s.o.dp, s.o.tp, s.o.sequence_parallel ? " (sequence parallel)" : "",
+                     s.o.ep > 1 ? fmt::format(", experts over ep {}", s.o.ep) : std::string(),
                      s.o.schedule, s.o.chunks > 1 ? fmt::format(" ({} chunks)", s.o.chunks) : "",
                      s.o.microbatches,
                      s.o.accum > 1 ? fmt::format(" x accum {}", s.o.accum) : std::string(),

@@ -25,6 +25,8 @@ Tensor gather_full(Gpt3d::Impl& s, const std::string& name, const Tensor& local,
                .clone();
   }
   s.pp().broadcast(full, owner);
+  // An expert's parameter (or state): this rank's experts, whole over ep.
+  if (const parallel::ExpertGroups* experts = s.moe->groups()) full = experts->whole(name, full);
   return full;
 }
 
@@ -98,6 +100,16 @@ struct StateBlock {
   parallel::Placements placements;
   parallel::LocalBlock block;
 };
+// An expert parameter's block (with ep, or per-element state of it) as the single device
+// holds it: dim 0 runs over the E experts, this rank's from its first.
+void whole_experts(const Gpt3d::Impl& s, const std::string& name, Shape& global,
+                   std::vector<int64_t>& starts) {
+  const parallel::ExpertGroups* experts = s.moe->groups();
+  if (experts == nullptr || !experts->holds(name)) return;
+  global = experts->whole_shape(name, global);
+  starts.at(0) += experts->first();
+}
+
 StateBlock state_block(const Gpt3d::Impl& s, const std::string& name, const std::string& field,
                        const Tensor& local) {
   const parallel::ShardedTensor& p = s.tp->param(name);
@@ -302,25 +314,34 @@ void Gpt3d::write_blocks(const AddBlock& add) {
       }
     }
   }
-  if (s.dp().rank() != 0) return;  // the dp replicas hold the same shards
+  // The dp replicas hold the same shards: dp rank 0 writes them, and each expert's the first
+  // of the ranks holding it.
+  const parallel::ExpertGroups* experts = s.moe->groups();
+  const bool dp_lead = s.dp().rank() == 0;
   const bool tp_lead = s.tp_mesh->group(0).rank() == 0;
   for (size_t k = 0; k < s.holder_order.size(); ++k) {
     const std::string& name = s.holder_order[k];
+    const bool expert = experts != nullptr && experts->holds(name);
+    if (!(expert ? experts->edp().rank() == 0 : dp_lead)) continue;
     if (s.owner.at(name) != s.pp().rank()) continue;  // the tied embedding once
     const parallel::ShardedTensor& p = s.tp->param(name);
     if (!p.placements()[0].is_shard() && !tp_lead) continue;  // whole on tp: written once
     const parallel::LocalBlock b = parallel::local_block(p.shape(), *s.tp_mesh, p.placements());
-    add("model/" + name, holder.at(flat_name(name)).contiguous().view(b.shape), p.shape(), b.starts);
+    Shape global = p.shape();
+    std::vector<int64_t> starts = b.starts;
+    whole_experts(s, name, global, starts);
+    add("model/" + name, holder.at(flat_name(name)).contiguous().view(b.shape), global, starts);
     const std::string prefix = fmt::format("state.{}.", k);
     for (const auto& [key, v] : mine) {
       if (!key.starts_with(prefix)) continue;
       const std::string field = key.substr(prefix.size());
       if (field == "step") {
-        if (tp_lead) add(fmt::format("optim/{}/step", name), v, v.shape(), {});  // once
+        if (tp_lead && dp_lead) add(fmt::format("optim/{}/step", name), v, v.shape(), {});  // once
         continue;
       }
-      const StateBlock sb = state_block(s, name, field, v);
+      StateBlock sb = state_block(s, name, field, v);
       if (!sb.placements[0].is_shard() && !tp_lead) continue;  // whole on tp: written once
+      whole_experts(s, name, sb.global, sb.block.starts);
       add(fmt::format("optim/{}/{}", name, field), v.contiguous().view(sb.block.shape), sb.global,
           sb.block.starts);
     }
@@ -335,8 +356,10 @@ void Gpt3d::read_blocks(const BlockSource& source) {
   for (const std::string& name : s.holder_order) {
     const parallel::ShardedTensor& p = s.tp->param(name);
     blocks[name] = parallel::local_block(p.shape(), *s.tp_mesh, p.placements());
-    holder_weights[flat_name(name)] =
-        source.region("model/" + name, p.shape(), blocks[name].starts, blocks[name].shape);
+    Shape global = p.shape();
+    std::vector<int64_t> starts = blocks[name].starts;
+    whole_experts(s, name, global, starts);
+    holder_weights[flat_name(name)] = source.region("model/" + name, global, starts, blocks[name].shape);
   }
   s.zero->load_model_state_dict(holder_weights);
 
@@ -365,7 +388,8 @@ void Gpt3d::read_blocks(const BlockSource& source) {
         t = source.whole(key);  // (with tp 1, per-block or per-row state is whole)
         continue;
       }
-      const StateBlock sb = state_block(s, name, field, Tensor());
+      StateBlock sb = state_block(s, name, field, Tensor());
+      whole_experts(s, name, sb.global, sb.block.starts);
       t = source.region(key, sb.global, sb.block.starts, sb.block.shape);
       if (!per_element(s, name, field)) t = t.reshape({t.numel()});  // (statistics are 1-D)
     }

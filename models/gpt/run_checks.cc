@@ -122,9 +122,9 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "accum", c.accum, 1);
   models::validate_compress(gpt, c.compress, c.optimizer);
   models::require_compress_zero(gpt, c.compress, c.zero);
-  // With --ep on the data-parallel layout each rank keeps its experts only, reduced over the
-  // ranks holding the same ones by plain reductions of flat shards.
-  const bool experts_cut = c.ep > 1 && c.pp == 1 && c.tp == 1 && !c.check;
+  // With --ep each rank keeps its experts only, reduced over the ranks holding the same ones
+  // by plain reductions of flat shards.
+  const bool experts_cut = c.ep > 1;
   TS_CHECK(!experts_cut || c.compress.name == "none",
            "gpt: --compress={} reduces over the whole data-parallel group, but with --ep {} each "
            "rank keeps only its experts, reduced over the ranks holding them", c.compress.name, c.ep);
@@ -222,11 +222,17 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     // Parameters of this rank's stage and tensor shard, with AdamW and gradients (ZeRO 1-3
     // shard the optimizer state over dp; the pipeline's micro-batches keep full gradients
     // until the step's one reduction, and stage 3 gathers the stage's parameters for it).
-    // (The experts and routers are whole on every tp rank: only the rest splits over tp.)
-    const double local = (psi - experts_psi) / (pp * tp) + experts_psi / pp;
-    m.model_state = c.zero >= 1 ? 8 * local + 8 * local / dp : 16 * local;
-    // The single-device model every rank builds first (same seed) and keeps, and rank 0's
-    // copy of the gathered parameters for validation and sampling.
+    // (The experts and routers are whole on every tp rank: only the rest splits over tp; with
+    // --ep a rank keeps E / ep of the experts, sharded by ZeRO over the dp / ep ranks holding
+    // them.)
+    const double routers = moe_blocks * E * C;
+    const double experts_here = (experts_psi - routers) / static_cast<double>(c.ep);
+    const double local = (psi - experts_psi) / (pp * tp) + routers / pp;
+    const double edp = dp / static_cast<double>(c.ep);
+    m.model_state = c.zero >= 1 ? 8 * local + 8 * local / dp + 8 * experts_here / pp + 8 * experts_here / (pp * edp)
+                                : 16 * (local + experts_here / pp);
+    // The single-device model every rank builds first (same seed; whole until --ep cuts its
+    // experts), and the evaluation model for the gathered parameters.
     m.model_state += 2 * e * psi;
   } else {
     rows = static_cast<double>(c.batch) / (dp * static_cast<double>(c.accum));

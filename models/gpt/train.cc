@@ -707,7 +707,8 @@ class Gpt3dReplica final : public models::Replica {
   std::string optimizer_kind() const { return optimizer_label(g_.optimizer(), c_); }
   const optim::Optimizer& optimizer() const { return g_.optimizer(); }
   int64_t skipped_steps() const { return g_.skipped_steps(); }
-  int64_t num_parameters() const { return model_.num_parameters(); }
+  // The single-device model's (this rank's model keeps its experts only under --ep).
+  int64_t num_parameters() const { return c_.model_config().num_parameters(); }
 
   // The step a --resume continues from (0 without one): any layout's checkpoint loads.
   int64_t resume() {
