@@ -82,11 +82,15 @@ ShardedParameters::ShardedParameters(const nn::Module& module, MeshPtr mesh, con
     p.requires_grad_();
     params_.emplace(name, p);
   }
+  for (const auto& [name, t] : module.named_buffers()) {  // (every one: they share storage)
+    buffers_.emplace(name, ShardedTensor(t, mesh_, on_axis(*mesh_, tp_axis, Replicate()), t.shape()));
+  }
 }
 
 const ShardedTensor& ShardedParameters::operator()(const std::string& path) const {
-  auto it = params_.find(path);
-  TS_CHECK(it != params_.end(), "ShardedParameters: no parameter '{}'", path);
+  if (auto it = params_.find(path); it != params_.end()) return it->second;
+  auto it = buffers_.find(path);
+  TS_CHECK(it != buffers_.end(), "ShardedParameters: no parameter or buffer '{}'", path);
   return it->second;
 }
 

@@ -65,7 +65,9 @@ class ShardedParameters {
                     const std::string& tp_axis = "tp",
                     const std::function<bool(const std::string&)>& keep = nullptr);
 
-  // The parameter at `path` (its grouped view where the plan gives one); Error when absent.
+  // The parameter at `path` (its grouped view where the plan gives one), or the buffer (whole
+  // on every rank, sharing the module's storage, so the module's in-place updates show);
+  // Error when absent.
   const ShardedTensor& operator()(const std::string& path) const;
   const std::map<std::string, ShardedTensor>& all() const { return params_; }
   // Swaps in another handle for a parameter's local block (same shape and dtype): a wrapper
@@ -77,6 +79,7 @@ class ShardedParameters {
  private:
   MeshPtr mesh_;
   std::map<std::string, ShardedTensor> params_;
+  std::map<std::string, ShardedTensor> buffers_;
   std::map<std::string, Shape> shapes_;  // single-device shapes
 };
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "models/gpt/data.h"
@@ -65,12 +66,20 @@ GptCheckResult check_gpt(const GptTrainConfig& c, parallel::CommPtr world) {
     });
     one_opt->set_lr(lr);
     one_opt->zero_grad();
+    const nn::MoeStatsScope one_routing;  // the experts' counts, for the selection bias
     const Tensor one_loss = Gpt::loss(one(b.idx), b.targets);
     one_loss.backward();
     std::map<std::string, Tensor> one_grads;
     for (const auto& [name, t] : one.named_parameters()) one_grads[name] = t.grad().clone();
     if (c.clip > 0) optim::clip_grad_norm(one_params, c.clip);
     one_opt->step();
+    // Aux-loss-free balancing: each block's bias moves by the step's counts.
+    for (const nn::MoeLayerStats& l : c.moe_bias_rate > 0 ? one_routing.layers()
+                                                           : std::vector<nn::MoeLayerStats>{}) {
+      const int64_t i = std::stoll(l.name.substr(2));  // "h.<i>"
+      nn::update_selection_bias(static_cast<Block&>(*(*one.h)[static_cast<size_t>(i)]).moe->selection_bias,
+                                l.counts, c.moe_bias_rate);
+    }
     one_offset = default_generator().offset();
     // The layout.
     default_generator().set_state(seed, layout_offset);

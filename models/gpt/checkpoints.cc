@@ -124,6 +124,7 @@ std::pair<nn::StateDict, optim::Optimizer::StateDict> read_single_device(
     weights[name] = region_of(r.read("model/" + name), "model/" + name, shape,
                               std::vector<int64_t>(shape.size(), 0), shape);
   }
+  for (const auto& [name, t] : model.named_buffers()) weights[name] = r.read("model/" + name);
   optim::Optimizer::StateDict dict;
   std::vector<int64_t> group[2];
   for (size_t i = 0; i < order.size(); ++i) {

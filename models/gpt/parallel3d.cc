@@ -68,9 +68,6 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   TS_CHECK(opt.ep == 1 || (model.config().experts > 0 && opt.dp % opt.ep == 0),
            "Gpt3d: ep ({}) splits the experts over groups of dp ranks: it needs experts and must "
            "divide dp ({})", opt.ep, opt.dp);
-  TS_CHECK(model.config().moe.bias_rate == 0,
-           "Gpt3d: the experts' selection bias (bias rate {}) is a buffer the pipeline and tensor-"
-           "parallel layouts do not carry yet", model.config().moe.bias_rate);
   s.mesh = parallel::make_mesh(s.world, {{"pp", opt.pp}, {"dp", opt.dp}, {"tp", opt.tp}});
   s.tp_mesh = parallel::make_mesh(s.mesh->group_ptr(2), {{"tp", opt.tp}});
   s.moe = std::make_unique<MoeStep>(model.config(), &s.dp(), opt.ep);
@@ -373,6 +370,9 @@ void Gpt3d::update(bool skip) {
   Impl& s = *impl_;
   if (!skip) s.scaler.step(*s.opt, [&] { s.zero->step(*s.opt); });  // (skipped on overflow)
   s.scaler.update();
+  // The experts' selection biases (buffers every rank holds whole; the stages read them in
+  // place) from the step's counts, gathered over every stage.
+  if (!skip) s.moe->update_bias(s.model);
 }
 
 double Gpt3d::clip_grad_norm(double max_norm) {

@@ -111,7 +111,8 @@ class Gpt3d {
   // Steps skipped for inf/NaN gradients, and the current loss scale (f16; else 0 and 1).
   int64_t skipped_steps() const;
   double loss_scale() const;
-  // Collective: every parameter of the single-device model, in full, on every rank.
+  // Collective: every parameter of the single-device model, in full, on every rank, and its
+  // buffers (the experts' selection biases, the same on every rank).
   std::map<std::string, Tensor> full_parameters();
   // Collective: the model's and the optimizer's state in the single-device layout (the dict
   // an AdamW on optim::decay_groups(model.named_parameters()) would hold), on every rank.

@@ -173,6 +173,7 @@ std::map<std::string, Tensor> Gpt3d::full_parameters() {
     auto it = holder.find(flat_name(name));
     out[name] = gather_full(s, name, it != holder.end() ? it->second : Tensor(), t.shape(), t.dtype());
   }
+  for (const auto& [name, t] : s.model.named_buffers()) out[name] = t.clone();
   return out;
 }
 
@@ -313,6 +314,9 @@ void Gpt3d::write_blocks(const AddBlock& add) {
         add("optim/" + key, v, v.shape(), std::vector<int64_t>(static_cast<size_t>(v.dim()), 0));
       }
     }
+    for (const auto& [name, t] : s.model.named_buffers()) {  // whole, the same everywhere
+      add("model/" + name, t, t.shape(), std::vector<int64_t>(static_cast<size_t>(t.dim()), 0));
+    }
   }
   // The dp replicas hold the same shards: dp rank 0 writes them, and each expert's the first
   // of the ranks holding it.
@@ -362,6 +366,7 @@ void Gpt3d::read_blocks(const BlockSource& source) {
     holder_weights[flat_name(name)] = source.region("model/" + name, global, starts, blocks[name].shape);
   }
   s.zero->load_model_state_dict(holder_weights);
+  for (const auto& [name, t] : s.model.named_buffers()) t.copy_(source.whole("model/" + name));
 
   // The dict of an optimizer over this rank's shards (holder_order), as ZeRO loads it.
   optim::Optimizer::StateDict mine;

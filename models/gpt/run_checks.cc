@@ -61,9 +61,6 @@ void validate_train_config(const GptTrainConfig& c) {
     require_finite_at_least(gpt, "aux_loss", c.aux_loss, 0);
     require_finite_at_least(gpt, "z_loss", c.z_loss, 0);
     require_finite_at_least(gpt, "moe_bias_rate", c.moe_bias_rate, 0);
-    TS_CHECK(c.moe_bias_rate == 0 || (c.pp == 1 && c.tp == 1),
-             "gpt: --moe_bias_rate keeps a selection bias the --pp {} / --tp {} layouts do not "
-             "carry yet; use --aux_loss for balancing there", c.pp, c.tp);
     require_at_least(gpt, "ep", c.ep, 1);
     TS_CHECK(c.experts % c.ep == 0, "gpt: --ep {} must divide --experts {}", c.ep, c.experts);
     TS_CHECK(c.ep == 1 || c.dp % c.ep == 0,

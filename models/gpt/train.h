@@ -139,9 +139,9 @@ struct GptTrainConfig {
   // capacity_factor > 0 (then per moe_groups groups of the batch's tokens, dropping by
   // drop_policy = position | score); router scores moe_score = softmax | sigmoid; the
   // balancing loss aux_loss (alpha), the router z_loss, and DeepSeek-V3's selection bias
-  // moved by moe_bias_rate after each step from the step's global counts (not yet on --pp/
-  // --tp). Every layout and --accum give one device's numbers; moe_groups are the whole
-  // batch's (each rank's micro-batch takes its share); evaluation and sampling are dropless.
+  // moved by moe_bias_rate after each step from the step's global counts. Every layout and
+  // --accum give one device's numbers; moe_groups are the whole batch's (each rank's
+  // micro-batch takes its share); evaluation and sampling are dropless.
   int64_t experts = 0;
   int64_t moe_top_k = 2;
   int64_t moe_every = 2;
@@ -154,7 +154,9 @@ struct GptTrainConfig {
   double z_loss = 0.0;
   double moe_bias_rate = 0.0;
   // Expert parallelism: the experts split over groups of ep consecutive dp ranks, each
-  // expert's tokens sent to its rank and back by all-to-all (parallel/expert_parallel.h).
+  // expert's tokens sent to its rank and back by all-to-all (parallel/expert_parallel.h);
+  // each rank keeps only its experts' parameters, reduced and ZeRO-sharded over the dp / ep
+  // ranks holding the same ones (parallel::ExpertGroups); checkpoints hold them whole.
   int64_t ep = 1;
   // Instead of training: run the layout above and one device side by side in f64 and compare
   // every layer output, gradient and parameter at each step (models/gpt/check.h); stop at

@@ -167,6 +167,9 @@ TEST_CASE("--experts on --tp, --pp, --sp, --dp, --ep, ZeRO and recomputation: --
       // 8 ranks.
       {"pp 2 x dp 2 x tp 2, ep 2, ZeRO 1", [](auto& c) { c.pp = 2, c.dp = 2, c.tp = 2, c.ep = 2, c.zero = 1; }},
       {"dp 8 x ep 8, ZeRO 3", [](auto& c) { c.dp = 8, c.ep = 8, c.zero = 3; }},
+      // The selection bias (a buffer every stage reads in place) moved from the counts.
+      {"pp 2 x dp 2 x tp 2, ep 2, selection bias",
+       [](auto& c) { c.pp = 2, c.dp = 2, c.tp = 2, c.ep = 2, c.moe_bias_rate = 0.05, c.aux_loss = 0; }},
   };
   int ran = 0;
   for (const Layout& l : layouts) {
@@ -179,7 +182,7 @@ TEST_CASE("--experts on --tp, --pp, --sp, --dp, --ep, ZeRO and recomputation: --
     CHECK_MESSAGE(r.check_ok, r.check_report);
     ++ran;
   }
-  CHECK(ran == 8);
+  CHECK(ran == 9);
 }
 
 TEST_CASE("--experts: a capacity factor drops tokens; the metrics file logs each expert's load") {
@@ -210,27 +213,51 @@ TEST_CASE("--experts: a capacity factor drops tokens; the metrics file logs each
   CHECK(with_moe == 2);  // steps 2 and 4
 }
 
-TEST_CASE("--experts with --moe_bias_rate: the selection bias moves and resumes bitwise") {
+// The bias lives in every layout: one device, data and expert parallelism (each rank its
+// copy, moved by the same global counts), and the pipeline / tensor-parallel stages (read in
+// place); a split run resumes bitwise from its own checkpoint, plain or sharded, and every
+// layout follows one device's losses (f32 sums in another order: 1e-5).
+TEST_CASE("--experts with --moe_bias_rate: the selection bias moves and resumes bitwise on every layout") {
   const std::string dir = temp_dir() + "/gpt_moe_resume";
   std::filesystem::create_directories(dir);
-  GptTrainConfig c = moe_run(10);
-  c.moe_bias_rate = 0.01;
-  c.aux_loss = 0;  // balanced by the bias alone (DeepSeek-V3)
-  c.save = dir + "/straight.safetensors";
-  const GptResult straight = train_gpt(c);
-  c.max_steps = 5;
-  c.save = dir + "/split.safetensors";
-  const GptResult first = train_gpt(c);
-  c.max_steps = 0;
-  c.resume = c.save;
-  const GptResult second = train_gpt(c);
-  REQUIRE(second.losses.size() == 5);
-  for (size_t i = 0; i < 5; ++i) CHECK(second.losses[i] == straight.losses[5 + i]);
-  CHECK(second.val_loss == straight.val_loss);
+  GptTrainConfig base = moe_run(10);
+  base.moe_bias_rate = 0.01;
+  base.aux_loss = 0;  // balanced by the bias alone (DeepSeek-V3)
+  const GptResult one = train_gpt(base);
   // Without the bias (and without the balancing loss) the run differs: the bias acted.
   GptTrainConfig off = moe_run(10);
   off.aux_loss = 0;
-  CHECK(train_gpt(off).losses != straight.losses);
+  CHECK(train_gpt(off).losses != one.losses);
+  struct Layout {
+    const char* name;
+    int64_t dp, ep, pp, tp, zero;
+    bool sharded;
+  };
+  int ran = 0;
+  for (const Layout& l : {Layout{"one device", 1, 1, 1, 1, 0, false},
+                          Layout{"dp 2 ep 2 ZeRO 1, sharded", 2, 2, 1, 1, 1, true},
+                          Layout{"pp 2 x tp 2", 1, 1, 2, 2, 0, false},
+                          Layout{"pp 2 x dp 2 ep 2 ZeRO 2, sharded", 2, 2, 2, 1, 2, true}}) {
+    CAPTURE(l.name);
+    GptTrainConfig c = base;
+    c.dp = l.dp, c.ep = l.ep, c.pp = l.pp, c.tp = l.tp, c.zero = l.zero;
+    c.save_sharded = l.sharded;
+    const std::string tag = fmt::format("{}", ran);
+    c.save = dir + "/straight" + tag + (l.sharded ? "" : ".safetensors");
+    const GptResult straight = train_gpt(c);
+    CHECK(worst_relative(straight.losses, one.losses) <= 1e-5);
+    c.max_steps = 5;
+    c.save = dir + "/split" + tag + (l.sharded ? "" : ".safetensors");
+    train_gpt(c);
+    c.max_steps = 0;
+    c.resume = c.save;
+    const GptResult second = train_gpt(c);
+    REQUIRE(second.losses.size() == 5);
+    for (size_t i = 0; i < 5; ++i) CHECK(second.losses[i] == straight.losses[5 + i]);
+    CHECK(second.val_loss == straight.val_loss);
+    ++ran;
+  }
+  CHECK(ran == 4);
 }
 
 // With --ep each rank keeps E / ep experts (ZeRO's memory report counts them), and the
@@ -306,7 +333,6 @@ TEST_CASE("--experts: bad flags are refused, naming them") {
           "--optimizer=adafactor keeps per-row or per-block state");
   refused([](auto& c) { c.dp = 2, c.ep = 2, c.compress.name = "powersgd"; },
           "--compress=powersgd reduces over the whole data-parallel group");
-  refused([](auto& c) { c.tp = 2, c.moe_bias_rate = 0.01; }, "--moe_bias_rate keeps a selection bias");
   refused([](auto& c) { c.moe_every = 3; }, "--moe_every 3 leaves no Mixture-of-Experts block");
   refused([](auto& c) { c.drop_policy = "random"; }, "drop_policy");
   refused([](auto& c) { c.capacity_factor = -1; }, "capacity_factor");
