@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "nn/layers.h"
+#include "nn/moe.h"
 #include "parallel/comm/comm_log.h"
 #include "parallel/comm/threads.h"
 #include "parallel/tensor_parallel.h"
@@ -158,7 +159,19 @@ TEST_CASE("grouped column-wise rules view the parameter; bad plans and paths are
     const Tensor w = fused.named_parameters()[0].second;
     CHECK(max(abs(params("0.weight").full_tensor().reshape({6, 4}) - w)).item<double>() == 0.0);
     CHECK(testing::contains(testing::error_of([&] { params("nope"); }),
-                            "ShardedParameters: no parameter 'nope'"));
+                            "ShardedParameters: no parameter or buffer 'nope'"));
+    // A buffer (the experts' selection bias) is whole on every rank and shares the module's
+    // storage: an update in place shows through.
+    nn::MoeOptions o;
+    o.experts = 4;
+    o.bias_rate = 0.1;
+    nn::MixtureOfExperts moe(8, o);
+    const ShardedParameters with_buffer(moe, mesh, TpPlan{});
+    const ShardedTensor& bias = with_buffer("selection_bias");
+    CHECK(bias.shape() == Shape{4});
+    CHECK(bias.local().shape() == Shape{4});
+    moe.selection_bias.copy_(Tensor::from_vector<float>({1, 2, 3, 4}, {4}));
+    CHECK(bias.local().to_vector<float>() == std::vector<float>{1, 2, 3, 4});
     nn::Sequential odd;
     odd.push_back(std::make_shared<nn::Linear>(4, 5, true, DType::f64));
     CHECK(testing::contains(testing::error_of([&] { ShardedParameters p(odd, mesh, column_wise("*", 3)); }),
