@@ -214,7 +214,7 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
                                    : std::string("none: no dispatch installed"));
     held_first = t_dispatch->local_experts().first;
   }
-  const ExpertsFn experts = [&](const Tensor& rows, const std::vector<int64_t>& sizes, int64_t first) {
+  const ExpertsFn here = [&](const Tensor& rows, const std::vector<int64_t>& sizes, int64_t first) {
     const int64_t n = static_cast<int64_t>(sizes.size());
     TS_CHECK(first >= held_first && first + n <= held_first + held,
              "MixtureOfExperts '{}': experts [{}, {}) of {}, but this layer holds [{}, {})", name,
@@ -232,6 +232,7 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
                           /*approximate_tanh=*/true);
     return grouped_matmul(h, mine(w.proj_weight), counts) + index_select(mine(w.proj_bias), 0, ids);
   };
+  const ExpertsFn& experts = w.experts ? w.experts : here;
   const Tensor xs = index_select(x, 0, tokens);  // [R, C], grouped by expert
   Tensor y = t_dispatch != nullptr ? t_dispatch->run(xs, plan.sizes, experts) : experts(xs, plan.sizes, 0);
   const Tensor row_gates = index_select(view(gates, {N * k}), 0, index_tensor(plan.assignment, device));

@@ -63,6 +63,11 @@ struct MoeWeights {
   Tensor proj_weight;     // [E, H, C]
   Tensor proj_bias;       // [E, C]
   Tensor selection_bias;  // [E] f32, no gradient (aux-loss-free balancing); may be undefined
+  // When set, runs the experts in place of the layer's own two grouped matmuls over the
+  // tensors above (a tensor-parallel wrapper splits each expert's hidden width over its
+  // ranks there: expert tensor parallelism).
+  std::function<Tensor(const Tensor& rows, const std::vector<int64_t>& sizes, int64_t first)> experts =
+      nullptr;
 };
 
 // What one forward saw, over every rank that shares the batch (see MoeCountReduction).

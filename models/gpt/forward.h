@@ -18,6 +18,8 @@
 #include <type_traits>
 
 #include "models/gpt/model.h"
+#include "parallel/dispatch.h"
+#include "parallel/ops.h"
 #include "parallel/tensor_parallel.h"
 #include "tensor/random.h"
 
@@ -187,9 +189,41 @@ typename L::Tensor moe_mlp(const L& layout, const P& param, const GptConfig& c, 
   // generated window's tokens need not divide into its groups.
   nn::MoeOptions o = c.moe_options();
   if (!drop.training) o.capacity_factor = 0;
-  const nn::MoeWeights w{plain("mlp.router"), plain("mlp.fc_weight"), plain("mlp.fc_bias"),
-                         plain("mlp.proj_weight"), plain("mlp.proj_bias"),
-                         o.bias_rate > 0 ? plain("mlp.selection_bias") : Tensor()};
+  nn::MoeWeights w{plain("mlp.router"), plain("mlp.fc_weight"), plain("mlp.fc_bias"),
+                   plain("mlp.proj_weight"), plain("mlp.proj_bias"),
+                   o.bias_rate > 0 ? plain("mlp.selection_bias") : Tensor()};
+  if constexpr (!std::is_same_v<T, Tensor>) {
+    if (param("mlp.fc_weight").placements()[0].is_shard()) {
+      // Expert tensor parallelism (the plan splits each expert's hidden width over tp, as
+      // Megatron splits a dense MLP): the rows enter whole on every tp rank, each computes
+      // its slice of the hidden units, and the second product's Partial sums are reduced;
+      // the sharding rules place the collectives (the rows' gradient is summed over tp).
+      w.experts = [&](const Tensor& rows, const std::vector<int64_t>& sizes, int64_t) {
+        const parallel::ShardedTensor& fc = param("mlp.fc_weight");
+        TS_CHECK(static_cast<int64_t>(sizes.size()) == fc.shape()[0],
+                 "gpt: block {}'s tensor-parallel experts run the {} experts they hold, got {}",
+                 index, fc.shape()[0], sizes.size());
+        const parallel::MeshPtr& mesh = whole.mesh_ptr();
+        std::vector<int64_t> expert_of;
+        expert_of.reserve(static_cast<size_t>(rows.size(0)));
+        for (size_t j = 0; j < sizes.size(); ++j) expert_of.insert(expert_of.end(), sizes[j], static_cast<int64_t>(j));
+        const auto replicated = [&](const std::vector<int64_t>& v) {
+          return parallel::replicate(
+              Tensor::from_vector(v, {static_cast<int64_t>(v.size())}).to(rows.device()), mesh);
+        };
+        const parallel::ShardedTensor ids = replicated(expert_of), counts = replicated(sizes);
+        const parallel::ShardedTensor x(rows, mesh, {parallel::Replicate()}, rows.shape());
+        const parallel::ShardedTensor h =
+            gelu(parallel::call1(OpId::grouped_matmul, {x, fc, counts}) +
+                     index_select(param("mlp.fc_bias"), 0, ids),
+                 /*approximate_tanh=*/true);
+        const parallel::ShardedTensor y =
+            parallel::call1(OpId::grouped_matmul, {h, param("mlp.proj_weight"), counts}) +
+            index_select(param("mlp.proj_bias"), 0, ids);
+        return parallel::with_sharding_constraint(y, {parallel::Replicate()}).local();
+      };
+    }
+  }
   const int64_t B = local.size(0), S = local.size(1);
   const Tensor y = view(nn::moe_forward(o, w, view(local.contiguous(), {B * S, c.width}),
                                         fmt::format("h.{}", index)),

@@ -125,6 +125,12 @@ void validate_train_config(const GptTrainConfig& c) {
   TS_CHECK(!experts_cut || c.compress.name == "none",
            "gpt: --compress={} reduces over the whole data-parallel group, but with --ep {} each "
            "rank keeps only its experts, reduced over the ranks holding them", c.compress.name, c.ep);
+  TS_CHECK(c.experts == 0 || c.optimizer != "adafactor" ||
+               (c.dp == 1 && c.pp == 1 && c.tp == 1 && c.zero == 0 && !c.check),
+           "gpt: --optimizer=adafactor factors each expert's matrices of the experts' [E, C, H] "
+           "weights; ZeRO's row shards and the --pp/--tp layouts present 1-D and 2-D parameters "
+           "only, so --experts with adafactor runs on one device (got --dp {} --zero {} --pp {} "
+           "--tp {}{})", c.dp, c.zero, c.pp, c.tp, c.check ? " --check" : "");
   TS_CHECK(!experts_cut || c.optimizer == "adamw" || c.optimizer == "sgd",
            "gpt: --optimizer={} keeps per-row or per-block state that ZeRO's row or block shards "
            "carry; with --ep {} each rank keeps only its experts, sharded flat over the ranks "
@@ -219,11 +225,11 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     // Parameters of this rank's stage and tensor shard, with AdamW and gradients (ZeRO 1-3
     // shard the optimizer state over dp; the pipeline's micro-batches keep full gradients
     // until the step's one reduction, and stage 3 gathers the stage's parameters for it).
-    // (The experts and routers are whole on every tp rank: only the rest splits over tp; with
-    // --ep a rank keeps E / ep of the experts, sharded by ZeRO over the dp / ep ranks holding
-    // them.)
+    // (The routers are whole on every tp rank; the experts split their hidden width over tp
+    // and, with --ep, a rank keeps E / ep of them, sharded by ZeRO over the dp / ep ranks
+    // holding them.)
     const double routers = moe_blocks * E * C;
-    const double experts_here = (experts_psi - routers) / static_cast<double>(c.ep);
+    const double experts_here = (experts_psi - routers) / static_cast<double>(c.ep) / tp;
     const double local = (psi - experts_psi) / (pp * tp) + routers / pp;
     const double edp = dp / static_cast<double>(c.ep);
     m.model_state = c.zero >= 1 ? 8 * local + 8 * local / dp + 8 * experts_here / pp + 8 * experts_here / (pp * edp)
@@ -266,9 +272,9 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   // Dropout's kept masks and outputs: measured at about 2 bytes per masked element.
   if (c.dropout > 0) per_token += 2 * (heads_here * T + 3 * C * width_share);
   // A Mixture-of-Experts block keeps, instead of the MLP's two 4C tensors, per token: k
-  // rows of its input (C), the expert's pre-activation and GELU output (2 Hx) and output
-  // before and after its gate (2 C); and the router's logits and scores (f32, E each).
-  // Averaged over the blocks.
+  // rows of its input (C), the expert's pre-activation and GELU output (2 Hx, split over
+  // tp) and output before and after its gate (2 C); and the router's logits and scores
+  // (f32, E each). Averaged over the blocks.
   // Expert parallelism adds the rows exchanged both ways (2 C per row), and a rank runs its
   // experts on the rows every rank of its group sends them: the mean is k per token, the
   // busiest rank more (a capacity factor F bounds it at F times the mean; dropless, the
@@ -278,7 +284,8 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     const double busiest = c.ep == 1 ? 1.0
                            : std::min(ep, c.capacity_factor > 0 ? std::max(1.0, c.capacity_factor) : 2.0);
     const double exchanged = c.ep > 1 ? 2 * C : 0;
-    per_token += moe_blocks / L * e * (k * (3 * C + exchanged + busiest * 2 * Hx) + 2 * E - 8 * C * width_share);
+    per_token += moe_blocks / L * e * (k * (3 * C + exchanged + busiest * 2 * Hx * width_share) + 2 * E -
+                                       8 * C * width_share);
   }
   // Recomputation: per token and block, what backward reruns instead of keeping (the
   // pipeline's full recomputation is in_flight above).

@@ -24,8 +24,13 @@ const parallel::MeshPtr& check_heads(const GptConfig& config, const parallel::Me
 
 parallel::TpPlan megatron_plan() {
   using namespace parallel;
+  // A Mixture-of-Experts block's experts (fc [E, C, H], proj [E, H, C]) split like the dense
+  // MLP: each expert's hidden units over tp (expert tensor parallelism); the router and the
+  // output bias whole.
+  const TpPlan experts = {{"h.*.mlp.fc_weight", Shard(2)}, {"h.*.mlp.fc_bias", Shard(1)},
+                          {"h.*.mlp.proj_weight", Shard(1)}};
   return column_wise("h.*.attn.c_attn", /*groups=*/3) + row_wise("h.*.attn.c_proj") +
-         column_wise("h.*.mlp.c_fc") + row_wise("h.*.mlp.c_proj") + vocab_parallel("wte");
+         column_wise("h.*.mlp.c_fc") + row_wise("h.*.mlp.c_proj") + experts + vocab_parallel("wte");
 }
 
 TpGpt::TpGpt(const Gpt& model, parallel::MeshPtr mesh, const parallel::TpPlan& plan,

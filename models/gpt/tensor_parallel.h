@@ -19,8 +19,9 @@
 namespace tessera::gpt {
 
 // The qkv projection column-wise in three groups (each rank the q, k and v rows of its own
-// heads), the MLP's first layer column-wise, both output projections row-wise, the token
-// embedding and the tied head vocab-parallel; everything else replicated.
+// heads), the MLP's first layer column-wise, both output projections row-wise (a Mixture-of-
+// Experts block's experts alike, by their hidden dim), the token embedding and the tied head
+// vocab-parallel; everything else replicated.
 parallel::TpPlan megatron_plan();
 
 class TpGpt {

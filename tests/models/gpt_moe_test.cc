@@ -318,6 +318,28 @@ TEST_CASE("--experts --ep: each rank keeps its experts; checkpoints are whole an
   CHECK(resumed == 2 * 4);
 }
 
+// Expert tensor parallelism: with --tp each rank holds its slice of every expert's hidden
+// units (fc [E, C, H] by H, its bias by H, proj [E, H, C] by H), as the dense layers are
+// split; the router and the experts' output bias stay whole. Rank 0's AdamW state (8 bytes
+// per element it holds) counts them exactly; --check above proves the numbers.
+TEST_CASE("--experts --tp: each tp rank holds its slice of every expert") {
+  GptTrainConfig c = moe_run(2);
+  c.tp = 2;
+  Gpt model(c.model_config());
+  int64_t here = 0, split = 0;
+  for (const auto& [name, t] : model.named_parameters()) {
+    const bool by_tp = name.ends_with("mlp.fc_weight") || name.ends_with("mlp.fc_bias") ||
+                       name.ends_with("mlp.proj_weight") || name.ends_with("attn.c_attn.weight") ||
+                       name.ends_with("attn.c_attn.bias") || name.ends_with("attn.c_proj.weight") ||
+                       name == "wte.weight";
+    here += by_tp ? t.numel() / 2 : t.numel();
+    split += by_tp && name.find("mlp.") != std::string::npos ? 1 : 0;
+  }
+  CHECK(split == 2 * 3);  // both blocks' three expert tensors
+  const GptResult r = train_gpt(c);
+  CHECK(r.optimizer_state_bytes == 8 * here);
+}
+
 TEST_CASE("--experts: bad flags are refused, naming them") {
   const auto refused = [](const std::function<void(GptTrainConfig&)>& set, const char* what) {
     GptTrainConfig c = moe_run(2);
@@ -329,8 +351,10 @@ TEST_CASE("--experts: bad flags are refused, naming them") {
   refused([](auto& c) { c.ep = 3; }, "--ep 3 must divide --experts 8");
   refused([](auto& c) { c.ep = 2; }, "--ep 2 splits the experts over groups of dp ranks");
   refused([](auto& c) { c.experts = 0, c.ep = 2; }, "needs --experts > 0");
-  refused([](auto& c) { c.dp = 2, c.ep = 2, c.optimizer = "adafactor"; },
-          "--optimizer=adafactor keeps per-row or per-block state");
+  refused([](auto& c) { c.dp = 2, c.ep = 2, c.optimizer = "adamw8bit"; },
+          "--optimizer=adamw8bit keeps per-row or per-block state");
+  refused([](auto& c) { c.pp = 2, c.optimizer = "adafactor"; },
+          "--experts with adafactor runs on one device (got --dp 1 --zero 0 --pp 2 --tp 1)");
   refused([](auto& c) { c.dp = 2, c.ep = 2, c.compress.name = "powersgd"; },
           "--compress=powersgd reduces over the whole data-parallel group");
   refused([](auto& c) { c.moe_every = 3; }, "--moe_every 3 leaves no Mixture-of-Experts block");
