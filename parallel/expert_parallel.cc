@@ -51,10 +51,8 @@ class AllToAllRowsNode final : public autograd::Node {
   std::string cause_;
 };
 
-}  // namespace
-
-Tensor all_to_all_rows(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
-                       const std::vector<int64_t>& recv_rows, const std::string& cause) {
+void check_rows(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
+                const std::vector<int64_t>& recv_rows, const std::string& cause) {
   TS_CHECK(rows.defined() && rows.dim() == 2, "all_to_all_rows ({}): expected rows [R, C], got {}", cause,
            rows.defined() ? shape_str(rows.shape()) : std::string("undefined"));
   const size_t n = static_cast<size_t>(group.size());
@@ -62,11 +60,12 @@ Tensor all_to_all_rows(Communicator& group, const Tensor& rows, const std::vecto
                std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0}) == rows.size(0),
            "all_to_all_rows ({}): {} send and {} receive counts for a group of {} and {} rows", cause,
            send_rows.size(), recv_rows.size(), n, rows.size(0));
-  Tensor out;
-  {
-    const NoGradGuard no_grad;
-    out = exchange(group, rows, send_rows, recv_rows, cause);
-  }
+}
+
+// `out` (the exchange of `rows`) as a function of rows: backward is the reverse exchange.
+Tensor with_exchange_gradient(Tensor out, Communicator& group, const Tensor& rows,
+                              const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
+                              const std::string& cause) {
   if (!GradMode::enabled() || !rows.requires_grad()) return out;
   auto node = std::make_shared<AllToAllRowsNode>(group, send_rows, recv_rows, rows.shape(), rows.dtype(),
                                                  rows.device(), cause);
@@ -75,6 +74,45 @@ Tensor all_to_all_rows(Communicator& group, const Tensor& rows, const std::vecto
   meta.grad_fn = node;
   meta.output_nr = 0;
   return out;
+}
+
+}  // namespace
+
+Tensor all_to_all_rows(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
+                       const std::vector<int64_t>& recv_rows, const std::string& cause) {
+  check_rows(group, rows, send_rows, recv_rows, cause);
+  Tensor out;
+  {
+    const NoGradGuard no_grad;
+    out = exchange(group, rows, send_rows, recv_rows, cause);
+  }
+  return with_exchange_gradient(std::move(out), group, rows, send_rows, recv_rows, cause);
+}
+
+PendingRows::PendingRows(Communicator& group, const Tensor& rows, std::vector<int64_t> send_rows,
+                         std::vector<int64_t> recv_rows, std::string cause)
+    : group_(&group), rows_(rows), send_(std::move(send_rows)), recv_(std::move(recv_rows)),
+      cause_(std::move(cause)) {
+  check_rows(group, rows, send_, recv_, cause_);
+  const NoGradGuard no_grad;
+  const int64_t width = rows.size(1);
+  const int64_t total = std::accumulate(recv_.begin(), recv_.end(), int64_t{0});
+  out_ = Tensor::empty({total, width}, rows.dtype(), rows.device());
+  sent_ = rows.contiguous();
+  const CommCause why(cause_, CommKind::activations);
+  work_ = group.all_to_all_async(out_, sent_, times(send_, width), times(recv_, width));
+}
+
+PendingRows::~PendingRows() {
+  if (work_) wait_ignoring_errors(work_);  // never free buffers an exchange still uses
+}
+
+Tensor PendingRows::wait() {
+  TS_CHECK(work_ != nullptr, "PendingRows ({}): wait() called twice", cause_);
+  work_->wait();
+  work_.reset();
+  sent_ = Tensor();
+  return with_exchange_gradient(std::move(out_), *group_, rows_, send_, recv_, cause_);
 }
 
 ExpertParallel::ExpertParallel(Communicator& group, int64_t experts)
@@ -101,36 +139,54 @@ Tensor ExpertParallel::run(const Tensor& rows, const std::vector<int64_t>& sizes
     group_.all_to_all(counts_in, Tensor::from_vector(sizes, {experts_}).to(rows.device()));
   }
   const std::vector<int64_t> from = counts_in.to_vector<int64_t>();
-  std::vector<int64_t> recv_rows(P, 0), local_sizes(local_, 0);
+  std::vector<int64_t> recv_rows(P, 0);
   for (int s = 0; s < P; ++s) {
-    for (int64_t j = 0; j < local_; ++j) {
-      recv_rows[s] += from[s * local_ + j];
-      local_sizes[j] += from[s * local_ + j];
-    }
+    for (int64_t j = 0; j < local_; ++j) recv_rows[s] += from[s * local_ + j];
   }
-  // 2. The rows to their experts' members.
-  const Tensor received = all_to_all_rows(group_, rows, send_rows, recv_rows, "moe dispatch");
+  // 2. The rows for other members' experts go by an exchange launched now; my own rows for my
+  // experts need none, and run while the others travel (overlapping the exchange).
+  const int me = group_.rank();
+  std::vector<int64_t> send_start(P + 1, 0);
+  for (int m = 0; m < P; ++m) send_start[m + 1] = send_start[m] + send_rows[m];
+  std::vector<int64_t> send_remote = send_rows, recv_remote = recv_rows;
+  send_remote[me] = 0;
+  recv_remote[me] = 0;
+  const auto index = [&](const std::vector<int64_t>& v) {
+    return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}).to(rows.device());
+  };
+  std::vector<int64_t> remote_rows;
+  for (int64_t r = 0; r < rows.size(0); ++r) {
+    if (r < send_start[me] || r >= send_start[me + 1]) remote_rows.push_back(r);
+  }
+  PendingRows dispatch(group_, index_select(rows, 0, index(remote_rows)), send_remote, recv_remote,
+                       "moe dispatch");
+  const std::vector<int64_t> my_sizes(sizes.begin() + first_, sizes.begin() + first_ + local_);
+  const Tensor mine = experts(rows.narrow(0, send_start[me], send_rows[me]), my_sizes, first_);
   // 3. Received by (source, expert); regrouped by (expert, source) for the grouped matmuls.
-  std::vector<int64_t> source_start(P + 1, 0);
-  for (int s = 0; s < P; ++s) source_start[s + 1] = source_start[s] + recv_rows[s];
+  const Tensor received = dispatch.wait();
+  std::vector<int64_t> source_start(P + 1, 0), remote_sizes(local_, 0);
+  for (int s = 0; s < P; ++s) source_start[s + 1] = source_start[s] + recv_remote[s];
   std::vector<int64_t> order;
   order.reserve(static_cast<size_t>(source_start[P]));
   for (int64_t j = 0; j < local_; ++j) {
     for (int s = 0; s < P; ++s) {
+      if (s == me) continue;
       int64_t at = source_start[s];
       for (int64_t i = 0; i < j; ++i) at += from[s * local_ + i];
       for (int64_t r = 0; r < from[s * local_ + j]; ++r) order.push_back(at + r);
+      remote_sizes[j] += from[s * local_ + j];
     }
   }
   std::vector<int64_t> back(order.size());
   for (size_t i = 0; i < order.size(); ++i) back[order[i]] = static_cast<int64_t>(i);
-  const auto index = [&](const std::vector<int64_t>& v) {
-    return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}).to(rows.device());
-  };
-  const Tensor grouped = index_select(received, 0, index(order));
-  const Tensor out = experts(grouped, local_sizes, first_);
-  // 4. Back in received order, then to the members the rows came from.
-  return all_to_all_rows(group_, index_select(out, 0, index(back)), recv_rows, send_rows, "moe combine");
+  const Tensor out = experts(index_select(received, 0, index(order)), remote_sizes, first_);
+  // 4. Back in received order, then to the members the rows came from; my rows' outputs go
+  // back in their place.
+  const Tensor returned =
+      all_to_all_rows(group_, index_select(out, 0, index(back)), recv_remote, send_remote, "moe combine");
+  const int64_t before = send_start[me];
+  return cat({returned.narrow(0, 0, before), mine,
+              returned.narrow(0, before, returned.size(0) - before)});
 }
 
 }  // namespace tessera::parallel

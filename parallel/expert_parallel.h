@@ -4,13 +4,17 @@
 // dispatch (nn::MoeDispatchScope), it sends each expert's rows to the rank holding it and
 // the outputs back:
 //   1. the row counts per expert go to their experts' ranks (an all-to-all of E/ep counts);
-//   2. the rows, grouped by expert, go by an all-to-all with uneven splits;
+//   2. the rows for other members' experts, grouped by expert, go by an all-to-all with
+//      uneven splits, launched asynchronously: while they travel, this rank's own rows for
+//      its own experts (which need no exchange) run through them;
 //   3. the rows received (by source rank, then expert) are regrouped by expert, and the
 //      local experts run as one grouped matmul each;
-//   4. the outputs are put back in received order and return by the reverse all-to-all.
+//   4. the outputs are put back in received order and return by the reverse all-to-all,
+//      and the own rows' outputs join them in place.
 // Backward runs the same exchanges in reverse (each all-to-all's gradient is the
-// all-to-all with the counts swapped). The comm log records them as CommKind::activations
-// ("moe dispatch", "moe combine", and their backward).
+// all-to-all with the counts swapped), synchronously: the autograd engine runs one node at
+// a time. The comm log records them as CommKind::activations ("moe dispatch", "moe
+// combine", and their backward).
 //
 //   parallel::ExpertParallel ep(*ep_group, /*experts=*/8);
 //   nn::MoeDispatchScope scope(&ep);
@@ -112,5 +116,24 @@ class ExpertGroups {
 // member j, recv_rows[j] rows from it; differentiable (backward: the reverse exchange).
 Tensor all_to_all_rows(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
                        const std::vector<int64_t>& recv_rows, const std::string& cause);
+
+// The same exchange launched now and finished by wait(), so that work in between overlaps
+// it; wait() returns the rows received, differentiable as all_to_all_rows's.
+class PendingRows {
+ public:
+  PendingRows(Communicator& group, const Tensor& rows, std::vector<int64_t> send_rows,
+              std::vector<int64_t> recv_rows, std::string cause);
+  ~PendingRows();
+  PendingRows(const PendingRows&) = delete;
+  PendingRows& operator=(const PendingRows&) = delete;
+  Tensor wait();
+
+ private:
+  Communicator* group_;
+  Tensor rows_, sent_, out_;
+  std::vector<int64_t> send_, recv_;
+  std::string cause_;
+  WorkHandle work_;
+};
 
 }  // namespace tessera::parallel
