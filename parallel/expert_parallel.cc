@@ -154,12 +154,10 @@ Tensor ExpertParallel::run(const Tensor& rows, const std::vector<int64_t>& sizes
   const auto index = [&](const std::vector<int64_t>& v) {
     return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}).to(rows.device());
   };
-  std::vector<int64_t> remote_rows;
-  for (int64_t r = 0; r < rows.size(0); ++r) {
-    if (r < send_start[me] || r >= send_start[me + 1]) remote_rows.push_back(r);
-  }
-  PendingRows dispatch(group_, index_select(rows, 0, index(remote_rows)), send_remote, recv_remote,
-                       "moe dispatch");
+  // (The rows around my block: before it and after it.)
+  const Tensor remote = cat({rows.narrow(0, 0, send_start[me]),
+                             rows.narrow(0, send_start[me + 1], rows.size(0) - send_start[me + 1])});
+  PendingRows dispatch(group_, remote, send_remote, recv_remote, "moe dispatch");
   const std::vector<int64_t> my_sizes(sizes.begin() + first_, sizes.begin() + first_ + local_);
   const Tensor mine = experts(rows.narrow(0, send_start[me], send_rows[me]), my_sizes, first_);
   // 3. Received by (source, expert); regrouped by (expert, source) for the grouped matmuls.

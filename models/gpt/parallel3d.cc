@@ -68,18 +68,18 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   TS_CHECK(opt.ep == 1 || (model.config().experts > 0 && opt.dp % opt.ep == 0),
            "Gpt3d: ep ({}) splits the experts over groups of dp ranks: it needs experts and must "
            "divide dp ({})", opt.ep, opt.dp);
+  TS_CHECK(opt.ep == 1 || (!opt.row_shards && opt.block_shards == 0 && !opt.comm_hook),
+           "Gpt3d: with ep {} each rank keeps its experts, reduced over the ranks holding the "
+           "same ones by plain flat shards: not with row_shards, block_shards or a comm hook (got "
+           "row_shards {}, block_shards {}, comm hook {})", opt.ep, opt.row_shards, opt.block_shards,
+           opt.comm_hook ? opt.comm_hook->name() : std::string("none"));
   s.mesh = parallel::make_mesh(s.world, {{"pp", opt.pp}, {"dp", opt.dp}, {"tp", opt.tp}});
   s.tp_mesh = parallel::make_mesh(s.mesh->group_ptr(2), {{"tp", opt.tp}});
   s.moe = std::make_unique<MoeStep>(model.config(), &s.dp(), opt.ep);
   // Expert parallelism: every rank keeps its experts only (before anything records shapes);
   // the stages, tp shards, ZeRO and checkpoints then see E / ep experts, gathered whole over
   // ep where the single device's tensors are wanted (parallel3d_checkpoint.cc).
-  if (parallel::ExpertGroups* experts = s.moe->groups()) {
-    TS_CHECK(!opt.row_shards && opt.block_shards == 0 && !opt.comm_hook,
-             "Gpt3d: with ep {} each rank keeps its experts, reduced over the ranks holding the "
-             "same ones by plain flat shards: not with row_shards, block_shards or a comm hook", opt.ep);
-    experts->keep(model);
-  }
+  if (parallel::ExpertGroups* experts = s.moe->groups()) experts->keep(model);
   const int pp_rank = s.pp().rank();
   for (const auto& [name, t] : s.pipe.parameters(model, s.schedule, pp_rank)) s.mine.insert(name);
   for (int st = 0; st < s.schedule.num_stages(); ++st) {

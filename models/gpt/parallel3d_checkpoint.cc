@@ -265,7 +265,11 @@ void Gpt3d::load_state_dicts(const nn::StateDict& weights, const optim::Optimize
   const auto lookup = [&](const std::string& key) -> const Tensor& {
     if (key.starts_with("model/")) {
       auto it = weights.find(key.substr(6));
-      TS_CHECK(it != weights.end(), "Gpt3d: the checkpoint has no parameter '{}'", key.substr(6));
+      TS_CHECK(it != weights.end(), "Gpt3d: the checkpoint has no parameter or buffer '{}'{}",
+               key.substr(6),
+               key.ends_with("selection_bias")
+                   ? " (the experts' selection bias: was it saved with --moe_bias_rate 0?)"
+                   : "");
       return it->second;
     }
     // "optim/<param>/<field>" is state.<i>.<field>; "optim/<key>" is <key>.

@@ -45,6 +45,8 @@ struct Gpt3d::Impl {
   GptPipeline pipe;
   std::unique_ptr<TpGpt> tp;
   std::shared_ptr<ShardHolder> holder;
+  // (Before zero: its ep and expert-data-parallel groups outlive the wrapper reducing over them.)
+  std::unique_ptr<MoeStep> moe;
   std::unique_ptr<parallel::ZeroDataParallel> zero;
   std::unique_ptr<optim::Optimizer> opt;
   parallel::CommPtr tied;  // first + last stage ranks with our (dp, tp), when they differ
@@ -60,7 +62,6 @@ struct Gpt3d::Impl {
   std::map<int, std::map<int64_t, Tensor>> outputs;
   nn::StateDict grads;
   optim::DynamicLossScaler scaler{{.enabled = false}};
-  std::unique_ptr<MoeStep> moe;
 
   Impl(Gpt& m, parallel::CommPtr w, Gpt3dOptions options) : model(m), o(std::move(options)), world(std::move(w)) {}
 

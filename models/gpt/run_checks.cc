@@ -204,7 +204,9 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   const double E = static_cast<double>(c.experts), k = static_cast<double>(c.moe_top_k),
                Hx = c.moe_hidden > 0 ? static_cast<double>(c.moe_hidden) : 4 * C;
   const double dense_block = 12 * C * C + 13 * C;
-  const double moe_block = 4 * C * C + 8 * C + E * C + E * (2 * C * Hx + Hx + C);
+  // (A rank holds E / ep of the experts with --ep: the block a ZeRO-3 gather assembles.)
+  const double moe_block =
+      4 * C * C + 8 * C + E * C + E / static_cast<double>(c.ep) * (2 * C * Hx + Hx + C);
   const double largest_block = moe_blocks > 0 ? std::max(dense_block, moe_block) : dense_block;
   const bool three_d = c.pp > 1 || c.tp > 1;
   const double pp = static_cast<double>(c.pp), tp = static_cast<double>(c.tp),
@@ -225,15 +227,16 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     // Parameters of this rank's stage and tensor shard, with AdamW and gradients (ZeRO 1-3
     // shard the optimizer state over dp; the pipeline's micro-batches keep full gradients
     // until the step's one reduction, and stage 3 gathers the stage's parameters for it).
-    // (The routers are whole on every tp rank; the experts split their hidden width over tp
-    // and, with --ep, a rank keeps E / ep of them, sharded by ZeRO over the dp / ep ranks
-    // holding them.)
-    const double routers = moe_blocks * E * C;
-    const double experts_here = (experts_psi - routers) / static_cast<double>(c.ep) / tp;
+    // (The routers and the experts' output biases are whole on every tp rank; the experts
+    // split their hidden width over tp and, with --ep, a rank keeps E / ep of them, sharded
+    // by ZeRO over the dp / ep ranks holding them.)
+    const double routers = moe_blocks * E * C, out_bias = moe_blocks * E * C;
+    const double ep = static_cast<double>(c.ep), edp = dp / ep;
+    const double experts_here = (experts_psi - routers - out_bias) / (ep * tp) + out_bias / ep;
     const double local = (psi - experts_psi) / (pp * tp) + routers / pp;
-    const double edp = dp / static_cast<double>(c.ep);
-    m.model_state = c.zero >= 1 ? 8 * local + 8 * local / dp + 8 * experts_here / pp + 8 * experts_here / (pp * edp)
-                                : 16 * (local + experts_here / pp);
+    m.model_state = c.zero >= 1
+                        ? 8 * local + 8 * local / dp + 8 * experts_here / pp + 8 * experts_here / (pp * edp)
+                        : 16 * (local + experts_here / pp);
     // The single-device model every rank builds first (same seed; whole until --ep cuts its
     // experts), and the evaluation model for the gathered parameters.
     m.model_state += 2 * e * psi;
@@ -275,15 +278,16 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   // rows of its input (C), the expert's pre-activation and GELU output (2 Hx, split over
   // tp) and output before and after its gate (2 C); and the router's logits and scores
   // (f32, E each). Averaged over the blocks.
-  // Expert parallelism adds the rows exchanged both ways (2 C per row), and a rank runs its
-  // experts on the rows every rank of its group sends them: the mean is k per token, the
-  // busiest rank more (a capacity factor F bounds it at F times the mean; dropless, the
+  // Expert parallelism adds the rows exchanged both ways (2 C per row that travels, the
+  // (ep - 1) / ep of them for other ranks' experts, and their copy before sending), and a
+  // rank runs its experts on the rows every rank of its group sends them: the mean is k per
+  // token, the busiest rank more (a capacity factor F bounds it at F times the mean; dropless, the
   // early steps measured max/mean 1.9 per expert: taken as 2).
   if (moe_blocks > 0) {
     const double ep = static_cast<double>(c.ep);
     const double busiest = c.ep == 1 ? 1.0
                            : std::min(ep, c.capacity_factor > 0 ? std::max(1.0, c.capacity_factor) : 2.0);
-    const double exchanged = c.ep > 1 ? 2 * C : 0;
+    const double exchanged = 3 * C * (ep - 1) / ep;
     per_token += moe_blocks / L * e * (k * (3 * C + exchanged + busiest * 2 * Hx * width_share) + 2 * E -
                                        8 * C * width_share);
   }

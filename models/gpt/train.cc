@@ -81,9 +81,11 @@ double evaluate(Gpt& model, const GptData& batches, int64_t max_batches, DType l
 
 // The sample at the end of a run. It comes after the checkpoint and the final validation,
 // so a failure here (out of memory, say) must not lose them: it is kept in sample_error
-// (the program reports it after the result) instead of unwinding the run.
+// (the program reports it after the result) instead of unwinding the run. A collective
+// sample (`collective`: with --ep every forward exchanges rows with the other ranks) rethrows
+// instead: a rank that stopped sampling alone would leave its peers waiting in an exchange.
 void sample_into(GptResult& result, Gpt& model, const GptTrainConfig& config, DType low,
-                 const std::function<void(const std::string&)>& say) {
+                 const std::function<void(const std::string&)>& say, bool collective = false) {
   SampleOptions so;
   so.length = config.sample_length;
   so.temperature = config.temperature;
@@ -94,9 +96,11 @@ void sample_into(GptResult& result, Gpt& model, const GptTrainConfig& config, DT
   try {
     result.sample = sample(model, prompt, so);
   } catch (const Error& e) {
+    if (collective) throw;
     result.sample_error = fmt::format("gpt: sampling after training failed: {}", e.what());
     return;
   } catch (const std::bad_alloc&) {
+    if (collective) throw;
     result.sample_error = "gpt: sampling after training failed: out of memory";
     return;
   }
@@ -654,20 +658,21 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
                            ? fmt::format("; {} f16 steps skipped", result.skipped_steps)
                            : std::string()) +
            fmt::format("; {} state {} ({:.3g} bytes per parameter{}; formula {:.3g} for the "
-                       "whole model)",
+                       "{})",
                        replica.optimizer_kind(),
                        models::format_bytes(static_cast<double>(result.optimizer_state_bytes)),
                        static_cast<double>(result.optimizer_state_bytes) /
                            static_cast<double>(model.num_parameters()),
                        comm != nullptr && config.zero > 0 ? ", this rank's shards" : "",
                        result.optimizer_state_formula /
-                           static_cast<double>(model.num_parameters()));
+                           static_cast<double>(model.num_parameters()),
+                       config.ep > 1 ? "parameters this rank holds" : "whole model");
   }, verbose, say);
   if (config.sample_length > 0 && config.synthetic_data) {
     say("no sample: the model was trained on random tokens");
   } else if (config.sample_length > 0) {
     const nn::MoeDispatchScope experts_where(replica.moe().dispatch());  // (every rank samples)
-    sample_into(result, model, config, replica.low(), say);
+    sample_into(result, model, config, replica.low(), say, replica.moe().dispatch() != nullptr);
   }
   return result;
 }
