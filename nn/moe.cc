@@ -11,6 +11,7 @@
 #include "nn/init.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
+#include "tensor/random.h"
 #include "tensor/ops.h"
 
 namespace tessera::nn {
@@ -21,6 +22,7 @@ thread_local MoeCountReduction* t_reduction = nullptr;
 thread_local MoeDispatch* t_dispatch = nullptr;
 thread_local MoeStepCounts* t_step_counts = nullptr;
 thread_local int64_t t_parts = 1;
+thread_local std::pair<int64_t, int64_t> t_build = {0, 0};  // (first, count); count 0: all
 
 // Which expert rows the experts run, in order: each expert's rows together (expert 0's
 // first), within an expert by capacity group, within a group by position or score.
@@ -321,10 +323,21 @@ void update_selection_bias(Tensor& bias, const std::vector<int64_t>& counts, dou
   bias.copy_(Tensor::from_vector(b, {static_cast<int64_t>(b.size())}).to(bias.device()));
 }
 
+MoeBuildScope::MoeBuildScope(int64_t first, int64_t count) : previous_(t_build) {
+  TS_CHECK(first >= 0 && count >= 1, "MoeBuildScope: experts [{}, {} + {}) is not a range", first,
+           first, count);
+  t_build = {first, count};
+}
+MoeBuildScope::~MoeBuildScope() { t_build = previous_; }
+
 MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, std::string name, DType dtype)
     : Module("MixtureOfExperts"), options(o), name(std::move(name)) {
   options.validate(width);
   const int64_t E = options.experts, H = options.hidden_for(width);
+  const auto [first, held] = t_build.second > 0 ? t_build : std::pair<int64_t, int64_t>{0, E};
+  TS_CHECK(first + held <= E, "MixtureOfExperts '{}': built with experts [{}, {}) of its {}",
+           this->name, first, first + held, E);
+  first_expert = first;
   // Per expert as torch's Linear(in, out): U(-1/sqrt(in), 1/sqrt(in)) for weights.
   const auto uniform = [dtype](Shape s, int64_t in) {
     Tensor t = Tensor::empty(std::move(s), dtype);
@@ -332,16 +345,38 @@ MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, std::string name
     init::uniform_(t, -bound, bound);
     return t;
   };
+  const auto experts_uniform = [&](Shape per_expert, int64_t in) {
+    per_expert.insert(per_expert.begin(), held);
+    Tensor t = Tensor::empty(std::move(per_expert), dtype);
+    const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+    init_experts(t, [&](Tensor& x) { init::uniform_(x, -bound, bound); });
+    return t;
+  };
   router = register_parameter("router", uniform({E, width}, width));
-  fc_weight = register_parameter("fc_weight", uniform({E, width, H}, width));
-  fc_bias = register_parameter("fc_bias", zeros({E, H}, dtype));
-  proj_weight = register_parameter("proj_weight", uniform({E, H, width}, H));
-  proj_bias = register_parameter("proj_bias", zeros({E, width}, dtype));
+  fc_weight = register_parameter("fc_weight", experts_uniform({width, H}, width));
+  fc_bias = register_parameter("fc_bias", zeros({held, H}, dtype));
+  proj_weight = register_parameter("proj_weight", experts_uniform({H, width}, H));
+  proj_bias = register_parameter("proj_bias", zeros({held, width}, dtype));
   if (options.bias_rate > 0) selection_bias = register_buffer("selection_bias", zeros({E}, DType::f32));
+}
+
+void MixtureOfExperts::init_experts(Tensor& t, const std::function<void(Tensor&)>& init) const {
+  // Element i of a draw uses counter offset + i: the held experts' part of the whole [E, ...]
+  // draw starts first x (elements per expert) further on.
+  TS_CHECK(t.defined() && t.dim() >= 1 && t.size(0) >= 1,
+           "MixtureOfExperts '{}': init_experts of an undefined or empty tensor", name);
+  Generator& g = default_generator();
+  const uint64_t start = g.offset(), each = static_cast<uint64_t>(t.numel() / t.size(0));
+  g.set_state(g.seed(), start + static_cast<uint64_t>(first_expert) * each);
+  init(t);
+  TS_CHECK(g.offset() == start + static_cast<uint64_t>(first_expert + t.size(0)) * each,
+           "MixtureOfExperts '{}': init_experts' function must draw each element once", name);
+  g.set_state(g.seed(), start + static_cast<uint64_t>(options.experts) * each);
 }
 
 void MixtureOfExperts::keep_experts(int64_t first, int64_t count) {
   const int64_t E = options.experts;
+  if (first == first_expert && count == fc_weight.size(0)) return;  // built with just these
   TS_CHECK(fc_weight.size(0) == E,
            "MixtureOfExperts '{}': keep_experts on a layer that holds {} of its {} experts already",
            name, fc_weight.size(0), E);
@@ -356,6 +391,7 @@ void MixtureOfExperts::keep_experts(int64_t first, int64_t count) {
   keep("fc_bias", fc_bias);
   keep("proj_weight", proj_weight);
   keep("proj_bias", proj_bias);
+  first_expert = first;
 }
 
 MoeWeights MixtureOfExperts::weights() const {

@@ -183,6 +183,21 @@ class MoeDispatchScope {
   MoeDispatch* previous_;
 };
 
+// While alive, every MixtureOfExperts constructed on this thread holds experts [first,
+// first + count) only, with one device's initial values (the generator's draws for the other
+// experts are skipped, not made; it ends where building them all would leave it): expert
+// parallelism without the whole layer in memory first. Innermost wins.
+class MoeBuildScope {
+ public:
+  MoeBuildScope(int64_t first, int64_t count);
+  ~MoeBuildScope();
+  MoeBuildScope(const MoeBuildScope&) = delete;
+  MoeBuildScope& operator=(const MoeBuildScope&) = delete;
+
+ private:
+  std::pair<int64_t, int64_t> previous_;
+};
+
 // The layer as a function: x [N, C] -> [N, C] (the k experts' outputs weighted by their
 // gates; the attached auxiliary losses). `name` labels its stats and keys the step's counts:
 // each MoE layer of a model needs its own.
@@ -209,9 +224,15 @@ class MixtureOfExperts : public Module {
   // Keeps experts [first, first + count) only (their parameters become copies of those
   // rows; the router stays whole): the experts this rank runs under expert parallelism.
   // Before the optimizer and any data-parallel wrapper see the parameters.
+  // (Nothing when it holds exactly those already: built under a MoeBuildScope.)
   void keep_experts(int64_t first, int64_t count);
+  // Runs `init` (one draw of each element from this thread's generator, as nn::init's do) on
+  // an expert tensor `t` of this layer ([experts held, ...]), giving the held experts what
+  // the draw for all E would give them; the generator ends where that draw leaves it.
+  void init_experts(Tensor& t, const std::function<void(Tensor&)>& init) const;
   MoeOptions options;
   std::string name;
+  int64_t first_expert = 0;  // the first expert its fc_* and proj_* hold
   Tensor router, fc_weight, fc_bias, proj_weight, proj_bias, selection_bias;
 };
 

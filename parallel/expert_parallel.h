@@ -61,6 +61,7 @@ class ExpertParallel final : public nn::MoeDispatch {
 // dict back to this rank's.
 //
 //   ExpertGroups experts(dp, /*ep=*/2, /*experts=*/8);   // collective over dp
+//   { auto only = experts.building();  model = make_model(); }  // (or build whole, then:)
 //   experts.keep(*model);                                 // before ZeRO and the optimizer
 //   ZeroOptions z;  z.subgroup = experts.subgroup(z.average);
 //   ZeroDataParallel zero(*model, dp, z);
@@ -76,10 +77,13 @@ class ExpertGroups {
   ExpertParallel& dispatch() const { return *dispatch_; }
   int64_t first() const { return dispatch_->first_expert(); }
   int64_t local() const { return dispatch_->local_experts().second; }
-  // Every nn::MixtureOfExperts in `module` keeps this rank's experts; their parameters'
-  // names (as `module` names them) are the ones holds() answers for. Returns how many
-  // layers it cut.
+  // Every nn::MixtureOfExperts in `module` keeps this rank's experts (a layer built under
+  // building() holds them already); their parameters' names (as `module` names them) are
+  // the ones holds() answers for. Returns how many MoE layers it found.
   int keep(nn::Module& module);
+  // While alive, MoE layers are built with this rank's experts only (nn::MoeBuildScope): the
+  // model never holds all of them.
+  [[nodiscard]] nn::MoeBuildScope building() const { return nn::MoeBuildScope(first(), local()); }
   bool holds(const std::string& name) const { return names_.count(name) == 1; }
   // The single-device shape of parameter `name`, of shape `here` on this rank.
   Shape whole_shape(const std::string& name, const Shape& here) const {

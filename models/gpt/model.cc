@@ -130,9 +130,10 @@ void Gpt::init_weights() {
     init_linear(*b.attn->c_attn, std);
     init_linear(*b.attn->c_proj, resid_std);
     if (b.moe) {  // the router and every expert as the MLP's layers
+      // (A layer holding some of the experts draws their part of the whole draw.)
       nn::init::normal_(b.moe->router, 0.0, std);
-      nn::init::normal_(b.moe->fc_weight, 0.0, std);
-      nn::init::normal_(b.moe->proj_weight, 0.0, resid_std);
+      b.moe->init_experts(b.moe->fc_weight, [&](Tensor& t) { nn::init::normal_(t, 0.0, std); });
+      b.moe->init_experts(b.moe->proj_weight, [&](Tensor& t) { nn::init::normal_(t, 0.0, resid_std); });
       continue;  // biases and the selection bias start at zero
     }
     init_linear(*b.mlp->c_fc, std);

@@ -244,9 +244,13 @@ class GptReplica final : public models::Replica {
     const GptConfig mconfig = config.model_config();
     mconfig.validate();
     manual_seed(static_cast<uint64_t>(config.seed));
-    model_ = std::make_unique<Gpt>(mconfig);
-    // Expert parallelism: each rank keeps its experts' parameters only (initialised whole,
-    // so they are one device's values).
+    {
+      // Expert parallelism: each rank builds and keeps its experts' parameters only, with one
+      // device's values (the other experts' draws are skipped).
+      std::optional<nn::MoeBuildScope> only_mine;
+      if (moe_.groups() != nullptr) only_mine.emplace(moe_.groups()->first(), moe_.groups()->local());
+      model_ = std::make_unique<Gpt>(mconfig);
+    }
     if (moe_.groups() != nullptr) moe_.groups()->keep(*model_);
     // Initialised on the CPU (the same values everywhere), then moved before the optimizer
     // sees the parameters.

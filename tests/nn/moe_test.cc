@@ -5,10 +5,15 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <functional>
+#include <string>
 #include <cmath>
 #include <numeric>
+#include <optional>
+#include <utility>
 
 #include "autograd/autograd.h"
+#include "nn/init.h"
 #include "nn/moe.h"
 #include "tensor/autocast.h"
 #include "tensor/ops.h"
@@ -372,6 +377,77 @@ TEST_CASE("moe: attach_loss gives the loss the scope's scale and passes the grad
   CHECK(x.grad().to_vector<float>() == std::vector<float>{2, 2, 2});
   CHECK(a.grad().item<float>() == 0.75f);
   CHECK_THROWS_AS(autograd::attach_loss(x, randn({2})), Error);
+}
+
+// Expert parallelism's build: under a MoeBuildScope the layer holds experts [first, first +
+// count) with exactly the values the whole layer's construction gives them, the router whole,
+// and the generator where the whole construction leaves it (the next draw is the same);
+// keep_experts on such a layer changes nothing, on a whole one cuts the same values.
+TEST_CASE("moe: a layer built with some of its experts holds one device's values for them") {
+  nn::MoeOptions o;
+  o.experts = 8;
+  o.hidden = 12;
+  manual_seed(11);
+  nn::MixtureOfExperts whole(6, o, "moe", DType::f64);
+  const Tensor next_whole = rand({3}, DType::f64);
+  int cases = 0;
+  for (auto [first, count] : {std::pair{0, 2}, std::pair{2, 2}, std::pair{6, 2}, std::pair{4, 4}, std::pair{3, 1}}) {
+    CAPTURE(first);
+    CAPTURE(count);
+    manual_seed(11);
+    std::optional<nn::MixtureOfExperts> part;
+    {
+      const nn::MoeBuildScope only(first, count);
+      part.emplace(6, o, "moe", DType::f64);
+    }
+    CHECK(rand({3}, DType::f64).to_vector<double>() == next_whole.to_vector<double>());
+    CHECK(part->first_expert == first);
+    CHECK(part->router.to_vector<double>() == whole.router.to_vector<double>());
+    const auto rows = [&](const Tensor& t) { return t.narrow(0, first, count).contiguous().to_vector<double>(); };
+    CHECK(part->fc_weight.shape() == Shape{count, 6, 12});
+    CHECK(part->fc_weight.to_vector<double>() == rows(whole.fc_weight));
+    CHECK(part->proj_weight.to_vector<double>() == rows(whole.proj_weight));
+    CHECK(part->fc_bias.shape() == Shape{count, 12});
+    CHECK(part->proj_bias.shape() == Shape{count, 6});
+    // A re-initialisation of the experts (GPT's scheme) draws their part of the whole draw.
+    manual_seed(12);
+    Tensor w = whole.fc_weight.detach().clone();
+    nn::init::normal_(w, 0.0, 0.02);
+    const Tensor after_whole = rand({1}, DType::f64);
+    manual_seed(12);
+    Tensor p = part->fc_weight.detach().clone();
+    part->init_experts(p, [](Tensor& t) { nn::init::normal_(t, 0.0, 0.02); });
+    CHECK(p.to_vector<double>() == rows(w));
+    CHECK(rand({1}, DType::f64).to_vector<double>() == after_whole.to_vector<double>());
+    part->keep_experts(first, count);  // already these: nothing changes
+    CHECK(part->fc_weight.to_vector<double>() == rows(whole.fc_weight));
+    manual_seed(11);
+    nn::MixtureOfExperts cut(6, o, "moe", DType::f64);
+    cut.keep_experts(first, count);
+    CHECK(cut.first_expert == first);
+    CHECK(cut.fc_weight.to_vector<double>() == part->fc_weight.to_vector<double>());
+    CHECK(cut.proj_weight.to_vector<double>() == part->proj_weight.to_vector<double>());
+    CHECK(cut.named_parameters().size() == part->named_parameters().size());
+    ++cases;
+  }
+  CHECK(cases == 5);
+  // A layer holding other experts is not cut again, and without a dispatch it cannot run.
+  manual_seed(11);
+  const nn::MoeBuildScope only(2, 2);
+  nn::MixtureOfExperts two(6, o, "moe2", DType::f64);
+  const auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  const std::string cut_again = message([&] { two.keep_experts(4, 2); });
+  CHECK_MESSAGE(cut_again.find("keep_experts on a layer that holds 2 of its 8 experts already") !=
+                    std::string::npos, cut_again);
+  const std::string alone = message([&] { two.forward(randn({4, 6}, DType::f64)); });
+  CHECK_MESSAGE(alone.find("its tensors hold 2 of the 8 experts") != std::string::npos, alone);
 }
 
 TEST_CASE("moe: bad options and inputs are refused, naming the field") {
