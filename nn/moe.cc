@@ -215,6 +215,9 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
              t_dispatch != nullptr ? fmt::format("{}", t_dispatch->local_experts().second)
                                    : std::string("none: no dispatch installed"));
     held_first = t_dispatch->local_experts().first;
+    TS_CHECK(w.first_expert < 0 || w.first_expert == held_first,
+             "MixtureOfExperts '{}': holds experts [{}, {}) but the dispatch runs [{}, {}) here", name,
+             w.first_expert, w.first_expert + held, held_first, held_first + held);
   }
   const ExpertsFn here = [&](const Tensor& rows, const std::vector<int64_t>& sizes, int64_t first) {
     const int64_t n = static_cast<int64_t>(sizes.size());
@@ -334,7 +337,9 @@ MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, std::string name
     : Module("MixtureOfExperts"), options(o), name(std::move(name)) {
   options.validate(width);
   const int64_t E = options.experts, H = options.hidden_for(width);
-  const auto [first, held] = t_build.second > 0 ? t_build : std::pair<int64_t, int64_t>{0, E};
+  // (Plain variables, not a structured binding: lambdas capture them; clang < 16 rejects that.)
+  const std::pair<int64_t, int64_t> range = t_build.second > 0 ? t_build : std::pair<int64_t, int64_t>{0, E};
+  const int64_t first = range.first, held = range.second;
   TS_CHECK(first + held <= E, "MixtureOfExperts '{}': built with experts [{}, {}) of its {}",
            this->name, first, first + held, E);
   first_expert = first;
@@ -349,7 +354,7 @@ MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, std::string name
     per_expert.insert(per_expert.begin(), held);
     Tensor t = Tensor::empty(std::move(per_expert), dtype);
     const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-    init_experts(t, [&](Tensor& x) { init::uniform_(x, -bound, bound); });
+    draw_experts(t, [&](Tensor& x) { init::uniform_(x, -bound, bound); });
     return t;
   };
   router = register_parameter("router", uniform({E, width}, width));
@@ -361,17 +366,30 @@ MixtureOfExperts::MixtureOfExperts(int64_t width, MoeOptions o, std::string name
 }
 
 void MixtureOfExperts::init_experts(Tensor& t, const std::function<void(Tensor&)>& init) const {
+  const int64_t held = fc_weight.size(0);
+  TS_CHECK(t.defined() && t.dim() >= 1 && t.size(0) == held && t.numel() > 0,
+           "MixtureOfExperts '{}': init_experts takes one of its expert tensors ([{}, ...], the "
+           "experts it holds), got {}", name, held,
+           t.defined() ? shape_str(t.shape()) : std::string("undefined"));
+  draw_experts(t, init);
+}
+
+void MixtureOfExperts::draw_experts(Tensor& t, const std::function<void(Tensor&)>& init) const {
   // Element i of a draw uses counter offset + i: the held experts' part of the whole [E, ...]
   // draw starts first x (elements per expert) further on.
-  TS_CHECK(t.defined() && t.dim() >= 1 && t.size(0) >= 1,
-           "MixtureOfExperts '{}': init_experts of an undefined or empty tensor", name);
+  const int64_t held = t.size(0);
   Generator& g = default_generator();
-  const uint64_t start = g.offset(), each = static_cast<uint64_t>(t.numel() / t.size(0));
+  const uint64_t start = g.offset(), each = static_cast<uint64_t>(t.numel() / held);
+  const uint64_t end = start + static_cast<uint64_t>(options.experts) * each;
+  struct EndsThere {  // the generator ends where the whole draw would, even if init throws
+    Generator& g;
+    uint64_t end;
+    ~EndsThere() { g.set_state(g.seed(), end); }
+  } ends{g, end};
   g.set_state(g.seed(), start + static_cast<uint64_t>(first_expert) * each);
   init(t);
-  TS_CHECK(g.offset() == start + static_cast<uint64_t>(first_expert + t.size(0)) * each,
+  TS_CHECK(g.offset() == start + static_cast<uint64_t>(first_expert + held) * each,
            "MixtureOfExperts '{}': init_experts' function must draw each element once", name);
-  g.set_state(g.seed(), start + static_cast<uint64_t>(options.experts) * each);
 }
 
 void MixtureOfExperts::keep_experts(int64_t first, int64_t count) {
@@ -395,7 +413,9 @@ void MixtureOfExperts::keep_experts(int64_t first, int64_t count) {
 }
 
 MoeWeights MixtureOfExperts::weights() const {
-  return {router, fc_weight, fc_bias, proj_weight, proj_bias, selection_bias};
+  MoeWeights w{router, fc_weight, fc_bias, proj_weight, proj_bias, selection_bias};
+  w.first_expert = first_expert;
+  return w;
 }
 
 Tensor MixtureOfExperts::forward(const Tensor& x) {

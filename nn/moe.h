@@ -68,6 +68,9 @@ struct MoeWeights {
   // ranks there: expert tensor parallelism).
   std::function<Tensor(const Tensor& rows, const std::vector<int64_t>& sizes, int64_t first)> experts =
       nullptr;
+  // The first expert fc_* and proj_* hold, checked against the dispatch's when they hold
+  // some of them (-1: not known, as for a model's parameters by path).
+  int64_t first_expert = -1;
 };
 
 // What one forward saw, over every rank that shares the batch (see MoeCountReduction).
@@ -234,6 +237,10 @@ class MixtureOfExperts : public Module {
   std::string name;
   int64_t first_expert = 0;  // the first expert its fc_* and proj_* hold
   Tensor router, fc_weight, fc_bias, proj_weight, proj_bias, selection_bias;
+
+ private:
+  // init_experts' draw on `t` ([held, ...]), unchecked (the constructor's, before fc_weight).
+  void draw_experts(Tensor& t, const std::function<void(Tensor&)>& init) const;
 };
 
 }  // namespace tessera::nn

@@ -651,7 +651,9 @@ TEST_CASE("optim::Adafactor steps CUDA params as it steps CPU params: hf, torch,
   int runs = 0;
   for (const auto& o : modes) {
     CAPTURE(optim::adafactor_mode_name(o.mode));
-    for (const auto& [dt, t] : dtypes) {
+    for (const auto& entry : dtypes) {
+      const DType dt = entry.first;  // (plain variables: lambdas capture them; clang < 16
+      const Tol t = entry.second;    // rejects capturing a structured binding)
       CAPTURE(dt);
       optimizer_against_cpu<optim::Adafactor>(
           o, [dt](Device d) { return make_factored_params(d, dt); },

@@ -291,7 +291,9 @@ TEST_CASE("moe: the attached losses train as if added to the loss (central diffe
   }
   const double eps = 1e-6;
   int checked = 0;
-  for (auto [t, name] : {std::pair{x, "x"}, std::pair{w.router, "router"}}) {
+  for (const auto& entry : {std::pair{x, "x"}, std::pair{w.router, "router"}}) {
+    const Tensor t = entry.first;  // (plain variables: lambdas capture them; clang < 16
+    const char* name = entry.second;  // rejects capturing a structured binding)
     const std::vector<double> grad = t.grad().to_vector<double>();
     std::vector<double> base = t.to_vector<double>();
     for (size_t i = 0; i < base.size(); ++i) {
@@ -391,7 +393,8 @@ TEST_CASE("moe: a layer built with some of its experts holds one device's values
   nn::MixtureOfExperts whole(6, o, "moe", DType::f64);
   const Tensor next_whole = rand({3}, DType::f64);
   int cases = 0;
-  for (auto [first, count] : {std::pair{0, 2}, std::pair{2, 2}, std::pair{6, 2}, std::pair{4, 4}, std::pair{3, 1}}) {
+  for (const auto& range : {std::pair{0, 2}, std::pair{2, 2}, std::pair{6, 2}, std::pair{4, 4}, std::pair{3, 1}}) {
+    const int64_t first = range.first, count = range.second;  // (captured: no structured binding)
     CAPTURE(first);
     CAPTURE(count);
     manual_seed(11);
@@ -448,6 +451,18 @@ TEST_CASE("moe: a layer built with some of its experts holds one device's values
                     std::string::npos, cut_again);
   const std::string alone = message([&] { two.forward(randn({4, 6}, DType::f64)); });
   CHECK_MESSAGE(alone.find("its tensors hold 2 of the 8 experts") != std::string::npos, alone);
+  // Under a dispatch that runs other experts here, the layer refuses rather than run the
+  // wrong weights.
+  struct Elsewhere final : nn::MoeDispatch {
+    Tensor run(const Tensor& rows, const std::vector<int64_t>& sizes, const nn::ExpertsFn& experts) override {
+      return experts(rows, std::vector<int64_t>(sizes.begin() + 4, sizes.begin() + 6), 4);
+    }
+    std::pair<int64_t, int64_t> local_experts() const override { return {4, 2}; }
+  } elsewhere;
+  const nn::MoeDispatchScope scope(&elsewhere);
+  const std::string wrong = message([&] { two.forward(randn({4, 6}, DType::f64)); });
+  CHECK_MESSAGE(wrong.find("holds experts [2, 4) but the dispatch runs [4, 6) here") != std::string::npos,
+                wrong);
 }
 
 TEST_CASE("moe: bad options and inputs are refused, naming the field") {

@@ -291,7 +291,9 @@ TEST_CASE("AdamW8bit: resuming from state_dict (and a safetensors file) continue
     for (size_t i = 0; i < a.params.size(); ++i) {
       CAPTURE(i);
       CHECK(same_bits(a.params[i], c.params[i]));
-      for (const auto& [name, t] : oa.state(static_cast<int64_t>(i))) {
+      for (const auto& entry : oa.state(static_cast<int64_t>(i))) {
+        const std::string& name = entry.first;  // (CAPTURE captures it: no structured binding)
+        const Tensor& t = entry.second;
         CAPTURE(name);
         CHECK(same_bits(t, oc.state(static_cast<int64_t>(i)).at(name)));
       }

@@ -89,7 +89,9 @@ TEST_CASE("a second model needs only a plan: the MLP on {dp: 2, tp: 2} equals on
     }
     CHECK(tp_collectives == 1);
     sum(y * y).backward();
-    for (const auto& [name, t] : ref->named_parameters()) {
+    for (const auto& entry : ref->named_parameters()) {
+      const std::string& name = entry.first;  // (CAPTURE captures it: no structured binding)
+      const Tensor& t = entry.second;
       CAPTURE(name);
       CHECK(max(abs(params.full_grad(name) - t.grad())).item<double>() <= 1e-12);
     }
@@ -136,7 +138,8 @@ TEST_CASE("TpLayout::recompute: the plain forward's gradients, and nothing kept 
                   .item<double>() == 0.0);
         sum(y * y).backward();
       }
-      for (const auto& [name, t] : model->named_parameters()) {
+      for (const auto& entry : model->named_parameters()) {
+        const std::string& name = entry.first;  // (CAPTURE captures it: no structured binding)
         CAPTURE(name);
         CHECK(max(abs(params.full_grad(name) - plain.at(name))).item<double>() <= 1e-12);
       }

@@ -95,7 +95,8 @@ TEST_CASE("Adafactor row shards' checkpoints gather to the single-device layout 
     // The single-device layout: per-row state of a [256, 784] weight is [256].
     CHECK(ckpt.optimizer.at("state.0.exp_avg_sq_row").shape() == Shape{256});
     CHECK(ckpt.optimizer.at("state.0.exp_avg_sq_col").shape() == Shape{784});
-    for (const auto& [dp, stage] : {std::pair{4, 3}, std::pair{2, 1}}) {
+    for (const auto& layout : {std::pair{4, 3}, std::pair{2, 1}}) {
+      const int dp = layout.first, stage = layout.second;  // (captured: no structured binding)
       CAPTURE(dp);
       CAPTURE(stage);
       std::vector<RowShardResult> r(dp);

@@ -143,7 +143,9 @@ TEST_CASE("AdamW8bit block-shard checkpoints: single-device layout, bitwise resu
   model->load_state_dict(ckpt.model);
   opt->load_state_dict(ckpt.optimizer);
   const optim::Optimizer::StateDict again = opt->state_dict();
-  for (const auto& [k, v] : ckpt.optimizer) {
+  for (const auto& entry : ckpt.optimizer) {
+    const std::string& k = entry.first;  // (CAPTURE captures it: no structured binding)
+    const Tensor& v = entry.second;
     CAPTURE(k);
     CHECK(cast(again.at(k), DType::f64).to_vector<double>() == cast(v, DType::f64).to_vector<double>());
   }

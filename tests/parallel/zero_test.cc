@@ -130,7 +130,8 @@ TEST_CASE("zero: GPT-mini with experts over ep ranks (all-to-all) equals one ran
   int runs = 0;
   for (DType dtype : {DType::f64, DType::f32}) {
     const Run reference = train_reference(task, dtype);
-    for (auto [dp, ep] : {std::pair{2, 2}, std::pair{4, 2}, std::pair{4, 4}}) {
+    for (const auto& layout : {std::pair{2, 2}, std::pair{4, 2}, std::pair{4, 4}}) {
+      const int dp = layout.first, ep = layout.second;  // (captured: no structured binding)
       for (int stage : {0, 1, 2, 3}) {
         CAPTURE(dtype);
         CAPTURE(dp);

@@ -61,7 +61,6 @@ done
   "$LAYERS" "$HEADS" "$WIDTH" "$CONTEXT" "$BATCH" <<'PY' | tee "$OUT/table.md"
 import glob
 import json
-import os
 import statistics
 import sys
 
