@@ -228,10 +228,7 @@ Tensor moe_forward(const MoeOptions& o, const MoeWeights& w, const Tensor& x, co
     const auto mine = [&](const Tensor& t) {
       return n == held ? t : slice(t, 0, first - held_first, first - held_first + n);
     };
-    std::vector<int64_t> local_ids;
-    local_ids.reserve(static_cast<size_t>(rows.size(0)));
-    for (int64_t j = 0; j < n; ++j) local_ids.insert(local_ids.end(), sizes[j], j);
-    const Tensor ids = index_tensor(local_ids, rows.device());
+    const Tensor ids = index_tensor(row_experts(sizes), rows.device());
     const Tensor counts = index_tensor(sizes, rows.device());
     const Tensor h = gelu(grouped_matmul(rows, mine(w.fc_weight), counts) + index_select(mine(w.fc_bias), 0, ids),
                           /*approximate_tanh=*/true);
@@ -324,6 +321,12 @@ void update_selection_bias(Tensor& bias, const std::vector<int64_t>& counts, dou
   }
   const NoGradGuard no_grad;
   bias.copy_(Tensor::from_vector(b, {static_cast<int64_t>(b.size())}).to(bias.device()));
+}
+
+std::vector<int64_t> row_experts(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> out;
+  for (size_t j = 0; j < sizes.size(); ++j) out.insert(out.end(), sizes[j], static_cast<int64_t>(j));
+  return out;
 }
 
 MoeBuildScope::MoeBuildScope(int64_t first, int64_t count) : previous_(t_build) {

@@ -157,6 +157,9 @@ class MoeBatchParts {
   int64_t previous_;
 };
 
+// Each row's expert (0, 1, ...) for rows grouped by expert, sizes[j] rows of expert j.
+std::vector<int64_t> row_experts(const std::vector<int64_t>& sizes);
+
 // Runs experts [first, first + sizes.size()) over rows grouped by expert (sizes[j] rows of
 // expert first + j, in order): their outputs, row for row.
 using ExpertsFn =

@@ -19,13 +19,23 @@ std::vector<int64_t> times(const std::vector<int64_t>& rows, int64_t width) {
   return out;
 }
 
-Tensor exchange(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
-                const std::vector<int64_t>& recv_rows, const std::string& cause) {
+// Launches the exchange of `rows` into a new `out`; `sent` holds the (contiguous) input the
+// exchange reads until it completes.
+WorkHandle launch(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
+                  const std::vector<int64_t>& recv_rows, const std::string& cause, Tensor& out,
+                  Tensor& sent) {
   const int64_t width = rows.dim() == 2 ? rows.size(1) : 1;
   const int64_t total = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
-  Tensor out = Tensor::empty({total, width}, rows.dtype(), rows.device());
+  out = Tensor::empty({total, width}, rows.dtype(), rows.device());
+  sent = rows.contiguous();
   const CommCause why(cause, CommKind::activations);
-  group.all_to_all(out, rows.contiguous(), times(send_rows, width), times(recv_rows, width));
+  return group.all_to_all_async(out, sent, times(send_rows, width), times(recv_rows, width));
+}
+
+Tensor exchange(Communicator& group, const Tensor& rows, const std::vector<int64_t>& send_rows,
+                const std::vector<int64_t>& recv_rows, const std::string& cause) {
+  Tensor out, sent;
+  launch(group, rows, send_rows, recv_rows, cause, out, sent)->wait();
   return out;
 }
 
@@ -95,12 +105,7 @@ PendingRows::PendingRows(Communicator& group, const Tensor& rows, std::vector<in
       cause_(std::move(cause)) {
   check_rows(group, rows, send_, recv_, cause_);
   const NoGradGuard no_grad;
-  const int64_t width = rows.size(1);
-  const int64_t total = std::accumulate(recv_.begin(), recv_.end(), int64_t{0});
-  out_ = Tensor::empty({total, width}, rows.dtype(), rows.device());
-  sent_ = rows.contiguous();
-  const CommCause why(cause_, CommKind::activations);
-  work_ = group.all_to_all_async(out_, sent_, times(send_, width), times(recv_, width));
+  work_ = launch(group, rows, send_, recv_, cause_, out_, sent_);
 }
 
 PendingRows::~PendingRows() {
@@ -260,9 +265,7 @@ Tensor ExpertGroups::whole(const std::string& name, const Tensor& t) const {
 }
 
 void ExpertGroups::gather(nn::StateDict& model) const {
-  for (auto& [name, t] : model) {  // (a map: every member walks the same keys in order)
-    if (holds(name)) t = gather_rows(*ep_, t);
-  }
+  for (auto& [name, t] : model) t = whole(name, t);  // (a map: every member walks the same keys)
 }
 
 void ExpertGroups::gather(std::map<std::string, Tensor>& optimizer,

@@ -204,14 +204,11 @@ typename L::Tensor moe_mlp(const L& layout, const P& param, const GptConfig& c, 
                  "gpt: block {}'s tensor-parallel experts run the {} experts they hold, got {}",
                  index, fc.shape()[0], sizes.size());
         const parallel::MeshPtr& mesh = whole.mesh_ptr();
-        std::vector<int64_t> expert_of;
-        expert_of.reserve(static_cast<size_t>(rows.size(0)));
-        for (size_t j = 0; j < sizes.size(); ++j) expert_of.insert(expert_of.end(), sizes[j], static_cast<int64_t>(j));
         const auto replicated = [&](const std::vector<int64_t>& v) {
           return parallel::replicate(
               Tensor::from_vector(v, {static_cast<int64_t>(v.size())}).to(rows.device()), mesh);
         };
-        const parallel::ShardedTensor ids = replicated(expert_of), counts = replicated(sizes);
+        const parallel::ShardedTensor ids = replicated(nn::row_experts(sizes)), counts = replicated(sizes);
         const parallel::ShardedTensor x(rows, mesh, {parallel::Replicate()}, rows.shape());
         const parallel::ShardedTensor h =
             gelu(parallel::call1(OpId::grouped_matmul, {x, fc, counts}) +
