@@ -65,9 +65,6 @@ void validate_train_config(const GptTrainConfig& c) {
     TS_CHECK(c.experts % c.ep == 0, "gpt: --ep {} must divide --experts {}", c.ep, c.experts);
     TS_CHECK(c.ep == 1 || c.dp % c.ep == 0,
              "gpt: --ep {} splits the experts over groups of dp ranks; it must divide --dp {}", c.ep, c.dp);
-    TS_CHECK(Device::parse(c.device).is_cpu(),
-             "gpt: --experts runs on the CPU for now: the grouped matmul's CUDA kernel builds but "
-             "has not run on a GPU yet (got --device={})", c.device);
   }
   // Optimisation.
   require_at_least(gpt, "batch", c.batch, 1);

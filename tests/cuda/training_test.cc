@@ -4,7 +4,9 @@
 // CPU, copied to the device) with AdamW and global-norm clipping:
 //   - MNIST MLP and CNN (models/mnist) on synthetic 28x28 images whose label is the argmax of
 //     their first ten pixels (learnable, hermetic);
-//   - GPT-mini (models/gpt: 2 blocks, 2 heads, width 32, context 16) on byte text.
+//   - GPT-mini (models/gpt: 2 blocks, 2 heads, width 32, context 16) on byte text;
+//   - the same GPT-mini with Mixture-of-Experts MLPs, also compared step by step from the
+//     CPU's parameters (check_moe_steps), since a free run may route a near-tied token apart.
 // f32 (TF32 off); figures measured on an H100 (2026-11-22):
 //   - the loss curves agree within 1e-6 relative per step. Measured at most 1.2e-7 (MLP),
 //     1e-7 (CNN), 7.5e-8 (GPT-mini): one or two f32 ulps (2^-24 = 6e-8), because the device
@@ -39,9 +41,11 @@
 #include "models/data/text.h"
 #include "models/gpt/model.h"
 #include "models/mnist/model.h"
+#include "nn/moe.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "tensor/autocast.h"
+#include "tensor/grad_mode.h"
 #include "tensor/ops.h"
 #include "tensor/random.h"
 
@@ -122,11 +126,42 @@ Task gpt_task() {
   return t;
 }
 
+// GPT-mini with Mixture-of-Experts MLPs in both blocks (4 experts, top 2, the balancing and
+// z losses on): the router's top-k, the dispatch's counting sort and gathers, and the grouped
+// matmuls forward and backward on the device. Dropless, so both runs route every token alike
+// unless two experts' scores tie within rounding; such a flip moves a token's output by a
+// whole expert's difference, far over the tolerances below, so it fails rather than hides.
+Task gpt_moe_task() {
+  Task t = gpt_task();
+  t.name = "gpt-mini MoE";
+  t.make = [] {
+    manual_seed(0);
+    gpt::GptConfig c{.layers = 2, .heads = 2, .width = 32, .context = 16, .vocab = 256};
+    c.experts = 4;
+    c.moe.top_k = 2;
+    c.moe.hidden = 64;
+    c.moe.aux_loss = 0.01;
+    c.moe.z_loss = 1e-3;
+    return std::shared_ptr<nn::Module>(std::make_shared<gpt::Gpt>(c));
+  };
+  return t;
+}
+
 struct Run {
   std::vector<double> losses;
   std::vector<std::vector<double>> params;
   std::vector<std::string> names;
+  // Per step, the tokens each MoE layer routed to each expert, layers concatenated (empty
+  // for a dense model).
+  std::vector<std::vector<int64_t>> routing;
 };
+
+// The expert counts of every MoE forward `scope` saw, concatenated.
+std::vector<int64_t> routing_of(const nn::MoeStatsScope& scope) {
+  std::vector<int64_t> counts;
+  for (const nn::MoeLayerStats& l : scope.layers()) counts.insert(counts.end(), l.counts.begin(), l.counts.end());
+  return counts;
+}
 
 // Trains `model` (already on `device`) for task.steps AdamW steps; `low` != f32 turns on
 // autocast to it around the forward and the loss.
@@ -138,12 +173,14 @@ Run train(const Task& task, nn::Module& model, Device device, DType low = DType:
   for (int64_t step = 0; step < task.steps; ++step) {
     opt.zero_grad();
     Tensor loss;
+    nn::MoeStatsScope stats;
     if (low != DType::f32) {
       AutocastGuard amp(low);
       loss = task.loss(model, step, device);
     } else {
       loss = task.loss(model, step, device);
     }
+    run.routing.push_back(routing_of(stats));
     REQUIRE(loss.device() == device);
     run.losses.push_back(loss.item<double>());
     loss.backward();
@@ -270,6 +307,110 @@ TEST_CASE("GPT-mini: cuda:0 trains like the CPU (f32) and with bf16 autocast") {
   const Task task = gpt_task();
   const auto [cpu, dev] = cpu_and_device(task);
   check_close(task, dev, cpu);
+  check_autocast(task, dev);
+}
+
+// Mixture of Experts, step by step: before every step the device model takes the CPU
+// model's parameters, both compute the step's loss and gradients, and only the CPU model is
+// updated (AdamW, clipping). Each step's routing must match (the same tokens per expert in
+// every layer), its loss agree within 1e-6 relative and its gradient, all parameters as one
+// vector, within 1e-5 in norm: the f32 sums of 128 tokens in other orders (measured: see
+// the MESSAGE). One token routed to another expert moves that expert's gradient by its
+// share of the batch, orders of magnitude over 1e-5.
+void check_moe_steps(const Task& task) {
+  std::shared_ptr<nn::Module> cpu_model = task.make();
+  std::shared_ptr<nn::Module> dev_model = task.make();
+  dev_model->to(kDev);
+  const std::vector<Tensor> cp = cpu_model->parameters(), dp = dev_model->parameters();
+  REQUIRE(cp.size() == dp.size());
+  optim::AdamW opt(cp, {.lr = task.lr, .weight_decay = 0.1});
+  double worst_loss = 0, worst_grad = 0;
+  int64_t routed = 0;
+  for (int64_t step = 0; step < task.steps; ++step) {
+    {
+      NoGradGuard no_grad;
+      for (size_t i = 0; i < cp.size(); ++i) dp[i].copy_(cp[i]);
+    }
+    opt.zero_grad();
+    for (const Tensor& p : dp) p.set_grad(Tensor());
+    std::vector<int64_t> route_cpu, route_dev;
+    Tensor loss_cpu, loss_dev;
+    {
+      nn::MoeStatsScope stats;
+      loss_cpu = task.loss(*cpu_model, step, kCPU);
+      route_cpu = routing_of(stats);
+    }
+    {
+      nn::MoeStatsScope stats;
+      loss_dev = task.loss(*dev_model, step, kDev);
+      route_dev = routing_of(stats);
+    }
+    REQUIRE(route_cpu.size() == 2 * 4);  // 2 MoE layers x 4 experts
+    CHECK_MESSAGE(route_dev == route_cpu, "step ", step, ": the device routed tokens to other experts");
+    for (int64_t c : route_cpu) routed += c;
+    loss_cpu.backward();
+    loss_dev.backward();
+    const double lc = loss_cpu.item<double>(), ld = loss_dev.item<double>();
+    worst_loss = std::max(worst_loss, std::abs(ld - lc) / std::abs(lc));
+    double e2 = 0, n2 = 0;
+    for (size_t i = 0; i < cp.size(); ++i) {
+      REQUIRE(cp[i].grad().defined());
+      REQUIRE(dp[i].grad().defined());
+      const std::vector<double> gc = cp[i].grad().to_vector<double>();
+      const std::vector<double> gd = dp[i].grad().to(kCPU).to_vector<double>();
+      for (size_t j = 0; j < gc.size(); ++j) {
+        e2 += (gd[j] - gc[j]) * (gd[j] - gc[j]);
+        n2 += gc[j] * gc[j];
+      }
+    }
+    worst_grad = std::max(worst_grad, std::sqrt(e2 / n2));
+    optim::clip_grad_norm(cp, 1.0);
+    opt.step();
+  }
+  MESSAGE(fmt::format("{} step by step from the CPU's parameters, {} steps ({} token-expert "
+                      "assignments): max loss rel diff {:.2g}, max gradient norm rel diff {:.2g}",
+                      task.name, task.steps, routed, worst_loss, worst_grad));
+  CHECK(routed == task.steps * 2 * 8 * 16 * 2);  // steps x layers x tokens x top 2
+  CHECK(worst_loss <= 1e-6);
+  CHECK(worst_grad <= 1e-5);
+}
+
+// Trained freely, f32 rounding on the two devices lets the parameters part by ~1e-5 (the
+// dense GPT above), enough that a token whose two best experts' scores nearly tie may pick
+// another expert on one device; from there the runs are different trajectories. The loss must
+// agree within 1e-6 on every step before the first step whose routing differs (all steps
+// when none does); which step that is, if any, is reported.
+void check_moe_free_run(const Task& task, const Run& dev, const Run& cpu) {
+  REQUIRE(dev.routing.size() == cpu.routing.size());
+  size_t first_diff = cpu.routing.size();
+  for (size_t i = 0; i < cpu.routing.size(); ++i) {
+    if (dev.routing[i] != cpu.routing[i]) {
+      first_diff = i;
+      break;
+    }
+  }
+  double before = 0;
+  for (size_t i = 0; i < first_diff; ++i) {
+    before = std::max(before, std::abs(dev.losses[i] - cpu.losses[i]) / std::abs(cpu.losses[i]));
+  }
+  MESSAGE(fmt::format("{} trained freely, {} steps: loss {:.5f} -> {:.5f} (cpu) / {:.5f} -> {:.5f} "
+                      "(cuda:0); routing {}; max loss rel diff before it {:.2g}",
+                      task.name, task.steps, cpu.losses.front(), cpu.losses.back(),
+                      dev.losses.front(), dev.losses.back(),
+                      first_diff == cpu.routing.size() ? std::string("the same on every step")
+                                                       : fmt::format("first differs at step {}", first_diff),
+                      before));
+  CHECK(before <= 1e-6);
+  const size_t n = cpu.losses.size();
+  CHECK(mean_of(cpu.losses, n - 3, 3) < mean_of(cpu.losses, 0, 3));
+}
+
+TEST_CASE("GPT-mini MoE: cuda:0 computes the CPU's steps (f32) and trains with bf16 autocast") {
+  Tf32Off off;
+  const Task task = gpt_moe_task();
+  check_moe_steps(task);
+  const auto [cpu, dev] = cpu_and_device(task);
+  check_moe_free_run(task, dev, cpu);
   check_autocast(task, dev);
 }
 

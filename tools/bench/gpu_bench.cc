@@ -8,6 +8,8 @@
 //               optim::AdamW8bit::step (16 + 16/256 B/param from 4096 elements, 28 below),
 //               optim::Adafactor::step (hf defaults: the fused passes, 24 B/param)
 //   compress    sign_pack and sign_unpack of 256 MiB of f32 (1-bit compression)
+//   moe         the grouped matmul (bf16, GPT-2 width, 8 experts) against one GEMM of the same
+//               FLOPs and a loop of per-expert matmuls; its backward
 //   attention   causal bf16 forward and forward + backward, B=8 H=12 T=1024 D=64
 // Prints a markdown table and, with --json=PATH, one JSON line per row.
 //
@@ -17,6 +19,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -306,6 +309,67 @@ class Bench {
     }
   }
 
+  // Mixture of Experts: the grouped matmul (one cuBLASLt GEMM per expert after reading the
+  // group sizes on the host) against one GEMM of the same FLOPs and a loop of per-expert
+  // matmuls over slices, at GPT-2 width: N = 16384 token-expert rows (8 x 1024 tokens, top 2),
+  // C = 768, H = 3072, E = 8; rows split evenly, or Zipf-like (expert e's share ~ 1/(e+1)).
+  // The backward rows: x's gradient (a grouped matmul with w transposed) plus the weights'.
+  void moe() {
+    if (!wanted("moe")) return;
+    const int64_t N = 16384, C = 768, H = 3072, E = 8;
+    const double flops = 2.0 * N * C * H;
+    auto split = [&](double skew) {
+      std::vector<int64_t> sizes(E);
+      double total = 0;
+      for (int64_t e = 0; e < E; ++e) total += 1.0 / std::pow(static_cast<double>(e + 1), skew);
+      int64_t given = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        sizes[e] = static_cast<int64_t>(N / std::pow(static_cast<double>(e + 1), skew) / total);
+        given += sizes[e];
+      }
+      sizes[0] += N - given;
+      return sizes;
+    };
+    const Tensor x = random_on({N, C}, DType::bf16, o_.device);
+    const Tensor g = random_on({N, H}, DType::bf16, o_.device);
+    const Tensor w = random_on({E, C, H}, DType::bf16, o_.device, 0.02);
+    const Tensor dense = random_on({C, H}, DType::bf16, o_.device, 0.02);
+    const std::string shape = fmt::format("N{} C{} H{} E{}", N, C, H, E);
+    run("moe", "one GEMM [N,C]x[C,H] (same FLOPs)", shape, "bf16", [&](Row& r) {
+      r.ms = median_ms(o_, [&](int) { (void)matmul(x, dense); });
+      r.tflops = flops / (r.ms * 1e9);
+    });
+    for (const double skew : {0.0, 1.0}) {
+      const std::vector<int64_t> sizes = split(skew);
+      const Tensor counts = Tensor::from_vector(sizes, {E}).to(o_.device);
+      const std::string label = skew == 0 ? "even" : "zipf 1";
+      run("moe", "grouped_matmul, " + label, shape, "bf16", [&](Row& r) {
+        r.ms = median_ms(o_, [&](int) { (void)grouped_matmul(x, w, counts); });
+        r.tflops = flops / (r.ms * 1e9);
+      });
+      run("moe", "loop of E matmul + cat, " + label, shape, "bf16", [&](Row& r) {
+        r.ms = median_ms(o_, [&](int) {
+          std::vector<Tensor> outs;
+          int64_t start = 0;
+          for (int64_t e = 0; e < E; ++e) {
+            outs.push_back(matmul(slice(x, 0, start, start + sizes[e]), squeeze(slice(w, 0, e, e + 1), {0})));
+            start += sizes[e];
+          }
+          (void)cat(outs, 0);
+        });
+        r.tflops = flops / (r.ms * 1e9);
+      });
+      run("moe", "grouped backward (dx + dw), " + label, shape, "bf16", [&](Row& r) {
+        const Tensor wt = w.transpose(1, 2);
+        r.ms = median_ms(o_, [&](int) {
+          (void)grouped_matmul(g, wt, counts);
+          (void)grouped_matmul_backward_weight(x, g, counts);
+        });
+        r.tflops = 2 * flops / (r.ms * 1e9);
+      });
+    }
+  }
+
   void attention_fwd_bwd() {
     if (!wanted("attention")) return;
     const int64_t B = 8, H = 12, T = 1024, D = 64;
@@ -407,6 +471,7 @@ int main(int argc, char** argv) {
     b.elementwise();
     b.adamw();
     b.compress();
+    b.moe();
     b.attention_fwd_bwd();
     b.report(json);
   } catch (const Error& e) {
