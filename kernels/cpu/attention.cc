@@ -1,17 +1,22 @@
-// CPU attention: the spec of the fused scaled dot-product attention op (tensor/ops.h) that
-// the CUDA flash-attention kernels are checked against. Plain loops per (batch, head), run in
-// parallel over the B * H pairs; f64 computes in f64, the other dtypes in f32 (16-bit inputs
-// widened once, results rounded once).
+// CPU attention: the fused scaled dot-product attention op (tensor/ops.h). Parallel over the
+// B * H (batch, head) pairs. f64 runs plain loops per pair (the spec, below); the other
+// dtypes compute in f32 (16-bit inputs widened once, results rounded once) as blocks of
+// query rows through the project's GEMM: scores for a block of rows against the keys it may
+// see, a row softmax, then products with V (forward) or the five products of the backward,
+// with P recomputed from the saved lse. Each row's numbers do not depend on the blocking.
 //
 //   forward:  s_ij = scale q_i . k_j (j <= i when causal), lse_i = logsumexp_j s_ij,
 //             out_i = sum_j exp(s_ij - lse_i) v_j
 //   backward: P_ij = exp(s_ij - lse_i) from the saved lse, D_i = dO_i . O_i,
 //             dS_ij = P_ij (dO_i . v_j - D_i); dq_i = scale sum_j dS_ij k_j,
 //             dk_j = scale sum_i dS_ij q_i, dv_j = sum_i P_ij dO_i
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/util.h"
 #include "tensor/op.h"
@@ -35,6 +40,132 @@ template <typename T, typename C>
 void store(T* dst, const C* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
 }
+
+// ---- f32 through the GEMM -------------------------------------------------------------------
+// Query rows per block: the scores of a block are [kRows, keys] f32 per thread.
+constexpr int64_t kRows = 64;
+
+// The keys rows [i0, i1) may see.
+int64_t keys_for(bool causal, int64_t i1, int64_t t) { return causal ? i1 : t; }
+
+// Row softmax in place over s [rows, ld] (columns [0, keys)), rows r at query i0 + r masked
+// to columns <= i0 + r when causal; writes the row's lse. Masked columns become exact zeros.
+void softmax_rows(float* s, int64_t rows, int64_t ld, int64_t keys, int64_t i0, bool causal, float* lse) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    const int64_t n = causal ? std::min(keys, i0 + r + 1) : keys;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+    std::fill(row + n, row + keys, 0.0f);
+    lse[r] = mx + std::log(sum);
+  }
+}
+
+template <typename T>
+void attention_forward_f32(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  const Tensor q = to_compute_cpu(in[0]), k = to_compute_cpu(in[1]), v = to_compute_cpu(in[2]);
+  const int64_t bh = q.shape()[0] * q.shape()[1], t = q.shape()[2], dh = q.shape()[3];
+  const float scale = static_cast<float>(effective_scale(a, dh));
+  const float* qp = static_cast<const float*>(q.raw_data());
+  const float* kp = static_cast<const float*>(k.raw_data());
+  const float* vp = static_cast<const float*>(v.raw_data());
+  T* op = static_cast<T*>(out[0].raw_data());
+  float* lp = static_cast<float*>(out[1].raw_data());
+  parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kRows * t), o(std::is_same_v<T, float> ? 0 : kRows * dh);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t base = p * t * dh;
+      for (int64_t i0 = 0; i0 < t; i0 += kRows) {
+        const int64_t rows = std::min(kRows, t - i0), keys = keys_for(a.causal, i0 + rows, t);
+        // s = scale (q k^T), the scale applied to each dot product as the spec does.
+        sgemm(rows, keys, dh, {qp + base + i0 * dh, dh, 1}, {kp + base, 1, dh}, s.data(), t);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = s.data() + r * t;
+          for (int64_t j = 0; j < keys; ++j) row[j] *= scale;
+        }
+        softmax_rows(s.data(), rows, t, keys, i0, a.causal, lp + p * t + i0);
+        if constexpr (std::is_same_v<T, float>) {
+          sgemm(rows, dh, keys, {s.data(), t, 1}, {vp + base, dh, 1}, op + base + i0 * dh, dh);
+        } else {
+          sgemm(rows, dh, keys, {s.data(), t, 1}, {vp + base, dh, 1}, o.data(), dh);
+          store(op + base + i0 * dh, o.data(), rows * dh);
+        }
+      }
+    }
+  });
+}
+
+// Inputs: grad, q, k, v, out, lse. Outputs: grad_q, grad_k, grad_v.
+template <typename T>
+void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  const Tensor g = to_compute_cpu(in[0]), q = to_compute_cpu(in[1]), k = to_compute_cpu(in[2]);
+  const Tensor v = to_compute_cpu(in[3]), o = to_compute_cpu(in[4]);
+  const Tensor lse = contiguous_cpu(in[5]);
+  const int64_t bh = q.shape()[0] * q.shape()[1], t = q.shape()[2], dh = q.shape()[3];
+  const float scale = static_cast<float>(effective_scale(a, dh));
+  const float* gp = static_cast<const float*>(g.raw_data());
+  const float* qp = static_cast<const float*>(q.raw_data());
+  const float* kp = static_cast<const float*>(k.raw_data());
+  const float* vp = static_cast<const float*>(v.raw_data());
+  const float* opp = static_cast<const float*>(o.raw_data());
+  const float* lp = static_cast<const float*>(lse.raw_data());
+  T* dq_out = static_cast<T*>(out[0].raw_data());
+  T* dk_out = static_cast<T*>(out[1].raw_data());
+  T* dv_out = static_cast<T*>(out[2].raw_data());
+  parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> prob(kRows * t), ds(kRows * t), dq(kRows * dh), dk(t * dh), dv(t * dh), di(kRows);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t base = p * t * dh;
+      std::fill(dk.begin(), dk.end(), 0.0f);
+      std::fill(dv.begin(), dv.end(), 0.0f);
+      for (int64_t i0 = 0; i0 < t; i0 += kRows) {
+        const int64_t rows = std::min(kRows, t - i0), keys = keys_for(a.causal, i0 + rows, t);
+        const float* qb = qp + base + i0 * dh;
+        const float* gb = gp + base + i0 * dh;
+        // P = exp(scale q k^T - lse), masked entries exact zeros.
+        sgemm(rows, keys, dh, {qb, dh, 1}, {kp + base, 1, dh}, prob.data(), t);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = prob.data() + r * t;
+          const int64_t n = a.causal ? std::min(keys, i0 + r + 1) : keys;
+          const float li = lp[p * t + i0 + r];
+          for (int64_t j = 0; j < n; ++j) row[j] = std::exp(scale * row[j] - li);
+          std::fill(row + n, row + keys, 0.0f);
+          di[r] = dot(gb + r * dh, opp + base + (i0 + r) * dh, dh);
+        }
+        // dv[0, keys) += P^T dO.
+        sgemm(keys, dh, rows, {prob.data(), 1, t}, {gb, dh, 1}, dv.data(), dh, /*accumulate=*/true);
+        // dS = scale P (dO v^T - D).
+        sgemm(rows, keys, dh, {gb, dh, 1}, {vp + base, 1, dh}, ds.data(), t);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dsr = ds.data() + r * t;
+          const float* pr = prob.data() + r * t;
+          const int64_t n = a.causal ? std::min(keys, i0 + r + 1) : keys;
+          for (int64_t j = 0; j < n; ++j) dsr[j] = scale * (pr[j] * (dsr[j] - di[r]));
+          std::fill(dsr + n, dsr + keys, 0.0f);
+        }
+        // dq = dS k; dk[0, keys) += dS^T q.
+        if constexpr (std::is_same_v<T, float>) {
+          sgemm(rows, dh, keys, {ds.data(), t, 1}, {kp + base, dh, 1}, dq_out + base + i0 * dh, dh);
+        } else {
+          sgemm(rows, dh, keys, {ds.data(), t, 1}, {kp + base, dh, 1}, dq.data(), dh);
+          store(dq_out + base + i0 * dh, dq.data(), rows * dh);
+        }
+        sgemm(keys, dh, rows, {ds.data(), 1, t}, {qb, dh, 1}, dk.data(), dh, /*accumulate=*/true);
+      }
+      store(dk_out + base, dk.data(), t * dh);
+      store(dv_out + base, dv.data(), t * dh);
+    }
+  });
+}
+
+// ---- the spec: plain loops (f64) ---------------------------------------------------------------
 
 template <typename T>
 void attention_forward(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
@@ -78,8 +209,10 @@ void attention_forward(std::span<const Tensor> in, std::span<Tensor> out, const 
 }
 
 void attention_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
-  visit_float_dtype(in[0].dtype(), "attention",
-                    [&]<typename T>() { attention_forward<T>(in, out, a); });
+  visit_float_dtype(in[0].dtype(), "attention", [&]<typename T>() {
+    if constexpr (std::is_same_v<compute_t<T>, float>) attention_forward_f32<T>(in, out, a);
+    else attention_forward<T>(in, out, a);
+  });
 }
 
 // Inputs: grad, q, k, v, out, lse. Outputs: grad_q, grad_k, grad_v.
@@ -139,8 +272,10 @@ void attention_backward(std::span<const Tensor> in, std::span<Tensor> out, const
 
 void attention_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out,
                                const Attrs& a) {
-  visit_float_dtype(in[1].dtype(), "attention_backward",
-                    [&]<typename T>() { attention_backward<T>(in, out, a); });
+  visit_float_dtype(in[1].dtype(), "attention_backward", [&]<typename T>() {
+    if constexpr (std::is_same_v<compute_t<T>, float>) attention_backward_f32<T>(in, out, a);
+    else attention_backward<T>(in, out, a);
+  });
 }
 
 TS_REGISTER_KERNEL(cpu, attention, attention_kernel);

@@ -425,23 +425,13 @@ void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, fl
     gemm_rect(pr, 0, m, 0, n);
     return;
   }
-  std::exception_ptr error;
-  std::mutex error_mu;
-#pragma omp parallel num_threads(parts)
-  {
-    // OpenMP may grant fewer threads than asked; each then takes several rectangles.
-    for (int part = omp_get_thread_num(); part < parts; part += omp_get_num_threads()) {
-      const int pi = part / grid.tn, pj = part % grid.tn;
-      try {
-        gemm_rect(pr, split_point(m, kMR, grid.tm, pi), split_point(m, kMR, grid.tm, pi + 1),
-                  split_point(n, kNR, grid.tn, pj), split_point(n, kNR, grid.tn, pj + 1));
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mu);
-        if (!error) error = std::current_exception();
-      }
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  // Rectangles are claimed by whichever pool thread is free (kernels/cpu/parallel.h): who
+  // computes one never changes its bits.
+  parallel_parts(parts, [&](int part) {
+    const int pi = part / grid.tn, pj = part % grid.tn;
+    gemm_rect(pr, split_point(m, kMR, grid.tm, pi), split_point(m, kMR, grid.tm, pi + 1),
+              split_point(n, kNR, grid.tn, pj), split_point(n, kNR, grid.tn, pj + 1));
+  });
 }
 
 const char* sgemm_kernel_name() { return kKernelName; }

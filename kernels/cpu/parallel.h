@@ -1,13 +1,23 @@
-// One thread pool for the whole library: OpenMP's, shared with Eigen's GEMM.
+// The library's CPU parallelism: a pool of worker threads per calling thread (as OpenMP keeps
+// a team per thread), whose workers spin briefly for the next job and then sleep, and whose
+// jobs' parts are claimed dynamically by whichever thread is free - the caller included.
 //
 //   parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { ... });
+//   parallel_parts(4, [&](int part) { ... });   // parts 0..3, on any threads
 //   set_num_threads(1);   // per thread: each simulated rank runs its kernels single-threaded
 //
-// Exceptions thrown inside a chunk are carried out of the parallel region and rethrown on
-// the caller's thread (an exception escaping an OpenMP region would terminate).
+// Why not OpenMP's regions: a region splits its work statically over a team and its caller
+// waits at the barrier for every member. On a busy machine a member that the OS has not
+// scheduled holds the whole region for a time slice (milliseconds), and libgomp's members
+// spin for a long time between regions, taking the core from the thread with the serial
+// work. Here the caller takes every part nobody has started, so it never waits for a worker
+// that is not running, and idle workers sleep after TESSERA_SPIN_US microseconds (default
+// 50; 0: sleep at once).
+//
+// Which thread runs a part never changes a result: parts are fixed by the range, grain and
+// thread count alone. Exceptions thrown by parts are carried to the caller and rethrown (the
+// first one). Calls made from inside a part run inline, single-threaded.
 #pragma once
-
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -19,11 +29,47 @@ namespace tessera::cpu {
 // Elements of simple elementwise work below which a single thread is faster.
 inline constexpr int64_t kElementwiseGrain = 1 << 15;
 
-// Threads kernels started from the calling thread may use.
-inline int num_threads() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
+// Threads kernels started from the calling thread may use (1 inside a part).
+int num_threads();
 
-// Sets the calling thread's kernel thread count (OpenMP's per-thread ICV; Eigen reads it).
+// Sets the calling thread's kernel thread count (also OpenMP's per-thread ICV, which Eigen's
+// f64 GEMM reads).
 void set_num_threads(int n);
+
+namespace internal {
+// Runs part(ctx, i) for i in [0, parts) on the calling thread's pool (parts <= 65535).
+void run_parts(int parts, void (*part)(void* ctx, int i), void* ctx);
+// Jobs the calling thread has handed to its pool so far (for profiles).
+int64_t jobs_started();
+}  // namespace internal
+
+// Runs fn(part) once for each part in [0, parts), spread over up to `parts` threads.
+template <typename F>
+void parallel_parts(int parts, F&& fn) {
+  if (parts <= 0) return;
+  if (parts == 1 || num_threads() <= 1) {
+    for (int i = 0; i < parts; ++i) fn(i);
+    return;
+  }
+  struct Ctx {
+    F* fn;
+    std::exception_ptr error;
+    std::mutex mu;
+  } ctx{&fn, nullptr, {}};
+  internal::run_parts(
+      parts,
+      [](void* p, int i) {
+        Ctx& c = *static_cast<Ctx*>(p);
+        try {
+          (*c.fn)(i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(c.mu);
+          if (!c.error) c.error = std::current_exception();
+        }
+      },
+      &ctx);
+  if (ctx.error) std::rethrow_exception(ctx.error);
+}
 
 // Splits [begin, end) into at most num_threads() contiguous chunks of at least `grain`
 // items; fn(chunk_begin, chunk_end) runs once per chunk. Chunking depends only on the range,
@@ -38,25 +84,12 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, F&& fn) {
     fn(begin, end);
     return;
   }
-  std::exception_ptr error;
-  std::mutex error_mu;
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num();
-    const int64_t nt = omp_get_num_threads();
-    const int64_t chunk = (n + nt - 1) / nt;
+  const int64_t chunk = (n + threads - 1) / threads;
+  parallel_parts(threads, [&](int t) {
     const int64_t b = begin + t * chunk;
     const int64_t e = std::min(end, b + chunk);
-    if (b < e) {
-      try {
-        fn(b, e);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mu);
-        if (!error) error = std::current_exception();
-      }
-    }
-  }
-  if (error) std::rethrow_exception(error);
+    if (b < e) fn(b, e);
+  });
 }
 
 }  // namespace tessera::cpu

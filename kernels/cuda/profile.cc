@@ -77,8 +77,13 @@ void report() {
                total_device, total_host);
 }
 
+KernelObserver g_previous = nullptr;  // another backend's profile, if installed first
+
 void observe(OpId op, Device device, bool begin) {
-  if (!device.is_cuda()) return;
+  if (!device.is_cuda()) {
+    if (g_previous != nullptr) g_previous(op, device, begin);
+    return;
+  }
   Profile& p = profile();
   std::lock_guard<std::mutex> lock(p.mu);
   // An optimizer step is a run of update calls (AdamW issues one per bucket of parameters);
@@ -120,6 +125,7 @@ const bool kInstalled = [] {
   const char* v = std::getenv("TESSERA_PROFILE");
   if (v == nullptr || *v == '\0') return false;
   profile().skip_steps = std::atol(v);
+  g_previous = kernel_observer();
   set_kernel_observer(&observe);
   return true;
 }();

@@ -115,7 +115,7 @@ int64_t count_bad(const float* c, int64_t ldc, const Reference& ref, const std::
 
 // Restores the calling thread's kernel thread count when a test ends.
 struct ThreadCountGuard {
-  int saved = omp_get_max_threads();
+  int saved = cpu::num_threads();
   ~ThreadCountGuard() { cpu::set_num_threads(saved); }
 };
 
@@ -216,14 +216,20 @@ TEST_CASE("sgemm is bitwise identical for 1, 2, 3 and 4 threads") {
         CAPTURE(threads);
         CHECK(std::memcmp(c.data(), first.data(), c.size() * sizeof(float)) == 0);
       }
-      // Inside a parallel region sgemm runs single-threaded; still the same bits.
-      std::vector<float> inside = c0;
+      // Inside a part of a parallel job sgemm runs single-threaded; still the same bits. So
+      // inside an OpenMP region (a user's).
+      cpu::set_num_threads(2);
+      std::vector<float> inside = c0, in_omp = c0;
+      cpu::parallel_parts(2, [&](int part) {
+        if (part == 1) sgemm(m, n, k, {a.data(), k, 1}, {b.data(), n, 1}, inside.data(), n, accumulate);
+      });
+      CHECK(std::memcmp(inside.data(), first.data(), inside.size() * sizeof(float)) == 0);
 #pragma omp parallel num_threads(2)
       {
 #pragma omp single
-        sgemm(m, n, k, {a.data(), k, 1}, {b.data(), n, 1}, inside.data(), n, accumulate);
+        sgemm(m, n, k, {a.data(), k, 1}, {b.data(), n, 1}, in_omp.data(), n, accumulate);
       }
-      CHECK(std::memcmp(inside.data(), first.data(), inside.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(in_omp.data(), first.data(), in_omp.size() * sizeof(float)) == 0);
     }
   }
 }

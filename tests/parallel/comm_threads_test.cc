@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <omp.h>
 
 #include <atomic>
 #include <cmath>
@@ -18,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cpu/parallel.h"
 #include "parallel/comm/threads.h"
 #include "tensor/error.h"
 #include "tests/parallel/collective_checks.h"
@@ -218,11 +218,11 @@ TEST_CASE("threads: kernel threads per rank") {
   std::vector<int> threads(2, 0);
   ThreadsOptions options;
   options.kernel_threads = 3;
-  run_threads(2, [&](CommPtr world) { threads[world->rank()] = omp_get_max_threads(); }, options);
+  run_threads(2, [&](CommPtr world) { threads[world->rank()] = cpu::num_threads(); }, options);
   CHECK(threads == std::vector<int>{3, 3});
   const int expected = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 4);
   std::vector<int> defaults(4, 0);
-  run_threads(4, [&](CommPtr world) { defaults[world->rank()] = omp_get_max_threads(); });
+  run_threads(4, [&](CommPtr world) { defaults[world->rank()] = cpu::num_threads(); });
   CHECK(defaults == std::vector<int>(4, expected));
 }
 

@@ -421,6 +421,9 @@ const Attn kAttention[] = {
     {"[1, 1, 1, 5] one query", {1, 1, 1, 5}, true, 0.0},
     // As tensor-parallel GPT runs it: causal, 4 heads (whole heads per rank on 2 and 4).
     {"[1, 4, 4, 3] causal, 4 heads", {1, 4, 4, 3}, true, 0.0},
+    // Longer than the CPU kernel's block of 64 query rows: three blocks, the last partial.
+    {"[1, 2, 130, 8] causal, 3 row blocks", {1, 2, 130, 8}, true, 0.0},
+    {"[2, 1, 70, 5] not causal, 2 row blocks", {2, 1, 70, 5}, false, 0.0},
 };
 
 OpSweep attention_sweep() {

@@ -10,6 +10,9 @@
 #   STEPS=200 ROUNDS=3 THREADS=2 tools/bench/run_gpt_bench.sh
 #
 # Waits for a quiet machine before each process (tools/bench/quiet.sh; QUIET_IDLE=0 skips).
+# CONTEND=1: measures under contention instead - after one wait for a quiet machine, a
+# CPU-bound busy loop pinned to core 0 runs for the whole measurement (as another user's
+# job sharing the node would), and no further waits are made.
 # Each framework runs with OMP_WAIT_POLICY=passive and with the runtime's default (unset):
 # PyTorch's OpenMP and OpenBLAS pools fight when they spin, so its two settings differ up to
 # 3x on a small machine; the ratio is claimed between the better of each.
@@ -32,10 +35,21 @@ mkdir -p "$OUT"
 # shellcheck source=tools/bench/quiet.sh
 source "$ROOT/tools/bench/quiet.sh"
 
+CONTEND=${CONTEND:-0}
+
 cd "$ROOT"
 bazel build //models:gpt >&2
 # A private copy, so a concurrent build replacing bazel-bin cannot change the binary mid-run.
 cp -f bazel-bin/models/gpt/gpt "$OUT/gpt"
+
+if [ "$CONTEND" = 1 ]; then
+  wait_for_quiet
+  taskset -c 0 sh -c 'while :; do :; done' &
+  busy=$!
+  trap 'kill "$busy" 2>/dev/null' EXIT
+  QUIET_IDLE=0
+  echo "[contention: busy loop pid $busy pinned to core 0]" >&2
+fi
 
 model=(--layers="$LAYERS" --heads="$HEADS" --width="$WIDTH" --context="$CONTEXT"
        --batch="$BATCH" --steps="$STEPS" --log_every="$LOG_EVERY" --threads="$THREADS")
@@ -58,14 +72,14 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 "$PYTHON" - "$OUT" "$SKIP" "$THREADS" "$ROUNDS" "$STEPS" "$LOG_EVERY" \
-  "$LAYERS" "$HEADS" "$WIDTH" "$CONTEXT" "$BATCH" <<'PY' | tee "$OUT/table.md"
+  "$LAYERS" "$HEADS" "$WIDTH" "$CONTEXT" "$BATCH" "$CONTEND" <<'PY' | tee "$OUT/table.md"
 import glob
 import json
 import statistics
 import sys
 
 out = sys.argv[1]
-skip, threads, rounds, steps, log_every, layers, heads, width, context, batch = map(int, sys.argv[2:])
+skip, threads, rounds, steps, log_every, layers, heads, width, context, batch, contend = map(int, sys.argv[2:])
 import torch
 
 
@@ -83,7 +97,8 @@ print(f"GPT {layers} layers, {heads} heads, width {width}, context {context}, ba
       f"({batch * context} tokens/step), f32, AdamW + clip; {threads} threads (both); {rounds} "
       f"rounds x {steps} steps per setting, first {skip} steps dropped; tokens/s per "
       f"{log_every}-step window, median over every kept window (min..max). PyTorch "
-      f"{torch.__version__}.")
+      f"{torch.__version__}."
+      + (" Under contention: a busy loop pinned to core 0 ran throughout." if contend else ""))
 print()
 print("| framework | OMP_WAIT_POLICY | tokens/s median | min..max | windows |")
 print("|---|---|---:|---:|---:|")

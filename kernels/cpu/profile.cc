@@ -1,0 +1,147 @@
+// Per-op profile of a CPU run: with TESSERA_PROFILE=K set, every top-level CPU kernel call
+// after the K-th optimizer step (a run of adamw_/sgd_ calls) is timed on the host, with the
+// parallel jobs it started on the thread pool (kernels/cpu/parallel.h); at exit a table
+// prints, per op, the calls, the milliseconds, their share of the profiled wall time and the
+// parallel jobs, sorted by time, then the totals per step: ops, jobs, and the share of the
+// step spent in GEMM ops (matmul, grouped matmul, conv) and outside them.
+//
+//   TESSERA_PROFILE=5 bazel-bin/models/gpt/gpt --synthetic_data --steps=15 ...
+//
+// Steps are counted by the optimizer's fused update ops, so a run whose optimizer issues
+// none (Adafactor) never starts the table. With CUDA linked too, each backend's observer
+// profiles its own device's calls and passes the others on.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/parallel.h"
+#include "tensor/op.h"
+
+namespace tessera::cpu {
+namespace {
+
+struct Sum {
+  long calls = 0;
+  double ms = 0;
+  long jobs = 0;
+};
+
+struct Open {
+  OpId op;
+  std::chrono::steady_clock::time_point start;
+  int64_t jobs_before;
+};
+
+struct Profile {
+  std::mutex mu;
+  long skip_steps = 0;
+  long steps = 0;
+  bool in_update = false;
+  bool started = false;
+  std::chrono::steady_clock::time_point first;
+  std::map<OpId, Sum> by_op;
+  KernelObserver previous = nullptr;
+};
+
+Profile& profile() {
+  static Profile* p = new Profile;
+  return *p;
+}
+
+// Each thread's stack of open calls (ops call ops; only top-level calls are recorded).
+thread_local std::vector<Open> t_open;
+
+bool is_gemm(OpId op) {
+  return op == OpId::matmul || op == OpId::grouped_matmul || op == OpId::grouped_matmul_backward_weight ||
+         op == OpId::conv2d || op == OpId::conv2d_backward_input || op == OpId::conv2d_backward_weight;
+}
+
+void report() {
+  Profile& p = profile();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (p.by_op.empty()) return;
+  const double wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - p.first).count();
+  const long steps = std::max(1L, p.steps - p.skip_steps);
+  std::vector<std::pair<OpId, Sum>> rows(p.by_op.begin(), p.by_op.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+  double total_ms = 0, gemm_ms = 0;
+  long calls = 0, jobs = 0;
+  for (const auto& [op, s] : rows) {
+    total_ms += s.ms;
+    if (is_gemm(op)) gemm_ms += s.ms;
+    calls += s.calls;
+    jobs += s.jobs;
+  }
+  std::fprintf(stderr, "\nTessera CPU profile: %ld optimizer steps after %ld skipped; wall %.1f ms; %d threads\n",
+               steps, p.skip_steps, wall_ms, num_threads());
+  std::fprintf(stderr, "| op | calls | ms | %% of wall | parallel jobs |\n|---|---:|---:|---:|---:|\n");
+  for (const auto& [op, s] : rows) {
+    std::fprintf(stderr, "| %s | %ld | %.2f | %.1f | %ld |\n", std::string(op_name(op)).c_str(), s.calls, s.ms,
+                 100.0 * s.ms / std::max(wall_ms, 1e-9), s.jobs);
+  }
+  std::fprintf(stderr, "| total in kernels | %ld | %.2f | %.1f | %ld |\n", calls, total_ms,
+               100.0 * total_ms / std::max(wall_ms, 1e-9), jobs);
+  std::fprintf(stderr,
+               "per step: %.1f ms wall, %.0f kernel calls, %.0f parallel jobs; GEMM ops %.1f%% of the "
+               "wall time, other kernels %.1f%%, outside kernels (autograd, allocation, Python-free "
+               "glue) %.1f%%\n",
+               wall_ms / steps, static_cast<double>(calls) / steps, static_cast<double>(jobs) / steps,
+               100.0 * gemm_ms / wall_ms, 100.0 * (total_ms - gemm_ms) / wall_ms,
+               100.0 * (wall_ms - total_ms) / wall_ms);
+}
+
+void observe(OpId op, Device device, bool begin) {
+  Profile& p = profile();
+  if (!device.is_cpu()) {
+    if (p.previous != nullptr) p.previous(op, device, begin);
+    return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (begin) {
+    {
+      std::lock_guard<std::mutex> lock(p.mu);
+      // An optimizer step is a run of update calls; it is done when the next other op begins.
+      const bool update = op == OpId::adamw_ || op == OpId::sgd_;
+      if (t_open.empty()) {
+        if (!update && p.in_update) ++p.steps;
+        p.in_update = update;
+      }
+      if (p.steps < p.skip_steps) return;
+      if (!p.started) {
+        if (!t_open.empty()) return;  // start on a top-level call
+        p.started = true;
+        p.first = now;
+        std::atexit(report);
+      }
+    }
+    t_open.push_back({op, now, internal::jobs_started()});
+    return;
+  }
+  if (t_open.empty()) return;
+  const Open o = t_open.back();
+  t_open.pop_back();
+  if (!t_open.empty()) return;  // nested: counted in its top-level call
+  std::lock_guard<std::mutex> lock(p.mu);
+  Sum& s = p.by_op[o.op];
+  ++s.calls;
+  s.ms += std::chrono::duration<double, std::milli>(now - o.start).count();
+  s.jobs += internal::jobs_started() - o.jobs_before;
+}
+
+const bool kInstalled = [] {
+  const char* v = std::getenv("TESSERA_PROFILE");
+  if (v == nullptr || *v == '\0') return false;
+  profile().skip_steps = std::atol(v);
+  profile().previous = kernel_observer();
+  set_kernel_observer(&observe);
+  return true;
+}();
+
+}  // namespace
+}  // namespace tessera::cpu

@@ -1,0 +1,141 @@
+// The CPU thread pool (kernels/cpu/parallel.h): parallel_parts runs every part exactly once
+// whatever the thread count and the part count; the first exception of a part reaches the
+// caller and the pool stays usable; calls from inside a part run inline on one thread;
+// parallel_for's chunks are the documented ones; several caller threads, each with its own
+// pool, run jobs at once; a caller thread that ends takes its pool's workers with it.
+// Built twice (tests/kernels/BUILD): TESSERA_SPIN_US=50 and 0 (workers sleep after every job,
+// so each job must wake them: a lost wake-up shows as a hang, which the test's timeout ends).
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/parallel.h"
+
+namespace tessera {
+namespace {
+
+struct ThreadCount {
+  int saved = cpu::num_threads();
+  explicit ThreadCount(int n) { cpu::set_num_threads(n); }
+  ~ThreadCount() { cpu::set_num_threads(saved); }
+};
+
+TEST_CASE("the spin setting is the one this binary was built to test") {
+  const char* spin = std::getenv("TESSERA_SPIN_US");
+  REQUIRE(spin != nullptr);
+  MESSAGE("TESSERA_SPIN_US=", spin);
+}
+
+TEST_CASE("parallel_parts: every part exactly once, for 1-4 threads and 1-40 parts") {
+  for (int threads = 1; threads <= 4; ++threads) {
+    ThreadCount tc(threads);
+    for (int parts = 1; parts <= 40; ++parts) {
+      std::vector<std::atomic<int>> hits(parts);
+      for (int rep = 0; rep < 20; ++rep) {
+        cpu::parallel_parts(parts, [&](int p) { hits[p].fetch_add(1); });
+      }
+      int wrong = 0;
+      for (int p = 0; p < parts; ++p) wrong += hits[p].load() != 20;
+      CAPTURE(threads);
+      CAPTURE(parts);
+      CHECK(wrong == 0);
+    }
+  }
+}
+
+TEST_CASE("parallel_parts: many short jobs in a row (wake-ups are not lost)") {
+  ThreadCount tc(2);
+  int64_t total = 0;
+  std::atomic<int64_t> sum{0};
+  for (int job = 0; job < 20000; ++job) {
+    cpu::parallel_parts(2, [&](int p) { sum.fetch_add(job * 2 + p); });
+    total += job * 2 + (job * 2 + 1);
+  }
+  CHECK(sum.load() == total);
+}
+
+TEST_CASE("parallel_for: the chunks are the range split in num_threads() equal pieces") {
+  ThreadCount tc(3);
+  std::vector<std::pair<int64_t, int64_t>> chunks(3, {-1, -1});
+  cpu::parallel_for(10, 110, 1, [&](int64_t b, int64_t e) {
+    const int64_t i = (b - 10) / 34;
+    chunks[i] = {b, e};
+  });
+  CHECK(chunks == std::vector<std::pair<int64_t, int64_t>>{{10, 44}, {44, 78}, {78, 110}});
+  // Below the grain: one chunk, on the caller.
+  const std::thread::id caller = std::this_thread::get_id();
+  std::thread::id ran;
+  int calls = 0;
+  cpu::parallel_for(0, 100, 1000, [&](int64_t b, int64_t e) {
+    ran = std::this_thread::get_id();
+    ++calls;
+    CHECK(b == 0);
+    CHECK(e == 100);
+  });
+  CHECK(calls == 1);
+  CHECK(ran == caller);
+}
+
+TEST_CASE("an exception in a part reaches the caller; the pool still runs the next job") {
+  ThreadCount tc(2);
+  for (int rep = 0; rep < 50; ++rep) {
+    std::atomic<int> ran{0};
+    try {
+      cpu::parallel_parts(4, [&](int p) {
+        ran.fetch_add(1);
+        if (p == 2) throw std::runtime_error("part 2 failed");
+      });
+      FAIL("no exception");
+    } catch (const std::runtime_error& e) {
+      CHECK(std::string(e.what()) == "part 2 failed");
+    }
+    CHECK(ran.load() == 4);  // the other parts still ran
+    std::atomic<int> after{0};
+    cpu::parallel_parts(3, [&](int) { after.fetch_add(1); });
+    CHECK(after.load() == 3);
+  }
+}
+
+TEST_CASE("inside a part: one thread, nested calls run inline") {
+  ThreadCount tc(2);
+  std::vector<int> inner_threads(2, 0), inner_sum(2, 0);
+  std::vector<std::thread::id> part_thread(2), nested_thread(2);
+  cpu::parallel_parts(2, [&](int p) {
+    inner_threads[p] = cpu::num_threads();
+    part_thread[p] = std::this_thread::get_id();
+    cpu::parallel_for(0, 1000, 1, [&](int64_t b, int64_t e) {
+      nested_thread[p] = std::this_thread::get_id();
+      inner_sum[p] += static_cast<int>(e - b);
+    });
+  });
+  CHECK(inner_threads == std::vector<int>{1, 1});
+  CHECK(inner_sum == std::vector<int>{1000, 1000});
+  CHECK(nested_thread == part_thread);
+  CHECK(cpu::num_threads() == 2);  // restored on the caller
+}
+
+TEST_CASE("several caller threads run jobs at once, each on its own pool") {
+  constexpr int kCallers = 4, kJobs = 2000;
+  std::vector<int64_t> sums(kCallers, 0);
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      cpu::set_num_threads(3);
+      for (int j = 0; j < kJobs; ++j) {
+        std::atomic<int64_t> s{0};
+        cpu::parallel_parts(3, [&](int p) { s.fetch_add(p + 1); });
+        sums[c] += s.load();
+      }
+    });  // the thread's pool and its workers end with it
+  }
+  for (std::thread& t : callers) t.join();
+  CHECK(sums == std::vector<int64_t>(kCallers, int64_t{6} * kJobs));
+}
+
+}  // namespace
+}  // namespace tessera
