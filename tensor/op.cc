@@ -267,7 +267,12 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
   outputs = allocate_outputs(op, out_specs);
   if (KernelObserver obs = tables().observer) [[unlikely]] {
     obs(op, device, true);
-    run_kernel(kernel, op, device, inputs, outputs, attrs);
+    try {
+      run_kernel(kernel, op, device, inputs, outputs, attrs);
+    } catch (...) {
+      obs(op, device, false);  // every begin has its end, also when the kernel throws
+      throw;
+    }
     obs(op, device, false);
   } else {
     run_kernel(kernel, op, device, inputs, outputs, attrs);
@@ -304,7 +309,12 @@ void call_copy_(const Tensor& dst, const Tensor& src) {
   std::vector<Tensor> out = {dst};
   KernelObserver obs = tables().observer;
   if (obs) obs(OpId::copy_, device, true);
-  run_kernel(find_kernel(OpId::copy_, device), OpId::copy_, device, inputs, out, Attrs{});
+  try {
+    run_kernel(find_kernel(OpId::copy_, device), OpId::copy_, device, inputs, out, Attrs{});
+  } catch (...) {
+    if (obs) obs(OpId::copy_, device, false);
+    throw;
+  }
   if (obs) obs(OpId::copy_, device, false);
   dst.storage()->bump_version();
 }
@@ -333,11 +343,16 @@ void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
            info.name, out_specs.size());
   KernelObserver obs = tables().observer;
   if (obs) obs(op, device, true);
-  if (!device.is_cpu() && kernel_fn(device.type, op) == nullptr &&
-      kernel_fn(DeviceType::cpu, op) != nullptr) {
-    run_inplace_on_cpu(op, inputs, attrs, written);
-  } else {
-    run_kernel(find_kernel(op, device), op, device, inputs, std::span<Tensor>(), attrs);
+  try {
+    if (!device.is_cpu() && kernel_fn(device.type, op) == nullptr &&
+        kernel_fn(DeviceType::cpu, op) != nullptr) {
+      run_inplace_on_cpu(op, inputs, attrs, written);
+    } else {
+      run_kernel(find_kernel(op, device), op, device, inputs, std::span<Tensor>(), attrs);
+    }
+  } catch (...) {
+    if (obs) obs(op, device, false);
+    throw;
   }
   if (obs) obs(op, device, false);
   for (size_t i : written) {

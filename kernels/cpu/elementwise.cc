@@ -68,37 +68,34 @@ template <> struct EigenForm<ops::gelu_tanh> {
 template <typename F, typename A>
 concept HasEigen = requires(const A& a) { EigenForm<F>::apply(a); };
 
-// The same for binary functors: apply(a, b, out) writes f(a, b) over one block of at most
-// kEigenBlock elements (stack temporaries hold subexpressions used twice). gelu's backward
-// is the case that matters: a scalar tanh per element made it 60x slower than its forward.
+// The same for binary functors, f32 only: apply(a, b, out) writes f(a, b) for one block of
+// kEigenBlock elements held in aligned arrays of a fixed size, which Eigen evaluates with
+// packets only: every element goes through the same vectorised functions whatever its
+// position or its buffer's alignment (a dynamic-size Map evaluates an unaligned head and a
+// tail with the scalar functions, whose bits differ), so results do not depend on the thread
+// count. gelu's backward is the case that matters: a scalar tanh per element made it 60x
+// slower than its forward.
 constexpr int64_t kEigenBlock = 256;
+using Block = Eigen::Array<float, kEigenBlock, 1>;
 template <typename F> struct EigenForm2;
 
 template <> struct EigenForm2<ops::gelu_tanh_backward> {
-  template <typename A, typename O> static void apply(const A& g, const A& x, O&& out) {
-    using S = typename A::Scalar;
-    Eigen::Array<S, Eigen::Dynamic, 1, 0, kEigenBlock, 1> x2 = x.square();
-    Eigen::Array<S, Eigen::Dynamic, 1, 0, kEigenBlock, 1> t =
-        (S(ops::kSqrt2OverPi) * (x + S(ops::kGeluCoeff) * x2 * x)).tanh();
-    out = g * (S(0.5) * (S(1) + t) +
-               S(0.5) * x * (S(ops::kSqrt2OverPi) * (S(1) + S(3 * ops::kGeluCoeff) * x2) * (S(1) - t.square())));
+  static void apply(const Block& g, const Block& x, Block& out) {
+    const Block x2 = x.square();
+    const Block t = (float(ops::kSqrt2OverPi) * (x + float(ops::kGeluCoeff) * x2 * x)).tanh();
+    out = g * (0.5f * (1.0f + t) +
+               0.5f * x * (float(ops::kSqrt2OverPi) * (1.0f + float(3 * ops::kGeluCoeff) * x2) * (1.0f - t.square())));
   }
 };
 template <> struct EigenForm2<ops::gelu_erf_backward> {
-  // f32 only, as exp (the f64 exp clamp would make the far tail's pdf 5.6e-309, not 0).
-  template <typename A, typename O>
-    requires std::is_same_v<typename A::Scalar, float>
-  static void apply(const A& g, const A& x, O&& out) {
-    using S = typename A::Scalar;
-    out = g * (S(0.5) * (S(1) + (x * S(ops::kSqrt1_2)).erf()) +
-               x * (S(ops::kInvSqrt2Pi) * (S(-0.5) * x.square()).exp()));
+  static void apply(const Block& g, const Block& x, Block& out) {
+    out = g * (0.5f * (1.0f + (x * float(ops::kSqrt1_2)).erf()) +
+               x * (float(ops::kInvSqrt2Pi) * (-0.5f * x.square()).exp()));
   }
 };
 
-template <typename F, typename A>
-concept HasEigen2 = requires(const A& a, Eigen::Map<Eigen::Array<typename A::Scalar, Eigen::Dynamic, 1>>& o) {
-  EigenForm2<F>::apply(a, a, o);
-};
+template <typename F>
+concept HasEigen2 = requires(const Block& a, Block& o) { EigenForm2<F>::apply(a, a, o); };
 
 template <typename T, typename F>
 void unary_loop(const Tensor& in, const Tensor& out, F f) {
@@ -159,16 +156,20 @@ void binary_loop(const Tensor& a, const Tensor& b, const Tensor& out, F f) {
     // The three shapes that matter for speed get their own loops: both contiguous, and
     // one side a broadcast scalar (stride 0).
     if (r.stride[0] == sizeof(Out) && r.stride[1] == s && r.stride[2] == s) {
-      if constexpr (std::is_floating_point_v<T> && std::is_same_v<Out, T>) {
-        using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
-        if constexpr (HasEigen2<F, Eigen::Map<const Arr>>) {
-          for (int64_t b = 0; b < r.n; b += kEigenBlock) {
-            const int64_t n = std::min(kEigenBlock, r.n - b);
-            Eigen::Map<Arr> ob(o + b, n);
-            EigenForm2<F>::apply(Eigen::Map<const Arr>(x + b, n), Eigen::Map<const Arr>(y + b, n), ob);
+      if constexpr (std::is_same_v<T, float> && std::is_same_v<Out, T> && HasEigen2<F>) {
+        Block xb, yb, ob;
+        for (int64_t b = 0; b < r.n; b += kEigenBlock) {
+          const int64_t n = std::min(kEigenBlock, r.n - b);
+          std::copy(x + b, x + b + n, xb.data());
+          std::copy(y + b, y + b + n, yb.data());
+          if (n < kEigenBlock) {  // a partial block: defined values in the unused lanes
+            std::fill(xb.data() + n, xb.data() + kEigenBlock, 0.0f);
+            std::fill(yb.data() + n, yb.data() + kEigenBlock, 0.0f);
           }
-          return;
+          EigenForm2<F>::apply(xb, yb, ob);
+          std::copy(ob.data(), ob.data() + n, o + b);
         }
+        return;
       }
       for (int64_t i = 0; i < r.n; ++i) o[i] = Out(f(C(x[i]), C(y[i])));
     } else if (r.stride[0] == sizeof(Out) && r.stride[1] == s && r.stride[2] == 0) {

@@ -25,7 +25,7 @@ struct StridedMatrix {
 
 // C[m, n] (row-major, leading dimension ldc >= n) = A[m, k] * B[k, n]; with `accumulate`
 // (beta = 1) C += A * B instead. k == 0 gives C = 0 (or leaves C as is when accumulating).
-// Runs on num_threads() threads (kernels/cpu/parallel.h; 1 inside a parallel region).
+// Runs on num_threads() threads (kernels/cpu/parallel.h; 1 inside a part of a parallel job).
 // C must not overlap A or B. Throws tessera::Error on negative sizes or ldc < n.
 void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, float* c, int64_t ldc,
            bool accumulate = false);

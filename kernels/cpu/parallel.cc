@@ -69,7 +69,9 @@ class Pool {
   }
 
   void run(int parts, int threads, void (*fn)(void*, int), void* ctx) {
-    grow(std::min(parts, threads) - 1);
+    const int helpers = std::min(parts, threads) - 1;
+    grow(helpers);
+    helpers_.store(helpers, std::memory_order_relaxed);  // published by job_'s release
     fn_ = fn;
     ctx_ = ctx;
     done_.store(0, std::memory_order_relaxed);
@@ -115,17 +117,22 @@ class Pool {
 
   void grow(int workers) {
     while (static_cast<int>(workers_.size()) < workers) {
-      workers_.emplace_back([this] { work(); });
+      const int index = static_cast<int>(workers_.size());
+      workers_.emplace_back([this, index] { work(index); });
     }
   }
 
-  void work() {
+  // Worker `index` takes part in jobs that want more than `index` helpers; after one that
+  // does not (the thread count went down), it sleeps at once instead of spinning.
+  void work(int index) {
     t_in_job = true;
     omp_set_num_threads(1);
     uint32_t seen = epoch_of(job_.load(std::memory_order_acquire));
-    const std::chrono::nanoseconds spin = spin_time();
+    bool idle = false;  // the last job did not want this worker
     while (true) {
-      // Poll for a new epoch for `spin`, then sleep until run() or the destructor wakes us.
+      // Poll for a new epoch for the spin time, then sleep until run() or the destructor
+      // wakes us.
+      const std::chrono::nanoseconds spin = idle ? std::chrono::nanoseconds(0) : spin_time();
       uint64_t w = job_.load(std::memory_order_acquire);
       if (epoch_of(w) == seen && !stop_.load(std::memory_order_relaxed)) {
         const auto until = std::chrono::steady_clock::now() + spin;
@@ -151,7 +158,8 @@ class Pool {
       }
       if (stop_.load(std::memory_order_acquire)) return;
       seen = epoch_of(w);
-      claim_and_run(seen);
+      idle = index >= helpers_.load(std::memory_order_relaxed);
+      if (!idle) claim_and_run(seen);
     }
   }
 
@@ -160,6 +168,7 @@ class Pool {
   std::atomic<uint32_t> done_{0};
   std::atomic<uint32_t> wake_{0};
   std::atomic<int> sleepers_{0};
+  std::atomic<int> helpers_{0};  // workers the current job may use
   std::atomic<bool> stop_{false};
   uint32_t epoch_ = 0;  // the caller's own copy of the last epoch it published
   void (*fn_)(void*, int) = nullptr;

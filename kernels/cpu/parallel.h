@@ -10,19 +10,23 @@
 // waits at the barrier for every member. On a busy machine a member that the OS has not
 // scheduled holds the whole region for a time slice (milliseconds), and libgomp's members
 // spin for a long time between regions, taking the core from the thread with the serial
-// work. Here the caller takes every part nobody has started, so it never waits for a worker
-// that is not running, and idle workers sleep after TESSERA_SPIN_US microseconds (default
-// 50; 0: sleep at once).
+// work. Here the caller takes every part nobody has started, so it waits only for parts a
+// worker has already begun (it can still wait a time slice for a worker preempted inside
+// one), and idle workers sleep after TESSERA_SPIN_US microseconds (default 50; 0: sleep at
+// once). Only min(parts, num_threads()) - 1 workers take part in a job; any others (the
+// thread count went down) go back to sleep at once.
 //
 // Which thread runs a part never changes a result: parts are fixed by the range, grain and
-// thread count alone. Exceptions thrown by parts are carried to the caller and rethrown (the
-// first one). Calls made from inside a part run inline, single-threaded.
+// thread count alone. An exception thrown by a part is carried to the caller and rethrown
+// (the first one caught, when several parts throw; with one thread, the parts after a
+// throwing one do not run). Calls made from inside a part run inline, single-threaded.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <type_traits>
 
 namespace tessera::cpu {
 
@@ -37,7 +41,8 @@ int num_threads();
 void set_num_threads(int n);
 
 namespace internal {
-// Runs part(ctx, i) for i in [0, parts) on the calling thread's pool (parts <= 65535).
+// Runs part(ctx, i) for i in [0, parts) on the calling thread's pool; `part` must not throw
+// (parallel_parts catches for it).
 void run_parts(int parts, void (*part)(void* ctx, int i), void* ctx);
 // Jobs the calling thread has handed to its pool so far (for profiles).
 int64_t jobs_started();
@@ -52,7 +57,7 @@ void parallel_parts(int parts, F&& fn) {
     return;
   }
   struct Ctx {
-    F* fn;
+    std::remove_reference_t<F>* fn;
     std::exception_ptr error;
     std::mutex mu;
   } ctx{&fn, nullptr, {}};

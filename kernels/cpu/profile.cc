@@ -7,8 +7,9 @@
 //
 //   TESSERA_PROFILE=5 bazel-bin/models/gpt/gpt --synthetic_data --steps=15 ...
 //
-// Steps are counted by the optimizer's fused update ops, so a run whose optimizer issues
-// none (Adafactor) never starts the table. With CUDA linked too, each backend's observer
+// Steps are counted per thread by the optimizer's fused update ops, so a run whose optimizer
+// issues none (Adafactor) never starts the table; with simulated ranks every rank's ops are
+// summed and "per step" divides by the steps of the furthest rank. With CUDA linked too, each backend's observer
 // profiles its own device's calls and passes the others on.
 #include <algorithm>
 #include <chrono>
@@ -35,13 +36,13 @@ struct Open {
   OpId op;
   std::chrono::steady_clock::time_point start;
   int64_t jobs_before;
+  bool record;  // a top-level call after the skipped steps
 };
 
 struct Profile {
   std::mutex mu;
   long skip_steps = 0;
-  long steps = 0;
-  bool in_update = false;
+  long steps = 0;  // the most any thread has counted
   bool started = false;
   std::chrono::steady_clock::time_point first;
   std::map<OpId, Sum> by_op;
@@ -53,8 +54,11 @@ Profile& profile() {
   return *p;
 }
 
-// Each thread's stack of open calls (ops call ops; only top-level calls are recorded).
+// Each thread's stack of open calls (ops call ops; only top-level calls are recorded), and its
+// own optimizer steps (simulated ranks step on threads of their own).
 thread_local std::vector<Open> t_open;
+thread_local long t_steps = 0;
+thread_local bool t_in_update = false;
 
 bool is_gemm(OpId op) {
   return op == OpId::matmul || op == OpId::grouped_matmul || op == OpId::grouped_matmul_backward_weight ||
@@ -104,29 +108,31 @@ void observe(OpId op, Device device, bool begin) {
   }
   const auto now = std::chrono::steady_clock::now();
   if (begin) {
-    {
-      std::lock_guard<std::mutex> lock(p.mu);
-      // An optimizer step is a run of update calls; it is done when the next other op begins.
+    bool record = false;
+    if (t_open.empty()) {
+      // An optimizer step is a run of update calls; it is done when the next other op
+      // begins. Only top-level calls count (a kernel may call ops).
       const bool update = op == OpId::adamw_ || op == OpId::sgd_;
-      if (t_open.empty()) {
-        if (!update && p.in_update) ++p.steps;
-        p.in_update = update;
-      }
-      if (p.steps < p.skip_steps) return;
-      if (!p.started) {
-        if (!t_open.empty()) return;  // start on a top-level call
-        p.started = true;
-        p.first = now;
-        std::atexit(report);
+      if (!update && t_in_update) ++t_steps;
+      t_in_update = update;
+      if (t_steps >= p.skip_steps) {
+        std::lock_guard<std::mutex> lock(p.mu);
+        p.steps = std::max(p.steps, t_steps);
+        if (!p.started) {
+          p.started = true;
+          p.first = now;
+          std::atexit(report);
+        }
+        record = true;
       }
     }
-    t_open.push_back({op, now, internal::jobs_started()});
+    t_open.push_back({op, now, internal::jobs_started(), record});
     return;
   }
   if (t_open.empty()) return;
   const Open o = t_open.back();
   t_open.pop_back();
-  if (!t_open.empty()) return;  // nested: counted in its top-level call
+  if (!o.record) return;  // nested (counted in its top-level call), or before the profile
   std::lock_guard<std::mutex> lock(p.mu);
   Sum& s = p.by_op[o.op];
   ++s.calls;

@@ -312,8 +312,9 @@ TEST_CASE("GPT-mini: cuda:0 trains like the CPU (f32) and with bf16 autocast") {
 
 // Mixture of Experts, step by step: before every step the device model takes the CPU
 // model's parameters, both compute the step's loss and gradients, and only the CPU model is
-// updated (AdamW, clipping). Each step's routing must match (the same tokens per expert in
-// every layer), its loss agree within 1e-6 relative and its gradient, all parameters as one
+// updated (AdamW, clipping). Each step's routing must match (the same number of tokens per
+// expert in every layer; two tokens trading experts would keep the counts, but not the
+// gradient), its loss agree within 1e-6 relative and its gradient, all parameters as one
 // vector, within 1e-5 in norm: the f32 sums of 128 tokens in other orders (measured: see
 // the MESSAGE). One token routed to another expert moves that expert's gradient by its
 // share of the batch, orders of magnitude over 1e-5.
@@ -393,6 +394,8 @@ void check_moe_free_run(const Task& task, const Run& dev, const Run& cpu) {
   for (size_t i = 0; i < first_diff; ++i) {
     before = std::max(before, std::abs(dev.losses[i] - cpu.losses[i]) / std::abs(cpu.losses[i]));
   }
+  // Step 0 starts from the same parameters on both devices: check_moe_steps' first step.
+  CHECK(first_diff >= 1);
   MESSAGE(fmt::format("{} trained freely, {} steps: loss {:.5f} -> {:.5f} (cpu) / {:.5f} -> {:.5f} "
                       "(cuda:0); routing {}; max loss rel diff before it {:.2g}",
                       task.name, task.steps, cpu.losses.front(), cpu.losses.back(),

@@ -2,13 +2,19 @@
 // whatever the thread count and the part count; the first exception of a part reaches the
 // caller and the pool stays usable; calls from inside a part run inline on one thread;
 // parallel_for's chunks are the documented ones; several caller threads, each with its own
-// pool, run jobs at once; a caller thread that ends takes its pool's workers with it.
+// pool, run jobs at once; a lower thread count after a higher one runs that many threads; a
+// forked child runs jobs without its parent's workers.
 // Built twice (tests/kernels/BUILD): TESSERA_SPIN_US=50 and 0 (workers sleep after every job,
 // so each job must wake them: a lost wake-up shows as a hang, which the test's timeout ends).
 #include <doctest/doctest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -135,6 +141,59 @@ TEST_CASE("several caller threads run jobs at once, each on its own pool") {
   }
   for (std::thread& t : callers) t.join();
   CHECK(sums == std::vector<int64_t>(kCallers, int64_t{6} * kJobs));
+}
+
+TEST_CASE("a lower thread count after a higher one: only that many threads run a job") {
+  ThreadCount tc(4);
+  cpu::parallel_parts(4, [](int) {});  // the pool now has 3 workers
+  cpu::set_num_threads(2);
+  for (int rep = 0; rep < 200; ++rep) {
+    std::mutex mu;
+    std::set<std::thread::id> ran;
+    std::atomic<int> hits{0};
+    cpu::parallel_for(0, 1 << 20, 1, [&](int64_t, int64_t) {
+      hits.fetch_add(1);
+      std::lock_guard<std::mutex> lock(mu);
+      ran.insert(std::this_thread::get_id());
+    });
+    CHECK(hits.load() == 2);
+    CHECK(ran.size() <= 2);
+  }
+}
+
+TEST_CASE("an lvalue callable; several throwing parts give one of their errors") {
+  ThreadCount tc(3);
+  std::atomic<int> n{0};
+  auto count = [&](int) { n.fetch_add(1); };
+  cpu::parallel_parts(5, count);
+  CHECK(n.load() == 5);
+  try {
+    cpu::parallel_parts(6, [](int p) {
+      if (p % 2 == 1) throw std::runtime_error("part " + std::to_string(p));
+    });
+    FAIL("no exception");
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    CHECK((what == "part 1" || what == "part 3" || what == "part 5"));
+  }
+}
+
+TEST_CASE("a forked child runs jobs without its parent's workers") {
+  ThreadCount tc(2);
+  std::atomic<int> warm{0};
+  cpu::parallel_parts(2, [&](int) { warm.fetch_add(1); });  // the parent's pool has a worker
+  REQUIRE(warm.load() == 2);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    std::atomic<int> hits{0};
+    for (int rep = 0; rep < 100; ++rep) cpu::parallel_parts(2, [&](int) { hits.fetch_add(1); });
+    _exit(hits.load() == 200 ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 }  // namespace
