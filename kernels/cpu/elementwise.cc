@@ -16,7 +16,10 @@ namespace ops = scalar_ops;
 
 // ---- Eigen array forms of some functors (contiguous f32/f64 runs) --------------------------
 // A functor without one runs the scalar loop. Kept only where Eigen's form is as accurate as
-// the scalar one on the values the op sweep checks.
+// the scalar one on the values the op sweep checks. Runs are evaluated with packets only
+// (packet_runs below): an Eigen expression over a dynamic-size Map would take an unaligned
+// head and a tail through the scalar functions, whose bits differ, so an element's value
+// would depend on where its thread's chunk starts, that is on the thread count.
 template <typename F> struct EigenForm;
 
 template <> struct EigenForm<ops::exp> {
@@ -68,34 +71,92 @@ template <> struct EigenForm<ops::gelu_tanh> {
 template <typename F, typename A>
 concept HasEigen = requires(const A& a) { EigenForm<F>::apply(a); };
 
-// The same for binary functors, f32 only: apply(a, b, out) writes f(a, b) for one block of
-// kEigenBlock elements held in aligned arrays of a fixed size, which Eigen evaluates with
-// packets only: every element goes through the same vectorised functions whatever its
-// position or its buffer's alignment (a dynamic-size Map evaluates an unaligned head and a
-// tail with the scalar functions, whose bits differ), so results do not depend on the thread
-// count. gelu's backward is the case that matters: a scalar tanh per element made it 60x
-// slower than its forward.
+// The same for binary functors, f32 only: apply(a, b, out) writes f(a, b) over a block whose
+// length is a multiple of kPacket and whose output is 64-byte aligned, so Eigen evaluates it
+// with packets only. A run's unaligned head and its tail (under kPacket elements each) go
+// through a zero-padded aligned packet-sized buffer instead of Eigen's scalar functions,
+// whose bits differ: every element takes the same vectorised path wherever a thread's chunk
+// starts, so results do not depend on the thread count. gelu's backward is the case that
+// matters: a scalar tanh per element made it 60x slower than its forward.
 constexpr int64_t kEigenBlock = 256;
-using Block = Eigen::Array<float, kEigenBlock, 1>;
+constexpr int64_t kPacket = 16;  // a multiple of every float packet width (AVX-512: 16)
+using OutMap = Eigen::Map<Eigen::ArrayXf, Eigen::Aligned64>;
+using InMap = Eigen::Map<const Eigen::ArrayXf>;
+using Temp = Eigen::Array<float, Eigen::Dynamic, 1, 0, kEigenBlock, 1>;
 template <typename F> struct EigenForm2;
 
 template <> struct EigenForm2<ops::gelu_tanh_backward> {
-  static void apply(const Block& g, const Block& x, Block& out) {
-    const Block x2 = x.square();
-    const Block t = (float(ops::kSqrt2OverPi) * (x + float(ops::kGeluCoeff) * x2 * x)).tanh();
+  static void apply(const InMap& g, const InMap& x, OutMap& out) {
+    const Temp x2 = x.square();
+    const Temp t = (float(ops::kSqrt2OverPi) * (x + float(ops::kGeluCoeff) * x2 * x)).tanh();
     out = g * (0.5f * (1.0f + t) +
                0.5f * x * (float(ops::kSqrt2OverPi) * (1.0f + float(3 * ops::kGeluCoeff) * x2) * (1.0f - t.square())));
   }
 };
 template <> struct EigenForm2<ops::gelu_erf_backward> {
-  static void apply(const Block& g, const Block& x, Block& out) {
+  static void apply(const InMap& g, const InMap& x, OutMap& out) {
     out = g * (0.5f * (1.0f + (x * float(ops::kSqrt1_2)).erf()) +
                x * (float(ops::kInvSqrt2Pi) * (-0.5f * x.square()).exp()));
   }
 };
 
+// Cuts [0, n) of `out` into an unaligned head, a body and a tail: bulk(i, m) evaluates
+// [i, i + m) with out + i 64-byte aligned and m a multiple of kPacket (at most kEigenBlock),
+// padded(i, m) evaluates m < kPacket elements through an aligned packet-sized buffer.
+template <typename T, typename Bulk, typename Padded>
+void packet_runs(T* out, int64_t n, Bulk&& bulk, Padded&& padded) {
+  const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(out) % 64);
+  if (misaligned % static_cast<int64_t>(sizeof(T)) != 0) {  // never aligned: all padded
+    for (int64_t i = 0; i < n; i += kPacket) padded(i, std::min(kPacket, n - i));
+    return;
+  }
+  int64_t i = std::min(n, (64 - misaligned) % 64 / static_cast<int64_t>(sizeof(T)));
+  if (i > 0) padded(int64_t{0}, i);
+  while (n - i >= kPacket) {
+    const int64_t m = std::min(kEigenBlock, (n - i) / kPacket * kPacket);
+    bulk(i, m);
+    i += m;
+  }
+  if (i < n) padded(i, n - i);
+}
+
+// out[i] = f(a[i], b[i]) for i < n through EigenForm2<F> (see above).
 template <typename F>
-concept HasEigen2 = requires(const Block& a, Block& o) { EigenForm2<F>::apply(a, a, o); };
+void eigen_binary(const float* a, const float* b, float* out, int64_t n) {
+  packet_runs(
+      out, n,
+      [&](int64_t i, int64_t m) {
+        OutMap om(out + i, m);
+        EigenForm2<F>::apply(InMap(a + i, m), InMap(b + i, m), om);
+      },
+      [&](int64_t i, int64_t m) {
+        alignas(64) float as[kPacket] = {}, bs[kPacket] = {}, os[kPacket];
+        std::copy(a + i, a + i + m, as);
+        std::copy(b + i, b + i + m, bs);
+        OutMap om(os, kPacket);
+        EigenForm2<F>::apply(InMap(as, kPacket), InMap(bs, kPacket), om);
+        std::copy(os, os + m, out + i);
+      });
+}
+
+// out[i] = f(a[i]) for i < n through EigenForm<F>, on the same packet-only path.
+template <typename F, typename T>
+void eigen_unary(const T* a, T* out, int64_t n) {
+  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+  using Out = Eigen::Map<Arr, Eigen::Aligned64>;
+  using In = Eigen::Map<const Arr>;
+  packet_runs(
+      out, n, [&](int64_t i, int64_t m) { Out(out + i, m) = EigenForm<F>::apply(In(a + i, m)); },
+      [&](int64_t i, int64_t m) {
+        alignas(64) T as[kPacket] = {}, os[kPacket];
+        std::copy(a + i, a + i + m, as);
+        Out(os, kPacket) = EigenForm<F>::apply(In(as, kPacket));
+        std::copy(os, os + m, out + i);
+      });
+}
+
+template <typename F>
+concept HasEigen2 = requires(const InMap& a, OutMap& o) { EigenForm2<F>::apply(a, a, o); };
 
 template <typename T, typename F>
 void unary_loop(const Tensor& in, const Tensor& out, F f) {
@@ -108,7 +169,7 @@ void unary_loop(const Tensor& in, const Tensor& out, F f) {
       using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
       if constexpr (std::is_floating_point_v<T>) {
         if constexpr (HasEigen<F, Eigen::Map<const Arr>>) {
-          Eigen::Map<Arr>(o, r.n) = EigenForm<F>::apply(Eigen::Map<const Arr>(a, r.n));
+          eigen_unary<F>(a, o, r.n);
           return;
         }
       }
@@ -157,18 +218,7 @@ void binary_loop(const Tensor& a, const Tensor& b, const Tensor& out, F f) {
     // one side a broadcast scalar (stride 0).
     if (r.stride[0] == sizeof(Out) && r.stride[1] == s && r.stride[2] == s) {
       if constexpr (std::is_same_v<T, float> && std::is_same_v<Out, T> && HasEigen2<F>) {
-        Block xb, yb, ob;
-        for (int64_t b = 0; b < r.n; b += kEigenBlock) {
-          const int64_t n = std::min(kEigenBlock, r.n - b);
-          std::copy(x + b, x + b + n, xb.data());
-          std::copy(y + b, y + b + n, yb.data());
-          if (n < kEigenBlock) {  // a partial block: defined values in the unused lanes
-            std::fill(xb.data() + n, xb.data() + kEigenBlock, 0.0f);
-            std::fill(yb.data() + n, yb.data() + kEigenBlock, 0.0f);
-          }
-          EigenForm2<F>::apply(xb, yb, ob);
-          std::copy(ob.data(), ob.data() + n, o + b);
-        }
+        eigen_binary<F>(x, y, o, r.n);
         return;
       }
       for (int64_t i = 0; i < r.n; ++i) o[i] = Out(f(C(x[i]), C(y[i])));

@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
+#include <functional>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -21,6 +23,8 @@
 #include <vector>
 
 #include "kernels/cpu/parallel.h"
+#include "tensor/ops.h"
+#include "tensor/random.h"
 
 namespace tessera {
 namespace {
@@ -194,6 +198,58 @@ TEST_CASE("a forked child runs jobs without its parent's workers") {
   REQUIRE(waitpid(child, &status, 0) == child);
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
+}
+
+// gelu's backward is vectorised in packets (kernels/cpu/elementwise.cc): each element must
+// take the same path wherever its thread's chunk starts and however its buffer is aligned.
+TEST_CASE("vectorised gelu backward: the same bits at any offset and on 1 or 2 threads") {
+  const int64_t n = 100003;  // odd: chunks of two threads start mid-packet
+  const Tensor x = randn({n + 7}), g = randn({n + 7});
+  for (bool tanh_form : {true, false}) {
+    CAPTURE(tanh_form);
+    std::vector<float> ref;
+    {
+      ThreadCount tc(1);
+      ref = gelu_backward(g, x, tanh_form).to_vector<float>();
+    }
+    ThreadCount tc(2);
+    const std::vector<float> two = gelu_backward(g, x, tanh_form).to_vector<float>();
+    CHECK(std::memcmp(two.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+    for (int64_t off : {1, 3, 7}) {
+      CAPTURE(off);
+      const std::vector<float> shifted =
+          gelu_backward(g.narrow(0, off, n), x.narrow(0, off, n), tanh_form).to_vector<float>();
+      CHECK(std::memcmp(shifted.data(), ref.data() + off, n * sizeof(float)) == 0);
+    }
+  }
+}
+
+TEST_CASE("vectorised unary ops: the same bits at any offset and on 1 or 2 threads") {
+  const int64_t n = 100003;
+  const Tensor x = randn({n + 7});
+  const std::pair<const char*, std::function<Tensor(const Tensor&)>> ops[] = {
+      {"exp", [](const Tensor& t) { return exp(t); }},
+      {"tanh", [](const Tensor& t) { return tanh(t); }},
+      {"sigmoid", [](const Tensor& t) { return sigmoid(t); }},
+      {"gelu tanh", [](const Tensor& t) { return gelu(t, true); }},
+      {"gelu erf", [](const Tensor& t) { return gelu(t, false); }},
+  };
+  for (const auto& [name, op] : ops) {
+    CAPTURE(name);
+    std::vector<float> ref;
+    {
+      ThreadCount tc(1);
+      ref = op(x).to_vector<float>();
+    }
+    ThreadCount tc(2);
+    const std::vector<float> two = op(x).to_vector<float>();
+    CHECK(std::memcmp(two.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+    for (int64_t off : {1, 3, 7}) {
+      CAPTURE(off);
+      const std::vector<float> shifted = op(x.narrow(0, off, n)).to_vector<float>();
+      CHECK(std::memcmp(shifted.data(), ref.data() + off, n * sizeof(float)) == 0);
+    }
+  }
 }
 
 }  // namespace
