@@ -86,11 +86,15 @@ using Temp = Eigen::Array<float, Eigen::Dynamic, 1, 0, kEigenBlock, 1>;
 template <typename F> struct EigenForm2;
 
 template <> struct EigenForm2<ops::gelu_tanh_backward> {
+  // The functor's cancellation-free form (kernels/scalar_ops.h), with Eigen's exp.
   static void apply(const InMap& g, const InMap& x, OutMap& out) {
     const Temp x2 = x.square();
-    const Temp t = (float(ops::kSqrt2OverPi) * (x + float(ops::kGeluCoeff) * x2 * x)).tanh();
-    out = g * (0.5f * (1.0f + t) +
-               0.5f * x * (float(ops::kSqrt2OverPi) * (1.0f + float(3 * ops::kGeluCoeff) * x2) * (1.0f - t.square())));
+    const Temp u = float(ops::kSqrt2OverPi) * (x + float(ops::kGeluCoeff) * x2 * x);
+    const Temp a = (-2.0f * u.abs()).exp();
+    const Temp inv = (1.0f + a).inverse();
+    const Temp s = (u >= 0.0f).select(inv, a * inv);
+    const Temp sc = (u >= 0.0f).select(a * inv, inv);
+    out = g * (s + 2.0f * x * (float(ops::kSqrt2OverPi) * (1.0f + float(3 * ops::kGeluCoeff) * x2)) * s * sc);
   }
 };
 template <> struct EigenForm2<ops::gelu_erf_backward> {

@@ -259,7 +259,10 @@ void check_close(const Task& task, const Run& dev, const Run& cpu) {
 }
 
 // bf16 autocast on the device: finite, falling, near the f32 device curve.
-void check_autocast(const Task& task, const Run& f32_dev) {
+// `closeness`: also bound the free bf16 curve's distance from the f32 one. Off for Mixture of
+// Experts, where bf16 scores flip near-tied routing choices and the curves part for that
+// reason; check_moe_steps bounds its bf16 loss step by step from the same parameters.
+void check_autocast(const Task& task, const Run& f32_dev, bool closeness = true) {
   std::shared_ptr<nn::Module> model = task.make();
   model->to(kDev);
   const Run bf = train(task, *model, kDev, DType::bf16);
@@ -276,7 +279,7 @@ void check_autocast(const Task& task, const Run& f32_dev) {
                       task.name, first, last, worst));
   CHECK(finite);
   CHECK(last < first);
-  CHECK(worst <= 0.03);  // measured about 1% (header)
+  if (closeness) CHECK(worst <= 0.03);  // measured about 1% (header)
 }
 
 struct Tf32Off {
@@ -317,7 +320,11 @@ TEST_CASE("GPT-mini: cuda:0 trains like the CPU (f32) and with bf16 autocast") {
 // gradient), its loss agree within 1e-6 relative and its gradient, all parameters as one
 // vector, within 1e-5 in norm: the f32 sums of 128 tokens in other orders (measured: see
 // the MESSAGE). One token routed to another expert moves that expert's gradient by its
-// share of the batch, orders of magnitude over 1e-5.
+// share of the batch, orders of magnitude over 1e-5. Each step's loss under bf16 autocast,
+// from the same parameters, must be within the 3% the dense models' bf16 curves keep; a free
+// bf16 run (check_autocast) is only required to fall, since bf16 scores flip near-tied
+// routing choices and the curves then part for that reason (measured 2.7% and 3.7% apart
+// on two trees that differed only in f32 rounding elsewhere).
 void check_moe_steps(const Task& task) {
   std::shared_ptr<nn::Module> cpu_model = task.make();
   std::shared_ptr<nn::Module> dev_model = task.make();
@@ -325,7 +332,7 @@ void check_moe_steps(const Task& task) {
   const std::vector<Tensor> cp = cpu_model->parameters(), dp = dev_model->parameters();
   REQUIRE(cp.size() == dp.size());
   optim::AdamW opt(cp, {.lr = task.lr, .weight_decay = 0.1});
-  double worst_loss = 0, worst_grad = 0;
+  double worst_loss = 0, worst_grad = 0, worst_bf16 = 0;
   int64_t routed = 0;
   for (int64_t step = 0; step < task.steps; ++step) {
     {
@@ -353,6 +360,13 @@ void check_moe_steps(const Task& task) {
     loss_dev.backward();
     const double lc = loss_cpu.item<double>(), ld = loss_dev.item<double>();
     worst_loss = std::max(worst_loss, std::abs(ld - lc) / std::abs(lc));
+    {
+      // The same step under bf16 autocast on the device, from the same parameters.
+      NoGradGuard no_grad;
+      AutocastGuard amp(DType::bf16);
+      const double lb = task.loss(*dev_model, step, kDev).item<double>();
+      worst_bf16 = std::max(worst_bf16, std::abs(lb - ld) / std::abs(ld));
+    }
     double e2 = 0, n2 = 0;
     for (size_t i = 0; i < cp.size(); ++i) {
       REQUIRE(cp[i].grad().defined());
@@ -369,11 +383,13 @@ void check_moe_steps(const Task& task) {
     opt.step();
   }
   MESSAGE(fmt::format("{} step by step from the CPU's parameters, {} steps ({} token-expert "
-                      "assignments): max loss rel diff {:.2g}, max gradient norm rel diff {:.2g}",
-                      task.name, task.steps, routed, worst_loss, worst_grad));
+                      "assignments): max loss rel diff {:.2g}, max gradient norm rel diff {:.2g}; "
+                      "bf16 autocast's loss within {:.3g} of f32's",
+                      task.name, task.steps, routed, worst_loss, worst_grad, worst_bf16));
   CHECK(routed == task.steps * 2 * 8 * 16 * 2);  // steps x layers x tokens x top 2
   CHECK(worst_loss <= 1e-6);
   CHECK(worst_grad <= 1e-5);
+  CHECK(worst_bf16 <= 0.03);  // the dense models' per-step bound (header)
 }
 
 // Trained freely, f32 rounding on the two devices lets the parameters part by ~1e-5 (the
@@ -414,7 +430,7 @@ TEST_CASE("GPT-mini MoE: cuda:0 computes the CPU's steps (f32) and trains with b
   check_moe_steps(task);
   const auto [cpu, dev] = cpu_and_device(task);
   check_moe_free_run(task, dev, cpu);
-  check_autocast(task, dev);
+  check_autocast(task, dev, /*closeness=*/false);
 }
 
 }  // namespace
