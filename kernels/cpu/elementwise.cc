@@ -86,15 +86,18 @@ using Temp = Eigen::Array<float, Eigen::Dynamic, 1, 0, kEigenBlock, 1>;
 template <typename F> struct EigenForm2;
 
 template <> struct EigenForm2<ops::gelu_tanh_backward> {
-  // The functor's cancellation-free form (kernels/scalar_ops.h), with Eigen's exp.
+  // Eigen's tanh is a rational approximation within an ulp or two of libm's; where u < -2,
+  // 1 + t cancels (t near -1) and those ulps become whole percents of the result, so there
+  // the functor itself runs, as on the scalar path and on CUDA (kernels/scalar_ops.h).
   static void apply(const InMap& g, const InMap& x, OutMap& out) {
     const Temp x2 = x.square();
     const Temp u = float(ops::kSqrt2OverPi) * (x + float(ops::kGeluCoeff) * x2 * x);
-    const Temp a = (-2.0f * u.abs()).exp();
-    const Temp inv = (1.0f + a).inverse();
-    const Temp s = (u >= 0.0f).select(inv, a * inv);
-    const Temp sc = (u >= 0.0f).select(a * inv, inv);
-    out = g * (s + 2.0f * x * (float(ops::kSqrt2OverPi) * (1.0f + float(3 * ops::kGeluCoeff) * x2)) * s * sc);
+    const Temp t = u.tanh();
+    out = g * (0.5f * (1.0f + t) +
+               0.5f * x * (float(ops::kSqrt2OverPi) * (1.0f + float(3 * ops::kGeluCoeff) * x2) * (1.0f - t.square())));
+    for (Eigen::Index i = 0; i < out.size(); ++i) {
+      if (u[i] < -2.0f) out[i] = ops::gelu_tanh_backward{}(g[i], x[i]);
+    }
   }
 };
 template <> struct EigenForm2<ops::gelu_erf_backward> {

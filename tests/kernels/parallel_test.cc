@@ -224,6 +224,20 @@ TEST_CASE("vectorised gelu backward: the same bits at any offset and on 1 or 2 t
   }
 }
 
+// gelu's tanh-form backward at |x| where x^3 overflows f32 but x^2 does not: the derivative
+// is 1 (x > 0) or 0 (x < 0), on the vectorised path (a run of 40) and the scalar one (1).
+TEST_CASE("gelu backward (tanh form) is 1 or 0 for huge |x|, not NaN") {
+  for (int64_t n : {40, 1}) {
+    CAPTURE(n);
+    for (double v : {1e15, -1e15, 1e18, -1e18}) {
+      CAPTURE(v);
+      const Tensor x = full({n}, v, DType::f32), g = full({n}, 1.0, DType::f32);
+      const std::vector<float> d = gelu_backward(g, x, true).to_vector<float>();
+      CHECK(d == std::vector<float>(n, v > 0 ? 1.0f : 0.0f));
+    }
+  }
+}
+
 TEST_CASE("vectorised unary ops: the same bits at any offset and on 1 or 2 threads") {
   const int64_t n = 100003;
   const Tensor x = randn({n + 7});
