@@ -248,7 +248,9 @@ TEST_CASE("vectorised unary ops: the same bits at any offset and on 1 or 2 threa
       {"gelu tanh", [](const Tensor& t) { return gelu(t, true); }},
       {"gelu erf", [](const Tensor& t) { return gelu(t, false); }},
   };
-  for (const auto& [name, op] : ops) {
+  for (const auto& entry : ops) {
+    const std::string name = entry.first;  // a plain variable: clang 14 cannot capture a binding
+    const std::function<Tensor(const Tensor&)>& op = entry.second;
     CAPTURE(name);
     std::vector<float> ref;
     {
