@@ -99,20 +99,17 @@ class Pool {
   }
 
  private:
-  // Claims and runs parts of `epoch` until none is left; returns the number run.
-  int claim_and_run(uint32_t epoch) {
-    int ran = 0;
+  // Claims and runs parts of `epoch` until none is left.
+  void claim_and_run(uint32_t epoch) {
     uint64_t w = job_.load(std::memory_order_acquire);
     while (epoch_of(w) == epoch && next_of(w) < parts_of(w)) {
       if (!job_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
         continue;  // w reloaded
       }
       fn_(ctx_, static_cast<int>(next_of(w)));
-      ++ran;
       done_.fetch_add(1, std::memory_order_release);
       w = job_.load(std::memory_order_acquire);
     }
-    return ran;
   }
 
   void grow(int workers) {
@@ -216,16 +213,10 @@ namespace internal {
 
 void run_parts(int parts, void (*part)(void* ctx, int i), void* ctx) {
   if (parts <= 0) return;
-  if (t_in_job || parts == 1 || omp_in_parallel()) {
-    for (int i = 0; i < parts; ++i) part(ctx, i);
-    return;
-  }
-  if (parts > 0xffff) {
-    for (int i = 0; i < parts; ++i) part(ctx, i);
-    return;
-  }
-  const int threads = omp_get_max_threads();
-  if (threads <= 1) {
+  // Inline: one thread (num_threads() is 1 inside a part or an OpenMP region), one part, or
+  // more parts than the job word counts.
+  const int threads = num_threads();
+  if (threads <= 1 || parts == 1 || parts > 0xffff) {
     for (int i = 0; i < parts; ++i) part(ctx, i);
     return;
   }
