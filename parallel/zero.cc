@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -90,19 +91,12 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   uint64_t options_hash = static_cast<uint64_t>(options.stage) * 1000003u +
                           static_cast<uint64_t>(options.bucket_bytes) * 7 +
                           options.units.size() + (options.row_shards ? 1000u : 0u) +
-                          static_cast<uint64_t>(options.block_shards) * 10007u;
+                          static_cast<uint64_t>(options.block_shards) * 10007u +
+                          static_cast<uint64_t>(options.offload.optimizer) * 100003u +
+                          static_cast<uint64_t>(options.offload.params) * 1000033u;
   if (options.comm_hook) {  // every member must reduce its segments the same way
     for (const char c : options.comm_hook->name()) {  // FNV-1a over the hook's name
       options_hash = (options_hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-    }
-  }
-  {
-    const auto [whole, sub] = split_subgroup(st.named(), options.subgroup);
-    check_same_parameters(comm, kName, whole, options_hash);
-    if (options.check_replicas) check_same_values(comm, kName, whole);
-    if (options.subgroup.group != nullptr) {
-      check_same_parameters(*options.subgroup.group, kName, sub, options_hash);
-      if (options.check_replicas) check_same_values(*options.subgroup.group, kName, sub);
     }
   }
 
@@ -159,6 +153,18 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     }
   }
 
+  // (Offload: the budget is checked before the replica checks, which copy the parameters.)
+  if (options.offload.any()) offload_check(st);
+  {
+    const auto [whole, sub] = split_subgroup(st.named(), options.subgroup);
+    check_same_parameters(comm, kName, whole, options_hash);
+    if (options.check_replicas) check_same_values(comm, kName, whole);
+    if (options.subgroup.group != nullptr) {
+      check_same_parameters(*options.subgroup.group, kName, sub, options_hash);
+      if (options.check_replicas) check_same_values(*options.subgroup.group, kName, sub);
+    }
+  }
+
   // Flat buffers: the parameters become views of them (stage 3: of a buffer released below).
   NoGradGuard no_grad;
   for (State::Segment& seg : st.segments) {
@@ -199,6 +205,7 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     for (State::Unit& unit : st.units) unit.gather = State::Gather::released;
   }
   st.reset_round();
+  if (options.offload.any()) offload_setup(st);
 
   if (options.stage == 0) {
     DdpOptions ddp;
@@ -268,7 +275,7 @@ std::vector<optim::ParamGroup> ZeroDataParallel::param_groups(double lr, double 
     const State::Segment& seg = st.segments[s];
     optim::ParamGroup& g = groups[seg.decay ? 0 : 1];
     g.lr = lr;
-    g.params.push_back(seg.shard);
+    g.params.push_back(st.owner(seg));
     g.names.push_back(fmt::format("zero segment {} ({}{} elements of {})", s,
                                   st.units[seg.unit].path.empty()
                                       ? std::string("root, ")
@@ -288,7 +295,7 @@ void ZeroDataParallel::zero_grad() {
     p.adopted = false;
   }
   for (State::Segment& seg : st.segments) {
-    seg.shard.set_grad(Tensor());
+    st.owner(seg).set_grad(Tensor());
     if (st.stage() >= 2) seg.flat_grad = Tensor();
   }
 }
@@ -364,8 +371,10 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
     return optim::clip_grads_to_norm(all, std::sqrt(norm2), max_norm);
   }
   NoGradGuard no_grad;
+  std::optional<HostTierScope> host;  // offload: the gradients are on the host tier
+  if (st.offload) host.emplace();
   std::vector<Tensor> shards;
-  for (const State::Segment& seg : st.segments) shards.push_back(seg.shard);
+  for (const State::Segment& seg : st.segments) shards.push_back(st.owner(seg));
   const double local = std::pow(optim::grad_norm(shards), 2);
   Tensor total = Tensor::from_vector<double>({local}, {1});
   {
@@ -392,8 +401,10 @@ double ZeroDataParallel::local_grad_norm_squared(
     }
     return total;
   }
+  std::optional<HostTierScope> host;
+  if (st.offload) host.emplace();
   for (const State::Segment& seg : st.segments) {
-    const Tensor g = seg.shard.grad();
+    const Tensor g = st.owner(seg).grad();
     if (!g.defined() || seg.shard_numel == 0) continue;
     for (int i : seg.params) {  // the part of each parameter inside this rank's block
       const State::Param& p = st.params[i];
@@ -410,10 +421,12 @@ void ZeroDataParallel::scale_grads(double coef) {
   State& st = *state_;
   NoGradGuard no_grad;
   std::vector<Tensor> owned;
+  std::optional<HostTierScope> host;
+  if (st.offload) host.emplace();
   if (st.stage() == 0) {
     for (const State::Param& p : st.params) owned.push_back(p.tensor);
   } else {
-    for (const State::Segment& seg : st.segments) owned.push_back(seg.shard);
+    for (const State::Segment& seg : st.segments) owned.push_back(st.owner(seg));
   }
   for (const Tensor& t : owned) {
     const Tensor g = t.grad();
@@ -477,7 +490,9 @@ void ZeroDataParallel::step(optim::Optimizer& optimizer) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "step", st.options);
   attach_row_shards(st, optimizer);
-  {
+  if (st.offload) {
+    offload_step(st, optimizer);  // the update on the host, the shards copied back
+  } else {
     MemoryTagScope tag(MemoryTag::optimizer_state);
     optimizer.step();
   }

@@ -43,6 +43,7 @@
 #include "optim/optimizer.h"
 #include "parallel/comm/communicator.h"
 #include "parallel/data_parallel.h"
+#include "parallel/offload.h"
 
 namespace tessera::parallel {
 
@@ -114,6 +115,39 @@ struct ZeroOptions {
   // reduced and sharded over subgroup.group (each rank a block of its subgroup's), their
   // stage-3 gathers and checkpoints too. Not with a comm hook, row_shards or block_shards.
   ParamSubgroup subgroup = {};
+  // Offload (parallel/offload.h; stages 1-3, an elementwise optimizer such as AdamW or SGD;
+  // not with row or block shards, a comm hook or a subgroup). optimizer = host|file: the
+  // optimizer is built on host copies of this rank's shards (param_groups() returns them),
+  // each reduced gradient shard is copied to the host as backward completes its segment
+  // (the device's is freed), and step() runs the update on the CPU, a segment at a time on
+  // the file tier (the next segment's parameters and state read while this one updates),
+  // then copies the updated shards back to the device. params (stage 3) = host|file: the
+  // device keeps no shard; a unit's gather reads its shards from the optimizer's copies.
+  // The same update on the same values: bitwise the in-memory run's losses and parameters.
+  // At construction, a device budget (Allocator::set_limit) too small for the largest unit
+  // with its gradients beside the root is an Error, before anything trains.
+  OffloadOptions offload = {};
+};
+
+// Where an offloading ZeroDataParallel's bytes are (this rank), and its traffic so far.
+struct ZeroOffloadReport {
+  OffloadTier optimizer = OffloadTier::none, params = OffloadTier::none;
+  bool direct_io = false;        // the swap file uses O_DIRECT
+  std::string file;              // the swap file's path ("" without the file tier)
+  int64_t host_bytes = 0;        // resident on the host tier now: parameters, state, gradients
+  int64_t file_bytes = 0;        // the swap file's records
+  int64_t read_bytes = 0, written_bytes = 0;      // swap file I/O since construction
+  int64_t to_host_bytes = 0, to_device_bytes = 0;  // device <-> host copies since construction
+  // The swap file's I/O in one optimizer step and in one forward + backward (per
+  // micro-batch), by the layout: a step reads and writes every segment's parameters and
+  // state once (the first step only writes state); stage 3 with params on the file reads
+  // each unit's shards once per gather (twice a micro-batch, the root once).
+  int64_t step_io_formula(int64_t state_bytes_per_element) const;
+  int64_t gather_read_formula() const;
+  int64_t shard_elements = 0;      // this rank's shard elements over every segment
+  int64_t shard_bytes = 0;         // their bytes in the parameters' dtype
+  int64_t gathered_shard_bytes = 0;  // stage 3: the shard bytes a micro-batch's gathers read
+  std::string str() const;
 };
 
 // The formula's and the measured bytes per rank (see memory_report()).
@@ -226,6 +260,8 @@ class ZeroDataParallel {
   // Tagged bytes from the calling thread's MemoryScope tracker (or process_memory() when
   // none is open), with the formula for this stage.
   ZeroMemory memory_report() const;
+  // The offload tiers' bytes and traffic (all zeros without ZeroOptions::offload).
+  ZeroOffloadReport offload_report() const;
 
   struct State;  // shared with the hooks (which hold it weakly)
 

@@ -2,6 +2,7 @@
 // single-device layout of the model's and the optimizer's state dicts.
 #include "parallel/zero.h"
 
+#include <optional>
 #include <set>
 
 #include "parallel/zero_state.h"
@@ -44,8 +45,8 @@ nn::StateDict ZeroDataParallel::gradient_dict() {
   }
   CommCause cause("zero gather gradients");
   for (const State::Segment& seg : st.segments) {
-    const Tensor g = seg.shard.grad();
-    const Tensor mine = g.defined() ? g.contiguous()
+    const Tensor g = st.owner(seg).grad();  // offload: on the host
+    const Tensor mine = g.defined() ? g.contiguous().to(seg.device)
                                     : zeros({seg.shard_numel}, seg.dtype, seg.device);
     const Tensor full = Tensor::empty({seg.numel}, seg.dtype, seg.device);
     seg.comm->all_gather(full, mine, seg.counts);
@@ -59,6 +60,11 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
   NoGradGuard no_grad;
   if (st.stage() != 3) {
     st.module->load_state_dict(dict);
+    if (st.offload) {  // the optimizer's host copies take the new values too
+      for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
+        offload_set_shard(st, s, st.segments[s].shard);
+      }
+    }
     return;
   }
   for (int u = 0; u < static_cast<int>(st.units.size()); ++u) st.ensure_gathered(u);
@@ -68,7 +74,11 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
     st.release_all();
     throw;
   }
-  for (State::Segment& seg : st.segments) seg.shard.copy_(st.shard_slice(seg, seg.flat_param));
+  for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
+    State::Segment& seg = st.segments[s];
+    if (st.offload) offload_set_shard(st, s, st.shard_slice(seg, seg.flat_param));
+    else seg.shard.copy_(st.shard_slice(seg, seg.flat_param));
+  }
   st.release_all();
 }
 
@@ -76,7 +86,17 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
 optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "optimizer_state_dict", st.options);
-  optim::Optimizer::StateDict shard_dict = optimizer.state_dict();
+  // Offload: the copies and gathers on the host tier (a device budget holds no model state).
+  std::optional<HostTierScope> host;
+  if (st.offload) host.emplace();
+  optim::Optimizer::StateDict shard_dict;
+  if (st.offload) {  // the file tier's pages in for the copy, and out again
+    offload_page_all(st, &optimizer, /*in=*/true);
+    shard_dict = optimizer.state_dict();
+    offload_page_all(st, &optimizer, /*in=*/false);
+  } else {
+    shard_dict = optimizer.state_dict();
+  }
   if (st.stage() == 0) return shard_dict;
   NoGradGuard no_grad;
   const std::vector<int> order = st.canonical_order();
@@ -148,7 +168,9 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
                                                  const optim::Optimizer::StateDict& dict) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict", st.options);
-  attach_row_shards(st, optimizer);  // the optimizer checks the shards' state shapes
+  attach_row_shards(st, optimizer);
+  std::optional<HostTierScope> host;  // offload: the new state on the host tier
+  if (st.offload) host.emplace();  // the optimizer checks the shards' state shapes
   if (st.stage() == 0) {
     optimizer.load_state_dict(dict);
     return;
@@ -239,6 +261,7 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
     }
   }
   optimizer.load_state_dict(out);
+  if (st.offload) offload_page_all(st, &optimizer, /*in=*/false);  // to the file tier
 }
 
 }  // namespace tessera::parallel

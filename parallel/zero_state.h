@@ -34,6 +34,22 @@ inline bool same_view(const Tensor& a, const Tensor& b) {
 using zero_internal::kName;
 using zero_internal::same_view;
 
+// Offload (zero_offload.cc): set up at construction; a unit's gather takes the shard of
+// segment s onto the device (params offloaded: from the host copy) and drops it after;
+// read_ahead starts the swap-file reads of the units gathered after u; take_grad moves
+// segment s's reduced gradient to the host copy's .grad; step runs the optimizer on the
+// host copies; set_shard writes new shard values (checkpoint loads); page_all brings every
+// segment's parameters and optimizer state into host memory (in) or back to the file.
+void offload_check(ZeroDataParallel::State& st);  // options and budget, before any buffer
+void offload_setup(ZeroDataParallel::State& st);
+void offload_shard_in(ZeroDataParallel::State& st, int s);
+void offload_shard_out(ZeroDataParallel::State& st, int s);
+void offload_read_ahead(ZeroDataParallel::State& st, int u, bool forward);
+void offload_take_grad(ZeroDataParallel::State& st, int s);
+void offload_step(ZeroDataParallel::State& st, optim::Optimizer& optimizer);
+void offload_set_shard(ZeroDataParallel::State& st, int s, const Tensor& values);
+void offload_page_all(ZeroDataParallel::State& st, const optim::Optimizer* optimizer, bool in);
+
 struct ZeroDataParallel::State {
   struct Param {
     std::string name;
@@ -61,6 +77,7 @@ struct ZeroDataParallel::State {
     Tensor shard = {};       // the optimizer's parameter: this rank's block
     Tensor flat_grad = {};   // the full local gradients (stage 1: kept; 2-3: per round)
     Tensor reduced = {};     // reduce_scatter output in flight
+    Tensor host = {};        // offload: the optimizer's parameter, on the host tier
     WorkHandle work = {};
     int waiting = 0;         // params whose gradient has not arrived this round
   };
@@ -87,7 +104,12 @@ struct ZeroDataParallel::State {
   bool sync = true;
   int64_t numel = 0;
 
+  struct Offload;  // zero_offload.cc
+  std::shared_ptr<Offload> offload;  // ZeroOptions::offload in use
+
   int root() const { return static_cast<int>(units.size()) - 1; }
+  // The tensor the optimizer steps for a segment, whose .grad holds its reduced gradient.
+  const Tensor& owner(const Segment& seg) const { return offload ? seg.host : seg.shard; }
   int stage() const { return options.stage; }
 
   // Parameter p's place in a flat buffer of its segment (values, gradients or state).
@@ -108,6 +130,7 @@ struct ZeroDataParallel::State {
     for (int s : unit.segments) {
       Segment& seg = segments[s];
       seg.flat_param.storage()->reallocate();
+      if (offload) offload_shard_in(*this, s);
       unit.works.push_back(seg.comm->all_gather_async(seg.flat_param, seg.shard, seg.counts));
     }
     unit.gather = Gather::gathering;
@@ -119,6 +142,9 @@ struct ZeroDataParallel::State {
       for (WorkHandle& w : unit.works) w->wait();
       unit.works.clear();
       unit.gather = Gather::gathered;
+      if (offload) {
+        for (int s : unit.segments) offload_shard_out(*this, s);
+      }
     }
   }
   void release(int u) {
@@ -126,7 +152,10 @@ struct ZeroDataParallel::State {
     if (unit.gather == Gather::released) return;
     for (WorkHandle& w : unit.works) w->wait();  // never free a buffer a gather writes
     unit.works.clear();
-    for (int s : unit.segments) segments[s].flat_param.storage()->release();
+    for (int s : unit.segments) {
+      segments[s].flat_param.storage()->release();
+      if (offload) offload_shard_out(*this, s);
+    }
     unit.gather = Gather::released;
   }
   void release_all() {
@@ -134,6 +163,7 @@ struct ZeroDataParallel::State {
   }
 
   void pre_forward(int u) {
+    if (offload) offload_read_ahead(*this, u, /*forward=*/true);
     ensure_gathered(u);
     units[u].grads_waiting = static_cast<int>(units[u].params.size());
     // The next unit in forward order (after the root: the first unit).
@@ -148,6 +178,7 @@ struct ZeroDataParallel::State {
     }
   }
   void pre_backward(int u) {
+    if (offload) offload_read_ahead(*this, u, /*forward=*/false);
     ensure_gathered(u);
     if (options.prefetch && u > 0) gather_async(u - 1);
   }
@@ -245,6 +276,13 @@ struct ZeroDataParallel::State {
       seg.reduced = shard_slice(seg, seg.flat_grad).clone();
     }
     if (seg.scale != 1.0) seg.reduced.copy_(seg.reduced * seg.scale);
+    if (offload) {  // to the host tier: the device keeps no gradient shard
+      offload_take_grad(*this, s);
+      for (int i : seg.params) params[i].tensor.set_grad(Tensor());
+      seg.reduced = Tensor();
+      if (stage() >= 2) seg.flat_grad = Tensor();
+      return;
+    }
     const Tensor grad = seg.shard.grad();
     if (stage() == 1) {
       // The reduced block lives in this rank's block of the full gradient buffer, which the

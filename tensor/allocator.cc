@@ -200,6 +200,83 @@ class CpuAllocator final : public Allocator {
   int64_t limit_ = 0;
 };
 
+// The host tier: plain aligned host memory, cached by (4096-rounded) size. No budget.
+class HostTierAllocator final : public Allocator {
+ public:
+  static constexpr int64_t kAlign = 4096;
+  static constexpr size_t kHugePage = size_t{2} << 20;
+
+  static int64_t rounded(int64_t nbytes) {
+    return std::max<int64_t>((nbytes + kAlign - 1) / kAlign * kAlign, kAlign);
+  }
+
+  void* allocate(int64_t nbytes) override {
+    check_limit(kCPU, nbytes, tracker_.current());
+    if (nbytes > (int64_t{1} << 56)) [[unlikely]] {
+      fail("host tier allocator: out of memory allocating {} bytes of {}", nbytes,
+           memory_tag_name(MemoryTagScope::current()));
+    }
+    const int64_t cls = rounded(nbytes);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = cache_.find(cls);
+      if (it != cache_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+      }
+    }
+    if (p == nullptr) {
+      if (posix_memalign(&p, kAlign, static_cast<size_t>(cls)) != 0) p = nullptr;
+      if (p == nullptr) {
+        empty_cache();
+        if (posix_memalign(&p, kAlign, static_cast<size_t>(cls)) != 0) p = nullptr;
+      }
+      if (p == nullptr) {
+        fail("host tier allocator: out of memory allocating {} bytes ({:.1f} MiB) of {} "
+             "({:.1f} MiB in use)",
+             nbytes, static_cast<double>(nbytes) / (1 << 20),
+             memory_tag_name(MemoryTagScope::current()),
+             static_cast<double>(tracker_.current()) / (1 << 20));
+      }
+      if (static_cast<size_t>(cls) >= kHugePage) madvise(p, static_cast<size_t>(cls), MADV_HUGEPAGE);
+      reserved_.fetch_add(cls, std::memory_order_relaxed);
+    }
+    tracker_.add(nbytes);
+    return p;
+  }
+
+  void deallocate(void* ptr, int64_t nbytes) override {
+    tracker_.sub(nbytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    cache_[rounded(nbytes)].push_back(ptr);
+  }
+
+  MemoryStats stats() const override {
+    return MemoryStats{tracker_.current(), tracker_.peak(),
+                       reserved_.load(std::memory_order_relaxed), tracker_.count()};
+  }
+  void reset_peak() override { tracker_.reset_peak(); }
+  bool is_device() const override { return false; }
+
+  void empty_cache() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [cls, blocks] : cache_) {
+      for (void* p : blocks) std::free(p);
+      reserved_.fetch_sub(cls * static_cast<int64_t>(blocks.size()), std::memory_order_relaxed);
+    }
+    cache_.clear();
+  }
+
+ private:
+  MemoryTracker tracker_;
+  std::atomic<int64_t> reserved_{0};
+  std::mutex mu_;
+  std::unordered_map<int64_t, std::vector<void*>> cache_;
+};
+
+thread_local bool t_host_tier = false;
+
 struct Registry {
   std::mutex mu;
   AllocatorFactory factories[kNumDeviceTypes];
@@ -234,6 +311,20 @@ Allocator& allocator_for(Device device) {
          device);
   }
   return factory(device);
+}
+
+Allocator& host_tier_allocator() {
+  static HostTierAllocator* host = new HostTierAllocator;  // outlives every storage
+  return *host;
+}
+
+HostTierScope::HostTierScope() : previous_(t_host_tier) { t_host_tier = true; }
+HostTierScope::~HostTierScope() { t_host_tier = previous_; }
+bool HostTierScope::active() { return t_host_tier; }
+
+Allocator& storage_allocator(Device device) {
+  if (t_host_tier && device.is_cpu()) return host_tier_allocator();
+  return allocator_for(device);
 }
 
 void register_allocator(DeviceType type, AllocatorFactory factory) {

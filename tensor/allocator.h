@@ -98,6 +98,9 @@ class Allocator {
   virtual void reset_peak() = 0;
   // Returns cached blocks to the system (no-op for allocators that do not cache).
   virtual void empty_cache() {}
+  // False for the host tier (host_tier_allocator()): its storages are not charged to the
+  // MemoryScope trackers or process_memory(), which count the device's memory.
+  virtual bool is_device() const { return true; }
 
   // A budget for the bytes in use (0: none, the default). A request that would take the
   // bytes in use above it throws Error naming the request, the caller's MemoryTag and the
@@ -121,6 +124,33 @@ class Allocator {
 
 // The allocator for a device; throws Error when no backend for its type is linked in.
 Allocator& allocator_for(Device device);
+
+// The host tier of offloading (parallel/offload.h): host memory outside the device's budget,
+// for state a device does not keep (ZeRO-Offload's optimizer state, master weights and
+// gradients). On a CPU-only machine the "device" is the CPU allocator with its budget
+// (Allocator::set_limit), and this is the memory beside it. Blocks are 4096-byte aligned and
+// padded to 4096 bytes (O_DIRECT file I/O reads and writes them whole) and cached by size
+// after free, so paging a segment out and the next one in reuses the same buffers. Never
+// destroyed; its stats() are the whole process's host-tier bytes.
+Allocator& host_tier_allocator();
+
+// While alive, CPU storages the calling thread allocates come from host_tier_allocator()
+// instead of the CPU device allocator (an offloaded optimizer creating its state).
+class HostTierScope {
+ public:
+  HostTierScope();
+  ~HostTierScope();
+  HostTierScope(const HostTierScope&) = delete;
+  HostTierScope& operator=(const HostTierScope&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
+};
+
+// The allocator a new storage on `device` takes: host_tier_allocator() for the CPU inside a
+// HostTierScope, else allocator_for(device).
+Allocator& storage_allocator(Device device);
 
 // Backends register a factory per device type (kernels/cuda registers cuda).
 using AllocatorFactory = std::function<Allocator&(Device)>;

@@ -5,7 +5,7 @@
 namespace tessera {
 
 StorageImpl::StorageImpl(int64_t nbytes, Device device)
-    : nbytes_(nbytes), device_(device), allocator_(&allocator_for(device)) {
+    : nbytes_(nbytes), device_(device), allocator_(&storage_allocator(device)) {
   reallocate();
 }
 
@@ -13,8 +13,9 @@ void StorageImpl::reallocate() {
   TS_CHECK(allocator_ != nullptr, "Storage::reallocate: the storage wraps external memory");
   if (data_ != nullptr) return;
   data_ = allocator_->allocate(nbytes_);
-  tracker_ = MemoryScope::current();
   tag_ = MemoryTagScope::current();
+  if (!allocator_->is_device()) return;  // the host tier counts itself (allocator.h)
+  tracker_ = MemoryScope::current();
   if (tracker_ != nullptr) tracker_->add(nbytes_, tag_);
   process_memory().add(nbytes_, tag_);
 }
@@ -23,8 +24,10 @@ void StorageImpl::release() {
   TS_CHECK(allocator_ != nullptr, "Storage::release: the storage wraps external memory");
   if (data_ == nullptr || nbytes_ == 0) return;  // an empty storage is never "released"
   allocator_->deallocate(data_, nbytes_);
-  if (tracker_ != nullptr) tracker_->sub(nbytes_, tag_);
-  process_memory().sub(nbytes_, tag_);
+  if (allocator_->is_device()) {
+    if (tracker_ != nullptr) tracker_->sub(nbytes_, tag_);
+    process_memory().sub(nbytes_, tag_);
+  }
   data_ = nullptr;
 }
 
@@ -36,8 +39,10 @@ StorageImpl::~StorageImpl() {
   if (allocator_ != nullptr) {
     if (data_ != nullptr) {
       allocator_->deallocate(data_, nbytes_);
-      if (tracker_ != nullptr) tracker_->sub(nbytes_, tag_);
-      process_memory().sub(nbytes_, tag_);
+      if (allocator_->is_device()) {
+        if (tracker_ != nullptr) tracker_->sub(nbytes_, tag_);
+        process_memory().sub(nbytes_, tag_);
+      }
     }
   } else if (deleter_) {
     deleter_(data_);

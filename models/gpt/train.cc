@@ -265,6 +265,9 @@ class GptReplica final : public models::Replica {
       zopt.comm_hook = hook_;
       zopt.stage = static_cast<int>(config.zero);
       zopt.average = false;  // each rank backpropagates its share of the global mean
+      zopt.offload.optimizer = parallel::parse_offload_tier(config.offload_optimizer, "gpt: --offload_optimizer");
+      zopt.offload.params = parallel::parse_offload_tier(config.offload_params, "gpt: --offload_params");
+      zopt.offload.dir = config.offload_dir;
       // An optimizer with per-matrix state (Adafactor) gets whole rows of each parameter, one
       // with per-block state (8-bit AdamW) whole blocks.
       zopt.row_shards = models::optimizer_needs_row_shards(config.optimizer);
@@ -485,6 +488,7 @@ class GptReplica final : public models::Replica {
                               c_.optimizer_choice(), model_->named_parameters(), false) /
                           static_cast<double>(model_->num_parameters());
       result_.memory_report = m.str();
+      if (zero_->options().offload.any()) result_.memory_report += "\n" + zero_->offload_report().str();
       say_(result_.memory_report);
     }
     if (!zero_ || run_step != 1) return;

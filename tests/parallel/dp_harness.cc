@@ -223,6 +223,7 @@ Run train_reference(const Task& task, DType dtype, Opt which) {
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec) {
   std::shared_ptr<nn::Module> model = make_model(task, dtype);
   ZeroOptions zopt{.stage = spec.stage, .units = task.units};
+  zopt.offload = spec.offload;
   if (spec.opt == Opt::adamw8bit) zopt.block_shards = kQuant8Block;
   // Expert parallelism: each rank keeps its experts only, reduced over the ranks holding the
   // same ones.
@@ -245,6 +246,7 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
     zero.load_model_state_dict(spec.load->model);
     zero.load_optimizer_state_dict(opt, spec.load->optimizer);
   }
+  if (spec.reports != nullptr) spec.reports->push_back(zero.offload_report());
   const int ranks = world.size(), accum = spec.accum;
   std::optional<nn::MoeCountReduction> counts;
   if (task.experts > 0) {
@@ -289,6 +291,7 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
       if (spec.step_log != nullptr) scope.emplace(*spec.step_log);
       zero.step(opt);
     }
+    if (spec.reports != nullptr) spec.reports->push_back(zero.offload_report());
     Tensor total = Tensor::from_vector<double>({local}, {1});
     world.all_reduce(total, ReduceOp::sum);
     run.losses.push_back(total.item<double>() / (ranks * accum));

@@ -13,6 +13,7 @@
 #include "optim/adafactor.h"
 #include "parallel/comm/comm_log.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/zero.h"
 #include "tensor/tensor.h"
 
 namespace tessera::parallel::testing_dp {
@@ -118,6 +119,10 @@ struct ZeroRun {
                                      // and backward
   int64_t* local_params = nullptr;   // with ep: this rank's parameter elements once it keeps
                                      // only its experts
+  OffloadOptions offload = {};       // ZeroOptions::offload
+  // With offload: this rank's offload_report() after construction (front) and after each
+  // step, to count the swap file's bytes per step.
+  std::vector<ZeroOffloadReport>* reports = nullptr;
 };
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec);
 

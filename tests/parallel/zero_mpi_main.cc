@@ -2,11 +2,13 @@
 // Each process trains the single-rank reference itself, then every stage 0-3 with
 // accumulation 1 and 2 over the MPI world, on the MNIST MLP and GPT-mini in f64 and f32, and
 // compares with dp_harness.h's tolerances; a resume under another stage continues the same
-// losses. 8-bit AdamW runs on block shards under every stage.
+// losses. 8-bit AdamW runs on block shards under every stage. Offloaded ZeRO (host and swap
+// file tiers) is bitwise the in-memory run.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "parallel/comm/mpi.h"
@@ -108,6 +110,29 @@ TEST_CASE("zero over mpi: a stage 3 checkpoint resumes under stage 1") {
   for (int i = 0; i < kSteps / 2; ++i) {
     CHECK(std::abs(rest.losses[i] - whole.losses[kSteps / 2 + i]) <= 1e-10);
   }
+}
+
+TEST_CASE("zero over mpi: offloaded (host and swap-file tiers) is bitwise the in-memory run") {
+  CommPtr world = mpi_world();
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  int runs = 0;
+  for (const Task& task : {mlp_task(), gpt_task()}) {
+    for (int stage : {1, 2, 3}) {
+      const Run memory = train_zero(*world, task, DType::f32, {.stage = stage, .stop = 10});
+      for (OffloadTier tier : {OffloadTier::host, OffloadTier::file}) {
+        ZeroRun spec{.stage = stage, .stop = 10};
+        spec.offload.optimizer = tier;
+        spec.offload.params = stage == 3 ? tier : OffloadTier::none;
+        spec.offload.dir = tmp != nullptr ? tmp : "/tmp";
+        const Run off = train_zero(*world, task, DType::f32, spec);
+        INFO(task.name, " stage ", stage, " tier ", offload_tier_name(tier));
+        CHECK(off.losses == memory.losses);
+        CHECK(off.params == memory.params);
+        ++runs;
+      }
+    }
+  }
+  CHECK(runs == 12);
 }
 
 }  // namespace

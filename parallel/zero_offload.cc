@@ -1,0 +1,444 @@
+// ZeroDataParallel's offload tiers (ZeroOptions::offload, parallel/offload.h): the host
+// copies of the shards the optimizer steps, their paging to and from the swap file, the
+// gradients' trip to the host and the parameters' trip back.
+//
+// Paging is by storage: a host copy, or a state tensor the optimizer created (inside a
+// HostTierScope, so on the host tier), is "paged out" when its bytes are written to the
+// swap file and its storage released (StorageImpl::release: the tensor stays a valid handle
+// the optimizer keeps in its state, and any op touching it throws), and "paged in" when the
+// storage is reallocated (the host tier's cache hands back a buffer of the same size) and
+// read back. Nothing else tracks residency, so it cannot go stale.
+#include <fmt/format.h>
+
+#include <atomic>
+#include <map>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "parallel/placement.h"
+#include "parallel/zero.h"
+#include "parallel/zero_state.h"
+
+namespace tessera::parallel {
+
+struct ZeroDataParallel::State::Offload {
+  OffloadOptions options;
+  bool param_file = false;  // the host copies of the parameters live in the swap file
+  bool state_file = false;  // the optimizer's state lives in the swap file
+  bool params = false;      // stage 3 without device shards
+  std::unique_ptr<SwapFile> file;
+  std::vector<SwapFile::Request> reads;  // per segment: a read ahead of its host copy
+  // The optimizer's global index of each segment's host copy (bound at its first step).
+  const optim::Optimizer* bound = nullptr;
+  std::vector<int64_t> index;
+  int64_t to_host = 0, to_device = 0;  // bytes copied between the device and the host
+  int64_t state_host_bytes = 0;        // the optimizer state resident after the last step
+};
+
+namespace {
+
+using State = ZeroDataParallel::State;
+using Offload = State::Offload;
+
+constexpr int64_t kKeysPerSegment = 64;  // record keys: segment * 64 + (0 param, 1.. state)
+
+std::atomic<int64_t> g_swap_files{0};  // names the swap files of one process apart
+
+void bind(State& st, const optim::Optimizer& optimizer) {
+  Offload& o = *st.offload;
+  if (o.bound == &optimizer) return;
+  std::map<const TensorImpl*, int64_t> at;
+  int64_t i = 0;
+  for (const optim::ParamGroup& g : optimizer.param_groups()) {
+    for (const Tensor& p : g.params) at[p.impl()] = i++;
+  }
+  std::vector<int64_t> index;
+  for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
+    auto it = at.find(st.segments[s].host.impl());
+    TS_CHECK(it != at.end(),
+             "{}: offload: the optimizer ({}) does not step segment {}'s host copy; build it on "
+             "ZeroDataParallel::param_groups(), which returns the host copies when the "
+             "optimizer is offloaded",
+             kName, optimizer.kind(), s);
+    index.push_back(it->second);
+  }
+  o.index = std::move(index);
+  o.bound = &optimizer;
+}
+
+// The tensors of segment s that live in the swap file, with their record keys.
+std::vector<std::pair<int64_t, Tensor>> pages(const State& st, int s,
+                                              const optim::Optimizer* optimizer) {
+  const Offload& o = *st.offload;
+  std::vector<std::pair<int64_t, Tensor>> out;
+  if (o.param_file) out.emplace_back(s * kKeysPerSegment, st.segments[s].host);
+  if (o.state_file && optimizer != nullptr) {
+    int64_t k = 1;
+    for (const auto& [name, t] : optimizer->state(o.index[s])) {
+      TS_CHECK(k < kKeysPerSegment, "{}: offload: more than {} state tensors per parameter",
+               kName, kKeysPerSegment - 1);
+      out.emplace_back(s * kKeysPerSegment + k++, t);
+    }
+  }
+  return out;
+}
+
+void* bytes_of(const Tensor& t) { return t.storage()->data(); }
+int64_t size_of(const Tensor& t) { return t.storage()->nbytes(); }
+
+// Reads the released pages of segment s back (reallocating them); returns the requests.
+std::vector<SwapFile::Request> page_in(State& st, int s, const optim::Optimizer* optimizer) {
+  Offload& o = *st.offload;
+  std::vector<SwapFile::Request> out;
+  for (auto& [key, t] : pages(st, s, optimizer)) {
+    if (key % kKeysPerSegment == 0 && o.reads[s].pending()) {
+      out.push_back(std::move(o.reads[s]));  // read ahead already
+      continue;
+    }
+    if (!t.storage()->released()) continue;
+    t.storage()->reallocate();
+    out.push_back(o.file->read(key, bytes_of(t), size_of(t)));
+  }
+  return out;
+}
+
+// Writes segment s's resident pages; release() them once the requests are done.
+std::vector<SwapFile::Request> write_out(State& st, int s, const optim::Optimizer* optimizer) {
+  std::vector<SwapFile::Request> out;
+  for (auto& [key, t] : pages(st, s, optimizer)) {
+    if (!t.storage()->released()) out.push_back(st.offload->file->write(key, bytes_of(t), size_of(t)));
+  }
+  return out;
+}
+
+void release_pages(State& st, int s, const optim::Optimizer* optimizer) {
+  for (auto& [key, t] : pages(st, s, optimizer)) t.storage()->release();
+}
+
+void wait_all(std::vector<SwapFile::Request>& requests) {
+  for (SwapFile::Request& r : requests) r.wait();
+  requests.clear();
+}
+
+int64_t shard_bytes(const State::Segment& seg) { return seg.shard_numel * dtype_size(seg.dtype); }
+
+// The least device memory training needs beside the activations, and what it is (from the
+// segments: run before the flat buffers exist).
+std::pair<int64_t, std::string> least_device_bytes(const State& st) {
+  std::vector<int64_t> unit_bytes(st.units.size());
+  for (const State::Segment& seg : st.segments) unit_bytes[seg.unit] += seg.numel * dtype_size(seg.dtype);
+  if (st.stage() == 3) {
+    int64_t largest = 0;
+    std::string name = "(none)";
+    for (int u = 0; u < st.root(); ++u) {
+      if (unit_bytes[u] > largest) largest = unit_bytes[u], name = st.units[u].path;
+    }
+    const int64_t root = unit_bytes[st.root()];
+    return {root * 2 + largest * 2,
+            fmt::format("the root's {:.2f} MiB of parameters and their gradients, and unit '{}' "
+                        "gathered ({:.2f} MiB) with its gradients",
+                        root / 1048576.0, name, largest / 1048576.0)};
+  }
+  int64_t params = 0, largest = 0;
+  for (const State::Segment& seg : st.segments) {
+    const int64_t b = seg.numel * dtype_size(seg.dtype);
+    params += b;
+    largest = std::max(largest, b);
+  }
+  return {params + 2 * largest,
+          fmt::format("the whole parameters ({:.2f} MiB at stage {}) and one segment's "
+                      "gradients twice ({:.2f} MiB each)",
+                      params / 1048576.0, st.stage(), largest / 1048576.0)};
+}
+
+std::string tiers_of(const OffloadOptions& opt) {
+  return fmt::format("offload_optimizer={} offload_params={}", offload_tier_name(opt.optimizer),
+                     offload_tier_name(opt.params));
+}
+
+}  // namespace
+
+void offload_check(State& st) {
+  const OffloadOptions& opt = st.options.offload;
+  const std::string tiers = tiers_of(opt);
+  TS_CHECK(st.stage() >= 1, "{}: {}: offloading needs ZeRO stage 1-3 (the optimizer steps this "
+           "rank's shards), got stage {}", kName, tiers, st.stage());
+  TS_CHECK(opt.optimizer != OffloadTier::none,
+           "{}: {}: the parameters go to the tier of the optimizer's copies; offload the "
+           "optimizer too", kName, tiers);
+  TS_CHECK(opt.params == OffloadTier::none || st.stage() == 3,
+           "{}: {}: offloading the parameters needs ZeRO stage 3 (stages 1-2 keep them whole "
+           "on every rank), got stage {}", kName, tiers, st.stage());
+  TS_CHECK(!st.options.comm_hook && !st.per_param_shards() && st.options.subgroup.group == nullptr,
+           "{}: {}: offloading takes flat shards reduced exactly: not with a comm hook, row or "
+           "block shards, or a parameter subgroup (experts)", kName, tiers);
+  // The device budget, against what this rank's device will hold once built: the module's
+  // parameters now in use, less what stage 3 frees (all of them with the parameters
+  // offloaded, all but this rank's shards otherwise).
+  if (st.segments.empty()) return;
+  Allocator& device = allocator_for(st.segments.front().device);
+  const int64_t cap = device.limit();
+  if (cap <= 0) return;
+  int64_t param_bytes = 0, shard_bytes_now = 0;
+  for (const State::Segment& seg : st.segments) {
+    param_bytes += seg.numel * dtype_size(seg.dtype);
+    shard_bytes_now += block_size(seg.numel, seg.comm->size(), seg.comm->rank()) * dtype_size(seg.dtype);
+  }
+  int64_t in_use = device.stats().allocated_bytes;
+  if (st.stage() == 3) in_use -= param_bytes - (opt.params != OffloadTier::none ? 0 : shard_bytes_now);
+  const auto [need, what] = least_device_bytes(st);
+  // Every rank learns whether any is short (threads ranks share one budget and may read it
+  // at different moments): all throw, none is left waiting in a collective.
+  Tensor short_here = Tensor::from_vector<double>({need <= cap - in_use ? 0.0 : 1.0}, {1});
+  {
+    CommCause cause("zero offload budget check", CommKind::control);
+    st.comm->all_reduce(short_here, ReduceOp::max);
+  }
+  TS_CHECK(short_here.item<double>() == 0.0 || need > cap - in_use,
+           "{}: {}: another rank's device budget cannot hold even one unit", kName, tiers);
+  TS_CHECK(need <= cap - in_use,
+           "{}: {}: the device budget of {:.2f} MiB ({:.2f} MiB otherwise in use) cannot "
+           "hold even one unit: training needs at least {:.2f} MiB more beside the activations, "
+           "for {}; raise --memory_limit{}",
+           kName, tiers, cap / 1048576.0, in_use / 1048576.0, need / 1048576.0, what,
+           st.stage() < 3 ? " or use ZeRO stage 3 with --offload_params" : "");
+}
+
+void offload_setup(State& st) {
+  const OffloadOptions& opt = st.options.offload;
+  auto o = std::make_shared<Offload>();
+  o->options = opt;
+  o->params = opt.params != OffloadTier::none;
+  o->state_file = opt.optimizer == OffloadTier::file;
+  o->param_file = opt.params == OffloadTier::file ||
+                  (opt.params == OffloadTier::none && opt.optimizer == OffloadTier::file);
+  o->reads.resize(st.segments.size());
+  if (o->state_file || o->param_file) {
+    o->file = std::make_unique<SwapFile>(
+        opt.dir, fmt::format("rank{}-{}", st.comm->rank(), g_swap_files.fetch_add(1)),
+        SwapFile::Options{opt.direct_io, opt.io_threads, opt.io_block});
+  }
+  st.offload = o;
+  NoGradGuard no_grad;
+  std::vector<SwapFile::Request> writes;
+  for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
+    State::Segment& seg = st.segments[s];
+    {
+      HostTierScope host;
+      MemoryTagScope tag(MemoryTag::parameters);
+      seg.host = Tensor::empty({seg.shard_numel}, seg.dtype, kCPU);
+    }
+    seg.host.copy_(seg.shard);
+    o->to_host += shard_bytes(seg);
+    if (o->params) seg.shard.storage()->release();  // stage 3: its own clone
+    for (auto& w : write_out(st, s, nullptr)) writes.push_back(std::move(w));
+  }
+  wait_all(writes);
+  for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) release_pages(st, s, nullptr);
+}
+
+void offload_shard_in(State& st, int s) {
+  Offload& o = *st.offload;
+  if (!o.params) return;  // the device keeps its shard
+  State::Segment& seg = st.segments[s];
+  std::vector<SwapFile::Request> reads = o.param_file ? page_in(st, s, nullptr)
+                                                      : std::vector<SwapFile::Request>{};
+  wait_all(reads);
+  seg.shard.storage()->reallocate();  // tagged by the caller (gathered)
+  NoGradGuard no_grad;
+  seg.shard.copy_(seg.host);
+  o.to_device += shard_bytes(seg);
+  if (o.param_file) release_pages(st, s, nullptr);  // clean: the file holds these bytes
+}
+
+void offload_shard_out(State& st, int s) {
+  if (st.offload->params) st.segments[s].shard.storage()->release();
+}
+
+void offload_read_ahead(State& st, int u, bool forward) {
+  Offload& o = *st.offload;
+  if (!o.params || !o.param_file) return;
+  // The two units gathered after u: forward, the root, then 0, 1, ...; backward, down to 0.
+  std::vector<int> next;
+  int at = u;
+  for (int k = 0; k < 2; ++k) {
+    at = forward ? (at == st.root() ? 0 : at + 1) : at - 1;
+    if (at < 0 || at >= st.root()) break;
+    next.push_back(at);
+  }
+  for (int v : next) {
+    if (st.units[v].gather != State::Gather::released) continue;
+    for (int s : st.units[v].segments) {
+      const Tensor& h = st.segments[s].host;
+      if (o.reads[s].pending() || !h.storage()->released()) continue;
+      h.storage()->reallocate();
+      o.reads[s] = o.file->read(s * kKeysPerSegment, bytes_of(h), size_of(h));
+    }
+  }
+}
+
+void offload_take_grad(State& st, int s) {
+  State::Segment& seg = st.segments[s];
+  NoGradGuard no_grad;
+  HostTierScope host;
+  MemoryTagScope tag(MemoryTag::gradients);
+  Tensor here = Tensor::empty({seg.shard_numel}, seg.dtype, kCPU);
+  here.copy_(seg.reduced);
+  st.offload->to_host += shard_bytes(seg);
+  const Tensor grad = seg.host.grad();
+  if (grad.defined()) grad.copy_(grad + here);  // the in-memory path's sum, on the host
+  else seg.host.set_grad(here);
+}
+
+void offload_step(State& st, optim::Optimizer& optimizer) {
+  Offload& o = *st.offload;
+  bind(st, optimizer);
+  NoGradGuard no_grad;
+  HostTierScope host;  // the state the optimizer creates, and its temporaries
+  MemoryTagScope tag(MemoryTag::optimizer_state);
+  const int n = static_cast<int>(st.segments.size());
+  auto copy_back = [&](int s) {
+    State::Segment& seg = st.segments[s];
+    if (o.params) return;  // stage 3 without device shards: the gathers read the host copy
+    seg.shard.copy_(seg.host);
+    o.to_device += shard_bytes(seg);
+  };
+  if (!o.file) {  // everything resident: one step, as in memory
+    optimizer.step();
+    for (int s = 0; s < n; ++s) copy_back(s);
+  } else {
+    // A segment at a time: its gradient alone is attached, so step() updates it alone (an
+    // elementwise optimizer's update of one tensor is the same as in a bucket of many).
+    // The next segment's pages are read while this one updates; a written segment is
+    // released once its writes are done, so at most three are resident.
+    std::vector<Tensor> grads(n);
+    for (int s = 0; s < n; ++s) {
+      grads[s] = st.segments[s].host.grad();
+      st.segments[s].host.set_grad(Tensor());
+    }
+    struct Restore {
+      State& st;
+      std::vector<Tensor>& grads;
+      ~Restore() {
+        for (size_t s = 0; s < grads.size(); ++s) st.segments[s].host.set_grad(grads[s]);
+      }
+    } restore{st, grads};
+    const std::vector<int> order = st.optimizer_order();
+    std::vector<std::vector<SwapFile::Request>> reads(n), writes(n);
+    reads[order[0]] = page_in(st, order[0], &optimizer);
+    for (int j = 0; j < n; ++j) {
+      const int s = order[j];
+      wait_all(reads[s]);
+      if (j + 1 < n) reads[order[j + 1]] = page_in(st, order[j + 1], &optimizer);
+      if (grads[s].defined()) {
+        st.segments[s].host.set_grad(grads[s]);
+        optimizer.step();
+        st.segments[s].host.set_grad(Tensor());
+      }
+      copy_back(s);
+      writes[s] = write_out(st, s, &optimizer);
+      if (j > 0) {
+        wait_all(writes[order[j - 1]]);
+        release_pages(st, order[j - 1], &optimizer);
+      }
+    }
+    wait_all(writes[order[n - 1]]);
+    release_pages(st, order[n - 1], &optimizer);
+  }
+  o.state_host_bytes = 0;
+  for (int s = 0; s < n; ++s) {
+    for (const auto& [name, t] : optimizer.state(o.index[s])) {
+      if (!t.storage()->released()) o.state_host_bytes += size_of(t);
+    }
+  }
+}
+
+void offload_set_shard(State& st, int s, const Tensor& values) {
+  Offload& o = *st.offload;
+  State::Segment& seg = st.segments[s];
+  NoGradGuard no_grad;
+  if (o.param_file) seg.host.storage()->reallocate();  // overwritten whole: nothing to read
+  seg.host.copy_(values);
+  o.to_host += shard_bytes(seg);
+  if (!o.params && !same_view(values, seg.shard)) seg.shard.copy_(values);
+  if (o.param_file) {
+    std::vector<SwapFile::Request> w = write_out(st, s, nullptr);
+    wait_all(w);
+    release_pages(st, s, nullptr);
+  }
+}
+
+void offload_page_all(State& st, const optim::Optimizer* optimizer, bool in) {
+  Offload& o = *st.offload;
+  if (!o.file) return;
+  if (optimizer != nullptr) bind(st, *optimizer);
+  const int n = static_cast<int>(st.segments.size());
+  std::vector<SwapFile::Request> requests;
+  for (int s = 0; s < n; ++s) {
+    for (auto& r : in ? page_in(st, s, optimizer) : write_out(st, s, optimizer)) {
+      requests.push_back(std::move(r));
+    }
+  }
+  wait_all(requests);
+  if (!in) {
+    for (int s = 0; s < n; ++s) release_pages(st, s, optimizer);
+  }
+}
+
+ZeroOffloadReport ZeroDataParallel::offload_report() const {
+  const State& st = *state_;
+  ZeroOffloadReport r;
+  if (!st.offload) return r;
+  const Offload& o = *st.offload;
+  r.optimizer = o.options.optimizer;
+  r.params = o.options.params;
+  if (o.file) {
+    r.direct_io = o.file->direct();
+    r.file = o.file->path();
+    r.file_bytes = o.file->file_bytes();
+    r.read_bytes = o.file->bytes_read();
+    r.written_bytes = o.file->bytes_written();
+  }
+  r.to_host_bytes = o.to_host;
+  r.to_device_bytes = o.to_device;
+  r.host_bytes = o.state_host_bytes;
+  for (int u = 0; u < static_cast<int>(st.units.size()); ++u) {
+    for (int s : st.units[u].segments) {
+      const State::Segment& seg = st.segments[s];
+      r.shard_elements += seg.shard_numel;
+      r.shard_bytes += shard_bytes(seg);
+      if (o.params && o.param_file) r.gathered_shard_bytes += shard_bytes(seg) * (u == st.root() ? 1 : 2);
+      if (!seg.host.storage()->released()) r.host_bytes += size_of(seg.host);
+      const Tensor g = seg.host.grad();
+      if (g.defined()) r.host_bytes += size_of(g);
+    }
+  }
+  return r;
+}
+
+int64_t ZeroOffloadReport::step_io_formula(int64_t state_bytes_per_element) const {
+  int64_t bytes = 0;
+  if (params == OffloadTier::file || (params == OffloadTier::none && optimizer == OffloadTier::file)) {
+    bytes += shard_bytes;
+  }
+  if (optimizer == OffloadTier::file) bytes += shard_elements * state_bytes_per_element;
+  return bytes;
+}
+
+int64_t ZeroOffloadReport::gather_read_formula() const { return gathered_shard_bytes; }
+
+std::string ZeroOffloadReport::str() const {
+  auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
+  std::string s = fmt::format("offload optimizer={} params={}: host {:.1f} MiB", offload_tier_name(optimizer),
+                              offload_tier_name(params), mib(host_bytes));
+  if (!file.empty()) {
+    s += fmt::format(", file {:.1f} MiB ({}), read {:.1f} MiB, written {:.1f} MiB", mib(file_bytes),
+                     direct_io ? "O_DIRECT" : "buffered", mib(read_bytes), mib(written_bytes));
+  }
+  s += fmt::format(", device->host {:.1f} MiB, host->device {:.1f} MiB", mib(to_host_bytes),
+                   mib(to_device_bytes));
+  return s;
+}
+
+}  // namespace tessera::parallel

@@ -1,0 +1,379 @@
+// Offload (parallel/offload.h, ZeroOptions::offload): the swap file's engine on its own, then
+// ZeRO training with the optimizer (and, at stage 3, the parameters) on the host tier and on
+// the file tier against the same training in memory: bitwise the same losses and
+// parameters, the device under a budget the in-memory run exceeds, the swap file's bytes per
+// step equal to the layout's formula, resume, and the errors.
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "parallel/comm/threads.h"
+#include "parallel/offload.h"
+#include "parallel/zero.h"
+#include "tensor/allocator.h"
+#include "tests/parallel/dp_harness.h"
+#include "tests/testing.h"
+
+namespace tessera::parallel {
+namespace {
+
+using namespace testing_dp;
+using testing::contains;
+using testing::error_of;
+
+constexpr int64_t kOffloadSteps = 10;
+
+std::string scratch_dir() {
+  const char* t = std::getenv("TEST_TMPDIR");
+  return t != nullptr ? t : "/tmp";
+}
+
+// ---- the swap file ----------------------------------------------------------------------
+
+std::vector<char> pattern(int64_t n, int seed) {
+  std::vector<char> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = static_cast<char>((i * 131 + seed * 7) % 251);
+  return v;
+}
+
+TEST_CASE("offload: the swap file writes and reads records back, direct and buffered, and "
+          "catches a corrupted record") {
+  for (bool direct : {true, false}) {
+    CAPTURE(direct);
+    // A small block so that records span several blocks (each with its own checksum).
+    SwapFile f(scratch_dir(), fmt::format("test-{}", direct), {direct, 3, 8192});
+    if (!direct) CHECK_FALSE(f.direct());
+    MESSAGE("swap file " << f.path() << (f.direct() ? ": O_DIRECT" : ": buffered"));
+    // Page-aligned buffers padded to whole pages (as the host tier's are), and one that is
+    // not aligned (buffered even in direct mode).
+    const int64_t sizes[] = {1, 4096, 20000, 3 * 8192};
+    std::vector<void*> buffers;
+    for (int k = 0; k < 4; ++k) {
+      void* p = nullptr;
+      REQUIRE(posix_memalign(&p, 4096, static_cast<size_t>((sizes[k] + 4095) / 4096 * 4096)) == 0);
+      const std::vector<char> v = pattern(sizes[k], k);
+      std::memcpy(p, v.data(), v.size());
+      buffers.push_back(p);
+    }
+    std::vector<char> odd = pattern(5001, 9);
+    std::vector<SwapFile::Request> writes;
+    for (int k = 0; k < 4; ++k) writes.push_back(f.write(k, buffers[k], sizes[k]));
+    writes.push_back(f.write(99, odd.data() + 1, 5000));
+    for (auto& w : writes) w.wait();
+    CHECK(f.bytes_written() == 1 + 4096 + 20000 + 3 * 8192 + 5000);
+    for (int k = 0; k < 4; ++k) std::memset(buffers[k], 0, static_cast<size_t>(sizes[k]));
+    std::vector<char> back(5000);
+    std::vector<SwapFile::Request> reads;
+    for (int k = 3; k >= 0; --k) reads.push_back(f.read(k, buffers[k], sizes[k]));
+    reads.push_back(f.read(99, back.data(), 5000));
+    for (auto& r : reads) r.wait();
+    for (int k = 0; k < 4; ++k) {
+      CAPTURE(k);
+      const std::vector<char> v = pattern(sizes[k], k);
+      CHECK(std::memcmp(buffers[k], v.data(), v.size()) == 0);
+    }
+    CHECK(std::memcmp(back.data(), odd.data() + 1, 5000) == 0);
+    CHECK(f.bytes_read() == f.bytes_written());
+    // Records sit on 4096-byte boundaries: 4096 + 4096 + 20480 + 24576 + 8192.
+    CHECK(f.file_bytes() == 61440);
+
+    // Errors: a size other than the record's, a record never written.
+    CHECK(contains(error_of([&] { f.read(2, buffers[2], 100).wait(); }),
+                   "record 2 holds 20000 bytes, asked for 100"));
+    CHECK(contains(error_of([&] { f.read(7, buffers[0], 1).wait(); }), "no record 7 was written"));
+
+    // Another writer changes a byte of record 2's second block under us: its read fails.
+    {
+      const int fd = ::open(f.path().c_str(), O_WRONLY);
+      REQUIRE(fd >= 0);
+      const char flip = 'x';
+      REQUIRE(::pwrite(fd, &flip, 1, 4096 + 4096 + 8192 + 5) == 1);
+      ::close(fd);
+    }
+    const std::string err = error_of([&] { f.read(2, buffers[2], sizes[2]).wait(); });
+    CHECK(contains(err, "record 2 fails its checksum at offset 16384"));
+    // The other records still read back.
+    f.read(3, buffers[3], sizes[3]).wait();
+    for (void* p : buffers) std::free(p);
+  }
+  CHECK(contains(error_of([] { SwapFile f("/nonexistent/dir", "x", {}); }),
+                 "--offload_dir '/nonexistent/dir' is not a directory"));
+  CHECK(parse_offload_tier("nvme", "--offload_params") == OffloadTier::file);
+  CHECK(parse_offload_tier("host", "--offload_params") == OffloadTier::host);
+  CHECK(contains(error_of([] { parse_offload_tier("disk", "--offload_optimizer"); }),
+                 "--offload_optimizer: unknown offload tier 'disk' (expected none, host or nvme)"));
+}
+
+// ---- training -----------------------------------------------------------------------------
+
+struct Layout {
+  int dp, stage;
+  OffloadTier optimizer, params;
+  int accum = 1;
+};
+
+std::string describe(const Layout& l) {
+  return fmt::format("dp={} stage={} accum={} offload_optimizer={} offload_params={}", l.dp,
+                     l.stage, l.accum, offload_tier_name(l.optimizer),
+                     offload_tier_name(l.params));
+}
+
+OffloadOptions offload_of(const Layout& l) {
+  OffloadOptions o;
+  o.optimizer = l.optimizer;
+  o.params = l.params;
+  o.dir = scratch_dir();
+  o.io_block = 64 << 10;  // small models: several blocks per segment anyway
+  return o;
+}
+
+// Rank 0's run (every rank's losses and parameters are checked equal to it).
+Run run_layout(const Task& task, const Layout& l, bool offloaded,
+               std::vector<ZeroOffloadReport>* reports = nullptr, int64_t stop = kOffloadSteps,
+               int64_t start = 0, const Checkpoint* load = nullptr, Checkpoint* save = nullptr) {
+  std::vector<Run> runs(l.dp);
+  std::vector<std::vector<ZeroOffloadReport>> rep(l.dp);
+  std::vector<Checkpoint> saves(l.dp);  // every rank saves (collective); rank 0's is kept
+  run_threads(l.dp, [&](CommPtr world) {
+    ZeroRun spec{.stage = l.stage, .accum = l.accum, .start = start, .stop = stop};
+    spec.load = load;
+    if (save != nullptr) spec.save = &saves[world->rank()];
+    if (offloaded) spec.offload = offload_of(l);
+    spec.reports = &rep[world->rank()];
+    runs[world->rank()] = train_zero(*world, task, DType::f32, spec);
+  });
+  for (int r = 1; r < l.dp; ++r) {
+    CAPTURE(r);
+    CHECK(runs[r].losses == runs[0].losses);
+    CHECK(runs[r].params == runs[0].params);
+  }
+  if (reports != nullptr) *reports = rep[0];
+  if (save != nullptr) *save = saves[0];
+  return runs[0];
+}
+
+bool bitwise(const Run& a, const Run& b) { return a.losses == b.losses && a.params == b.params; }
+
+// Every tier combination of every stage over dp 1, 2, 4, bitwise the in-memory run.
+int check_bitwise(const Task& task, const std::vector<int>& dps, const std::vector<int>& accums) {
+  int configurations = 0;
+  for (int dp : dps) {
+    for (int stage : {1, 2, 3}) {
+      for (int accum : accums) {
+        const Run memory = run_layout(task, {dp, stage, OffloadTier::none, OffloadTier::none, accum}, false);
+        CHECK(memory.losses.back() < memory.losses.front());  // it trains
+        for (OffloadTier opt : {OffloadTier::host, OffloadTier::file}) {
+          std::vector<OffloadTier> params = {OffloadTier::none};
+          if (stage == 3) params.insert(params.end(), {OffloadTier::host, OffloadTier::file});
+          for (OffloadTier p : params) {
+            const Layout l{dp, stage, opt, p, accum};
+            const Run off = run_layout(task, l, true);
+            INFO(task.name, ": ", describe(l));
+            CHECK(off.losses.size() == static_cast<size_t>(kOffloadSteps));
+            CHECK(bitwise(off, memory));
+            ++configurations;
+          }
+        }
+      }
+    }
+  }
+  return configurations;
+}
+
+TEST_CASE("offload: MNIST MLP, host and file tiers x stages 1-3 x dp 1, 2, 4 are bitwise the "
+          "in-memory run") {
+  // Per dp: stages 1 and 2 with two optimizer tiers, stage 3 with two x three params tiers.
+  CHECK(check_bitwise(mlp_task(), {1, 2, 4}, {1}) == 3 * (2 + 2 + 6));
+}
+
+TEST_CASE("offload: GPT-mini with accumulation, bitwise the in-memory run") {
+  CHECK(check_bitwise(gpt_task(), {2}, {2}) == 2 + 2 + 6);
+}
+
+TEST_CASE("offload: the device stays under a budget the in-memory run exceeds") {
+  const Task task = gpt_task();
+  Allocator& cpu = allocator_for(kCPU);
+  for (int dp : {1, 2}) {
+    CAPTURE(dp);
+    const Layout memory{dp, 3, OffloadTier::none, OffloadTier::none};
+    const Layout file{dp, 3, OffloadTier::file, OffloadTier::file};
+    cpu.reset_peak();
+    process_memory().reset_peak();
+    const Run in_memory = run_layout(task, memory, false, nullptr, 3);
+    const int64_t memory_peak = cpu.stats().peak_bytes;
+    const int64_t memory_state = process_memory().peak(MemoryTag::optimizer_state);
+    cpu.reset_peak();
+    process_memory().reset_peak();
+    const Run offloaded = run_layout(task, file, true, nullptr, 3);
+    const int64_t file_peak = cpu.stats().peak_bytes;
+    MESSAGE(fmt::format("dp {}: device peak {} bytes in memory, {} offloaded", dp, memory_peak,
+                        file_peak));
+    CHECK(bitwise(offloaded, in_memory));
+    // The offloaded device holds no optimizer state at all, and no parameter shards.
+    CHECK(memory_state > 0);
+    CHECK(process_memory().peak(MemoryTag::optimizer_state) == 0);
+    CHECK(process_memory().current(MemoryTag::parameters) == 0);
+    REQUIRE(file_peak < memory_peak);
+    // A budget between the two peaks: the in-memory run fails on it, the offloaded one
+    // trains under it, bitwise as before.
+    const int64_t budget = (file_peak + memory_peak) / 2;
+    const int64_t before = cpu.limit();
+    cpu.set_limit(budget);
+    std::string err;
+    try {
+      run_layout(task, memory, false, nullptr, 3);
+    } catch (const Error& e) {
+      err = e.what();
+    }
+    CHECK(contains(err, "would exceed the memory budget"));
+    cpu.reset_peak();
+    Run under;
+    try {
+      under = run_layout(task, file, true, nullptr, 3);
+    } catch (...) {
+      cpu.set_limit(before);
+      throw;
+    }
+    cpu.set_limit(before);
+    CHECK(cpu.stats().peak_bytes <= budget);
+    CHECK(bitwise(under, in_memory));
+  }
+}
+
+TEST_CASE("offload: the swap file's bytes per step equal the layout's formula") {
+  const Task task = gpt_task();
+  int configurations = 0;
+  for (int dp : {1, 2}) {
+    for (int stage : {1, 3}) {
+      for (OffloadTier params : {OffloadTier::none, OffloadTier::host, OffloadTier::file}) {
+        if (params != OffloadTier::none && stage != 3) continue;
+        for (int accum : {1, 2}) {
+          const Layout l{dp, stage, OffloadTier::file, params, accum};
+          INFO(describe(l));
+          std::vector<ZeroOffloadReport> reports;
+          run_layout(task, l, true, &reports, 4);
+          REQUIRE(reports.size() == 5);  // after construction, then after each step
+          // AdamW on f32 parameters: exp_avg and exp_avg_sq, 8 bytes per element.
+          const int64_t state = 8;
+          const ZeroOffloadReport& r = reports.back();
+          // Independently of the report's formula: a step writes each shard's parameters (4
+          // bytes an element, unless they are kept on the host) and state (8), and reads them
+          // back, but the first step has no state to read yet.
+          const int64_t param = params == OffloadTier::host ? 0 : 4;
+          const int64_t step_bytes = r.shard_elements * (param + state);
+          CHECK(r.step_io_formula(state) == step_bytes);
+          CHECK(r.shard_bytes == r.shard_elements * 4);
+          const int64_t gathers =
+              params == OffloadTier::file ? accum * r.gather_read_formula() : 0;
+          for (size_t k = 1; k < reports.size(); ++k) {
+            CAPTURE(k);
+            CHECK(reports[k].written_bytes - reports[k - 1].written_bytes == step_bytes);
+            const int64_t reads = k == 1 ? r.shard_elements * param + gathers : step_bytes + gathers;
+            CHECK(reports[k].read_bytes - reports[k - 1].read_bytes == reads);
+          }
+          // Construction writes the parameters once.
+          CHECK(reports[0].written_bytes == r.shard_elements * param);
+          CHECK(reports[0].read_bytes == 0);
+          ++configurations;
+        }
+      }
+    }
+  }
+  CHECK(configurations == 2 * (2 + 6));
+}
+
+TEST_CASE("offload: a run saved offloaded resumes bitwise, in memory and offloaded") {
+  const Task task = gpt_task();
+  const Layout file{2, 3, OffloadTier::file, OffloadTier::file};
+  const Layout memory{2, 3, OffloadTier::none, OffloadTier::none};
+  const Run whole = run_layout(task, memory, false, nullptr, 6);
+  Checkpoint saved;
+  const Run first = run_layout(task, file, true, nullptr, 3, 0, nullptr, &saved);
+  for (bool offloaded : {true, false}) {
+    CAPTURE(offloaded);
+    const Run rest = run_layout(task, offloaded ? file : memory, offloaded, nullptr, 6, 3, &saved);
+    std::vector<double> losses = first.losses;
+    losses.insert(losses.end(), rest.losses.begin(), rest.losses.end());
+    CHECK(losses == whole.losses);
+    CHECK(rest.params == whole.params);
+  }
+  // And a host-tier run resumes from an in-memory checkpoint.
+  Checkpoint from_memory;
+  run_layout(task, memory, false, nullptr, 3, 0, nullptr, &from_memory);
+  const Run host = run_layout(task, {2, 2, OffloadTier::host, OffloadTier::none}, true, nullptr,
+                              6, 3, &from_memory);
+  const Run rest = run_layout(task, {2, 2, OffloadTier::none, OffloadTier::none}, false, nullptr,
+                              6, 3, &from_memory);
+  CHECK(bitwise(host, rest));
+}
+
+TEST_CASE("offload: errors name the flags and the sizes, before anything trains") {
+  const Task task = gpt_task();
+  Allocator& cpu = allocator_for(kCPU);
+  // headroom >= 0: the device budget is set, once the model is built, to what is in use
+  // plus this many bytes.
+  auto build = [&](int stage, OffloadOptions o, int64_t headroom = -1) {
+    run_threads(1, [&](CommPtr world) {
+      std::shared_ptr<nn::Module> model = make_model(task, DType::f32);
+      ZeroOptions z{.stage = stage, .units = task.units};
+      z.offload = o;
+      const int64_t before = cpu.limit();
+      if (headroom >= 0) cpu.set_limit(cpu.stats().allocated_bytes + headroom);
+      try {
+        ZeroDataParallel zero(*model, *world, z);
+      } catch (...) {
+        cpu.set_limit(before);
+        throw;
+      }
+      cpu.set_limit(before);
+    });
+  };
+  CHECK(contains(error_of([&] { build(0, {.optimizer = OffloadTier::host}); }),
+                 "offload_optimizer=host offload_params=none: offloading needs ZeRO stage 1-3"));
+  CHECK(contains(error_of([&] { build(3, {.params = OffloadTier::host}); }),
+                 "offload the optimizer too"));
+  CHECK(contains(error_of([&] {
+                   build(2, {.optimizer = OffloadTier::host, .params = OffloadTier::host});
+                 }),
+                 "offloading the parameters needs ZeRO stage 3"));
+  CHECK(contains(error_of([&] {
+                   build(3, {.optimizer = OffloadTier::file, .dir = "/nonexistent/dir"});
+                 }),
+                 "--offload_dir '/nonexistent/dir' is not a directory"));
+  // A budget too small for even one unit: refused at construction, before any buffer. (The
+  // model's own parameters, freed by stage 3, count as room.)
+  const std::string err = error_of([&] {
+    build(3, {.optimizer = OffloadTier::file, .params = OffloadTier::file, .dir = scratch_dir()},
+          4096);
+  });
+  MESSAGE(err);
+  CHECK(contains(err, "offload_optimizer=nvme offload_params=nvme: the device budget of"));
+  CHECK(contains(err, "cannot hold even one unit"));
+  CHECK(contains(err, "unit 'h.0' gathered"));
+  // Stage 2 keeps whole parameters: the message says what would fit.
+  CHECK(contains(error_of([&] { build(2, {.optimizer = OffloadTier::host}, 4096); }),
+                 "use ZeRO stage 3 with --offload_params"));
+  // An optimizer built on anything but param_groups() is refused at its first step.
+  const std::string wrong = error_of([&] {
+    run_threads(1, [&](CommPtr world) {
+      std::shared_ptr<nn::Module> model = make_model(task, DType::f32);
+      ZeroOptions z{.stage = 2, .units = task.units};
+      z.offload = {.optimizer = OffloadTier::host};
+      ZeroDataParallel zero(*model, *world, z);
+      auto opt = make_optimizer(Opt::adamw, optim::decay_groups(model->named_parameters(), 1e-3, 0.1), 1e-3);
+      zero.step(*opt);
+    });
+  });
+  CHECK(contains(wrong, "build it on ZeroDataParallel::param_groups()"));
+}
+
+}  // namespace
+}  // namespace tessera::parallel
