@@ -1,8 +1,11 @@
 #include "nn/layers.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 
 #include "nn/init.h"
+#include "tensor/grad_mode.h"
 
 namespace tessera::nn {
 namespace {
@@ -34,6 +37,51 @@ Tensor Linear::forward(const Tensor& x) {
            x.defined() ? shape_str(x.shape()) : std::string("undefined"));
   Tensor y = matmul(x, weight.t());
   return bias.defined() ? y + bias : y;
+}
+
+TiledLinear::TiledLinear(int64_t in, int64_t out, int64_t count, bool has_bias, DType dtype)
+    : Module("TiledLinear"), in_features(in), out_features(out) {
+  check_positive("TiledLinear", "in_features", in);
+  check_positive("TiledLinear", "out_features", out);
+  TS_CHECK(count >= 1 && count <= out,
+           "TiledLinear: tiles must be in [1, out_features = {}], got {}", out, count);
+  for (int64_t t = 0; t < count; ++t) {
+    // array_split: the first out % count tiles take one row more.
+    const int64_t rows = out / count + (t < out % count ? 1 : 0);
+    tiles.push_back(register_module(fmt::format("{}", t),
+                                    std::make_shared<Linear>(in, rows, has_bias, dtype)));
+  }
+}
+
+Tensor TiledLinear::forward(const Tensor& x) {
+  TS_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == in_features,
+           "TiledLinear: expected input [..., {}], got {}", in_features,
+           x.defined() ? shape_str(x.shape()) : std::string("undefined"));
+  std::vector<Tensor> parts;
+  parts.reserve(tiles.size());
+  for (auto& tile : tiles) parts.push_back((*tile)(x));  // operator(): ZeRO's unit hooks run
+  return cat(parts, -1);
+}
+
+std::vector<std::string> TiledLinear::tile_paths(const std::string& prefix) const {
+  std::vector<std::string> out;
+  for (size_t t = 0; t < tiles.size(); ++t) {
+    out.push_back(fmt::format("{}{}{}", prefix, prefix.empty() ? "" : ".", t));
+  }
+  return out;
+}
+
+void TiledLinear::load_whole(const Tensor& weight, const Tensor& bias) {
+  TS_CHECK(weight.shape() == Shape({out_features, in_features}),
+           "TiledLinear::load_whole: weight {} is not [{}, {}]", shape_str(weight.shape()),
+           out_features, in_features);
+  NoGradGuard no_grad;
+  int64_t row = 0;
+  for (auto& tile : tiles) {
+    tile->weight.copy_(weight.narrow(0, row, tile->out_features));
+    if (tile->bias.defined() && bias.defined()) tile->bias.copy_(bias.narrow(0, row, tile->out_features));
+    row += tile->out_features;
+  }
 }
 
 Embedding::Embedding(int64_t num, int64_t dim, DType dtype) : Module("Embedding") {

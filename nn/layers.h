@@ -26,6 +26,29 @@ class Linear : public Module {
   Tensor weight, bias;
 };
 
+// Memory-centric tiling (ZeRO-Infinity's TiledLinear): a Linear cut along its output
+// features into `tiles` Linear submodules "0", "1", ... (array_split rows), whose
+// outputs are concatenated. On its own it computes the untiled layer (x's gradient summed
+// over the tiles, so f32 rounding differs by the order); its point is ZeRO stage 3 with the
+// tiles as units (tile_paths()): each tile's weight is gathered, used and freed on its own,
+// in forward and again in backward, so a layer whose weight alone exceeds the device budget
+// (a large vocabulary's head) trains with one tile on the device at a time.
+//
+//   auto head = register_module("head", std::make_shared<nn::TiledLinear>(C, V, 8));
+//   zero_options.units = head->tile_paths("head");   // + the other units
+class TiledLinear : public Module {
+ public:
+  TiledLinear(int64_t in_features, int64_t out_features, int64_t tiles, bool bias = true,
+              DType dtype = DType::f32);
+  Tensor forward(const Tensor& x) override;
+  // "prefix.0", "prefix.1", ... (prefix: this module's path in the model).
+  std::vector<std::string> tile_paths(const std::string& prefix) const;
+  // Copies a whole [out, in] weight and [out] bias (undefined: none) into the tiles.
+  void load_whole(const Tensor& weight, const Tensor& bias);
+  int64_t in_features, out_features;
+  std::vector<std::shared_ptr<Linear>> tiles;
+};
+
 // Rows of weight [num, dim] picked by integer indices; init N(0, 1) as torch.
 class Embedding : public Module {
  public:

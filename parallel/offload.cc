@@ -141,6 +141,15 @@ int64_t SwapFile::bytes_written() const {
   std::lock_guard<std::mutex> lock(mu_);
   return written_;
 }
+double SwapFile::busy_seconds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  double busy = busy_;
+  if (in_flight_ > 0) {
+    busy += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+  }
+  return busy;
+}
+
 int64_t SwapFile::file_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return end_;
@@ -176,6 +185,8 @@ SwapFile::Request SwapFile::submit(int64_t key, char* data, int64_t nbytes, bool
     TS_CHECK(r.nbytes == nbytes, "SwapFile::{}: {}: record {} holds {} bytes, asked for {}",
              write ? "write" : "read", path_, key, r.nbytes, nbytes);
     request.state_->left = blocks;
+    if (in_flight_ == 0 && blocks > 0) busy_since_ = std::chrono::steady_clock::now();
+    in_flight_ += blocks;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = b * options_.block;
       queue_.push_back(Task{request.state_, &r, key, b, write, data + at,
@@ -225,6 +236,12 @@ void SwapFile::worker() {
       error = fmt::format("SwapFile::read: {}: record {} fails its checksum at offset {} ({} "
                           "bytes): the swap file was changed under us",
                           path_, task.key, offset, task.nbytes);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--in_flight_ == 0) {
+        busy_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+      }
     }
     std::lock_guard<std::mutex> lock(task.request->mu);
     if (!error.empty() && task.request->error.empty()) task.request->error = error;

@@ -12,6 +12,7 @@
 //   w.wait();  f.read(7, buf, n).wait();          // a read checks the record's checksum
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -45,6 +46,10 @@ struct OffloadOptions {
   bool direct_io = true;     // file tier: O_DIRECT where the file system takes it
   int io_threads = 2;        // file tier: threads doing the preads and pwrites
   int64_t io_block = int64_t{4} << 20;  // bytes per pread / pwrite
+  // Stage 3 with the parameters offloaded: step() leaves the update running on a thread
+  // beside the next forward, each unit's gather waiting for its own segments only (the
+  // same numbers; false: step() returns with the update done).
+  bool overlap_step = true;
   bool any() const { return optimizer != OffloadTier::none || params != OffloadTier::none; }
 };
 
@@ -96,6 +101,9 @@ class SwapFile {
   int64_t bytes_read() const;
   int64_t bytes_written() const;
   int64_t file_bytes() const;  // the records' extent
+  // Seconds during which at least one request was in flight (the I/O time a throughput
+  // figure divides by: bytes_read() + bytes_written() over it).
+  double busy_seconds() const;
 
  private:
   // A record's checksums are per block of options_.block bytes, so the I/O threads compute
@@ -127,6 +135,9 @@ class SwapFile {
   std::map<int64_t, Record> records_;
   int64_t end_ = 0;
   int64_t read_ = 0, written_ = 0;
+  int64_t in_flight_ = 0;  // blocks queued or moving
+  std::chrono::steady_clock::time_point busy_since_;
+  double busy_ = 0;
   std::vector<std::thread> threads_;
 };
 

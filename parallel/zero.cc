@@ -199,13 +199,16 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     } else {
       seg.shard = st.shard_slice(seg, seg.flat_param);
     }
+    // Offload: the host copy now (with the parameters offloaded, the device shard goes at
+    // once: the device never holds more than one segment of them).
+    if (options.offload.any()) offload_adopt(st, static_cast<int>(&seg - st.segments.data()));
     st.units[seg.unit].bytes += seg.numel * dtype_size(seg.dtype);
   }
   if (options.stage == 3) {
     for (State::Unit& unit : st.units) unit.gather = State::Gather::released;
   }
   st.reset_round();
-  if (options.offload.any()) offload_setup(st);
+  if (options.offload.any()) offload_finish_setup(st);
 
   if (options.stage == 0) {
     DdpOptions ddp;
@@ -247,7 +250,15 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   }
 }
 
-ZeroDataParallel::~ZeroDataParallel() { state_->wait_all(); }
+ZeroDataParallel::~ZeroDataParallel() {
+  if (state_->offload) {
+    try {
+      offload_join(*state_);
+    } catch (...) {  // a destructor reports nothing; the next call would have
+    }
+  }
+  state_->wait_all();
+}
 
 nn::Module& ZeroDataParallel::module() const { return *state_->module; }
 Communicator& ZeroDataParallel::comm() const { return *state_->comm; }
@@ -295,7 +306,8 @@ void ZeroDataParallel::zero_grad() {
     p.adopted = false;
   }
   for (State::Segment& seg : st.segments) {
-    st.owner(seg).set_grad(Tensor());
+    // (An update still running beside the next forward took the host copies' gradients.)
+    if (!st.offload || !st.offload_running()) st.owner(seg).set_grad(Tensor());
     if (st.stage() >= 2) seg.flat_grad = Tensor();
   }
 }
@@ -346,6 +358,7 @@ ZeroDataParallel::NoSync ZeroDataParallel::no_sync() { return NoSync(*this); }
 
 double ZeroDataParallel::clip_grad_norm(double max_norm) {
   State& st = *state_;
+  if (st.offload) offload_join(st);
   if (st.stage() == 0 && st.options.subgroup.group == nullptr) {
     std::vector<Tensor> ps;
     for (const State::Param& p : st.params) ps.push_back(p.tensor);
@@ -386,7 +399,8 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
 
 double ZeroDataParallel::local_grad_norm_squared(
     const std::function<double(const std::string&)>& weight) const {
-  const State& st = *state_;
+  State& st = *state_;
+  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   auto sum_sq = [](const Tensor& g) {
     const Tensor g64 = cast(g, DType::f64);
@@ -419,6 +433,7 @@ double ZeroDataParallel::local_grad_norm_squared(
 
 void ZeroDataParallel::scale_grads(double coef) {
   State& st = *state_;
+  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   std::vector<Tensor> owned;
   std::optional<HostTierScope> host;
@@ -511,7 +526,8 @@ void ZeroDataParallel::step(optim::Optimizer& optimizer) {
 // ---- memory ------------------------------------------------------------------------------
 
 ZeroMemory ZeroDataParallel::memory_report() const {
-  const State& st = *state_;
+  State& st = *state_;
+  if (st.offload) offload_join(st);
   const MemoryTracker& t = MemoryScope::current() ? *MemoryScope::current() : process_memory();
   ZeroMemory m;
   m.stage = st.stage();

@@ -137,6 +137,7 @@ struct ZeroOffloadReport {
   int64_t host_bytes = 0;        // resident on the host tier now: parameters, state, gradients
   int64_t file_bytes = 0;        // the swap file's records
   int64_t read_bytes = 0, written_bytes = 0;      // swap file I/O since construction
+  double io_seconds = 0;         // time the swap file had a request in flight (SwapFile::busy_seconds)
   int64_t to_host_bytes = 0, to_device_bytes = 0;  // device <-> host copies since construction
   // The swap file's I/O in one optimizer step and in one forward + backward (per
   // micro-batch), by the layout: a step reads and writes every segment's parameters and

@@ -2,6 +2,7 @@
 // single-device layout of the model's and the optimizer's state dicts.
 #include "parallel/zero.h"
 
+#include <map>
 #include <optional>
 #include <set>
 
@@ -22,18 +23,46 @@ optim::Optimizer::RowShardState row_shard_state(const optim::Optimizer& optimize
 
 nn::StateDict ZeroDataParallel::model_state_dict() {
   State& st = *state_;
+  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
-  if (st.stage() == 3) {
-    for (int u = 0; u < static_cast<int>(st.units.size()); ++u) st.ensure_gathered(u);
-  }
+  // Offload: the copies on the host tier (the dict is the whole model, which the device
+  // budget may not hold).
+  std::optional<HostTierScope> host;
+  if (st.offload) host.emplace();
   nn::StateDict out;
-  for (const auto& [k, v] : st.module->state_dict()) out[k] = v.clone();
-  if (st.stage() == 3) st.release_all();
+  const nn::StateDict handles = st.module->state_dict();
+  if (st.stage() != 3) {
+    for (const auto& [k, v] : handles) out[k] = v.clone();
+    return out;
+  }
+  // Stage 3: a unit at a time (gathered, copied, released), so the device holds one unit
+  // beside the copies; what no unit holds (buffers) is copied as it is.
+  // (By storage: a parameter is a view of its segment's flat buffer, whatever handle the
+  // state dict gives.)
+  std::map<const StorageImpl*, int> unit_of;
+  for (const State::Segment& seg : st.segments) unit_of[seg.flat_param.storage().get()] = seg.unit;
+  try {
+    for (int u = 0; u < static_cast<int>(st.units.size()); ++u) {
+      st.ensure_gathered(u);
+      for (const auto& [k, v] : handles) {
+        auto it = unit_of.find(v.storage().get());
+        if (it != unit_of.end() && it->second == u) out[k] = v.clone();
+      }
+      st.release(u);
+    }
+  } catch (...) {
+    st.release_all();
+    throw;
+  }
+  for (const auto& [k, v] : handles) {
+    if (!unit_of.count(v.storage().get())) out[k] = v.clone();
+  }
   return out;
 }
 
 nn::StateDict ZeroDataParallel::gradient_dict() {
   State& st = *state_;
+  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   nn::StateDict out;
   if (st.stage() == 0) {
@@ -57,6 +86,7 @@ nn::StateDict ZeroDataParallel::gradient_dict() {
 
 void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
   State& st = *state_;
+  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   if (st.stage() != 3) {
     st.module->load_state_dict(dict);
@@ -86,6 +116,7 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
 optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "optimizer_state_dict", st.options);
+  if (st.offload) offload_join(st);
   // Offload: the copies and gathers on the host tier (a device budget holds no model state).
   std::optional<HostTierScope> host;
   if (st.offload) host.emplace();
@@ -168,6 +199,7 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
                                                  const optim::Optimizer::StateDict& dict) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict", st.options);
+  if (st.offload) offload_join(st);
   attach_row_shards(st, optimizer);
   std::optional<HostTierScope> host;  // offload: the new state on the host tier
   if (st.offload) host.emplace();  // the optimizer checks the shards' state shapes

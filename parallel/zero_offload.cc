@@ -11,6 +11,11 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <map>
 #include <optional>
 #include <utility>
@@ -29,11 +34,23 @@ struct ZeroDataParallel::State::Offload {
   bool params = false;      // stage 3 without device shards
   std::unique_ptr<SwapFile> file;
   std::vector<SwapFile::Request> reads;  // per segment: a read ahead of its host copy
+  std::vector<SwapFile::Request> setup_writes;  // construction's writes of the host copies
   // The optimizer's global index of each segment's host copy (bound at its first step).
   const optim::Optimizer* bound = nullptr;
   std::vector<int64_t> index;
   int64_t to_host = 0, to_device = 0;  // bytes copied between the device and the host
   int64_t state_host_bytes = 0;        // the optimizer state resident after the last step
+  // Stage 3 with the parameters offloaded: the update of step() runs on `worker` beside the
+  // next forward; done[s] (under mu) once segment s is updated and paged out.
+  std::thread worker;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<char> done;
+  bool running = false;
+  std::exception_ptr error;
+  ~Offload() {
+    if (worker.joinable()) worker.join();
+  }
 };
 
 namespace {
@@ -205,42 +222,48 @@ void offload_check(State& st) {
            st.stage() < 3 ? " or use ZeRO stage 3 with --offload_params" : "");
 }
 
-void offload_setup(State& st) {
+void offload_adopt(State& st, int s) {
   const OffloadOptions& opt = st.options.offload;
-  auto o = std::make_shared<Offload>();
-  o->options = opt;
-  o->params = opt.params != OffloadTier::none;
-  o->state_file = opt.optimizer == OffloadTier::file;
-  o->param_file = opt.params == OffloadTier::file ||
-                  (opt.params == OffloadTier::none && opt.optimizer == OffloadTier::file);
-  o->reads.resize(st.segments.size());
-  if (o->state_file || o->param_file) {
-    o->file = std::make_unique<SwapFile>(
-        opt.dir, fmt::format("rank{}-{}", st.comm->rank(), g_swap_files.fetch_add(1)),
-        SwapFile::Options{opt.direct_io, opt.io_threads, opt.io_block});
-  }
-  st.offload = o;
-  NoGradGuard no_grad;
-  std::vector<SwapFile::Request> writes;
-  for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
-    State::Segment& seg = st.segments[s];
-    {
-      HostTierScope host;
-      MemoryTagScope tag(MemoryTag::parameters);
-      seg.host = Tensor::empty({seg.shard_numel}, seg.dtype, kCPU);
+  if (!st.offload) {
+    auto o = std::make_shared<Offload>();
+    o->options = opt;
+    o->params = opt.params != OffloadTier::none;
+    o->state_file = opt.optimizer == OffloadTier::file;
+    o->param_file = opt.params == OffloadTier::file ||
+                    (opt.params == OffloadTier::none && opt.optimizer == OffloadTier::file);
+    o->reads.resize(st.segments.size());
+    if (o->state_file || o->param_file) {
+      o->file = std::make_unique<SwapFile>(
+          opt.dir, fmt::format("rank{}-{}", st.comm->rank(), g_swap_files.fetch_add(1)),
+          SwapFile::Options{opt.direct_io, opt.io_threads, opt.io_block});
     }
-    seg.host.copy_(seg.shard);
-    o->to_host += shard_bytes(seg);
-    if (o->params) seg.shard.storage()->release();  // stage 3: its own clone
-    for (auto& w : write_out(st, s, nullptr)) writes.push_back(std::move(w));
+    st.offload = o;
   }
-  wait_all(writes);
+  Offload& o = *st.offload;
+  State::Segment& seg = st.segments[s];
+  NoGradGuard no_grad;
+  {
+    HostTierScope host;
+    MemoryTagScope tag(MemoryTag::parameters);
+    seg.host = Tensor::empty({seg.shard_numel}, seg.dtype, kCPU);
+  }
+  seg.host.copy_(seg.shard);
+  o.to_host += shard_bytes(seg);
+  if (o.params) seg.shard.storage()->release();  // stage 3: its own clone
+  // The first writes go on while the next segments are built; offload_finish_setup waits.
+  for (auto& w : write_out(st, s, nullptr)) o.setup_writes.push_back(std::move(w));
+}
+
+void offload_finish_setup(State& st) {
+  Offload& o = *st.offload;
+  wait_all(o.setup_writes);
   for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) release_pages(st, s, nullptr);
 }
 
 void offload_shard_in(State& st, int s) {
   Offload& o = *st.offload;
   if (!o.params) return;  // the device keeps its shard
+  offload_wait_segment(st, s);  // the last step's update of it, running beside this forward
   State::Segment& seg = st.segments[s];
   std::vector<SwapFile::Request> reads = o.param_file ? page_in(st, s, nullptr)
                                                       : std::vector<SwapFile::Request>{};
@@ -270,6 +293,10 @@ void offload_read_ahead(State& st, int u, bool forward) {
   for (int v : next) {
     if (st.units[v].gather != State::Gather::released) continue;
     for (int s : st.units[v].segments) {
+      {
+        std::lock_guard<std::mutex> lock(o.mu);
+        if (o.running && !o.done[s]) continue;  // the update still has it; the gather reads it
+      }
       const Tensor& h = st.segments[s].host;
       if (o.reads[s].pending() || !h.storage()->released()) continue;
       h.storage()->reallocate();
@@ -279,6 +306,7 @@ void offload_read_ahead(State& st, int u, bool forward) {
 }
 
 void offload_take_grad(State& st, int s) {
+  offload_wait_segment(st, s);
   State::Segment& seg = st.segments[s];
   NoGradGuard no_grad;
   HostTierScope host;
@@ -291,71 +319,159 @@ void offload_take_grad(State& st, int s) {
   else seg.host.set_grad(here);
 }
 
-void offload_step(State& st, optim::Optimizer& optimizer) {
+namespace {
+
+// Updates the segments in `order` a segment at a time: its gradient alone is attached, so
+// step() updates it alone (an elementwise optimizer's update of one tensor is the same as in
+// a bucket of many). File tier: the next segment's pages are read while this one updates,
+// and a written segment is released once its writes are done, so at most three are
+// resident. done(s) runs once segment s is updated and (file tier) paged out.
+void update_segments(State& st, optim::Optimizer& optimizer, const std::vector<Tensor>& grads,
+                     const std::vector<int>& order, const std::function<void(int)>& done) {
   Offload& o = *st.offload;
-  bind(st, optimizer);
-  NoGradGuard no_grad;
-  HostTierScope host;  // the state the optimizer creates, and its temporaries
-  MemoryTagScope tag(MemoryTag::optimizer_state);
-  const int n = static_cast<int>(st.segments.size());
-  auto copy_back = [&](int s) {
+  const int n = static_cast<int>(order.size());
+  std::vector<std::vector<SwapFile::Request>> reads(st.segments.size()), writes(st.segments.size());
+  if (o.file && n > 0) reads[order[0]] = page_in(st, order[0], &optimizer);
+  for (int j = 0; j < n; ++j) {
+    const int s = order[j];
     State::Segment& seg = st.segments[s];
-    if (o.params) return;  // stage 3 without device shards: the gathers read the host copy
-    seg.shard.copy_(seg.host);
-    o.to_device += shard_bytes(seg);
-  };
-  if (!o.file) {  // everything resident: one step, as in memory
-    optimizer.step();
-    for (int s = 0; s < n; ++s) copy_back(s);
-  } else {
-    // A segment at a time: its gradient alone is attached, so step() updates it alone (an
-    // elementwise optimizer's update of one tensor is the same as in a bucket of many).
-    // The next segment's pages are read while this one updates; a written segment is
-    // released once its writes are done, so at most three are resident.
-    std::vector<Tensor> grads(n);
-    for (int s = 0; s < n; ++s) {
-      grads[s] = st.segments[s].host.grad();
-      st.segments[s].host.set_grad(Tensor());
-    }
-    struct Restore {
-      State& st;
-      std::vector<Tensor>& grads;
-      ~Restore() {
-        for (size_t s = 0; s < grads.size(); ++s) st.segments[s].host.set_grad(grads[s]);
-      }
-    } restore{st, grads};
-    const std::vector<int> order = st.optimizer_order();
-    std::vector<std::vector<SwapFile::Request>> reads(n), writes(n);
-    reads[order[0]] = page_in(st, order[0], &optimizer);
-    for (int j = 0; j < n; ++j) {
-      const int s = order[j];
+    if (o.file) {
       wait_all(reads[s]);
       if (j + 1 < n) reads[order[j + 1]] = page_in(st, order[j + 1], &optimizer);
-      if (grads[s].defined()) {
-        st.segments[s].host.set_grad(grads[s]);
-        optimizer.step();
-        st.segments[s].host.set_grad(Tensor());
-      }
-      copy_back(s);
-      writes[s] = write_out(st, s, &optimizer);
-      if (j > 0) {
-        wait_all(writes[order[j - 1]]);
-        release_pages(st, order[j - 1], &optimizer);
-      }
     }
+    if (grads[s].defined()) {
+      seg.host.set_grad(grads[s]);
+      optimizer.step();
+      seg.host.set_grad(Tensor());
+    }
+    if (!o.params) {  // the device's shard takes the update (stage 3 offloaded: none to take)
+      seg.shard.copy_(seg.host);
+      o.to_device += shard_bytes(seg);
+    }
+    if (!o.file) {
+      done(s);
+      continue;
+    }
+    writes[s] = write_out(st, s, &optimizer);
+    if (j > 0) {
+      wait_all(writes[order[j - 1]]);
+      release_pages(st, order[j - 1], &optimizer);
+      done(order[j - 1]);
+    }
+  }
+  if (o.file && n > 0) {
     wait_all(writes[order[n - 1]]);
     release_pages(st, order[n - 1], &optimizer);
+    done(order[n - 1]);
   }
+}
+
+void count_state_bytes(State& st, const optim::Optimizer& optimizer) {
+  Offload& o = *st.offload;
   o.state_host_bytes = 0;
-  for (int s = 0; s < n; ++s) {
+  for (size_t s = 0; s < st.segments.size(); ++s) {
     for (const auto& [name, t] : optimizer.state(o.index[s])) {
       if (!t.storage()->released()) o.state_host_bytes += size_of(t);
     }
   }
 }
 
+}  // namespace
+
+bool State::offload_running() const {
+  std::lock_guard<std::mutex> lock(offload->mu);
+  return offload->running;
+}
+
+void offload_join(State& st) {
+  Offload& o = *st.offload;
+  if (!o.worker.joinable()) return;
+  o.worker.join();
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(o.mu);
+    error = std::exchange(o.error, nullptr);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void offload_wait_segment(State& st, int s) {
+  Offload& o = *st.offload;
+  std::unique_lock<std::mutex> lock(o.mu);
+  o.cv.wait(lock, [&] { return !o.running || o.done[s] || o.error; });
+  const bool failed = o.error != nullptr;
+  lock.unlock();
+  if (failed) offload_join(st);  // rethrows the update's error
+}
+
+void offload_step(State& st, optim::Optimizer& optimizer) {
+  Offload& o = *st.offload;
+  offload_join(st);  // the previous step's update, if it is still running
+  bind(st, optimizer);
+  const int n = static_cast<int>(st.segments.size());
+  // The gradients leave the host copies for the update (which attaches each in turn).
+  std::vector<Tensor> grads(n);
+  for (int s = 0; s < n; ++s) {
+    grads[s] = st.segments[s].host.grad();
+    st.segments[s].host.set_grad(Tensor());
+  }
+  if (o.params && o.options.overlap_step) {
+    // Stage 3 without device shards: the update runs beside the next forward, in the order
+    // that forward gathers (the root, then the units in order), and each gather waits for
+    // its segments only, so the swap file's traffic for the later units overlaps the
+    // earlier units' compute. The numbers are those of the update run in place.
+    std::vector<int> order;
+    for (int s : st.units[st.root()].segments) order.push_back(s);
+    for (int u = 0; u < st.root(); ++u) {
+      for (int s : st.units[u].segments) order.push_back(s);
+    }
+    {
+      std::lock_guard<std::mutex> lock(o.mu);
+      o.done.assign(n, 0);
+      o.running = true;
+    }
+    o.worker = std::thread([&st, &o, &optimizer, grads = std::move(grads), order = std::move(order)] {
+      try {
+        NoGradGuard no_grad;
+        HostTierScope host;
+        MemoryTagScope tag(MemoryTag::optimizer_state);
+        update_segments(st, optimizer, grads, order, [&o](int s) {
+          std::lock_guard<std::mutex> lock(o.mu);
+          o.done[s] = 1;
+          o.cv.notify_all();
+        });
+        count_state_bytes(st, optimizer);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(o.mu);
+        o.error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(o.mu);
+      o.running = false;
+      o.cv.notify_all();
+    });
+    return;
+  }
+  NoGradGuard no_grad;
+  HostTierScope host;  // the state the optimizer creates, and its temporaries
+  MemoryTagScope tag(MemoryTag::optimizer_state);
+  if (!o.file) {  // everything resident: one step, as in memory
+    for (int s = 0; s < n; ++s) st.segments[s].host.set_grad(grads[s]);
+    optimizer.step();
+    for (int s = 0; s < n; ++s) {
+      st.segments[s].host.set_grad(Tensor());
+      st.segments[s].shard.copy_(st.segments[s].host);
+      o.to_device += shard_bytes(st.segments[s]);
+    }
+  } else {
+    update_segments(st, optimizer, grads, st.optimizer_order(), [](int) {});
+  }
+  for (int s = 0; s < n; ++s) st.segments[s].host.set_grad(grads[s]);  // as in memory
+  count_state_bytes(st, optimizer);
+}
+
 void offload_set_shard(State& st, int s, const Tensor& values) {
   Offload& o = *st.offload;
+  offload_join(st);
   State::Segment& seg = st.segments[s];
   NoGradGuard no_grad;
   if (o.param_file) seg.host.storage()->reallocate();  // overwritten whole: nothing to read
@@ -371,6 +487,7 @@ void offload_set_shard(State& st, int s, const Tensor& values) {
 
 void offload_page_all(State& st, const optim::Optimizer* optimizer, bool in) {
   Offload& o = *st.offload;
+  offload_join(st);
   if (!o.file) return;
   if (optimizer != nullptr) bind(st, *optimizer);
   const int n = static_cast<int>(st.segments.size());
@@ -387,9 +504,10 @@ void offload_page_all(State& st, const optim::Optimizer* optimizer, bool in) {
 }
 
 ZeroOffloadReport ZeroDataParallel::offload_report() const {
-  const State& st = *state_;
+  State& st = *state_;
   ZeroOffloadReport r;
   if (!st.offload) return r;
+  offload_join(st);
   const Offload& o = *st.offload;
   r.optimizer = o.options.optimizer;
   r.params = o.options.params;
@@ -399,6 +517,7 @@ ZeroOffloadReport ZeroDataParallel::offload_report() const {
     r.file_bytes = o.file->file_bytes();
     r.read_bytes = o.file->bytes_read();
     r.written_bytes = o.file->bytes_written();
+    r.io_seconds = o.file->busy_seconds();
   }
   r.to_host_bytes = o.to_host;
   r.to_device_bytes = o.to_device;

@@ -34,19 +34,24 @@ inline bool same_view(const Tensor& a, const Tensor& b) {
 using zero_internal::kName;
 using zero_internal::same_view;
 
-// Offload (zero_offload.cc): set up at construction; a unit's gather takes the shard of
+// Offload (zero_offload.cc): checked, then set up a segment at a time at construction; a unit's gather takes the shard of
 // segment s onto the device (params offloaded: from the host copy) and drops it after;
 // read_ahead starts the swap-file reads of the units gathered after u; take_grad moves
 // segment s's reduced gradient to the host copy's .grad; step runs the optimizer on the
 // host copies; set_shard writes new shard values (checkpoint loads); page_all brings every
 // segment's parameters and optimizer state into host memory (in) or back to the file.
 void offload_check(ZeroDataParallel::State& st);  // options and budget, before any buffer
-void offload_setup(ZeroDataParallel::State& st);
+void offload_adopt(ZeroDataParallel::State& st, int s);  // segment s's host copy, once built
+void offload_finish_setup(ZeroDataParallel::State& st);  // the swap file's first writes done
 void offload_shard_in(ZeroDataParallel::State& st, int s);
 void offload_shard_out(ZeroDataParallel::State& st, int s);
 void offload_read_ahead(ZeroDataParallel::State& st, int u, bool forward);
 void offload_take_grad(ZeroDataParallel::State& st, int s);
 void offload_step(ZeroDataParallel::State& st, optim::Optimizer& optimizer);
+// Waits for the update step() left running (stage 3 with the parameters offloaded), whole or
+// up to segment s; rethrows its error.
+void offload_join(ZeroDataParallel::State& st);
+void offload_wait_segment(ZeroDataParallel::State& st, int s);
 void offload_set_shard(ZeroDataParallel::State& st, int s, const Tensor& values);
 void offload_page_all(ZeroDataParallel::State& st, const optim::Optimizer* optimizer, bool in);
 
@@ -110,6 +115,7 @@ struct ZeroDataParallel::State {
   int root() const { return static_cast<int>(units.size()) - 1; }
   // The tensor the optimizer steps for a segment, whose .grad holds its reduced gradient.
   const Tensor& owner(const Segment& seg) const { return offload ? seg.host : seg.shard; }
+  bool offload_running() const;  // an update left by step() still runs (zero_offload.cc)
   int stage() const { return options.stage; }
 
   // Parameter p's place in a flat buffer of its segment (values, gradients or state).

@@ -11,6 +11,7 @@ packages=(
   python3-torch libopenblas0-pthread python3-matplotlib
   clang libclang-rt-14-dev libomp-14-dev
   iproute2 util-linux
+  fio
 )
 
 sudo=""

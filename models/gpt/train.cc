@@ -29,6 +29,7 @@
 #include "parallel/comm/launch.h"
 #include "parallel/comm/mpi.h"
 #include "parallel/zero.h"
+#include "tensor/allocator.h"
 #include "models/gpt/check.h"
 #include "models/gpt/checkpoints.h"
 #include "models/gpt/data.h"
@@ -249,6 +250,10 @@ class GptReplica final : public models::Replica {
       // device's values (the other experts' draws are skipped).
       std::optional<nn::MoeBuildScope> only_mine;
       if (moe_.groups() != nullptr) only_mine.emplace(moe_.groups()->first(), moe_.groups()->local());
+      // Parameters offloaded: the model is built in host memory (a device budget may be
+      // smaller than the whole model); ZeroDataParallel then takes a segment at a time.
+      std::optional<HostTierScope> host;
+      if (comm != nullptr && config.offload_params != "none") host.emplace();
       model_ = std::make_unique<Gpt>(mconfig);
     }
     if (moe_.groups() != nullptr) moe_.groups()->keep(*model_);
@@ -268,6 +273,7 @@ class GptReplica final : public models::Replica {
       zopt.offload.optimizer = parallel::parse_offload_tier(config.offload_optimizer, "gpt: --offload_optimizer");
       zopt.offload.params = parallel::parse_offload_tier(config.offload_params, "gpt: --offload_params");
       zopt.offload.dir = config.offload_dir;
+      zopt.offload.overlap_step = config.offload_overlap;
       // An optimizer with per-matrix state (Adafactor) gets whole rows of each parameter, one
       // with per-block state (8-bit AdamW) whole blocks.
       zopt.row_shards = models::optimizer_needs_row_shards(config.optimizer);
@@ -476,6 +482,14 @@ class GptReplica final : public models::Replica {
 
   // ZeRO's memory after the first step and its traffic in the second (rank 0 reports).
   void after_step(int64_t run_step, const parallel::CommLog& log) override {
+    if (zero_ && zero_->options().offload.any()) {
+      // The swap file's traffic and busy time in this step (and its forward/backward).
+      const parallel::ZeroOffloadReport now = zero_->offload_report();
+      offload_step_ = {now.read_bytes - offload_last_.read_bytes,
+                       now.written_bytes - offload_last_.written_bytes,
+                       now.io_seconds - offload_last_.io_seconds};
+      offload_last_ = now;
+    }
     if (hook_) {
       const parallel::CommHook::Traffic t = hook_->last_round();
       if (t.uncompressed > 0) {
@@ -512,10 +526,24 @@ class GptReplica final : public models::Replica {
     }
     // The last step's gradient elements on the wire against an exact all-reduce's.
     if (hook_) out += models::hook_traffic(*hook_);
+    if (!offload_last_.file.empty()) {
+      const double bytes = static_cast<double>(offload_step_.read + offload_step_.written);
+      out += fmt::format("  swap {:.1f}+{:.1f} MiB in {:.0f} ms ({:.0f} MB/s)",
+                         offload_step_.read / 1048576.0, offload_step_.written / 1048576.0,
+                         offload_step_.seconds * 1e3,
+                         offload_step_.seconds > 0 ? bytes / offload_step_.seconds / 1e6 : 0.0);
+    }
     return out + moe_.line();
   }
 
-  void annotate(nlohmann::json& record) const override { moe_.annotate(record); }
+  void annotate(nlohmann::json& record) const override {
+    moe_.annotate(record);
+    if (!offload_last_.file.empty()) {
+      record["offload_read_bytes"] = offload_step_.read;
+      record["offload_written_bytes"] = offload_step_.written;
+      record["offload_io_seconds"] = offload_step_.seconds;
+    }
+  }
 
  private:
   // With expert parallelism: the experts' parameters and optimizer state whole, as one device
@@ -547,6 +575,11 @@ class GptReplica final : public models::Replica {
   std::unique_ptr<Gpt> model_;
   std::shared_ptr<parallel::CommHook> hook_;  // --compress (null: none)
   std::unique_ptr<parallel::ZeroDataParallel> zero_;
+  parallel::ZeroOffloadReport offload_last_;  // the offload report after the last step
+  struct {
+    int64_t read = 0, written = 0;
+    double seconds = 0;
+  } offload_step_;  // the swap file's bytes and busy seconds in the last step
   std::unique_ptr<optim::Optimizer> opt_;
   optim::DynamicLossScaler scaler_;
   std::vector<Tensor> params_;

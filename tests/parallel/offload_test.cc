@@ -2,7 +2,8 @@
 // ZeRO training with the optimizer (and, at stage 3, the parameters) on the host tier and on
 // the file tier against the same training in memory: bitwise the same losses and
 // parameters, the device under a budget the in-memory run exceeds, the swap file's bytes per
-// step equal to the layout's formula, resume, and the errors.
+// step equal to the layout's formula, resume, and the errors; a head too big for the budget
+// trained as tiles (nn::TiledLinear).
 #include <doctest/doctest.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -11,15 +12,19 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "nn/layers.h"
 #include "parallel/comm/threads.h"
 #include "parallel/offload.h"
 #include "parallel/zero.h"
 #include "tensor/allocator.h"
 #include "tests/parallel/dp_harness.h"
+#include "tensor/ops.h"
+#include "tensor/random.h"
 #include "tests/testing.h"
 
 namespace tessera::parallel {
@@ -373,6 +378,139 @@ TEST_CASE("offload: errors name the flags and the sizes, before anything trains"
     });
   });
   CHECK(contains(wrong, "build it on ZeroDataParallel::param_groups()"));
+}
+
+// ---- memory-centric tiling -----------------------------------------------------------------
+
+// A model with a head much wider than the rest: a byte embedding and one hidden layer, then a
+// Linear (or TiledLinear) head over kWideVocab classes. The tiled model takes the untiled
+// one's values (its head's weight loaded into the tiles). Built in f64 on the host tier, as a
+// model too big for the device is (ZeroDataParallel then takes a segment at a time).
+constexpr int64_t kWideVocab = 8192, kWideWidth = 64, kWideTiles = 16, kWideTokens = 8;
+
+struct WideHead : nn::Module {
+  std::shared_ptr<nn::Embedding> emb;
+  std::shared_ptr<nn::Linear> body;
+  std::shared_ptr<nn::Module> head;
+  explicit WideHead(bool tiled) : Module("WideHead") {
+    HostTierScope host;
+    manual_seed(0);
+    emb = register_module("emb", std::make_shared<nn::Embedding>(256, kWideWidth, DType::f64));
+    body = register_module("body", std::make_shared<nn::Linear>(kWideWidth, kWideWidth, true, DType::f64));
+    auto whole = std::make_shared<nn::Linear>(kWideWidth, kWideVocab, true, DType::f64);
+    if (!tiled) {
+      head = register_module("head", whole);
+      return;
+    }
+    auto t = std::make_shared<nn::TiledLinear>(kWideWidth, kWideVocab, kWideTiles, true, DType::f64);
+    t->load_whole(whole->weight, whole->bias);
+    head = register_module("head", t);
+  }
+  Tensor forward(const Tensor& idx) override { return (*head)(gelu((*body)((*emb)(idx)))); }
+};
+
+Task wide_head_task(bool tiled) {
+  Task task;
+  task.name = tiled ? "wide head, tiled" : "wide head";
+  task.lr = 1e-2;
+  task.units = {"body"};
+  if (tiled) {
+    nn::TiledLinear probe(kWideWidth, kWideVocab, kWideTiles);
+    for (const std::string& p : probe.tile_paths("head")) task.units.push_back(p);
+  } else {
+    task.units.push_back("head");
+  }
+  task.make = [tiled] { return std::shared_ptr<nn::Module>(std::make_shared<WideHead>(tiled)); };
+  task.loss = [](nn::Module& model, DType, int64_t step, int part, int parts) {
+    // Tokens and labels from a counter-based hash of (step, position): every rank alike.
+    std::vector<int64_t> idx, labels;
+    for (int64_t i = 0; i < kWideTokens; ++i) {
+      uint64_t h = (static_cast<uint64_t>(step) * 1000003u + static_cast<uint64_t>(i)) * 0x9E3779B97F4A7C15ull;
+      h ^= h >> 29;
+      idx.push_back(static_cast<int64_t>(h % 256));
+      labels.push_back((idx.back() * 31 + 7) % kWideVocab);  // learnable: a function of the token
+    }
+    const int64_t rows = kWideTokens / parts;
+    const Tensor x = Tensor::from_vector<int64_t>(idx, {kWideTokens}).narrow(0, part * rows, rows);
+    const Tensor y = Tensor::from_vector<int64_t>(labels, {kWideTokens}).narrow(0, part * rows, rows);
+    return cross_entropy(model(x), y);
+  };
+  return task;
+}
+
+TEST_CASE("offload: a head whose weight alone exceeds the device budget trains as tiles, equal "
+          "to the untiled head") {
+  const Task whole = wide_head_task(false), tiled = wide_head_task(true);
+  const int64_t head_bytes = kWideVocab * kWideWidth * 8;  // f64
+  Allocator& cpu = allocator_for(kCPU);
+  auto run = [&](const Task& task, int dp, bool offloaded, int64_t stop = 6) {
+    std::vector<Run> runs(dp);
+    run_threads(dp, [&](CommPtr world) {
+      ZeroRun spec{.stage = 3, .stop = stop};
+      if (offloaded) {
+        spec.offload = {.optimizer = OffloadTier::file, .params = OffloadTier::file,
+                        .dir = scratch_dir()};
+      }
+      runs[world->rank()] = train_zero(*world, task, DType::f64, spec);
+    });
+    return runs[0];
+  };
+  // Tiles alone: the same training as the whole head, to f64 rounding (x's gradient is
+  // summed over the tiles).
+  const Run reference = run(whole, 1, false);
+  CHECK(reference.losses.back() < reference.losses.front());
+  auto head_of = [](const Run& r, bool tiles) {
+    std::vector<double> w;
+    for (size_t k = 0; k < r.names.size(); ++k) {
+      const bool is_head = tiles ? r.names[k].rfind("head.", 0) == 0 && r.names[k].ends_with(".weight") && r.names[k] != "head.weight"
+                                 : r.names[k] == "head.weight";
+      if (is_head) w.insert(w.end(), r.params[k].begin(), r.params[k].end());  // tiles in order
+    }
+    return w;
+  };
+  auto same = [&](const Run& got, const Run& want) {
+    double worst = 0;
+    for (size_t i = 0; i < want.losses.size(); ++i) worst = std::max(worst, std::abs(got.losses[i] - want.losses[i]));
+    const std::vector<double> a = head_of(got, true), b = head_of(want, false);
+    REQUIRE(a.size() == b.size());
+    double werr = 0;
+    for (size_t i = 0; i < a.size(); ++i) werr = std::max(werr, std::abs(a[i] - b[i]));
+    CHECK(worst <= 1e-12);
+    CHECK(werr <= 1e-12);
+  };
+  for (int dp : {1, 2}) {
+    CAPTURE(dp);
+    // The tiled model offloaded to the swap file: its device peak (the largest unit is one
+    // tile) stays below the head's weight alone.
+    cpu.reset_peak();
+    const Run offloaded = run(tiled, dp, true);
+    const int64_t peak = cpu.stats().peak_bytes;
+    MESSAGE(fmt::format("dp {}: head weight {} bytes; tiled and offloaded, device peak {}", dp,
+                        head_bytes, peak));
+    same(offloaded, reference);
+    CHECK(offloaded.losses == run(tiled, dp, false).losses);  // bitwise its in-memory run
+    REQUIRE(peak < head_bytes);
+    // A budget of that peak: smaller than the head's weight alone. The untiled head is
+    // refused up front; the tiled one trains under it.
+    const int64_t before = cpu.limit();
+    cpu.set_limit(peak + (64 << 10));
+    const std::string err = error_of([&] { run(whole, dp, true); });
+    Run under;
+    std::string tiled_err;
+    try {
+      cpu.reset_peak();
+      under = run(tiled, dp, true);
+    } catch (const Error& e) {
+      tiled_err = e.what();
+    }
+    const int64_t under_peak = cpu.stats().peak_bytes;
+    cpu.set_limit(before);
+    CHECK(contains(err, "cannot hold even one unit"));
+    CHECK(contains(err, "unit 'head' gathered"));
+    CHECK(tiled_err.empty());
+    CHECK(under_peak <= peak + (64 << 10));
+    CHECK(under.losses == offloaded.losses);
+  }
 }
 
 }  // namespace

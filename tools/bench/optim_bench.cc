@@ -3,7 +3,8 @@
 // passes on it as a tp shard that cuts blocks (runs of 384 of a 768-wide row-parallel
 // weight on tp 2, GPT-2 small's attn.c_proj; the max all-reduce between the passes, of
 // [2, blocks] values, is not timed), Adafactor's step on as many elements (its three fused
-// passes, and written with ops), beside a plain copy of the same bytes (the machine's memory
+// passes, and written with ops), beside a plain copy of the same bytes and a STREAM triad
+// (a = b + s c over f32 arrays of the same length, on the same threads: the machine's memory
 // bandwidth, the ceiling for an update). Rounds alternate the six; each figure is the
 // median over the rounds of each round's median time.
 //
@@ -14,7 +15,7 @@
 // param written: 12; two u8 codes read and written: 4; the f32 absmax of each block read and
 // written), the two passes 22 + 4 x 8/256 (pass 1 reads param, grad and both codes and
 // writes param; pass 2 reads grad and the codes and writes the codes), copy 8 (read + write
-// of an f32). elements/s is the figure that matters to a
+// of an f32), triad 12 (two f32 reads, one write). elements/s is the figure that matters to a
 // training step: the 8-bit update moves fewer bytes, so its GB/s is lower at equal speed.
 #include <algorithm>
 #include <cstdio>
@@ -89,7 +90,17 @@ int main(int argc, char** argv) {
                            {"adamw8bit_segments_ x 2", 22.0 + 32.0 / kQuant8Block, {}},
                            {"Adafactor step (fused)", 12.0, {}},
                            {"Adafactor step (ops)", 12.0, {}},
-                           {"copy (f32)", 8.0, {}}};
+                           {"copy (f32)", 8.0, {}},
+                           {"triad (STREAM, f32)", 12.0, {}}};
+  const Tensor ta = zeros({numel}), tb = randn({numel}), tc = randn({numel});
+  float* a_ptr = ta.data<float>();
+  const float* b_ptr = tb.data<float>();
+  const float* c_ptr = tc.data<float>();
+  auto triad = [&] {
+    cpu::parallel_for(0, numel, 1 << 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) a_ptr[i] = b_ptr[i] + 3.0f * c_ptr[i];
+    });
+  };
   for (int64_t r = 0; r < rounds; ++r) {
     rows[0].ms.push_back(bench::median_ms(timing, [&] {
       adamw_(p, g, m, v, ++t, 1e-4, 0.9, 0.999, 1e-8, 0.01);
@@ -113,6 +124,7 @@ int main(int argc, char** argv) {
       adafactor_ops.step();
     }));
     rows[5].ms.push_back(bench::median_ms(timing, [&] { dst.copy_(src); }));
+    rows[6].ms.push_back(bench::median_ms(timing, triad));
   }
   std::printf("%lld f32 elements, %lld threads, median of %lld rounds x %lld reps\n",
               static_cast<long long>(numel), static_cast<long long>(threads),
@@ -125,5 +137,10 @@ int main(int argc, char** argv) {
     std::printf("%-28s %10.3f %12.3f %10.2f\n", row.name, ms, eps / 1e9,
                 eps * row.bytes_per_element / 1e9);
   }
+  // The update's bandwidth against the triad's, both GB/s of this run.
+  auto gbs = [&](const Row& row) {
+    return static_cast<double>(numel) / (row.ms[row.ms.size() / 2] * 1e-3) * row.bytes_per_element / 1e9;
+  };
+  std::printf("adamw_ at %.0f%% of the triad's GB/s\n", 100.0 * gbs(rows[0]) / gbs(rows[6]));
   return p.numel() > 0 ? 0 : 1;
 }
