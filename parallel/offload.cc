@@ -155,24 +155,26 @@ int64_t SwapFile::file_bytes() const {
   return end_;
 }
 
-SwapFile::Request SwapFile::write(int64_t key, const void* data, int64_t nbytes) {
-  return submit(key, static_cast<char*>(const_cast<void*>(data)), nbytes, true);
+SwapFile::Request SwapFile::write(int64_t key, const void* data, int64_t nbytes, bool padded) {
+  return submit(key, static_cast<char*>(const_cast<void*>(data)), nbytes, true, padded);
 }
 
-SwapFile::Request SwapFile::read(int64_t key, void* data, int64_t nbytes) {
-  return submit(key, static_cast<char*>(data), nbytes, false);
+SwapFile::Request SwapFile::read(int64_t key, void* data, int64_t nbytes, bool padded) {
+  return submit(key, static_cast<char*>(data), nbytes, false, padded);
 }
 
-SwapFile::Request SwapFile::submit(int64_t key, char* data, int64_t nbytes, bool write) {
+SwapFile::Request SwapFile::submit(int64_t key, char* data, int64_t nbytes, bool write,
+                                   bool padded) {
   TS_CHECK(nbytes >= 0 && (data != nullptr || nbytes == 0),
            "SwapFile::{}: record {} of {} bytes has no buffer", write ? "write" : "read", key,
            nbytes);
   Request request;
   request.state_ = std::make_shared<Request::State>();
   const int64_t blocks = (nbytes + options_.block - 1) / options_.block;
-  // Direct I/O moves whole pages: the buffer must start on a page (the host tier's do, and
-  // are padded to whole pages).
-  const bool direct = direct_ && reinterpret_cast<uintptr_t>(data) % kPage == 0;
+  // Direct I/O moves whole pages: the buffer must start on a page and hold whole pages (the
+  // host tier's do: `padded`).
+  const bool direct = direct_ && reinterpret_cast<uintptr_t>(data) % kPage == 0 &&
+                      (padded || nbytes % kPage == 0);
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = records_.find(key);

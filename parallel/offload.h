@@ -48,8 +48,10 @@ struct OffloadOptions {
   int64_t io_block = int64_t{4} << 20;  // bytes per pread / pwrite
   // Stage 3 with the parameters offloaded: step() leaves the update running on a thread
   // beside the next forward, each unit's gather waiting for its own segments only (the
-  // same numbers; false: step() returns with the update done).
-  bool overlap_step = true;
+  // same numbers). Off by default: on the development VM the forward is faster than the
+  // update's swap traffic, so it only waits, and the two compete for the 2 cores
+  // (BENCHMARKS.md).
+  bool overlap_step = false;
   bool any() const { return optimizer != OffloadTier::none || params != OffloadTier::none; }
 };
 
@@ -90,10 +92,12 @@ class SwapFile {
     std::shared_ptr<State> state_;
   };
 
-  // Writes nbytes from data as record `key`; `data` must stay valid until wait().
-  Request write(int64_t key, const void* data, int64_t nbytes);
+  // Writes nbytes from data as record `key`; `data` must stay valid until wait(). `padded`:
+  // the buffer extends to the next multiple of 4096 bytes (the host tier's do), so direct I/O
+  // may move whole pages; otherwise a size that is not a multiple goes through the cache.
+  Request write(int64_t key, const void* data, int64_t nbytes, bool padded = false);
   // Reads record `key` (written before, of nbytes) into data; checks its checksum.
-  Request read(int64_t key, void* data, int64_t nbytes);
+  Request read(int64_t key, void* data, int64_t nbytes, bool padded = false);
   bool has(int64_t key) const;
 
   bool direct() const { return direct_; }
@@ -121,7 +125,7 @@ class SwapFile {
     int64_t nbytes = 0;
     bool direct = false;
   };
-  Request submit(int64_t key, char* data, int64_t nbytes, bool write);
+  Request submit(int64_t key, char* data, int64_t nbytes, bool write, bool padded);
   void worker();
 
   std::string path_;

@@ -102,6 +102,8 @@ std::vector<std::pair<int64_t, Tensor>> pages(const State& st, int s,
 }
 
 void* bytes_of(const Tensor& t) { return t.storage()->data(); }
+// Host-tier blocks hold whole 4096-byte pages (SwapFile may move them with O_DIRECT).
+bool padded(const Tensor& t) { return t.storage()->allocator() == &host_tier_allocator(); }
 int64_t size_of(const Tensor& t) { return t.storage()->nbytes(); }
 
 // Reads the released pages of segment s back (reallocating them); returns the requests.
@@ -115,7 +117,7 @@ std::vector<SwapFile::Request> page_in(State& st, int s, const optim::Optimizer*
     }
     if (!t.storage()->released()) continue;
     t.storage()->reallocate();
-    out.push_back(o.file->read(key, bytes_of(t), size_of(t)));
+    out.push_back(o.file->read(key, bytes_of(t), size_of(t), padded(t)));
   }
   return out;
 }
@@ -124,7 +126,7 @@ std::vector<SwapFile::Request> page_in(State& st, int s, const optim::Optimizer*
 std::vector<SwapFile::Request> write_out(State& st, int s, const optim::Optimizer* optimizer) {
   std::vector<SwapFile::Request> out;
   for (auto& [key, t] : pages(st, s, optimizer)) {
-    if (!t.storage()->released()) out.push_back(st.offload->file->write(key, bytes_of(t), size_of(t)));
+    if (!t.storage()->released()) out.push_back(st.offload->file->write(key, bytes_of(t), size_of(t), padded(t)));
   }
   return out;
 }
@@ -300,13 +302,15 @@ void offload_read_ahead(State& st, int u, bool forward) {
       const Tensor& h = st.segments[s].host;
       if (o.reads[s].pending() || !h.storage()->released()) continue;
       h.storage()->reallocate();
-      o.reads[s] = o.file->read(s * kKeysPerSegment, bytes_of(h), size_of(h));
+      o.reads[s] = o.file->read(s * kKeysPerSegment, bytes_of(h), size_of(h), padded(h));
     }
   }
 }
 
 void offload_take_grad(State& st, int s) {
-  offload_wait_segment(st, s);
+  // The whole update: its step() calls read every host copy's gradient (backward comes after
+  // the forward that waited for every unit, so this rarely waits).
+  offload_join(st);
   State::Segment& seg = st.segments[s];
   NoGradGuard no_grad;
   HostTierScope host;
@@ -459,6 +463,7 @@ void offload_step(State& st, optim::Optimizer& optimizer) {
     optimizer.step();
     for (int s = 0; s < n; ++s) {
       st.segments[s].host.set_grad(Tensor());
+      if (o.params) continue;  // no device shard: the gathers read the host copy
       st.segments[s].shard.copy_(st.segments[s].host);
       o.to_device += shard_bytes(st.segments[s]);
     }

@@ -34,6 +34,7 @@ class StorageImpl {
   uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
   MemoryTag tag() const { return tag_; }
+  const Allocator* allocator() const { return allocator_; }  // null for external memory
 
   // Frees the bytes while every tensor viewing this storage stays valid as a handle (FSDP's
   // resize to zero): ops given such a tensor throw an Error until reallocate() brings new,

@@ -70,14 +70,15 @@ TEST_CASE("offload: the swap file writes and reads records back, direct and buff
     }
     std::vector<char> odd = pattern(5001, 9);
     std::vector<SwapFile::Request> writes;
-    for (int k = 0; k < 4; ++k) writes.push_back(f.write(k, buffers[k], sizes[k]));
+    // (Page-aligned and padded: O_DIRECT in direct mode, whatever the size.)
+    for (int k = 0; k < 4; ++k) writes.push_back(f.write(k, buffers[k], sizes[k], /*padded=*/true));
     writes.push_back(f.write(99, odd.data() + 1, 5000));
     for (auto& w : writes) w.wait();
     CHECK(f.bytes_written() == 1 + 4096 + 20000 + 3 * 8192 + 5000);
     for (int k = 0; k < 4; ++k) std::memset(buffers[k], 0, static_cast<size_t>(sizes[k]));
     std::vector<char> back(5000);
     std::vector<SwapFile::Request> reads;
-    for (int k = 3; k >= 0; --k) reads.push_back(f.read(k, buffers[k], sizes[k]));
+    for (int k = 3; k >= 0; --k) reads.push_back(f.read(k, buffers[k], sizes[k], /*padded=*/true));
     reads.push_back(f.read(99, back.data(), 5000));
     for (auto& r : reads) r.wait();
     for (int k = 0; k < 4; ++k) {
@@ -123,12 +124,13 @@ struct Layout {
   int dp, stage;
   OffloadTier optimizer, params;
   int accum = 1;
+  bool overlap = false;  // OffloadOptions::overlap_step
 };
 
 std::string describe(const Layout& l) {
-  return fmt::format("dp={} stage={} accum={} offload_optimizer={} offload_params={}", l.dp,
-                     l.stage, l.accum, offload_tier_name(l.optimizer),
-                     offload_tier_name(l.params));
+  return fmt::format("dp={} stage={} accum={} offload_optimizer={} offload_params={} overlap={}",
+                     l.dp, l.stage, l.accum, offload_tier_name(l.optimizer),
+                     offload_tier_name(l.params), l.overlap);
 }
 
 OffloadOptions offload_of(const Layout& l) {
@@ -137,6 +139,7 @@ OffloadOptions offload_of(const Layout& l) {
   o.params = l.params;
   o.dir = scratch_dir();
   o.io_block = 64 << 10;  // small models: several blocks per segment anyway
+  o.overlap_step = l.overlap;
   return o;
 }
 
@@ -179,12 +182,17 @@ int check_bitwise(const Task& task, const std::vector<int>& dps, const std::vect
           std::vector<OffloadTier> params = {OffloadTier::none};
           if (stage == 3) params.insert(params.end(), {OffloadTier::host, OffloadTier::file});
           for (OffloadTier p : params) {
-            const Layout l{dp, stage, opt, p, accum};
-            const Run off = run_layout(task, l, true);
-            INFO(task.name, ": ", describe(l));
-            CHECK(off.losses.size() == static_cast<size_t>(kOffloadSteps));
-            CHECK(bitwise(off, memory));
-            ++configurations;
+            // With the parameters offloaded, the update runs in step() or beside the next
+            // forward (overlap_step).
+            for (bool overlap : p == OffloadTier::none ? std::vector<bool>{false}
+                                                        : std::vector<bool>{false, true}) {
+              const Layout l{dp, stage, opt, p, accum, overlap};
+              const Run off = run_layout(task, l, true);
+              INFO(task.name, ": ", describe(l));
+              CHECK(off.losses.size() == static_cast<size_t>(kOffloadSteps));
+              CHECK(bitwise(off, memory));
+              ++configurations;
+            }
           }
         }
       }
@@ -195,12 +203,13 @@ int check_bitwise(const Task& task, const std::vector<int>& dps, const std::vect
 
 TEST_CASE("offload: MNIST MLP, host and file tiers x stages 1-3 x dp 1, 2, 4 are bitwise the "
           "in-memory run") {
-  // Per dp: stages 1 and 2 with two optimizer tiers, stage 3 with two x three params tiers.
-  CHECK(check_bitwise(mlp_task(), {1, 2, 4}, {1}) == 3 * (2 + 2 + 6));
+  // Per dp: stages 1 and 2 with two optimizer tiers; stage 3 with two optimizer tiers x
+  // (params on the device, or offloaded to two tiers with and without the overlapped step).
+  CHECK(check_bitwise(mlp_task(), {1, 2, 4}, {1}) == 3 * (2 + 2 + 2 * (1 + 2 * 2)));
 }
 
 TEST_CASE("offload: GPT-mini with accumulation, bitwise the in-memory run") {
-  CHECK(check_bitwise(gpt_task(), {2}, {2}) == 2 + 2 + 6);
+  CHECK(check_bitwise(gpt_task(), {2}, {2}) == 2 + 2 + 2 * (1 + 2 * 2));
 }
 
 TEST_CASE("offload: the device stays under a budget the in-memory run exceeds") {
@@ -297,7 +306,7 @@ TEST_CASE("offload: the swap file's bytes per step equal the layout's formula") 
 
 TEST_CASE("offload: a run saved offloaded resumes bitwise, in memory and offloaded") {
   const Task task = gpt_task();
-  const Layout file{2, 3, OffloadTier::file, OffloadTier::file};
+  const Layout file{2, 3, OffloadTier::file, OffloadTier::file, 1, /*overlap=*/true};
   const Layout memory{2, 3, OffloadTier::none, OffloadTier::none};
   const Run whole = run_layout(task, memory, false, nullptr, 6);
   Checkpoint saved;
