@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tensor/error.h"
+#include "tensor/host_pinning.h"
 
 namespace tessera {
 
@@ -200,9 +201,15 @@ class CpuAllocator final : public Allocator {
   int64_t limit_ = 0;
 };
 
-// The host tier: plain aligned host memory, cached by (4096-rounded) size. No budget.
+// The host tier: aligned host memory (pinned when a backend registered HostPinning), cached
+// by (4096-rounded) size. No budget.
 class HostTierAllocator final : public Allocator {
  public:
+  void set_pinning(HostPinning pinning) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pinning_ = std::move(pinning);
+  }
+
   static constexpr int64_t kAlign = 4096;
   static constexpr size_t kHugePage = size_t{2} << 20;
 
@@ -240,6 +247,13 @@ class HostTierAllocator final : public Allocator {
              static_cast<double>(tracker_.current()) / (1 << 20));
       }
       if (static_cast<size_t>(cls) >= kHugePage) madvise(p, static_cast<size_t>(cls), MADV_HUGEPAGE);
+      std::function<void(void*, int64_t)> pin;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        pin = pinning_.pin;
+        if (pin) pinned_[p] = pinning_.unpin;
+      }
+      if (pin) pin(p, cls);
       reserved_.fetch_add(cls, std::memory_order_relaxed);
     }
     tracker_.add(nbytes);
@@ -262,7 +276,14 @@ class HostTierAllocator final : public Allocator {
   void empty_cache() override {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [cls, blocks] : cache_) {
-      for (void* p : blocks) std::free(p);
+      for (void* p : blocks) {
+        auto it = pinned_.find(p);
+        if (it != pinned_.end()) {
+          if (it->second) it->second(p, cls);
+          pinned_.erase(it);
+        }
+        std::free(p);
+      }
       reserved_.fetch_sub(cls * static_cast<int64_t>(blocks.size()), std::memory_order_relaxed);
     }
     cache_.clear();
@@ -273,6 +294,8 @@ class HostTierAllocator final : public Allocator {
   std::atomic<int64_t> reserved_{0};
   std::mutex mu_;
   std::unordered_map<int64_t, std::vector<void*>> cache_;
+  HostPinning pinning_;
+  std::unordered_map<void*, std::function<void(void*, int64_t)>> pinned_;  // block -> its unpin
 };
 
 thread_local bool t_host_tier = false;
@@ -313,10 +336,16 @@ Allocator& allocator_for(Device device) {
   return factory(device);
 }
 
-Allocator& host_tier_allocator() {
+namespace {
+HostTierAllocator& host_tier() {
   static HostTierAllocator* host = new HostTierAllocator;  // outlives every storage
   return *host;
 }
+}  // namespace
+
+Allocator& host_tier_allocator() { return host_tier(); }
+
+void register_host_pinning(HostPinning pinning) { host_tier().set_pinning(std::move(pinning)); }
 
 HostTierScope::HostTierScope() : previous_(t_host_tier) { t_host_tier = true; }
 HostTierScope::~HostTierScope() { t_host_tier = previous_; }

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/copy_kernels.cuh"
 #include "tensor/error.h"
+#include "tensor/host_pinning.h"
 
 namespace tessera::cuda_kernels {
 
@@ -290,6 +291,31 @@ const bool kAllocatorRegistered =
     (register_allocator(DeviceType::cuda, [](Device d) -> Allocator& { return caching_allocator(d); }),
      true);
 
+// The host tier's blocks (offloaded optimizer state, gradients, parameters) pinned where a GPU
+// is present: copy_to_device / copy_to_host then move them by DMA, without the staging copy.
+// Best effort: a machine without a GPU, or a failed registration, leaves the block pageable.
+const bool kHostPinningRegistered = (register_host_pinning(HostPinning{
+    [](void* p, int64_t n) {
+      int count = 0;
+      if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 ||
+          cudaHostRegister(p, static_cast<size_t>(n), cudaHostRegisterPortable) != cudaSuccess) {
+        cudaGetLastError();  // clear the sticky error: the block stays pageable
+      }
+    },
+    [](void* p, int64_t) {
+      if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();  // it was never pinned
+    }}), true);
+
+// Whether `p` is page-locked host memory (cudaHostAlloc'd or registered).
+bool pinned_host(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
 }  // namespace
 
 CachingStats caching_stats(Device d) { return caching_allocator(d).caching_stats(); }
@@ -336,6 +362,15 @@ Staging& staging(Device d) {
 void copy_to_device(void* dst, const void* src, int64_t nbytes, Device d) {
   if (nbytes <= 0) return;
   DeviceGuard g(d);
+  if (pinned_host(src)) {
+    // DMA straight from the pinned block; waited for, since its owner may reuse it as soon
+    // as this returns (the host tier pages a segment out right after its copy).
+    const cudaStream_t stream = compute_stream(d);
+    cuda_check(cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyHostToDevice, stream),
+               "cudaMemcpyAsync H2D (pinned)", d);
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize", d);
+    return;
+  }
   Staging& s = staging(d);
   std::lock_guard<std::mutex> lock(s.mu);
   const cudaStream_t stream = compute_stream(d);
@@ -354,6 +389,13 @@ void copy_to_device(void* dst, const void* src, int64_t nbytes, Device d) {
 void copy_to_host(void* dst, const void* src, int64_t nbytes, Device d) {
   if (nbytes <= 0) return;
   DeviceGuard g(d);
+  if (pinned_host(dst)) {  // DMA straight into the pinned block
+    const cudaStream_t stream = compute_stream(d);
+    cuda_check(cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyDeviceToHost, stream),
+               "cudaMemcpyAsync D2H (pinned)", d);
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize", d);
+    return;
+  }
   Staging& s = staging(d);
   std::lock_guard<std::mutex> lock(s.mu);
   const cudaStream_t stream = compute_stream(d);

@@ -5,8 +5,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <utility>
+#include <vector>
 
+#include "tensor/allocator.h"
+#include "tensor/host_pinning.h"
 #include "tensor/ops.h"
+#include "tensor/storage.h"
 #include "tests/testing.h"
 
 using namespace tessera;
@@ -224,6 +229,50 @@ TEST_CASE("large CPU blocks are cached and reused; empty_cache returns them") {
   }
   a.empty_cache();
   CHECK(a.stats().reserved_bytes == reserved0);
+}
+
+TEST_CASE("the host tier: outside the device's counters and budget, page-aligned, cached, "
+          "pinned through the registered hook") {
+  Allocator& device = allocator_for(kCPU);
+  Allocator& host = host_tier_allocator();
+  CHECK_FALSE(host.is_device());
+  host.empty_cache();
+  std::vector<std::pair<void*, int64_t>> pinned, unpinned;
+  register_host_pinning({[&](void* p, int64_t n) { pinned.emplace_back(p, n); },
+                         [&](void* p, int64_t n) { unpinned.emplace_back(p, n); }});
+  const int64_t device_before = device.stats().allocated_bytes;
+  const int64_t process_before = process_memory().current();
+  const int64_t cap = device.limit();
+  device.set_limit(device_before + 4096);  // the device has no room; the host tier does
+  MemoryTracker tracker;
+  void* first = nullptr;
+  {
+    MemoryScope scope(&tracker);
+    HostTierScope tier;
+    CHECK(HostTierScope::active());
+    Tensor t = Tensor::empty({5000}, DType::f64);  // 40,000 bytes
+    first = t.raw_data();
+    CHECK(t.storage()->allocator() == &host);
+    CHECK(reinterpret_cast<uintptr_t>(first) % 4096 == 0);
+    CHECK(host.stats().allocated_bytes == 40000);
+    CHECK(device.stats().allocated_bytes == device_before);
+    CHECK(tracker.current() == 0);  // a rank's tracker counts its device
+    CHECK(process_memory().current() == process_before);
+    // Released and reallocated (the file tier's paging): the cached block comes back.
+    t.storage()->release();
+    t.storage()->reallocate();
+    CHECK(t.raw_data() == first);
+  }
+  CHECK_FALSE(HostTierScope::active());
+  device.set_limit(cap);
+  CHECK(host.stats().allocated_bytes == 0);
+  REQUIRE(pinned.size() == 1);
+  CHECK(pinned[0] == std::make_pair(first, int64_t{40960}));  // whole pages
+  CHECK(unpinned.empty());  // cached, still pinned
+  host.empty_cache();
+  REQUIRE(unpinned.size() == 1);
+  CHECK(unpinned[0] == pinned[0]);
+  register_host_pinning({});
 }
 
 TEST_CASE("a device without a linked backend (or without hardware) is a clear error") {
