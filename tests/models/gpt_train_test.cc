@@ -262,6 +262,75 @@ TEST_CASE("--dp --zero --accum: the same losses as one rank; checkpoints move be
   CHECK(contains(error_of([&] { train_gpt(c); }), "--zero must be 0, 1, 2 or 3, got 4"));
 }
 
+TEST_CASE("--offload_optimizer/--offload_params: the in-memory run's losses and checkpoint "
+          "bitwise; a budget the model exceeds; refused layouts") {
+  const std::string dir = temp_dir() + "/gpt_offload";
+  fs::create_directories(dir);
+  GptTrainConfig c = short_run(6);
+  c.layers = 2;
+  c.dp = 2;
+  c.zero = 3;
+  c.accum = 2;
+  c.save = dir + "/memory.safetensors";
+  const GptResult memory = train_gpt(c);
+  int runs = 0;
+  for (const auto& tiers : {std::pair{"host", "none"}, std::pair{"nvme", "none"},
+                            std::pair{"host", "host"}, std::pair{"nvme", "nvme"}}) {
+    CAPTURE(tiers.first);
+    CAPTURE(tiers.second);
+    GptTrainConfig o = c;
+    o.offload_optimizer = tiers.first;
+    o.offload_params = tiers.second;
+    o.offload_dir = dir;
+    o.save = fmt::format("{}/{}_{}.safetensors", dir, tiers.first, tiers.second);
+    const GptResult r = train_gpt(o);
+    CHECK(r.losses == memory.losses);
+    CHECK(r.val_loss == memory.val_loss);
+    check_same_tensors(o.save, c.save);  // parameters and optimizer state, bitwise
+    CHECK(contains(r.memory_report, fmt::format("offload optimizer={} params={}", tiers.first,
+                                                tiers.second)));
+    ++runs;
+  }
+  CHECK(runs == 4);
+  // An in-memory checkpoint resumes offloaded, and the rest of the run is the same.
+  {
+    GptTrainConfig a = c;
+    a.max_steps = 3;
+    a.save = dir + "/half.safetensors";
+    train_gpt(a);
+    GptTrainConfig b = c;
+    b.resume = a.save;
+    b.save = "";
+    b.offload_optimizer = "nvme";
+    b.offload_params = "nvme";
+    b.offload_dir = dir;
+    const GptResult rest = train_gpt(b);
+    REQUIRE(rest.losses.size() == 3);
+    for (size_t i = 0; i < 3; ++i) CHECK(rest.losses[i] == memory.losses[3 + i]);
+  }
+  // Refused, naming the flags.
+  GptTrainConfig bad = c;
+  bad.offload_optimizer = "disk";
+  CHECK(contains(error_of([&] { train_gpt(bad); }),
+                 "gpt: --offload_optimizer: unknown offload tier 'disk' (expected none, host or nvme)"));
+  bad = c;
+  bad.zero = 0;
+  bad.offload_optimizer = "host";
+  CHECK(contains(error_of([&] { train_gpt(bad); }), "it needs --zero 1-3 on the --dp layout"));
+  bad = c;
+  bad.zero = 2;
+  bad.offload_optimizer = "host";
+  bad.offload_params = "host";
+  CHECK(contains(error_of([&] { train_gpt(bad); }), "--offload_params=host needs --zero 3"));
+  bad = c;
+  bad.offload_params = "nvme";
+  CHECK(contains(error_of([&] { train_gpt(bad); }), "set --offload_optimizer too"));
+  bad = c;
+  bad.offload_optimizer = "host";
+  bad.optimizer = "adafactor";
+  CHECK(contains(error_of([&] { train_gpt(bad); }), "--optimizer=adamw or sgd"));
+}
+
 TEST_CASE("--dropout with --dp --zero --accum: one device's masks, so one device's losses") {
   // Each rank and micro-batch draws its rows of the masks one device draws for the whole
   // batch (BatchSliceScope), so dropout is independent of the split: the losses agree to
