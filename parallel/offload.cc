@@ -99,9 +99,11 @@ SwapFile::SwapFile(const std::string& dir, const std::string& name, Options opti
            "{}", options.threads, options.block, kPage);
   const std::string where = dir.empty() ? default_dir() : dir;
   struct stat st{};
-  TS_CHECK(stat(where.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
-           "SwapFile: --offload_dir '{}' is not a directory ({})", where,
-           std::strerror(errno));
+  if (stat(where.c_str(), &st) != 0) {
+    fail("SwapFile: --offload_dir '{}' is not a directory ({})", where, std::strerror(errno));
+  }
+  TS_CHECK(S_ISDIR(st.st_mode), "SwapFile: --offload_dir '{}' is not a directory (it is a file)",
+           where);
   path_ = fmt::format("{}/tessera-offload-{}-{}.swap", where, name, getpid());
   fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   TS_CHECK(fd_ >= 0, "SwapFile: cannot create '{}': {}", path_, std::strerror(errno));
@@ -113,7 +115,20 @@ SwapFile::SwapFile(const std::string& dir, const std::string& name, Options opti
     }
   }
   direct_ = direct_fd_ >= 0;
-  for (int t = 0; t < options.threads; ++t) threads_.emplace_back([this] { worker(); });
+  try {
+    for (int t = 0; t < options.threads; ++t) threads_.emplace_back([this] { worker(); });
+  } catch (...) {  // no thread: stop the ones started, close and remove the file
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();
+    if (direct_fd_ >= 0) ::close(direct_fd_);
+    ::close(fd_);
+    ::unlink(path_.c_str());
+    throw;
+  }
 }
 
 SwapFile::~SwapFile() {

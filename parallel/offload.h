@@ -46,12 +46,6 @@ struct OffloadOptions {
   bool direct_io = true;     // file tier: O_DIRECT where the file system takes it
   int io_threads = 2;        // file tier: threads doing the preads and pwrites
   int64_t io_block = int64_t{4} << 20;  // bytes per pread / pwrite
-  // Stage 3 with the parameters offloaded: step() leaves the update running on a thread
-  // beside the next forward, each unit's gather waiting for its own segments only (the
-  // same numbers). Off by default: on the development VM the forward is faster than the
-  // update's swap traffic, so it only waits, and the two compete for the 2 cores
-  // (BENCHMARKS.md).
-  bool overlap_step = false;
   bool any() const { return optimizer != OffloadTier::none || params != OffloadTier::none; }
 };
 

@@ -153,15 +153,18 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
     }
   }
 
-  // (Offload: the budget is checked before the replica checks, which copy the parameters.)
-  if (options.offload.any()) offload_check(st);
+  // The members agree on the parameters and the options (offload's tiers included) first;
+  // then the offload budget, before the replica checks copy the parameters.
   {
     const auto [whole, sub] = split_subgroup(st.named(), options.subgroup);
     check_same_parameters(comm, kName, whole, options_hash);
-    if (options.check_replicas) check_same_values(comm, kName, whole);
     if (options.subgroup.group != nullptr) {
       check_same_parameters(*options.subgroup.group, kName, sub, options_hash);
-      if (options.check_replicas) check_same_values(*options.subgroup.group, kName, sub);
+    }
+    if (options.offload.any()) offload_check(st);
+    if (options.check_replicas) check_same_values(comm, kName, whole);
+    if (options.subgroup.group != nullptr && options.check_replicas) {
+      check_same_values(*options.subgroup.group, kName, sub);
     }
   }
 
@@ -250,15 +253,7 @@ ZeroDataParallel::ZeroDataParallel(nn::Module& module, Communicator& comm, ZeroO
   }
 }
 
-ZeroDataParallel::~ZeroDataParallel() {
-  if (state_->offload) {
-    try {
-      offload_join(*state_);
-    } catch (...) {  // a destructor reports nothing; the next call would have
-    }
-  }
-  state_->wait_all();
-}
+ZeroDataParallel::~ZeroDataParallel() { state_->wait_all(); }
 
 nn::Module& ZeroDataParallel::module() const { return *state_->module; }
 Communicator& ZeroDataParallel::comm() const { return *state_->comm; }
@@ -306,8 +301,7 @@ void ZeroDataParallel::zero_grad() {
     p.adopted = false;
   }
   for (State::Segment& seg : st.segments) {
-    // (An update still running beside the next forward took the host copies' gradients.)
-    if (!st.offload || !st.offload_running()) st.owner(seg).set_grad(Tensor());
+    st.owner(seg).set_grad(Tensor());
     if (st.stage() >= 2) seg.flat_grad = Tensor();
   }
 }
@@ -358,7 +352,6 @@ ZeroDataParallel::NoSync ZeroDataParallel::no_sync() { return NoSync(*this); }
 
 double ZeroDataParallel::clip_grad_norm(double max_norm) {
   State& st = *state_;
-  if (st.offload) offload_join(st);
   if (st.stage() == 0 && st.options.subgroup.group == nullptr) {
     std::vector<Tensor> ps;
     for (const State::Param& p : st.params) ps.push_back(p.tensor);
@@ -400,7 +393,6 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
 double ZeroDataParallel::local_grad_norm_squared(
     const std::function<double(const std::string&)>& weight) const {
   State& st = *state_;
-  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   auto sum_sq = [](const Tensor& g) {
     const Tensor g64 = cast(g, DType::f64);
@@ -433,7 +425,6 @@ double ZeroDataParallel::local_grad_norm_squared(
 
 void ZeroDataParallel::scale_grads(double coef) {
   State& st = *state_;
-  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   std::vector<Tensor> owned;
   std::optional<HostTierScope> host;
@@ -527,7 +518,6 @@ void ZeroDataParallel::step(optim::Optimizer& optimizer) {
 
 ZeroMemory ZeroDataParallel::memory_report() const {
   State& st = *state_;
-  if (st.offload) offload_join(st);
   const MemoryTracker& t = MemoryScope::current() ? *MemoryScope::current() : process_memory();
   ZeroMemory m;
   m.stage = st.stage();

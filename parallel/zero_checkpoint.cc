@@ -23,7 +23,6 @@ optim::Optimizer::RowShardState row_shard_state(const optim::Optimizer& optimize
 
 nn::StateDict ZeroDataParallel::model_state_dict() {
   State& st = *state_;
-  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   // Offload: the copies on the host tier (the dict is the whole model, which the device
   // budget may not hold).
@@ -31,8 +30,9 @@ nn::StateDict ZeroDataParallel::model_state_dict() {
   if (st.offload) host.emplace();
   nn::StateDict out;
   const nn::StateDict handles = st.module->state_dict();
+  auto copy = [&](const Tensor& v) { return st.offload && !v.device().is_cpu() ? v.to(kCPU) : v.clone(); };
   if (st.stage() != 3) {
-    for (const auto& [k, v] : handles) out[k] = v.clone();
+    for (const auto& [k, v] : handles) out[k] = copy(v);
     return out;
   }
   // Stage 3: a unit at a time (gathered, copied, released), so the device holds one unit
@@ -46,7 +46,7 @@ nn::StateDict ZeroDataParallel::model_state_dict() {
       st.ensure_gathered(u);
       for (const auto& [k, v] : handles) {
         auto it = unit_of.find(v.storage().get());
-        if (it != unit_of.end() && it->second == u) out[k] = v.clone();
+        if (it != unit_of.end() && it->second == u) out[k] = copy(v);
       }
       st.release(u);
     }
@@ -55,14 +55,13 @@ nn::StateDict ZeroDataParallel::model_state_dict() {
     throw;
   }
   for (const auto& [k, v] : handles) {
-    if (!unit_of.count(v.storage().get())) out[k] = v.clone();
+    if (!unit_of.count(v.storage().get())) out[k] = copy(v);
   }
   return out;
 }
 
 nn::StateDict ZeroDataParallel::gradient_dict() {
   State& st = *state_;
-  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   nn::StateDict out;
   if (st.stage() == 0) {
@@ -86,7 +85,6 @@ nn::StateDict ZeroDataParallel::gradient_dict() {
 
 void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
   State& st = *state_;
-  if (st.offload) offload_join(st);
   NoGradGuard no_grad;
   if (st.stage() != 3) {
     st.module->load_state_dict(dict);
@@ -116,7 +114,6 @@ void ZeroDataParallel::load_model_state_dict(const nn::StateDict& dict) {
 optim::Optimizer::StateDict ZeroDataParallel::optimizer_state_dict(const optim::Optimizer& optimizer) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "optimizer_state_dict", st.options);
-  if (st.offload) offload_join(st);
   // Offload: the copies and gathers on the host tier (a device budget holds no model state).
   std::optional<HostTierScope> host;
   if (st.offload) host.emplace();
@@ -199,7 +196,6 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
                                                  const optim::Optimizer::StateDict& dict) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "load_optimizer_state_dict", st.options);
-  if (st.offload) offload_join(st);
   attach_row_shards(st, optimizer);
   std::optional<HostTierScope> host;  // offload: the new state on the host tier
   if (st.offload) host.emplace();  // the optimizer checks the shards' state shapes
@@ -213,6 +209,9 @@ void ZeroDataParallel::load_optimizer_state_dict(optim::Optimizer& optimizer,
   for (int k = 0; k < static_cast<int>(order.size()); ++k) index_of[order[k]] = k;
 
   optim::Optimizer::StateDict out;
+  // (The file tier: the state pages in for state_dict(), which copies them; the loaded state
+  // replaces them and pages out below.)
+  if (st.offload) offload_page_all(st, &optimizer, /*in=*/true);
   // Keys the optimizer's own dict has about its groups (segment indices) stay its own.
   for (const auto& [k, v] : optimizer.state_dict()) {
     if (k.rfind("group.", 0) == 0 && k.ends_with(".params")) out[k] = v;

@@ -11,16 +11,15 @@
 #include <fmt/format.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <exception>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <map>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
+#include "autograd/checkpoint.h"
 #include "parallel/placement.h"
 #include "parallel/zero.h"
 #include "parallel/zero_state.h"
@@ -40,17 +39,6 @@ struct ZeroDataParallel::State::Offload {
   std::vector<int64_t> index;
   int64_t to_host = 0, to_device = 0;  // bytes copied between the device and the host
   int64_t state_host_bytes = 0;        // the optimizer state resident after the last step
-  // Stage 3 with the parameters offloaded: the update of step() runs on `worker` beside the
-  // next forward; done[s] (under mu) once segment s is updated and paged out.
-  std::thread worker;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<char> done;
-  bool running = false;
-  std::exception_ptr error;
-  ~Offload() {
-    if (worker.joinable()) worker.join();
-  }
 };
 
 namespace {
@@ -122,8 +110,36 @@ std::vector<SwapFile::Request> page_in(State& st, int s, const optim::Optimizer*
   return out;
 }
 
+// Waits for every request, then throws the first one's error (none is left in flight over
+// a buffer its owner may release).
+void wait_all(std::vector<SwapFile::Request>& requests) {
+  std::exception_ptr first;
+  for (SwapFile::Request& r : requests) {
+    try {
+      r.wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  requests.clear();
+  if (first) std::rethrow_exception(first);
+}
+
+// Waits for a read ahead of segment s's parameters still in flight (its buffer is about to be
+// written, released or overwritten); a failed one leaves the page released (read again later).
+void settle_read(State& st, int s) {
+  Offload& o = *st.offload;
+  if (!o.reads[s].pending()) return;
+  try {
+    o.reads[s].wait();
+  } catch (const Error&) {
+    st.segments[s].host.storage()->release();
+  }
+}
+
 // Writes segment s's resident pages; release() them once the requests are done.
 std::vector<SwapFile::Request> write_out(State& st, int s, const optim::Optimizer* optimizer) {
+  settle_read(st, s);
   std::vector<SwapFile::Request> out;
   for (auto& [key, t] : pages(st, s, optimizer)) {
     if (!t.storage()->released()) out.push_back(st.offload->file->write(key, bytes_of(t), size_of(t), padded(t)));
@@ -132,13 +148,22 @@ std::vector<SwapFile::Request> write_out(State& st, int s, const optim::Optimize
 }
 
 void release_pages(State& st, int s, const optim::Optimizer* optimizer) {
+  settle_read(st, s);
   for (auto& [key, t] : pages(st, s, optimizer)) t.storage()->release();
 }
 
-void wait_all(std::vector<SwapFile::Request>& requests) {
-  for (SwapFile::Request& r : requests) r.wait();
-  requests.clear();
+// Waits for page_in's requests; if one fails, segment s's pages are released (what was read
+// is garbage, and a later page-in reads it again) before the error goes on.
+void wait_pages(State& st, int s, const optim::Optimizer* optimizer,
+                std::vector<SwapFile::Request>& reads) {
+  try {
+    wait_all(reads);
+  } catch (...) {
+    for (auto& [key, t] : pages(st, s, optimizer)) t.storage()->release();
+    throw;
+  }
 }
+
 
 int64_t shard_bytes(const State::Segment& seg) { return seg.shard_numel * dtype_size(seg.dtype); }
 
@@ -159,16 +184,15 @@ std::pair<int64_t, std::string> least_device_bytes(const State& st) {
                         "gathered ({:.2f} MiB) with its gradients",
                         root / 1048576.0, name, largest / 1048576.0)};
   }
-  int64_t params = 0, largest = 0;
-  for (const State::Segment& seg : st.segments) {
-    const int64_t b = seg.numel * dtype_size(seg.dtype);
-    params += b;
-    largest = std::max(largest, b);
-  }
-  return {params + 2 * largest,
-          fmt::format("the whole parameters ({:.2f} MiB at stage {}) and one segment's "
-                      "gradients twice ({:.2f} MiB each)",
-                      params / 1048576.0, st.stage(), largest / 1048576.0)};
+  // Stages 1-2: the whole parameters stay (counted in use already, or below when the model
+  // was built on the host tier), and a segment's gradients twice (its buffer and the block
+  // reduced into).
+  int64_t largest = 0;
+  for (const State::Segment& seg : st.segments) largest = std::max(largest, seg.numel * dtype_size(seg.dtype));
+  return {2 * largest,
+          fmt::format("one segment's gradients twice ({:.2f} MiB each) beside the whole "
+                      "parameters, which stages 1-2 keep",
+                      largest / 1048576.0)};
 }
 
 std::string tiers_of(const OffloadOptions& opt) {
@@ -192,20 +216,38 @@ void offload_check(State& st) {
   TS_CHECK(!st.options.comm_hook && !st.per_param_shards() && st.options.subgroup.group == nullptr,
            "{}: {}: offloading takes flat shards reduced exactly: not with a comm hook, row or "
            "block shards, or a parameter subgroup (experts)", kName, tiers);
-  // The device budget, against what this rank's device will hold once built: the module's
-  // parameters now in use, less what stage 3 frees (all of them with the parameters
-  // offloaded, all but this rank's shards otherwise).
+  auto o = std::make_shared<Offload>();
+  o->options = opt;
+  o->params = opt.params != OffloadTier::none;
+  o->state_file = opt.optimizer == OffloadTier::file;
+  o->param_file = opt.params == OffloadTier::file ||
+                  (opt.params == OffloadTier::none && opt.optimizer == OffloadTier::file);
+  o->reads.resize(st.segments.size());
+  st.offload = o;
+  // The device budget, against what this rank's device will hold once built: what is in use
+  // now, with the parameters' device bytes (none when the model was built on the host tier)
+  // replaced by what stays of them: stages 1-2 all (as flat buffers), stage 3 this rank's
+  // shards, or none with the parameters offloaded.
   if (st.segments.empty()) return;
   Allocator& device = allocator_for(st.segments.front().device);
   const int64_t cap = device.limit();
   if (cap <= 0) return;
-  int64_t param_bytes = 0, shard_bytes_now = 0;
-  for (const State::Segment& seg : st.segments) {
-    param_bytes += seg.numel * dtype_size(seg.dtype);
-    shard_bytes_now += block_size(seg.numel, seg.comm->size(), seg.comm->rank()) * dtype_size(seg.dtype);
+  int64_t on_device = 0, kept = 0;
+  std::set<const StorageImpl*> seen;
+  for (const State::Param& p : st.params) {
+    const StorageImpl* storage = p.tensor.storage().get();
+    if (storage->allocator() != nullptr && storage->allocator()->is_device() &&
+        seen.insert(storage).second) {
+      on_device += storage->nbytes();
+    }
   }
-  int64_t in_use = device.stats().allocated_bytes;
-  if (st.stage() == 3) in_use -= param_bytes - (opt.params != OffloadTier::none ? 0 : shard_bytes_now);
+  for (const State::Segment& seg : st.segments) {
+    const int64_t mine = st.stage() < 3 ? seg.numel
+                         : o->params ? 0
+                                     : block_size(seg.numel, seg.comm->size(), seg.comm->rank());
+    kept += mine * dtype_size(seg.dtype);
+  }
+  const int64_t in_use = device.stats().allocated_bytes - on_device + kept;
   const auto [need, what] = least_device_bytes(st);
   // Every rank learns whether any is short (threads ranks share one budget and may read it
   // at different moments): all throw, none is left waiting in a collective.
@@ -226,22 +268,12 @@ void offload_check(State& st) {
 
 void offload_adopt(State& st, int s) {
   const OffloadOptions& opt = st.options.offload;
-  if (!st.offload) {
-    auto o = std::make_shared<Offload>();
-    o->options = opt;
-    o->params = opt.params != OffloadTier::none;
-    o->state_file = opt.optimizer == OffloadTier::file;
-    o->param_file = opt.params == OffloadTier::file ||
-                    (opt.params == OffloadTier::none && opt.optimizer == OffloadTier::file);
-    o->reads.resize(st.segments.size());
-    if (o->state_file || o->param_file) {
-      o->file = std::make_unique<SwapFile>(
-          opt.dir, fmt::format("rank{}-{}", st.comm->rank(), g_swap_files.fetch_add(1)),
-          SwapFile::Options{opt.direct_io, opt.io_threads, opt.io_block});
-    }
-    st.offload = o;
-  }
   Offload& o = *st.offload;
+  if ((o.state_file || o.param_file) && !o.file) {
+    o.file = std::make_unique<SwapFile>(
+        opt.dir, fmt::format("rank{}-{}", st.comm->rank(), g_swap_files.fetch_add(1)),
+        SwapFile::Options{opt.direct_io, opt.io_threads, opt.io_block});
+  }
   State::Segment& seg = st.segments[s];
   NoGradGuard no_grad;
   {
@@ -265,11 +297,11 @@ void offload_finish_setup(State& st) {
 void offload_shard_in(State& st, int s) {
   Offload& o = *st.offload;
   if (!o.params) return;  // the device keeps its shard
-  offload_wait_segment(st, s);  // the last step's update of it, running beside this forward
   State::Segment& seg = st.segments[s];
-  std::vector<SwapFile::Request> reads = o.param_file ? page_in(st, s, nullptr)
-                                                      : std::vector<SwapFile::Request>{};
-  wait_all(reads);
+  if (o.param_file) {
+    std::vector<SwapFile::Request> reads = page_in(st, s, nullptr);
+    wait_pages(st, s, nullptr, reads);
+  }
   seg.shard.storage()->reallocate();  // tagged by the caller (gathered)
   NoGradGuard no_grad;
   seg.shard.copy_(seg.host);
@@ -284,6 +316,9 @@ void offload_shard_out(State& st, int s) {
 void offload_read_ahead(State& st, int u, bool forward) {
   Offload& o = *st.offload;
   if (!o.params || !o.param_file) return;
+  // A recomputed forward inside backward (activation checkpointing) is followed by that
+  // unit's backward, not by the next units' forward: nothing to read ahead.
+  if (forward && autograd::recomputing()) return;
   // The two units gathered after u: forward, the root, then 0, 1, ...; backward, down to 0.
   std::vector<int> next;
   int at = u;
@@ -295,10 +330,6 @@ void offload_read_ahead(State& st, int u, bool forward) {
   for (int v : next) {
     if (st.units[v].gather != State::Gather::released) continue;
     for (int s : st.units[v].segments) {
-      {
-        std::lock_guard<std::mutex> lock(o.mu);
-        if (o.running && !o.done[s]) continue;  // the update still has it; the gather reads it
-      }
       const Tensor& h = st.segments[s].host;
       if (o.reads[s].pending() || !h.storage()->released()) continue;
       h.storage()->reallocate();
@@ -308,9 +339,6 @@ void offload_read_ahead(State& st, int u, bool forward) {
 }
 
 void offload_take_grad(State& st, int s) {
-  // The whole update: its step() calls read every host copy's gradient (backward comes after
-  // the forward that waited for every unit, so this rarely waits).
-  offload_join(st);
   State::Segment& seg = st.segments[s];
   NoGradGuard no_grad;
   HostTierScope host;
@@ -325,48 +353,55 @@ void offload_take_grad(State& st, int s) {
 
 namespace {
 
-// Updates the segments in `order` a segment at a time: its gradient alone is attached, so
-// step() updates it alone (an elementwise optimizer's update of one tensor is the same as in
-// a bucket of many). File tier: the next segment's pages are read while this one updates,
-// and a written segment is released once its writes are done, so at most three are
-// resident. done(s) runs once segment s is updated and (file tier) paged out.
-void update_segments(State& st, optim::Optimizer& optimizer, const std::vector<Tensor>& grads,
-                     const std::vector<int>& order, const std::function<void(int)>& done) {
+// The file tier's update: a segment at a time (in the optimizer's order), its gradient alone
+// attached, so step() updates it alone (an elementwise optimizer's update of one tensor is the
+// same as in a bucket of many). The next segment's pages are read while this one updates,
+// and a written segment is released once its writes are done: at most three are resident.
+void update_segments(State& st, optim::Optimizer& optimizer, const std::vector<Tensor>& grads) {
   Offload& o = *st.offload;
+  const std::vector<int> order = st.optimizer_order();
   const int n = static_cast<int>(order.size());
   std::vector<std::vector<SwapFile::Request>> reads(st.segments.size()), writes(st.segments.size());
-  if (o.file && n > 0) reads[order[0]] = page_in(st, order[0], &optimizer);
-  for (int j = 0; j < n; ++j) {
-    const int s = order[j];
-    State::Segment& seg = st.segments[s];
-    if (o.file) {
-      wait_all(reads[s]);
+  try {
+    if (n > 0) reads[order[0]] = page_in(st, order[0], &optimizer);
+    for (int j = 0; j < n; ++j) {
+      const int s = order[j];
+      State::Segment& seg = st.segments[s];
+      wait_pages(st, s, &optimizer, reads[s]);
       if (j + 1 < n) reads[order[j + 1]] = page_in(st, order[j + 1], &optimizer);
+      if (grads[s].defined()) {
+        seg.host.set_grad(grads[s]);
+        optimizer.step();
+        seg.host.set_grad(Tensor());
+      }
+      if (!o.params) {  // the device's shard takes the update (stage 3 offloaded: none to take)
+        seg.shard.copy_(seg.host);
+        o.to_device += shard_bytes(seg);
+      }
+      writes[s] = write_out(st, s, &optimizer);
+      if (j > 0) {
+        wait_all(writes[order[j - 1]]);
+        release_pages(st, order[j - 1], &optimizer);
+      }
     }
-    if (grads[s].defined()) {
-      seg.host.set_grad(grads[s]);
-      optimizer.step();
-      seg.host.set_grad(Tensor());
+    if (n > 0) {
+      wait_all(writes[order[n - 1]]);
+      release_pages(st, order[n - 1], &optimizer);
     }
-    if (!o.params) {  // the device's shard takes the update (stage 3 offloaded: none to take)
-      seg.shard.copy_(seg.host);
-      o.to_device += shard_bytes(seg);
+  } catch (...) {
+    // No request stays in flight over a page: every one is waited for (errors dropped, the
+    // first one is on its way out). The pages stay resident; the file may be behind them.
+    for (auto* list : {&reads, &writes}) {
+      for (std::vector<SwapFile::Request>& requests : *list) {
+        for (SwapFile::Request& r : requests) {
+          try {
+            r.wait();
+          } catch (...) {
+          }
+        }
+      }
     }
-    if (!o.file) {
-      done(s);
-      continue;
-    }
-    writes[s] = write_out(st, s, &optimizer);
-    if (j > 0) {
-      wait_all(writes[order[j - 1]]);
-      release_pages(st, order[j - 1], &optimizer);
-      done(order[j - 1]);
-    }
-  }
-  if (o.file && n > 0) {
-    wait_all(writes[order[n - 1]]);
-    release_pages(st, order[n - 1], &optimizer);
-    done(order[n - 1]);
+    throw;
   }
 }
 
@@ -382,104 +417,47 @@ void count_state_bytes(State& st, const optim::Optimizer& optimizer) {
 
 }  // namespace
 
-bool State::offload_running() const {
-  std::lock_guard<std::mutex> lock(offload->mu);
-  return offload->running;
-}
-
-void offload_join(State& st) {
-  Offload& o = *st.offload;
-  if (!o.worker.joinable()) return;
-  o.worker.join();
-  std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> lock(o.mu);
-    error = std::exchange(o.error, nullptr);
-  }
-  if (error) std::rethrow_exception(error);
-}
-
-void offload_wait_segment(State& st, int s) {
-  Offload& o = *st.offload;
-  std::unique_lock<std::mutex> lock(o.mu);
-  o.cv.wait(lock, [&] { return !o.running || o.done[s] || o.error; });
-  const bool failed = o.error != nullptr;
-  lock.unlock();
-  if (failed) offload_join(st);  // rethrows the update's error
-}
-
 void offload_step(State& st, optim::Optimizer& optimizer) {
   Offload& o = *st.offload;
-  offload_join(st);  // the previous step's update, if it is still running
   bind(st, optimizer);
   const int n = static_cast<int>(st.segments.size());
-  // The gradients leave the host copies for the update (which attaches each in turn).
-  std::vector<Tensor> grads(n);
-  for (int s = 0; s < n; ++s) {
-    grads[s] = st.segments[s].host.grad();
-    st.segments[s].host.set_grad(Tensor());
-  }
-  if (o.params && o.options.overlap_step) {
-    // Stage 3 without device shards: the update runs beside the next forward, in the order
-    // that forward gathers (the root, then the units in order), and each gather waits for
-    // its segments only, so the swap file's traffic for the later units overlaps the
-    // earlier units' compute. The numbers are those of the update run in place.
-    std::vector<int> order;
-    for (int s : st.units[st.root()].segments) order.push_back(s);
-    for (int u = 0; u < st.root(); ++u) {
-      for (int s : st.units[u].segments) order.push_back(s);
-    }
-    {
-      std::lock_guard<std::mutex> lock(o.mu);
-      o.done.assign(n, 0);
-      o.running = true;
-    }
-    o.worker = std::thread([&st, &o, &optimizer, grads = std::move(grads), order = std::move(order)] {
-      try {
-        NoGradGuard no_grad;
-        HostTierScope host;
-        MemoryTagScope tag(MemoryTag::optimizer_state);
-        update_segments(st, optimizer, grads, order, [&o](int s) {
-          std::lock_guard<std::mutex> lock(o.mu);
-          o.done[s] = 1;
-          o.cv.notify_all();
-        });
-        count_state_bytes(st, optimizer);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(o.mu);
-        o.error = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(o.mu);
-      o.running = false;
-      o.cv.notify_all();
-    });
-    return;
-  }
   NoGradGuard no_grad;
   HostTierScope host;  // the state the optimizer creates, and its temporaries
   MemoryTagScope tag(MemoryTag::optimizer_state);
   if (!o.file) {  // everything resident: one step, as in memory
-    for (int s = 0; s < n; ++s) st.segments[s].host.set_grad(grads[s]);
     optimizer.step();
-    for (int s = 0; s < n; ++s) {
-      st.segments[s].host.set_grad(Tensor());
-      if (o.params) continue;  // no device shard: the gathers read the host copy
+    for (int s = 0; s < n && !o.params; ++s) {
       st.segments[s].shard.copy_(st.segments[s].host);
       o.to_device += shard_bytes(st.segments[s]);
     }
   } else {
-    update_segments(st, optimizer, grads, st.optimizer_order(), [](int) {});
+    // The gradients leave the host copies while the segments update one at a time, and come
+    // back after (as in memory, a step leaves them).
+    std::vector<Tensor> grads(n);
+    for (int s = 0; s < n; ++s) {
+      grads[s] = st.segments[s].host.grad();
+      st.segments[s].host.set_grad(Tensor());
+    }
+    struct Restore {
+      State& st;
+      const std::vector<Tensor>& grads;
+      ~Restore() {
+        for (size_t s = 0; s < grads.size(); ++s) st.segments[s].host.set_grad(grads[s]);
+      }
+    } restore{st, grads};
+    update_segments(st, optimizer, grads);
   }
-  for (int s = 0; s < n; ++s) st.segments[s].host.set_grad(grads[s]);  // as in memory
   count_state_bytes(st, optimizer);
 }
 
 void offload_set_shard(State& st, int s, const Tensor& values) {
   Offload& o = *st.offload;
-  offload_join(st);
   State::Segment& seg = st.segments[s];
   NoGradGuard no_grad;
-  if (o.param_file) seg.host.storage()->reallocate();  // overwritten whole: nothing to read
+  if (o.param_file) {
+    settle_read(st, s);
+    seg.host.storage()->reallocate();  // overwritten whole: nothing to read
+  }
   seg.host.copy_(values);
   o.to_host += shard_bytes(seg);
   if (!o.params && !same_view(values, seg.shard)) seg.shard.copy_(values);
@@ -492,27 +470,35 @@ void offload_set_shard(State& st, int s, const Tensor& values) {
 
 void offload_page_all(State& st, const optim::Optimizer* optimizer, bool in) {
   Offload& o = *st.offload;
-  offload_join(st);
   if (!o.file) return;
   if (optimizer != nullptr) bind(st, *optimizer);
   const int n = static_cast<int>(st.segments.size());
-  std::vector<SwapFile::Request> requests;
-  for (int s = 0; s < n; ++s) {
-    for (auto& r : in ? page_in(st, s, optimizer) : write_out(st, s, optimizer)) {
-      requests.push_back(std::move(r));
+  if (in) {
+    std::vector<std::vector<SwapFile::Request>> reads(n);
+    for (int s = 0; s < n; ++s) reads[s] = page_in(st, s, optimizer);
+    std::exception_ptr first;
+    for (int s = 0; s < n; ++s) {
+      try {
+        wait_pages(st, s, optimizer, reads[s]);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
     }
+    if (first) std::rethrow_exception(first);
+    return;
   }
-  wait_all(requests);
-  if (!in) {
-    for (int s = 0; s < n; ++s) release_pages(st, s, optimizer);
+  std::vector<SwapFile::Request> writes;
+  for (int s = 0; s < n; ++s) {
+    for (auto& r : write_out(st, s, optimizer)) writes.push_back(std::move(r));
   }
+  wait_all(writes);
+  for (int s = 0; s < n; ++s) release_pages(st, s, optimizer);
 }
 
 ZeroOffloadReport ZeroDataParallel::offload_report() const {
-  State& st = *state_;
+  const State& st = *state_;
   ZeroOffloadReport r;
   if (!st.offload) return r;
-  offload_join(st);
   const Offload& o = *st.offload;
   r.optimizer = o.options.optimizer;
   r.params = o.options.params;

@@ -48,10 +48,6 @@ void offload_shard_out(ZeroDataParallel::State& st, int s);
 void offload_read_ahead(ZeroDataParallel::State& st, int u, bool forward);
 void offload_take_grad(ZeroDataParallel::State& st, int s);
 void offload_step(ZeroDataParallel::State& st, optim::Optimizer& optimizer);
-// Waits for the update step() left running (stage 3 with the parameters offloaded), whole or
-// up to segment s; rethrows its error.
-void offload_join(ZeroDataParallel::State& st);
-void offload_wait_segment(ZeroDataParallel::State& st, int s);
 void offload_set_shard(ZeroDataParallel::State& st, int s, const Tensor& values);
 void offload_page_all(ZeroDataParallel::State& st, const optim::Optimizer* optimizer, bool in);
 
@@ -115,7 +111,6 @@ struct ZeroDataParallel::State {
   int root() const { return static_cast<int>(units.size()) - 1; }
   // The tensor the optimizer steps for a segment, whose .grad holds its reduced gradient.
   const Tensor& owner(const Segment& seg) const { return offload ? seg.host : seg.shard; }
-  bool offload_running() const;  // an update left by step() still runs (zero_offload.cc)
   int stage() const { return options.stage; }
 
   // Parameter p's place in a flat buffer of its segment (values, gradients or state).
@@ -133,10 +128,17 @@ struct ZeroDataParallel::State {
     CommCause cause(fmt::format("zero gather {}", unit.path.empty() ? "root" : unit.path),
                     CommKind::parameters);
     MemoryTagScope tag(MemoryTag::gathered);
+    if (offload) {  // every shard onto the device first: nothing is launched if one fails
+      try {
+        for (int s : unit.segments) offload_shard_in(*this, s);
+      } catch (...) {
+        for (int s : unit.segments) offload_shard_out(*this, s);
+        throw;
+      }
+    }
     for (int s : unit.segments) {
       Segment& seg = segments[s];
       seg.flat_param.storage()->reallocate();
-      if (offload) offload_shard_in(*this, s);
       unit.works.push_back(seg.comm->all_gather_async(seg.flat_param, seg.shard, seg.counts));
     }
     unit.gather = Gather::gathering;

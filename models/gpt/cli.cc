@@ -67,8 +67,6 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("offload_params", cli.config.offload_params,
          "with --zero 3 and --offload_optimizer: parameter shards off the device too (none, "
          "host, nvme)");
-  f.bind("offload_overlap", cli.config.offload_overlap,
-         "with --offload_params: the optimizer's update runs beside the next forward");
   f.bind("offload_dir", cli.config.offload_dir, "where the nvme tier's swap files go (default $TMPDIR or /tmp)");
   f.bind("pp", cli.config.pp, "pipeline stages (ranks: pp x dp x tp)");
   f.bind("tp", cli.config.tp, "tensor-parallel ranks (Megatron: must divide --heads)");

@@ -273,7 +273,6 @@ class GptReplica final : public models::Replica {
       zopt.offload.optimizer = parallel::parse_offload_tier(config.offload_optimizer, "gpt: --offload_optimizer");
       zopt.offload.params = parallel::parse_offload_tier(config.offload_params, "gpt: --offload_params");
       zopt.offload.dir = config.offload_dir;
-      zopt.offload.overlap_step = config.offload_overlap;
       // An optimizer with per-matrix state (Adafactor) gets whole rows of each parameter, one
       // with per-block state (8-bit AdamW) whole blocks.
       zopt.row_shards = models::optimizer_needs_row_shards(config.optimizer);

@@ -120,7 +120,6 @@ struct GptTrainConfig {
   std::string offload_optimizer = "none";
   std::string offload_params = "none";
   std::string offload_dir = "";
-  bool offload_overlap = false;  // OffloadOptions::overlap_step
   // Gradient compression over dp (models/common/comm_hooks.h: --compress=powersgd on ZeRO
   // 0-3 and pp/tp, or onebit_adam in AdamW's place on ZeRO 0 without pp/tp, with their
   // flags). Checkpoints keep each rank's error feedback (a resume needs the same layout).

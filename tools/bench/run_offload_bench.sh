@@ -49,10 +49,9 @@ for r in $(seq 1 "$ROUNDS"); do
   fio_mb rw --rwmixread=62 > "$OUT/fio_mix.$r"
   rm -f "$DIR/fio.dat"
   "$OUT/optim_bench" --numel 67108864 --threads 2 --rounds 3 --reps 5 > "$OUT/optim.$r"
-  rm -f "$OUT"/mem.$r.jsonl "$OUT"/off.$r.jsonl "$OUT"/overlap.$r.jsonl
+  rm -f "$OUT"/mem.$r.jsonl "$OUT"/off.$r.jsonl
   "$OUT/gpt" "${COMMON[@]}" --metrics="$OUT/mem.$r.jsonl"
   "$OUT/gpt" "${COMMON[@]}" "${OFF[@]}" --metrics="$OUT/off.$r.jsonl"
-  "$OUT/gpt" "${COMMON[@]}" "${OFF[@]}" --offload_overlap=true --metrics="$OUT/overlap.$r.jsonl"
 done
 
 python3 - "$OUT" "$ROUNDS" "$BATCH" <<'PY'
@@ -74,10 +73,9 @@ def nums(name): return [float(open(f"{out}/{name}.{r}").read()) for r in range(1
 
 mem, mem_val = steps("mem")
 off, off_val = steps("off")
-ovl, ovl_val = steps("overlap")
 mem_ms = med([tokens / x["tokens_per_s"] * 1e3 for x in mem])
 print(f"in memory:          {mem_ms:7.0f} ms/step, val loss {mem_val}")
-for name, rows, val in (("offloaded", off, off_val), ("offloaded, overlap", ovl, ovl_val)):
+for name, rows, val in (("offloaded", off, off_val),):
     ms = med([tokens / x["tokens_per_s"] * 1e3 for x in rows])
     io = med([x["offload_io_seconds"] for x in rows]) * 1e3
     rd = med([x["offload_read_bytes"] for x in rows])
