@@ -281,6 +281,7 @@ class GptReplica final : public models::Replica {
       // The experts' parameters reduce (and shard) over the ranks holding the same experts.
       if (moe_.groups() != nullptr) zopt.subgroup = moe_.groups()->subgroup(zopt.average);
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
+      offload_last_ = zero_->offload_report();  // (construction's writes are no step's)
     }
     if (config.compress.name == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
       opt_ = models::make_onebit_adam(config.compress,
@@ -484,9 +485,18 @@ class GptReplica final : public models::Replica {
     if (zero_ && zero_->options().offload.any()) {
       // The swap file's traffic and busy time in this step (and its forward/backward).
       const parallel::ZeroOffloadReport now = zero_->offload_report();
+      // Against the layout's formula (ZeroOffloadReport): the optimizer's state bytes per
+      // element by the optimizer's own formula; the first step has no state to read yet.
+      const int64_t state = std::llround(
+          models::optimizer_state_formula_bytes(c_.optimizer_choice(), model_->named_parameters(), false) /
+          static_cast<double>(model_->num_parameters()));
+      const int64_t step_io = now.step_io_formula(state);
       offload_step_ = {now.read_bytes - offload_last_.read_bytes,
                        now.written_bytes - offload_last_.written_bytes,
-                       now.io_seconds - offload_last_.io_seconds};
+                       now.io_seconds - offload_last_.io_seconds,
+                       (run_step == 0 ? now.step_io_formula(0) : step_io) +
+                           c_.accum * now.gather_read_formula(),
+                       step_io};
       offload_last_ = now;
     }
     if (hook_) {
@@ -527,9 +537,10 @@ class GptReplica final : public models::Replica {
     if (hook_) out += models::hook_traffic(*hook_);
     if (!offload_last_.file.empty()) {
       const double bytes = static_cast<double>(offload_step_.read + offload_step_.written);
-      out += fmt::format("  swap {:.1f}+{:.1f} MiB in {:.0f} ms ({:.0f} MB/s)",
+      out += fmt::format("  swap {:.1f}+{:.1f} MiB (formula {:.1f}+{:.1f}) in {:.0f} ms ({:.0f} MB/s)",
                          offload_step_.read / 1048576.0, offload_step_.written / 1048576.0,
-                         offload_step_.seconds * 1e3,
+                         offload_step_.formula_read / 1048576.0,
+                         offload_step_.formula_written / 1048576.0, offload_step_.seconds * 1e3,
                          offload_step_.seconds > 0 ? bytes / offload_step_.seconds / 1e6 : 0.0);
     }
     return out + moe_.line();
@@ -541,6 +552,8 @@ class GptReplica final : public models::Replica {
       record["offload_read_bytes"] = offload_step_.read;
       record["offload_written_bytes"] = offload_step_.written;
       record["offload_io_seconds"] = offload_step_.seconds;
+      record["offload_formula_read_bytes"] = offload_step_.formula_read;
+      record["offload_formula_written_bytes"] = offload_step_.formula_written;
     }
   }
 
@@ -578,7 +591,8 @@ class GptReplica final : public models::Replica {
   struct {
     int64_t read = 0, written = 0;
     double seconds = 0;
-  } offload_step_;  // the swap file's bytes and busy seconds in the last step
+    int64_t formula_read = 0, formula_written = 0;
+  } offload_step_;  // the swap file's bytes, busy seconds and formula in the last step
   std::unique_ptr<optim::Optimizer> opt_;
   optim::DynamicLossScaler scaler_;
   std::vector<Tensor> params_;
