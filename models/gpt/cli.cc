@@ -61,13 +61,7 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("zero", cli.config.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
   models::bind_compress_flags(f, cli.config.compress);
   f.bind("accum", cli.config.accum, "micro-batches per step (gradient accumulation)");
-  f.bind("offload_optimizer", cli.config.offload_optimizer,
-         "with --zero 1-3: optimizer state, f32 parameter copies and gradient shards on the "
-         "host or in a swap file (none, host, nvme); the update runs on the CPU");
-  f.bind("offload_params", cli.config.offload_params,
-         "with --zero 3 and --offload_optimizer: parameter shards off the device too (none, "
-         "host, nvme)");
-  f.bind("offload_dir", cli.config.offload_dir, "where the nvme tier's swap files go (default $TMPDIR or /tmp)");
+  models::bind_offload_flags(f, cli.config.offload);
   f.bind("pp", cli.config.pp, "pipeline stages (ranks: pp x dp x tp)");
   f.bind("tp", cli.config.tp, "tensor-parallel ranks (Megatron: must divide --heads)");
   f.bind("microbatches", cli.config.microbatches, "with --pp/--tp: pipeline micro-batches per dp rank per accumulation step");
@@ -117,7 +111,7 @@ GptTrainConfig finish(const GptCli& cli) {
   GptTrainConfig c = cli.config;
   c.verbose = !cli.quiet;
   c.memory_limit = models::parse_bytes(cli.memory_limit, "gpt: --memory_limit");
-  for (std::string* path : {&c.data, &c.save, &c.resume, &c.metrics, &c.offload_dir}) {
+  for (std::string* path : {&c.data, &c.save, &c.resume, &c.metrics, &c.offload.dir}) {
     *path = models::from_user_dir(*path);
   }
   return c;

@@ -115,29 +115,11 @@ void validate_train_config(const GptTrainConfig& c) {
   TS_CHECK(c.zero >= 0 && c.zero <= 3, "gpt: --zero must be 0, 1, 2 or 3, got {}", c.zero);
   require_at_least(gpt, "accum", c.accum, 1);
   models::validate_compress(gpt, c.compress, c.optimizer);
-  {
-    const parallel::OffloadTier opt = parallel::parse_offload_tier(c.offload_optimizer, "gpt: --offload_optimizer");
-    const parallel::OffloadTier par = parallel::parse_offload_tier(c.offload_params, "gpt: --offload_params");
-    if (opt != parallel::OffloadTier::none || par != parallel::OffloadTier::none) {
-      TS_CHECK(c.zero >= 1 && c.pp == 1 && c.tp == 1,
-               "gpt: --offload_optimizer={} --offload_params={} offloads ZeRO's shards: it needs "
-               "--zero 1-3 on the --dp layout (got --zero {} --pp {} --tp {})",
-               c.offload_optimizer, c.offload_params, c.zero, c.pp, c.tp);
-      TS_CHECK(opt != parallel::OffloadTier::none,
-               "gpt: --offload_params={} puts the parameter shards with the optimizer's copies: "
-               "set --offload_optimizer too", c.offload_params);
-      TS_CHECK(par == parallel::OffloadTier::none || c.zero == 3,
-               "gpt: --offload_params={} needs --zero 3 (stages 1-2 keep whole parameters), got "
-               "--zero {}", c.offload_params, c.zero);
-      TS_CHECK((c.optimizer == "adamw" || c.optimizer == "sgd") && c.compress.name == "none" &&
-                   c.ep == 1,
-               "gpt: offloading steps flat shards with an elementwise optimizer: --optimizer="
-               "adamw or sgd, no --compress and no --ep (got --optimizer={} --compress={} --ep {})",
-               c.optimizer, c.compress.name, c.ep);
-      TS_CHECK(Device::parse(c.device).is_cpu() || c.dp == 1,
-               "gpt: offloading on {} runs one rank", c.device);
-    }
-  }
+  models::offload_options("gpt", c.offload,
+                          {.zero = c.zero, .other_layouts = c.pp > 1 || c.tp > 1,
+                           .optimizer = c.optimizer, .compress = c.compress.name, .ep = c.ep});
+  TS_CHECK(!c.offload.any() || Device::parse(c.device).is_cpu() || c.dp == 1,
+           "gpt: offloading on {} runs one rank", c.device);
   models::require_compress_zero(gpt, c.compress, c.zero);
   // With --ep each rank keeps its experts only, reduced over the ranks holding the same ones
   // by plain reductions of flat shards.
@@ -276,10 +258,10 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
     }
     // Offloaded, the optimizer state is off the device (and at stage 3 with the parameters
     // offloaded, the shards too: only the gathered units below stay).
-    const bool offloaded = c.offload_optimizer != "none";
+    const bool offloaded = c.offload.optimizer != "none";
     if (offloaded) z.state_per_param = 0;
     m.model_state = c.dp > 1 || c.zero > 0 ? z.formula() : 16 * psi;
-    if (offloaded && c.offload_params != "none") m.model_state = 0;
+    if (offloaded && c.offload.params != "none") m.model_state = 0;
     if (c.zero == 3) {
       // Gathered: the root unit (embeddings, final norm) and two blocks (one prefetched).
       m.model_state += e * (V * C + T * C + 2 * C) + 2 * e * largest_block;

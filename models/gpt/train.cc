@@ -253,7 +253,7 @@ class GptReplica final : public models::Replica {
       // Parameters offloaded: the model is built in host memory (a device budget may be
       // smaller than the whole model); ZeroDataParallel then takes a segment at a time.
       std::optional<HostTierScope> host;
-      if (comm != nullptr && config.offload_params != "none") host.emplace();
+      if (comm != nullptr && config.offload.params != "none") host.emplace();
       model_ = std::make_unique<Gpt>(mconfig);
     }
     if (moe_.groups() != nullptr) moe_.groups()->keep(*model_);
@@ -270,9 +270,9 @@ class GptReplica final : public models::Replica {
       zopt.comm_hook = hook_;
       zopt.stage = static_cast<int>(config.zero);
       zopt.average = false;  // each rank backpropagates its share of the global mean
-      zopt.offload.optimizer = parallel::parse_offload_tier(config.offload_optimizer, "gpt: --offload_optimizer");
-      zopt.offload.params = parallel::parse_offload_tier(config.offload_params, "gpt: --offload_params");
-      zopt.offload.dir = config.offload_dir;
+      zopt.offload = models::offload_options(
+          "gpt", config.offload,
+          {.zero = config.zero, .optimizer = config.optimizer, .compress = config.compress.name, .ep = config.ep});
       // An optimizer with per-matrix state (Adafactor) gets whole rows of each parameter, one
       // with per-block state (8-bit AdamW) whole blocks.
       zopt.row_shards = models::optimizer_needs_row_shards(config.optimizer);

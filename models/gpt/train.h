@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "models/common/comm_hooks.h"
+#include "models/common/offload_flags.h"
 #include "models/common/optimizers.h"
 #include "models/gpt/model.h"
 #include "tensor/dtype.h"
@@ -113,13 +114,11 @@ struct GptTrainConfig {
   int64_t dp = 1;
   int64_t zero = 0;
   int64_t accum = 1;
-  // Offload under ZeRO (parallel/offload.h, ZeroOptions::offload): none | host | nvme. The
-  // optimizer's state, f32 parameter copies and reduced gradient shards (--zero 1-3), and at
-  // --zero 3 the parameter shards, off the device; nvme is a swap file in offload_dir ("":
-  // $TMPDIR or /tmp). The same numbers as in memory; --memory_limit caps the device.
-  std::string offload_optimizer = "none";
-  std::string offload_params = "none";
-  std::string offload_dir = "";
+  // Offload under ZeRO (models/common/offload_flags.h, parallel/offload.h): the optimizer's
+  // state, f32 parameter copies and reduced gradient shards (--zero 1-3), and at --zero 3 the
+  // parameter shards, off the device, in host memory or a swap file. The same numbers as in
+  // memory; --memory_limit caps the device.
+  models::OffloadChoice offload;
   // Gradient compression over dp (models/common/comm_hooks.h: --compress=powersgd on ZeRO
   // 0-3 and pp/tp, or onebit_adam in AdamW's place on ZeRO 0 without pp/tp, with their
   // flags). Checkpoints keep each rank's error feedback (a resume needs the same layout).

@@ -45,6 +45,7 @@ int main(int argc, char** argv) {
   f.bind("dp", c.dp, "data-parallel ranks (threads here; under mpirun it must equal the process count)");
   f.bind("zero", c.zero, "ZeRO stage: 0 all-reduce, 1 optimizer state, 2 + gradients, 3 + params");
   tessera::models::bind_compress_flags(f, c.compress);
+  tessera::models::bind_offload_flags(f, c.offload);
   f.bind("nonfinite", c.nonfinite,
          "a step with a NaN/inf loss or gradient norm: error (stop, keep the last "
          "checkpoint) or skip (drop it)");
@@ -56,7 +57,7 @@ int main(int argc, char** argv) {
     f.parse(argc, argv);
     c.verbose = !quiet;
     c.memory_limit = tessera::models::parse_bytes(memory_limit, "mnist: --memory_limit");
-    for (std::string* path : {&c.data_dir, &c.save, &c.resume, &c.metrics}) {
+    for (std::string* path : {&c.data_dir, &c.save, &c.resume, &c.metrics, &c.offload.dir}) {
       *path = tessera::models::from_user_dir(*path);
     }
     const tessera::mnist::MnistResult r = tessera::mnist::train_mnist(c);

@@ -90,6 +90,8 @@ void validate(const MnistConfig& c) {
   TS_CHECK(c.batch % c.dp == 0, "mnist: --batch {} must divide into --dp {} equal slices",
            c.batch, c.dp);
   models::validate_compress(mnist, c.compress, c.optimizer.name);
+  models::offload_options(mnist, c.offload,
+                          {.zero = c.zero, .optimizer = c.optimizer.name, .compress = c.compress.name});
   if (c.compress.name != "none") {
     models::require_compress_zero(mnist, c.compress, c.zero);
     TS_CHECK(c.precision != "f16",
@@ -130,6 +132,8 @@ class MnistReplica final : public models::Replica {
       zopt.average = true;  // each rank's loss is its slice's mean
       zopt.row_shards = models::optimizer_needs_row_shards(c.optimizer.name);
       zopt.block_shards = models::optimizer_shard_block(c.optimizer.name);
+      zopt.offload = models::offload_options(
+          "mnist", c.offload, {.zero = c.zero, .optimizer = c.optimizer.name, .compress = c.compress.name});
       zero_ = std::make_unique<parallel::ZeroDataParallel>(model, *comm, zopt);
     }
     std::vector<optim::ParamGroup> groups =

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "models/common/comm_hooks.h"
+#include "models/common/offload_flags.h"
 #include "models/common/optimizers.h"
 
 namespace tessera::mnist {
@@ -61,6 +62,9 @@ struct MnistConfig {
   // onebit_adam in AdamW's place on ZeRO 0); f32 or bf16. Checkpoints keep each rank's error feedback (a
   // resume needs the same --dp).
   models::CompressChoice compress;
+  // Offload under ZeRO (models/common/offload_flags.h): the optimizer (--zero 1-3) and the
+  // parameter shards (--zero 3) in host memory or a swap file; the same numbers.
+  models::OffloadChoice offload;
   bool verbose = true;            // progress line and summary on stdout
 };
 

@@ -279,9 +279,9 @@ TEST_CASE("--offload_optimizer/--offload_params: the in-memory run's losses and 
     CAPTURE(tiers.first);
     CAPTURE(tiers.second);
     GptTrainConfig o = c;
-    o.offload_optimizer = tiers.first;
-    o.offload_params = tiers.second;
-    o.offload_dir = dir;
+    o.offload.optimizer = tiers.first;
+    o.offload.params = tiers.second;
+    o.offload.dir = dir;
     o.save = fmt::format("{}/{}_{}.safetensors", dir, tiers.first, tiers.second);
     const GptResult r = train_gpt(o);
     CHECK(r.losses == memory.losses);
@@ -301,32 +301,32 @@ TEST_CASE("--offload_optimizer/--offload_params: the in-memory run's losses and 
     GptTrainConfig b = c;
     b.resume = a.save;
     b.save = "";
-    b.offload_optimizer = "nvme";
-    b.offload_params = "nvme";
-    b.offload_dir = dir;
+    b.offload.optimizer = "nvme";
+    b.offload.params = "nvme";
+    b.offload.dir = dir;
     const GptResult rest = train_gpt(b);
     REQUIRE(rest.losses.size() == 3);
     for (size_t i = 0; i < 3; ++i) CHECK(rest.losses[i] == memory.losses[3 + i]);
   }
   // Refused, naming the flags.
   GptTrainConfig bad = c;
-  bad.offload_optimizer = "disk";
+  bad.offload.optimizer = "disk";
   CHECK(contains(error_of([&] { train_gpt(bad); }),
                  "gpt: --offload_optimizer: unknown offload tier 'disk' (expected none, host or nvme)"));
   bad = c;
   bad.zero = 0;
-  bad.offload_optimizer = "host";
+  bad.offload.optimizer = "host";
   CHECK(contains(error_of([&] { train_gpt(bad); }), "it needs --zero 1-3 on the --dp layout"));
   bad = c;
   bad.zero = 2;
-  bad.offload_optimizer = "host";
-  bad.offload_params = "host";
+  bad.offload.optimizer = "host";
+  bad.offload.params = "host";
   CHECK(contains(error_of([&] { train_gpt(bad); }), "--offload_params=host needs --zero 3"));
   bad = c;
-  bad.offload_params = "nvme";
+  bad.offload.params = "nvme";
   CHECK(contains(error_of([&] { train_gpt(bad); }), "set --offload_optimizer too"));
   bad = c;
-  bad.offload_optimizer = "host";
+  bad.offload.optimizer = "host";
   bad.optimizer = "adafactor";
   CHECK(contains(error_of([&] { train_gpt(bad); }), "--optimizer=adamw or sgd"));
 }
