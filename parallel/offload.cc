@@ -143,11 +143,6 @@ SwapFile::~SwapFile() {
   ::unlink(path_.c_str());
 }
 
-bool SwapFile::has(int64_t key) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return records_.count(key) > 0;
-}
-
 int64_t SwapFile::bytes_read() const {
   std::lock_guard<std::mutex> lock(mu_);
   return read_;

@@ -32,6 +32,12 @@ const char* offload_tier_name(OffloadTier tier);  // "none", "host", "nvme"
 // "none", "host", "nvme" (or "file"); Error naming `flag` and the text otherwise.
 OffloadTier parse_offload_tier(std::string_view text, std::string_view flag);
 
+// Where the optimizer's f32 copies of the parameter shards live: in the swap file when the
+// parameters go there, or when they stay on the device and the optimizer goes there.
+inline bool param_copies_on_file(OffloadTier optimizer, OffloadTier params) {
+  return params == OffloadTier::file || (params == OffloadTier::none && optimizer == OffloadTier::file);
+}
+
 struct OffloadOptions {
   // The optimizer's parameters (f32 master copies of this rank's shards), its state and the
   // reduced gradient shards: off the device, and the update runs on the CPU. File tier: the
@@ -92,7 +98,6 @@ class SwapFile {
   Request write(int64_t key, const void* data, int64_t nbytes, bool padded = false);
   // Reads record `key` (written before, of nbytes) into data; checks its checksum.
   Request read(int64_t key, void* data, int64_t nbytes, bool padded = false);
-  bool has(int64_t key) const;
 
   bool direct() const { return direct_; }
   const std::string& path() const { return path_; }

@@ -27,7 +27,6 @@
 namespace tessera::parallel {
 
 struct ZeroDataParallel::State::Offload {
-  OffloadOptions options;
   bool param_file = false;  // the host copies of the parameters live in the swap file
   bool state_file = false;  // the optimizer's state lives in the swap file
   bool params = false;      // stage 3 without device shards
@@ -217,11 +216,9 @@ void offload_check(State& st) {
            "{}: {}: offloading takes flat shards reduced exactly: not with a comm hook, row or "
            "block shards, or a parameter subgroup (experts)", kName, tiers);
   auto o = std::make_shared<Offload>();
-  o->options = opt;
   o->params = opt.params != OffloadTier::none;
   o->state_file = opt.optimizer == OffloadTier::file;
-  o->param_file = opt.params == OffloadTier::file ||
-                  (opt.params == OffloadTier::none && opt.optimizer == OffloadTier::file);
+  o->param_file = param_copies_on_file(opt.optimizer, opt.params);
   o->reads.resize(st.segments.size());
   st.offload = o;
   // The device budget, against what this rank's device will hold once built: what is in use
@@ -500,8 +497,8 @@ ZeroOffloadReport ZeroDataParallel::offload_report() const {
   ZeroOffloadReport r;
   if (!st.offload) return r;
   const Offload& o = *st.offload;
-  r.optimizer = o.options.optimizer;
-  r.params = o.options.params;
+  r.optimizer = st.options.offload.optimizer;
+  r.params = st.options.offload.params;
   if (o.file) {
     r.direct_io = o.file->direct();
     r.file = o.file->path();
@@ -529,9 +526,7 @@ ZeroOffloadReport ZeroDataParallel::offload_report() const {
 
 int64_t ZeroOffloadReport::step_io_formula(int64_t state_bytes_per_element) const {
   int64_t bytes = 0;
-  if (params == OffloadTier::file || (params == OffloadTier::none && optimizer == OffloadTier::file)) {
-    bytes += shard_bytes;
-  }
+  if (param_copies_on_file(optimizer, params)) bytes += shard_bytes;
   if (optimizer == OffloadTier::file) bytes += shard_elements * state_bytes_per_element;
   return bytes;
 }

@@ -282,6 +282,10 @@ class GptReplica final : public models::Replica {
       if (moe_.groups() != nullptr) zopt.subgroup = moe_.groups()->subgroup(zopt.average);
       zero_ = std::make_unique<parallel::ZeroDataParallel>(*model_, *comm, zopt);
       offload_last_ = zero_->offload_report();  // (construction's writes are no step's)
+      // The optimizer's state bytes per element, by its own formula (the swap formula's).
+      offload_state_bytes_ = std::llround(
+          models::optimizer_state_formula_bytes(config.optimizer_choice(), model_->named_parameters(), false) /
+          static_cast<double>(model_->num_parameters()));
     }
     if (config.compress.name == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
       opt_ = models::make_onebit_adam(config.compress,
@@ -485,12 +489,8 @@ class GptReplica final : public models::Replica {
     if (zero_ && zero_->options().offload.any()) {
       // The swap file's traffic and busy time in this step (and its forward/backward).
       const parallel::ZeroOffloadReport now = zero_->offload_report();
-      // Against the layout's formula (ZeroOffloadReport): the optimizer's state bytes per
-      // element by the optimizer's own formula; the first step has no state to read yet.
-      const int64_t state = std::llround(
-          models::optimizer_state_formula_bytes(c_.optimizer_choice(), model_->named_parameters(), false) /
-          static_cast<double>(model_->num_parameters()));
-      const int64_t step_io = now.step_io_formula(state);
+      // Against the layout's formula (ZeroOffloadReport); the first step has no state to read.
+      const int64_t step_io = now.step_io_formula(offload_state_bytes_);
       offload_step_ = {now.read_bytes - offload_last_.read_bytes,
                        now.written_bytes - offload_last_.written_bytes,
                        now.io_seconds - offload_last_.io_seconds,
@@ -588,6 +588,7 @@ class GptReplica final : public models::Replica {
   std::shared_ptr<parallel::CommHook> hook_;  // --compress (null: none)
   std::unique_ptr<parallel::ZeroDataParallel> zero_;
   parallel::ZeroOffloadReport offload_last_;  // the offload report after the last step
+  int64_t offload_state_bytes_ = 0;           // optimizer state bytes per parameter element
   struct {
     int64_t read = 0, written = 0;
     double seconds = 0;
