@@ -88,6 +88,12 @@ void Optimizer::set_lr(double lr) {
   for (ParamGroup& group : groups_) group.lr = lr;
 }
 
+void Optimizer::set_group_lr(size_t g, double lr) {
+  TS_CHECK(g < groups_.size(), "{}.set_group_lr: group {} out of range [0, {})", kind_, g, groups_.size());
+  check_group_values(lr, groups_[g].weight_decay);
+  groups_[g].lr = lr;
+}
+
 int64_t Optimizer::step_count(int64_t i) const {
   TS_CHECK(i >= 0 && i < num_params(), "{}.step_count: param index {} out of range [0, {})",
            kind_, i, num_params());

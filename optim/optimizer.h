@@ -137,6 +137,8 @@ class Optimizer {
   const std::vector<ParamGroup>& param_groups() const { return groups_; }
   // Sets every group's learning rate (schedules call this before each step).
   void set_lr(double lr);
+  // Sets group g's learning rate only.
+  void set_group_lr(size_t g, double lr);
   // Parameters over all groups, in group order: the "global index" of state-dict keys.
   int64_t num_params() const { return static_cast<int64_t>(state_.size()); }
   // Steps taken by the parameter with global index i (0 before its first step).

@@ -92,6 +92,12 @@ void SwapFile::Request::wait() {
   if (!s->error.empty()) fail("{}", s->error);
 }
 
+bool SwapFile::Request::done() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->left == 0;
+}
+
 SwapFile::SwapFile(const std::string& dir, const std::string& name, Options options)
     : options_(options) {
   TS_CHECK(options.threads >= 1 && options.block >= kPage && options.block % kPage == 0,
@@ -166,15 +172,30 @@ int64_t SwapFile::file_bytes() const {
 }
 
 SwapFile::Request SwapFile::write(int64_t key, const void* data, int64_t nbytes, bool padded) {
-  return submit(key, static_cast<char*>(const_cast<void*>(data)), nbytes, true, padded);
+  return submit(key, static_cast<char*>(const_cast<void*>(data)), nbytes, true, padded, false);
 }
 
-SwapFile::Request SwapFile::read(int64_t key, void* data, int64_t nbytes, bool padded) {
-  return submit(key, static_cast<char*>(data), nbytes, false, padded);
+SwapFile::Request SwapFile::read(int64_t key, void* data, int64_t nbytes, bool padded, bool ahead) {
+  return submit(key, static_cast<char*>(data), nbytes, false, padded, ahead);
+}
+
+void SwapFile::hurry(const Request& request) {
+  if (!request.state_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (std::deque<Task>* queue : {&writes_, &ahead_}) {
+    for (auto it = queue->begin(); it != queue->end();) {
+      if (it->request == request.state_) {
+        reads_.push_back(std::move(*it));
+        it = queue->erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
 }
 
 SwapFile::Request SwapFile::submit(int64_t key, char* data, int64_t nbytes, bool write,
-                                   bool padded) {
+                                   bool padded, bool ahead) {
   TS_CHECK(nbytes >= 0 && (data != nullptr || nbytes == 0),
            "SwapFile::{}: record {} of {} bytes has no buffer", write ? "write" : "read", key,
            nbytes);
@@ -201,7 +222,7 @@ SwapFile::Request SwapFile::submit(int64_t key, char* data, int64_t nbytes, bool
     in_flight_ += blocks;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = b * options_.block;
-      queue_.push_back(Task{request.state_, &r, key, b, write, data + at,
+      (write ? writes_ : ahead ? ahead_ : reads_).push_back(Task{request.state_, &r, key, b, write, data + at,
                             std::min(options_.block, nbytes - at), direct});
     }
     (write ? written_ : read_) += nbytes;
@@ -216,10 +237,11 @@ void SwapFile::worker() {
     Task task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, nothing left
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      cv_.wait(lock, [&] { return stop_ || !reads_.empty() || !writes_.empty() || !ahead_.empty(); });
+      std::deque<Task>& queue = !reads_.empty() ? reads_ : !writes_.empty() ? writes_ : ahead_;
+      if (queue.empty()) return;  // stopping, nothing left
+      task = std::move(queue.front());
+      queue.pop_front();
     }
     std::string error;
     const int64_t offset = task.record->offset + task.block * options_.block;

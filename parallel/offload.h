@@ -52,6 +52,15 @@ struct OffloadOptions {
   bool direct_io = true;     // file tier: O_DIRECT where the file system takes it
   int io_threads = 2;        // file tier: threads doing the preads and pwrites
   int64_t io_block = int64_t{4} << 20;  // bytes per pread / pwrite
+  // File tier: host bytes for pages read ahead during backward for the next update (its
+  // optimizer state, in forward order) and for updated pages whose writes are in flight
+  // (written behind while compute goes on; released once written). Beyond it the host
+  // holds the gradient shards, the pages of the segment being updated and of the next few
+  // being read for it, and at stage 3 each updated parameter page until its gather takes it
+  // (all of them when the updates are completed before a forward, as checkpoints do).
+  // 0: nothing read ahead, an update waits for the last one's writes. The same values
+  // either way: it moves I/O, not numbers.
+  int64_t window = int64_t{512} << 20;
   bool any() const { return optimizer != OffloadTier::none || params != OffloadTier::none; }
 };
 
@@ -85,6 +94,8 @@ class SwapFile {
     // An empty request is done.
     void wait();
     bool pending() const { return state_ != nullptr; }
+    // Whether wait() would return at once (no error is thrown here).
+    bool done() const;
 
    private:
     friend class SwapFile;
@@ -96,8 +107,13 @@ class SwapFile {
   // the buffer extends to the next multiple of 4096 bytes (the host tier's do), so direct I/O
   // may move whole pages; otherwise a size that is not a multiple goes through the cache.
   Request write(int64_t key, const void* data, int64_t nbytes, bool padded = false);
-  // Reads record `key` (written before, of nbytes) into data; checks its checksum.
-  Request read(int64_t key, void* data, int64_t nbytes, bool padded = false);
+  // Reads record `key` (written before, of nbytes) into data; checks its checksum. Reads go
+  // before writes (compute waits for a read; a write only frees a buffer), and `ahead`
+  // reads (nobody waits for them yet) after both.
+  Request read(int64_t key, void* data, int64_t nbytes, bool padded = false, bool ahead = false);
+  // Someone is about to wait for `request`: its blocks still queued (a write, or a read
+  // ahead) go with the reads, first.
+  void hurry(const Request& request);
 
   bool direct() const { return direct_; }
   const std::string& path() const { return path_; }
@@ -124,7 +140,7 @@ class SwapFile {
     int64_t nbytes = 0;
     bool direct = false;
   };
-  Request submit(int64_t key, char* data, int64_t nbytes, bool write, bool padded);
+  Request submit(int64_t key, char* data, int64_t nbytes, bool write, bool padded, bool ahead);
   void worker();
 
   std::string path_;
@@ -133,7 +149,9 @@ class SwapFile {
   bool direct_ = false;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Task> queue_;
+  // The queues, served in this order (see read()). A record is never read while its write
+  // is in flight: its owner reads it back only after waiting for the write.
+  std::deque<Task> reads_, writes_, ahead_;
   bool stop_ = false;
   std::map<int64_t, Record> records_;
   int64_t end_ = 0;

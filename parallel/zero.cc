@@ -514,6 +514,10 @@ void ZeroDataParallel::step(optim::Optimizer& optimizer) {
   }
 }
 
+void ZeroDataParallel::complete_step() {
+  if (state_->offload) offload_complete(*state_);
+}
+
 // ---- memory ------------------------------------------------------------------------------
 
 ZeroMemory ZeroDataParallel::memory_report() const {

@@ -138,16 +138,28 @@ struct ZeroOffloadReport {
   int64_t file_bytes = 0;        // the swap file's records
   int64_t read_bytes = 0, written_bytes = 0;      // swap file I/O since construction
   double io_seconds = 0;         // time the swap file had a request in flight (SwapFile::busy_seconds)
+  // The most bytes the window (OffloadOptions::window) held at once: pages read ahead for a
+  // step and updated pages whose writes were in flight.
+  int64_t window_peak_bytes = 0;
+  int64_t largest_segment_page_bytes = 0;  // the most one segment's pages held (its state and copy)
+  // Seconds the caller's thread spent in the step's update (reads it waited for, the CPU
+  // update, the copies back) and in gathers waiting for the swap file (stage 3, params on
+  // it): what of the I/O did not overlap compute.
+  double update_seconds = 0, gather_wait_seconds = 0;
   int64_t to_host_bytes = 0, to_device_bytes = 0;  // device <-> host copies since construction
-  // The swap file's I/O in one optimizer step and in one forward + backward (per
-  // micro-batch), by the layout: a step reads and writes every segment's parameters and
-  // state once (the first step only writes state); stage 3 with params on the file reads
-  // each unit's shards once per gather (twice a micro-batch, the root once).
+  // The swap file's I/O in one optimizer step and in the forward and backward passes of a
+  // step's `accum` micro-batches, by the layout: a step reads and writes every segment's
+  // parameters and state once (the first step only writes state); stage 3 with params on
+  // the file reads each unit's shards once per gather (twice a micro-batch, the root once),
+  // except after a step the first forward's gathers of the segments whose pages the step
+  // handed over (handoff_bytes; a forward without a step before it, such as an evaluation,
+  // takes them instead).
   int64_t step_io_formula(int64_t state_bytes_per_element) const;
-  int64_t gather_read_formula() const;
+  int64_t gather_read_formula(int accum, bool after_step) const;
   int64_t shard_elements = 0;      // this rank's shard elements over every segment
   int64_t shard_bytes = 0;         // their bytes in the parameters' dtype
   int64_t gathered_shard_bytes = 0;  // stage 3: the shard bytes a micro-batch's gathers read
+  int64_t handoff_bytes = 0;  // stage 3, params on the file: the pages a step hands to the next gathers
   std::string str() const;
 };
 
@@ -241,8 +253,15 @@ class ZeroDataParallel {
   void scale_grads(double coef);
 
   // optimizer.step() (its new state tagged optimizer_state); stages 1-2 then all-gather the
-  // updated parameters.
+  // updated parameters. Stage 3 with the optimizer offloaded to the file tier defers each
+  // segment's update to its unit's next gather (the next forward, an evaluation, a
+  // checkpoint), at the learning rates and with the gradients this call saw, so the swap
+  // file's traffic overlaps compute: the values are those of an update now, but the
+  // optimizer (and its state) must outlive that gather or complete_step(), and the step
+  // drops the gradients it takes instead of leaving them.
   void step(optim::Optimizer& optimizer);
+  // Runs every update step() deferred (checkpoints and gathers do this themselves).
+  void complete_step();
 
   // Checkpoints in the single-device layout, so a run resumes under any (dp, stage).
   // Collective. The full parameters (stage 3 gathers them), copies.

@@ -10,7 +10,10 @@
 // read back. Nothing else tracks residency, so it cannot go stale.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
@@ -20,24 +23,89 @@
 #include <vector>
 
 #include "autograd/checkpoint.h"
+#include "tensor/autocast.h"
 #include "parallel/placement.h"
 #include "parallel/zero.h"
 #include "parallel/zero_state.h"
 
 namespace tessera::parallel {
 
+// Pages of one segment on their way to or from the swap file, outside the update's own two
+// (OffloadOptions::window): the tensors are held so their buffers outlive the requests.
+struct Paging {
+  std::vector<SwapFile::Request> requests;
+  std::vector<Tensor> pages;
+  int64_t bytes = 0;
+  bool empty() const { return requests.empty() && pages.empty(); }
+};
+
 struct ZeroDataParallel::State::Offload {
   bool param_file = false;  // the host copies of the parameters live in the swap file
   bool state_file = false;  // the optimizer's state lives in the swap file
   bool params = false;      // stage 3 without device shards
-  std::unique_ptr<SwapFile> file;
   std::vector<SwapFile::Request> reads;  // per segment: a read ahead of its host copy
   std::vector<SwapFile::Request> setup_writes;  // construction's writes of the host copies
+  // The window (OffloadOptions::window): per segment, its pages read ahead for the step, and
+  // an update's writes still in flight (`written`: those segments, oldest first).
+  int64_t window = 0;
+  std::vector<Paging> ahead, writing;
+  std::deque<int> written;
+  int64_t window_used = 0;  // ahead and writing: at most window - handoff_bytes, but one segment
+  int64_t window_peak = 0;  // of window_used + handed_bytes
+  // The segments in forward order (the updates' order; order[next_ahead] is the next to read
+  // ahead), and each segment's pages as the last update left them (the optimizer's state
+  // tensors then).
+  std::vector<int> order;
+  size_t next_ahead = 0;
+  std::vector<std::vector<std::pair<int64_t, Tensor>>> known;
+  // The file tier's update, segment by segment: due[s] while segment s's is still to run,
+  // with the gradient the step took (grads[s]) and the learning rates it saw (lrs, per
+  // group), on `optimizer`; update_reads[s]: its pages being read. At stage 3 (`lazy`) the
+  // step only takes these and each update runs at its unit's next gather, on the caller's
+  // thread, so the swap file's reads and writes for the update overlap the forward's
+  // compute; other stages run them all in step().
+  bool lazy = false;
+  std::vector<char> due;
+  std::vector<Tensor> grads;
+  std::vector<double> lrs;
+  optim::Optimizer* optimizer = nullptr;
+  std::vector<std::vector<SwapFile::Request>> update_reads;
+  // Stage 3 with the parameters on the file: an update leaves its parameter page resident
+  // for the gather that follows it, which reads nothing (handed[s]: its bytes until then).
+  std::vector<int64_t> handed;
+  int64_t handed_bytes = 0;   // their sum now
+  int64_t handoff_bytes = 0;  // every segment's page: the reads a step's first forward saves
+  int64_t largest_pages = 0;  // the most bytes one segment's pages have held
+  void note_peak() { window_peak = std::max(window_peak, window_used + handed_bytes); }
   // The optimizer's global index of each segment's host copy (bound at its first step).
   const optim::Optimizer* bound = nullptr;
   std::vector<int64_t> index;
   int64_t to_host = 0, to_device = 0;  // bytes copied between the device and the host
-  int64_t state_host_bytes = 0;        // the optimizer state resident after the last step
+  // The optimizer state resident after the last step() (deferred updates and pages read
+  // ahead change it after).
+  int64_t state_host_bytes = 0;
+  double update_seconds = 0, gather_wait_seconds = 0;  // ZeroOffloadReport's
+  // dirty[s]: a write of segment s's pages failed; they stay resident (nothing releases
+  // them) until a later write of them succeeds.
+  std::vector<char> dirty;
+  std::unique_ptr<SwapFile> file;  // (the destructor waits for every request first)
+
+  ~Offload() {  // no request outlives the buffers it moves (errors have nowhere to go now)
+    auto quiet = [](std::vector<SwapFile::Request>& requests) {
+      for (SwapFile::Request& r : requests) {
+        try {
+          r.wait();
+        } catch (...) {
+        }
+      }
+    };
+    quiet(reads);
+    quiet(setup_writes);
+    for (auto& requests : update_reads) quiet(requests);
+    for (auto* list : {&ahead, &writing}) {
+      for (Paging& p : *list) quiet(p.requests);
+    }
+  }
 };
 
 namespace {
@@ -93,22 +161,6 @@ void* bytes_of(const Tensor& t) { return t.storage()->data(); }
 bool padded(const Tensor& t) { return t.storage()->allocator() == &host_tier_allocator(); }
 int64_t size_of(const Tensor& t) { return t.storage()->nbytes(); }
 
-// Reads the released pages of segment s back (reallocating them); returns the requests.
-std::vector<SwapFile::Request> page_in(State& st, int s, const optim::Optimizer* optimizer) {
-  Offload& o = *st.offload;
-  std::vector<SwapFile::Request> out;
-  for (auto& [key, t] : pages(st, s, optimizer)) {
-    if (key % kKeysPerSegment == 0 && o.reads[s].pending()) {
-      out.push_back(std::move(o.reads[s]));  // read ahead already
-      continue;
-    }
-    if (!t.storage()->released()) continue;
-    t.storage()->reallocate();
-    out.push_back(o.file->read(key, bytes_of(t), size_of(t), padded(t)));
-  }
-  return out;
-}
-
 // Waits for every request, then throws the first one's error (none is left in flight over
 // a buffer its owner may release).
 void wait_all(std::vector<SwapFile::Request>& requests) {
@@ -122,6 +174,88 @@ void wait_all(std::vector<SwapFile::Request>& requests) {
   }
   requests.clear();
   if (first) std::rethrow_exception(first);
+}
+
+// Segment s's writes from its last update, once done: its pages released (the file holds
+// them now). A failed write throws, its pages left resident and marked dirty.
+void finish_writes(State& st, int s) {
+  Offload& o = *st.offload;
+  if (o.writing[s].empty()) return;
+  Paging w = std::move(o.writing[s]);
+  o.writing[s] = Paging{};
+  o.window_used -= w.bytes;
+  std::erase(o.written, s);
+  for (const SwapFile::Request& r : w.requests) o.file->hurry(r);
+  try {
+    wait_all(w.requests);
+  } catch (...) {
+    o.dirty[s] = 1;
+    throw;
+  }
+  o.dirty[s] = 0;
+  for (Tensor& t : w.pages) t.storage()->release();
+}
+
+// Releases the pages of every segment whose writes are done, without waiting.
+void reap(State& st) {
+  Offload& o = *st.offload;
+  std::vector<int> done;
+  for (int s : o.written) {
+    bool all = true;
+    for (const SwapFile::Request& r : o.writing[s].requests) all = all && r.done();
+    if (all) done.push_back(s);
+  }
+  for (int s : done) finish_writes(st, s);
+}
+
+// Whether `bytes` more fit the window; `block`: waits for the oldest writes until they do.
+bool make_room(State& st, int64_t bytes, bool block) {
+  Offload& o = *st.offload;
+  reap(st);
+  while (block && o.window_used + bytes > o.window && !o.written.empty()) {
+    finish_writes(st, o.written.front());
+  }
+  return o.window_used + bytes <= o.window;
+}
+
+// Segment s's parameter page, left by its update for the next gather, is that no more (the
+// gather took it, or something else reads, releases or overwrites it).
+void hand_over(State& st, int s) {
+  Offload& o = *st.offload;
+  o.handed_bytes -= o.handed[s];
+  o.handed[s] = 0;
+}
+
+// Segment s's pages read ahead for the step: their requests (to wait for), off the window.
+std::vector<SwapFile::Request> take_ahead(State& st, int s) {
+  Offload& o = *st.offload;
+  Paging a = std::move(o.ahead[s]);
+  o.ahead[s] = Paging{};
+  o.window_used -= a.bytes;
+  for (const SwapFile::Request& r : a.requests) o.file->hurry(r);
+  return std::move(a.requests);
+}
+
+// Reads the released pages of segment s back (reallocating them); returns the requests. A
+// page still being written is released once written and read like any other, so the reads
+// are the same whatever the timing; pages read ahead are handed over.
+std::vector<SwapFile::Request> page_in(State& st, int s, const optim::Optimizer* optimizer) {
+  Offload& o = *st.offload;
+  finish_writes(st, s);
+  hand_over(st, s);
+  // (A gather's, without the optimizer, leaves the state read ahead for the update.)
+  std::vector<SwapFile::Request> out;
+  if (optimizer != nullptr) out = take_ahead(st, s);
+  for (auto& [key, t] : pages(st, s, optimizer)) {
+    if (key % kKeysPerSegment == 0 && o.reads[s].pending()) {
+      out.push_back(std::move(o.reads[s]));  // read ahead already
+      continue;
+    }
+    if (!t.storage()->released()) continue;
+    t.storage()->reallocate();
+    out.push_back(o.file->read(key, bytes_of(t), size_of(t), padded(t)));
+  }
+  return out;
 }
 
 // Waits for a read ahead of segment s's parameters still in flight (its buffer is about to be
@@ -139,6 +273,9 @@ void settle_read(State& st, int s) {
 // Writes segment s's resident pages; release() them once the requests are done.
 std::vector<SwapFile::Request> write_out(State& st, int s, const optim::Optimizer* optimizer) {
   settle_read(st, s);
+  // Two writes of one record in flight could land in either order.
+  TS_CHECK(st.offload->writing[s].empty(), "{}: offload: segment {} is written again before its "
+           "last writes were waited for", kName, s);
   std::vector<SwapFile::Request> out;
   for (auto& [key, t] : pages(st, s, optimizer)) {
     if (!t.storage()->released()) out.push_back(st.offload->file->write(key, bytes_of(t), size_of(t), padded(t)));
@@ -147,7 +284,10 @@ std::vector<SwapFile::Request> write_out(State& st, int s, const optim::Optimize
 }
 
 void release_pages(State& st, int s, const optim::Optimizer* optimizer) {
+  finish_writes(st, s);
   settle_read(st, s);
+  hand_over(st, s);
+  if (st.offload->dirty[s]) return;  // not in the file: kept until written
   for (auto& [key, t] : pages(st, s, optimizer)) t.storage()->release();
 }
 
@@ -158,11 +298,61 @@ void wait_pages(State& st, int s, const optim::Optimizer* optimizer,
   try {
     wait_all(reads);
   } catch (...) {
-    for (auto& [key, t] : pages(st, s, optimizer)) t.storage()->release();
+    // (A dirty segment read nothing: its pages are all resident.)
+    if (!st.offload->dirty[s]) {
+      for (auto& [key, t] : pages(st, s, optimizer)) t.storage()->release();
+    }
     throw;
   }
 }
 
+// The segments' order in forward (the root, then the units): the step updates them so, and
+// the next forward gathers the first ones while the last ones' writes drain.
+std::vector<int> forward_order(const State& st) {
+  std::vector<int> order(st.segments.size());
+  for (size_t s = 0; s < order.size(); ++s) order[s] = static_cast<int>(s);
+  auto rank = [&](int s) { return st.segments[s].unit == st.root() ? -1 : st.segments[s].unit; };
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return rank(a) < rank(b); });
+  return order;
+}
+
+// During backward (at each unit's gather and as each segment's gradient arrives): the next
+// step's pages read ahead, in forward order (the next update's), as far as the window takes
+// them without waiting for writes, as the last update left them (before the first step
+// there is nothing to read). The parameter pages stay out when the gathers read them.
+void read_ahead_for_step(State& st) {
+  Offload& o = *st.offload;
+  if (!o.file || o.window <= 0) return;
+  reap(st);
+  const bool gathered = o.params && o.param_file;
+  while (o.next_ahead < o.order.size()) {
+    const int t = o.order[o.next_ahead];
+    // Its update still due, or its writes in flight: later.
+    if (o.due[t] || !o.writing[t].empty()) return;
+    int64_t bytes = 0;
+    for (const auto& [key, page] : o.known[t]) {
+      if (page.storage()->released() && !(gathered && key % kKeysPerSegment == 0)) bytes += size_of(page);
+    }
+    if (bytes > 0) {
+      if (!make_room(st, bytes, /*block=*/false)) return;  // the window is full
+      Paging& a = o.ahead[t];
+      for (const auto& [key, page] : o.known[t]) {
+        if (!page.storage()->released() || (gathered && key % kKeysPerSegment == 0)) continue;
+        page.storage()->reallocate();
+        a.requests.push_back(o.file->read(key, bytes_of(page), size_of(page), padded(page), /*ahead=*/true));
+        a.pages.push_back(page);
+      }
+      a.bytes += bytes;
+      o.window_used += bytes;
+      o.note_peak();
+    }
+    ++o.next_ahead;
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 int64_t shard_bytes(const State::Segment& seg) { return seg.shard_numel * dtype_size(seg.dtype); }
 
@@ -194,6 +384,113 @@ std::pair<int64_t, std::string> least_device_bytes(const State& st) {
                       largest / 1048576.0)};
 }
 
+// The next segment after s in forward order whose update is due (-1: none).
+int next_due(const State& st, int s) {
+  const Offload& o = *st.offload;
+  auto it = std::find(o.order.begin(), o.order.end(), s);
+  for (++it; it != o.order.end(); ++it) {
+    if (o.due[*it]) return *it;
+  }
+  return -1;
+}
+
+// The file tier's update of segment s, due since the last step: its pages in (read ahead,
+// or read now), the step's gradient alone attached, so the optimizer updates it alone (an
+// elementwise optimizer's update of one tensor is the same as in a bucket of many, in any
+// order) at the step's learning rates, the device's shard refreshed (unless it has none),
+// and its pages written behind within the window (OffloadOptions::window; 0: the previous
+// segment's writes are waited for as this one's start, the last one's at once). The next
+// due segment's pages are read while this one updates.
+void update_one(State& st, int s) {
+  Offload& o = *st.offload;
+  optim::Optimizer& optimizer = *o.optimizer;
+  State::Segment& seg = st.segments[s];
+  const auto start = std::chrono::steady_clock::now();
+  NoGradGuard no_grad;
+  AutocastGuard f32(DType::f32);  // (it may run inside an autocast forward)
+  HostTierScope host;  // the state the optimizer creates, and its temporaries
+  MemoryTagScope tag(MemoryTag::optimizer_state);
+  std::vector<SwapFile::Request> reads = std::move(o.update_reads[s]);
+  o.update_reads[s].clear();
+  for (SwapFile::Request& r : page_in(st, s, &optimizer)) reads.push_back(std::move(r));
+  wait_pages(st, s, &optimizer, reads);
+  const int next = next_due(st, s);
+  if (next >= 0 && o.update_reads[next].empty()) o.update_reads[next] = page_in(st, next, &optimizer);
+  {
+    // Only this segment's gradient is attached (a backward since may have left others), at
+    // the step's learning rates (a schedule may have set the next step's since).
+    std::vector<std::pair<int, Tensor>> others;
+    for (int t = 0; t < static_cast<int>(st.segments.size()); ++t) {
+      const Tensor g = st.segments[t].host.grad();
+      if (g.defined()) others.emplace_back(t, g), st.segments[t].host.set_grad(Tensor());
+    }
+    std::vector<double> now;
+    for (const optim::ParamGroup& g : optimizer.param_groups()) now.push_back(g.lr);
+    struct Restore {
+      State& st;
+      int s;
+      optim::Optimizer& optimizer;
+      const std::vector<std::pair<int, Tensor>>& others;
+      const std::vector<double>& lrs;
+      ~Restore() {  // (also when step() throws: grads[s] stays the update's, unattached)
+        st.segments[s].host.set_grad(Tensor());
+        for (size_t g = 0; g < lrs.size(); ++g) optimizer.set_group_lr(g, lrs[g]);
+        for (const auto& [t, g] : others) st.segments[t].host.set_grad(g);
+      }
+    } restore{st, s, optimizer, others, now};
+    for (size_t g = 0; g < o.lrs.size(); ++g) optimizer.set_group_lr(g, o.lrs[g]);
+    seg.host.set_grad(o.grads[s]);
+    optimizer.step();
+  }
+  o.grads[s] = Tensor();
+  o.due[s] = 0;
+  if (!o.params) {  // the device's shard takes the update (stage 3 offloaded: none to take)
+    seg.shard.copy_(seg.host);
+    o.to_device += shard_bytes(seg);
+  }
+  o.known[s] = pages(st, s, &optimizer);
+  std::vector<SwapFile::Request> writes = write_out(st, s, &optimizer);
+  Paging w;
+  for (const auto& [key, t] : o.known[s]) {
+    if (t.storage()->released()) continue;
+    if (key % kKeysPerSegment == 0 && o.lazy && o.params && o.param_file) {
+      o.handed[s] = size_of(t);  // stays for the gather that follows (written all the same)
+      o.handed_bytes += o.handed[s];
+    } else {
+      w.pages.push_back(t);
+      w.bytes += size_of(t);
+    }
+  }
+  w.requests = std::move(writes);
+  o.largest_pages = std::max(o.largest_pages, w.bytes + o.handed[s]);
+  const int64_t bytes = w.bytes;
+  if (!w.empty()) {  // tracked at once: a throw below leaves no write unaccounted for
+    o.window_used += bytes;
+    o.writing[s] = std::move(w);
+    o.written.push_back(s);
+  }
+  // Room for it: the oldest writes waited for until the window holds no more than this
+  // segment's pages beyond its size.
+  reap(st);
+  while (o.window_used - bytes > o.window && !o.written.empty() && o.written.front() != s) {
+    finish_writes(st, o.written.front());
+  }
+  o.note_peak();
+  if (o.window == 0 && next < 0) {
+    while (!o.written.empty()) finish_writes(st, o.written.front());
+  }
+  o.update_seconds += seconds_since(start);
+}
+
+// Every due update, in forward order.
+void complete(State& st) {
+  Offload& o = *st.offload;
+  if (!o.file) return;
+  for (int s : o.order) {
+    if (o.due[s]) update_one(st, s);
+  }
+}
+
 std::string tiers_of(const OffloadOptions& opt) {
   return fmt::format("offload_optimizer={} offload_params={}", offload_tier_name(opt.optimizer),
                      offload_tier_name(opt.params));
@@ -220,6 +517,19 @@ void offload_check(State& st) {
   o->state_file = opt.optimizer == OffloadTier::file;
   o->param_file = param_copies_on_file(opt.optimizer, opt.params);
   o->reads.resize(st.segments.size());
+  o->ahead.resize(st.segments.size());
+  o->writing.resize(st.segments.size());
+  o->known.resize(st.segments.size());
+  TS_CHECK(opt.window >= 0, "{}: {}: the offload window must be >= 0 bytes, got {}", kName, tiers,
+           opt.window);
+  o->window = opt.window;
+  o->handed.assign(st.segments.size(), 0);
+  o->due.assign(st.segments.size(), 0);
+  o->grads.resize(st.segments.size());
+  o->update_reads.resize(st.segments.size());
+  o->lazy = st.stage() == 3 && opt.optimizer == OffloadTier::file;
+  o->dirty.assign(st.segments.size(), 0);
+  o->order = forward_order(st);
   st.offload = o;
   // The device budget, against what this rank's device will hold once built: what is in use
   // now, with the parameters' device bytes (none when the model was built on the host tier)
@@ -287,23 +597,42 @@ void offload_adopt(State& st, int s) {
 
 void offload_finish_setup(State& st) {
   Offload& o = *st.offload;
+  if (o.lazy && o.params && o.param_file) {  // the pages a step hands to the next forward
+    for (const State::Segment& seg : st.segments) o.handoff_bytes += size_of(seg.host);
+  }
   wait_all(o.setup_writes);
   for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) release_pages(st, s, nullptr);
 }
 
 void offload_shard_in(State& st, int s) {
   Offload& o = *st.offload;
+  if (o.due[s]) update_one(st, s);  // stage 3: the last step's update of s runs now
   if (!o.params) return;  // the device keeps its shard
   State::Segment& seg = st.segments[s];
-  if (o.param_file) {
+  if (o.param_file && o.handed[s] == 0) {
+    const auto start = std::chrono::steady_clock::now();
     std::vector<SwapFile::Request> reads = page_in(st, s, nullptr);
     wait_pages(st, s, nullptr, reads);
+    o.gather_wait_seconds += seconds_since(start);
   }
   seg.shard.storage()->reallocate();  // tagged by the caller (gathered)
   NoGradGuard no_grad;
   seg.shard.copy_(seg.host);
   o.to_device += shard_bytes(seg);
-  if (o.param_file) release_pages(st, s, nullptr);  // clean: the file holds these bytes
+  if (!o.param_file) return;
+  if (o.handed[s] == 0) {
+    release_pages(st, s, nullptr);  // clean: the file holds these bytes
+    return;
+  }
+  // The page its update left: released with the update's other pages once written.
+  hand_over(st, s);
+  if (o.writing[s].empty()) {
+    if (!o.dirty[s]) seg.host.storage()->release();
+  } else {
+    o.writing[s].pages.push_back(seg.host);
+    o.writing[s].bytes += size_of(seg.host);
+    o.window_used += size_of(seg.host);
+  }
 }
 
 void offload_shard_out(State& st, int s) {
@@ -312,6 +641,7 @@ void offload_shard_out(State& st, int s) {
 
 void offload_read_ahead(State& st, int u, bool forward) {
   Offload& o = *st.offload;
+  if (!forward) read_ahead_for_step(st);
   if (!o.params || !o.param_file) return;
   // A recomputed forward inside backward (activation checkpointing) is followed by that
   // unit's backward, not by the next units' forward: nothing to read ahead.
@@ -324,11 +654,17 @@ void offload_read_ahead(State& st, int u, bool forward) {
     if (at < 0 || at >= st.root()) break;
     next.push_back(at);
   }
+  reap(st);
   for (int v : next) {
     if (st.units[v].gather != State::Gather::released) continue;
     for (int s : st.units[v].segments) {
       const Tensor& h = st.segments[s].host;
-      if (o.reads[s].pending() || !h.storage()->released()) continue;
+      if (o.due[s]) {  // its update's pages (the update reads its parameters)
+        if (o.update_reads[s].empty()) o.update_reads[s] = page_in(st, s, o.optimizer);
+        continue;
+      }
+      // (Still being written: the gather waits for the writes, then reads.)
+      if (o.reads[s].pending() || !h.storage()->released() || !o.writing[s].empty()) continue;
       h.storage()->reallocate();
       o.reads[s] = o.file->read(s * kKeysPerSegment, bytes_of(h), size_of(h), padded(h));
     }
@@ -346,61 +682,10 @@ void offload_take_grad(State& st, int s) {
   const Tensor grad = seg.host.grad();
   if (grad.defined()) grad.copy_(grad + here);  // the in-memory path's sum, on the host
   else seg.host.set_grad(here);
+  read_ahead_for_step(st);
 }
 
 namespace {
-
-// The file tier's update: a segment at a time (in the optimizer's order), its gradient alone
-// attached, so step() updates it alone (an elementwise optimizer's update of one tensor is the
-// same as in a bucket of many). The next segment's pages are read while this one updates,
-// and a written segment is released once its writes are done: at most three are resident.
-void update_segments(State& st, optim::Optimizer& optimizer, const std::vector<Tensor>& grads) {
-  Offload& o = *st.offload;
-  const std::vector<int> order = st.optimizer_order();
-  const int n = static_cast<int>(order.size());
-  std::vector<std::vector<SwapFile::Request>> reads(st.segments.size()), writes(st.segments.size());
-  try {
-    if (n > 0) reads[order[0]] = page_in(st, order[0], &optimizer);
-    for (int j = 0; j < n; ++j) {
-      const int s = order[j];
-      State::Segment& seg = st.segments[s];
-      wait_pages(st, s, &optimizer, reads[s]);
-      if (j + 1 < n) reads[order[j + 1]] = page_in(st, order[j + 1], &optimizer);
-      if (grads[s].defined()) {
-        seg.host.set_grad(grads[s]);
-        optimizer.step();
-        seg.host.set_grad(Tensor());
-      }
-      if (!o.params) {  // the device's shard takes the update (stage 3 offloaded: none to take)
-        seg.shard.copy_(seg.host);
-        o.to_device += shard_bytes(seg);
-      }
-      writes[s] = write_out(st, s, &optimizer);
-      if (j > 0) {
-        wait_all(writes[order[j - 1]]);
-        release_pages(st, order[j - 1], &optimizer);
-      }
-    }
-    if (n > 0) {
-      wait_all(writes[order[n - 1]]);
-      release_pages(st, order[n - 1], &optimizer);
-    }
-  } catch (...) {
-    // No request stays in flight over a page: every one is waited for (errors dropped, the
-    // first one is on its way out). The pages stay resident; the file may be behind them.
-    for (auto* list : {&reads, &writes}) {
-      for (std::vector<SwapFile::Request>& requests : *list) {
-        for (SwapFile::Request& r : requests) {
-          try {
-            r.wait();
-          } catch (...) {
-          }
-        }
-      }
-    }
-    throw;
-  }
-}
 
 void count_state_bytes(State& st, const optim::Optimizer& optimizer) {
   Offload& o = *st.offload;
@@ -416,42 +701,97 @@ void count_state_bytes(State& st, const optim::Optimizer& optimizer) {
 
 void offload_step(State& st, optim::Optimizer& optimizer) {
   Offload& o = *st.offload;
+  // An update still due from the last step first (a unit no forward gathered), on the
+  // optimizer and indices it was taken with.
+  std::vector<Tensor> pending(st.segments.size());
+  if (o.file) {
+    for (size_t s = 0; s < st.segments.size(); ++s) {  // (this step's gradients kept apart)
+      pending[s] = st.segments[s].host.grad();
+      st.segments[s].host.set_grad(Tensor());
+    }
+    try {
+      complete(st);
+    } catch (...) {
+      for (size_t s = 0; s < st.segments.size(); ++s) st.segments[s].host.set_grad(pending[s]);
+      throw;
+    }
+    for (size_t s = 0; s < st.segments.size(); ++s) st.segments[s].host.set_grad(pending[s]);
+  }
   bind(st, optimizer);
   const int n = static_cast<int>(st.segments.size());
   NoGradGuard no_grad;
-  HostTierScope host;  // the state the optimizer creates, and its temporaries
-  MemoryTagScope tag(MemoryTag::optimizer_state);
   if (!o.file) {  // everything resident: one step, as in memory
+    const auto start = std::chrono::steady_clock::now();
+    HostTierScope host;  // the state the optimizer creates, and its temporaries
+    MemoryTagScope tag(MemoryTag::optimizer_state);
     optimizer.step();
     for (int s = 0; s < n && !o.params; ++s) {
       st.segments[s].shard.copy_(st.segments[s].host);
       o.to_device += shard_bytes(st.segments[s]);
     }
-  } else {
-    // The gradients leave the host copies while the segments update one at a time, and come
-    // back after (as in memory, a step leaves them).
-    std::vector<Tensor> grads(n);
-    for (int s = 0; s < n; ++s) {
-      grads[s] = st.segments[s].host.grad();
-      st.segments[s].host.set_grad(Tensor());
+    o.update_seconds += seconds_since(start);
+    count_state_bytes(st, optimizer);
+    return;
+  }
+  // The step's gradients leave the host copies for the updates (stages 1-2 put them back
+  // after, as in memory a step leaves them; at stage 3 the step drops them).
+  std::vector<Tensor> grads(n);
+  for (int s = 0; s < n; ++s) {
+    grads[s] = st.segments[s].host.grad();
+    st.segments[s].host.set_grad(Tensor());
+  }
+  struct Restore {
+    State& st;
+    const std::vector<Tensor>& grads;
+    bool on = true;
+    ~Restore() {
+      for (size_t s = 0; s < grads.size() && on; ++s) st.segments[s].host.set_grad(grads[s]);
     }
-    struct Restore {
-      State& st;
-      const std::vector<Tensor>& grads;
-      ~Restore() {
-        for (size_t s = 0; s < grads.size(); ++s) st.segments[s].host.set_grad(grads[s]);
-      }
-    } restore{st, grads};
-    update_segments(st, optimizer, grads);
+  } restore{st, grads};
+  o.grads = grads;
+  for (int s = 0; s < n; ++s) o.due[s] = grads[s].defined() ? 1 : 0;
+  o.lrs.clear();
+  for (const optim::ParamGroup& g : optimizer.param_groups()) o.lrs.push_back(g.lr);
+  o.optimizer = &optimizer;
+  o.next_ahead = 0;
+  if (o.lazy) {
+    restore.on = false;
+    // Each segment updates at its unit's next gather; the first one's pages start now.
+    for (int s : o.order) {
+      if (!o.due[s]) continue;
+      if (o.update_reads[s].empty()) o.update_reads[s] = page_in(st, s, &optimizer);
+      break;
+    }
+  } else {
+    complete(st);
   }
   count_state_bytes(st, optimizer);
 }
 
+void offload_complete(State& st) { complete(st); }
+
 void offload_set_shard(State& st, int s, const Tensor& values) {
   Offload& o = *st.offload;
   State::Segment& seg = st.segments[s];
+  complete(st);  // (as in memory: the step's update, then the new values)
   NoGradGuard no_grad;
   if (o.param_file) {
+    finish_writes(st, s);  // nothing in flight over the buffer about to be overwritten
+    // The state read ahead goes back to the file (it holds those bytes), read or failed.
+    const std::vector<Tensor> read_ahead = o.ahead[s].pages;
+    auto drop = [&] {
+      for (const Tensor& t : read_ahead) {
+        if (t.storage() != seg.host.storage() && !o.dirty[s]) t.storage()->release();
+      }
+    };
+    std::vector<SwapFile::Request> ahead = take_ahead(st, s);
+    try {
+      wait_all(ahead);
+    } catch (...) {
+      drop();
+      throw;
+    }
+    drop();
     settle_read(st, s);
     seg.host.storage()->reallocate();  // overwritten whole: nothing to read
   }
@@ -460,7 +800,13 @@ void offload_set_shard(State& st, int s, const Tensor& values) {
   if (!o.params && !same_view(values, seg.shard)) seg.shard.copy_(values);
   if (o.param_file) {
     std::vector<SwapFile::Request> w = write_out(st, s, nullptr);
-    wait_all(w);
+    try {
+      wait_all(w);
+    } catch (...) {
+      o.dirty[s] = 1;
+      throw;
+    }
+    o.dirty[s] = 0;
     release_pages(st, s, nullptr);
   }
 }
@@ -468,8 +814,10 @@ void offload_set_shard(State& st, int s, const Tensor& values) {
 void offload_page_all(State& st, const optim::Optimizer* optimizer, bool in) {
   Offload& o = *st.offload;
   if (!o.file) return;
+  complete(st);  // the state as the last step left it
   if (optimizer != nullptr) bind(st, *optimizer);
   const int n = static_cast<int>(st.segments.size());
+  for (int s = 0; s < n && optimizer != nullptr; ++s) o.known[s] = pages(st, s, optimizer);
   if (in) {
     std::vector<std::vector<SwapFile::Request>> reads(n);
     for (int s = 0; s < n; ++s) reads[s] = page_in(st, s, optimizer);
@@ -484,11 +832,22 @@ void offload_page_all(State& st, const optim::Optimizer* optimizer, bool in) {
     if (first) std::rethrow_exception(first);
     return;
   }
+  for (int s = 0; s < n; ++s) {  // nothing in flight: written before, read ahead after
+    finish_writes(st, s);
+    std::vector<SwapFile::Request> ahead = take_ahead(st, s);
+    wait_all(ahead);
+  }
   std::vector<SwapFile::Request> writes;
   for (int s = 0; s < n; ++s) {
     for (auto& r : write_out(st, s, optimizer)) writes.push_back(std::move(r));
   }
-  wait_all(writes);
+  try {
+    wait_all(writes);
+  } catch (...) {
+    for (int s = 0; s < n; ++s) o.dirty[s] = 1;  // which one failed is not known: keep all
+    throw;
+  }
+  for (int s = 0; s < n; ++s) o.dirty[s] = 0;
   for (int s = 0; s < n; ++s) release_pages(st, s, optimizer);
 }
 
@@ -506,8 +865,13 @@ ZeroOffloadReport ZeroDataParallel::offload_report() const {
     r.read_bytes = o.file->bytes_read();
     r.written_bytes = o.file->bytes_written();
     r.io_seconds = o.file->busy_seconds();
+    r.window_peak_bytes = o.window_peak;
+    r.largest_segment_page_bytes = o.largest_pages;
+    r.gather_wait_seconds = o.gather_wait_seconds;
   }
   r.to_host_bytes = o.to_host;
+  r.handoff_bytes = o.handoff_bytes;
+  r.update_seconds = o.update_seconds;
   r.to_device_bytes = o.to_device;
   r.host_bytes = o.state_host_bytes;
   for (int u = 0; u < static_cast<int>(st.units.size()); ++u) {
@@ -531,7 +895,9 @@ int64_t ZeroOffloadReport::step_io_formula(int64_t state_bytes_per_element) cons
   return bytes;
 }
 
-int64_t ZeroOffloadReport::gather_read_formula() const { return gathered_shard_bytes; }
+int64_t ZeroOffloadReport::gather_read_formula(int accum, bool after_step) const {
+  return accum * gathered_shard_bytes - (after_step ? handoff_bytes : 0);
+}
 
 std::string ZeroOffloadReport::str() const {
   auto mib = [](int64_t b) { return static_cast<double>(b) / 1048576.0; };
@@ -540,6 +906,7 @@ std::string ZeroOffloadReport::str() const {
   if (!file.empty()) {
     s += fmt::format(", file {:.1f} MiB ({}), read {:.1f} MiB, written {:.1f} MiB", mib(file_bytes),
                      direct_io ? "O_DIRECT" : "buffered", mib(read_bytes), mib(written_bytes));
+    s += fmt::format(", window peak {:.1f} MiB", mib(window_peak_bytes));
   }
   s += fmt::format(", device->host {:.1f} MiB, host->device {:.1f} MiB", mib(to_host_bytes),
                    mib(to_device_bytes));

@@ -12,6 +12,9 @@ void bind_offload_flags(Flags& f, OffloadChoice& c) {
          "with --zero 3 and --offload_optimizer: parameter shards off the device too (none, "
          "host, nvme)");
   f.bind("offload_dir", c.dir, "where the nvme tier's swap files go (default $TMPDIR or /tmp)");
+  f.bind("offload_window", c.window_mib,
+         "nvme tier: MiB of host memory for pages read ahead during backward for the step and "
+         "for updated pages still being written after it (0: none; the same numbers either way)");
 }
 
 parallel::OffloadOptions offload_options(const char* program, const OffloadChoice& c,
@@ -20,6 +23,9 @@ parallel::OffloadOptions offload_options(const char* program, const OffloadChoic
   o.optimizer = parallel::parse_offload_tier(c.optimizer, fmt::format("{}: --offload_optimizer", program));
   o.params = parallel::parse_offload_tier(c.params, fmt::format("{}: --offload_params", program));
   o.dir = c.dir;
+  TS_CHECK(c.window_mib >= 0 && c.window_mib <= (int64_t{1} << 30),
+           "{}: --offload_window must be in [0, 2^30] MiB, got {}", program, c.window_mib);
+  o.window = c.window_mib << 20;
   if (!o.any()) return o;
   TS_CHECK(run.zero >= 1 && !run.other_layouts,
            "{}: --offload_optimizer={} --offload_params={} offloads ZeRO's shards: it needs "

@@ -17,6 +17,7 @@ struct OffloadChoice {
   std::string optimizer = "none";  // --offload_optimizer: none | host | nvme
   std::string params = "none";     // --offload_params: none | host | nvme (ZeRO 3)
   std::string dir = "";            // --offload_dir: the nvme tier's swap files ("": $TMPDIR)
+  int64_t window_mib = 512;        // --offload_window: OffloadOptions::window, in MiB
   bool any() const { return optimizer != "none" || params != "none"; }
 };
 

@@ -489,14 +489,21 @@ class GptReplica final : public models::Replica {
     if (zero_ && zero_->options().offload.any()) {
       // The swap file's traffic and busy time in this step (and its forward/backward).
       const parallel::ZeroOffloadReport now = zero_->offload_report();
-      // Against the layout's formula (ZeroOffloadReport); the first step has no state to read.
+      // Against the layout's formula (ZeroOffloadReport); the first update has no state to
+      // read. At stage 3 on the file tier a step's update runs in the next step's forward,
+      // so its traffic is that step's (and pages read ahead during a backward move reads
+      // from one step to the one before: the formula holds on average).
       const int64_t step_io = now.step_io_formula(offload_state_bytes_);
+      const bool deferred = zero_->stage() == 3 && now.optimizer == parallel::OffloadTier::file;
+      const int64_t update = deferred ? run_step - 1 : run_step;  // the update in this step
       offload_step_ = {now.read_bytes - offload_last_.read_bytes,
                        now.written_bytes - offload_last_.written_bytes,
                        now.io_seconds - offload_last_.io_seconds,
-                       (run_step == 0 ? now.step_io_formula(0) : step_io) +
-                           c_.accum * now.gather_read_formula(),
-                       step_io};
+                       (update < 0 ? 0 : update == 0 ? now.step_io_formula(0) : step_io) +
+                           now.gather_read_formula(c_.accum, run_step > 0),
+                       update < 0 ? 0 : step_io,
+                       now.update_seconds - offload_last_.update_seconds,
+                       now.gather_wait_seconds - offload_last_.gather_wait_seconds};
       offload_last_ = now;
     }
     if (hook_) {
@@ -548,12 +555,19 @@ class GptReplica final : public models::Replica {
 
   void annotate(nlohmann::json& record) const override {
     moe_.annotate(record);
+    // The host tier's high-water mark (the process's).
+    if (zero_ && zero_->options().offload.any()) {
+      record["offload_host_peak_bytes"] = host_tier_allocator().stats().peak_bytes;
+    }
     if (!offload_last_.file.empty()) {
       record["offload_read_bytes"] = offload_step_.read;
       record["offload_written_bytes"] = offload_step_.written;
       record["offload_io_seconds"] = offload_step_.seconds;
       record["offload_formula_read_bytes"] = offload_step_.formula_read;
       record["offload_formula_written_bytes"] = offload_step_.formula_written;
+      record["offload_update_seconds"] = offload_step_.update_seconds;
+      record["offload_window_peak_bytes"] = offload_last_.window_peak_bytes;
+      record["offload_gather_wait_seconds"] = offload_step_.gather_wait_seconds;
     }
   }
 
@@ -593,6 +607,7 @@ class GptReplica final : public models::Replica {
     int64_t read = 0, written = 0;
     double seconds = 0;
     int64_t formula_read = 0, formula_written = 0;
+    double update_seconds = 0, gather_wait_seconds = 0;
   } offload_step_;  // the swap file's bytes, busy seconds and formula in the last step
   std::unique_ptr<optim::Optimizer> opt_;
   optim::DynamicLossScaler scaler_;

@@ -256,6 +256,7 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
   const autograd::AuxLossScale aux_scale(1.0 / accum);
   Run run;
   for (int64_t step = spec.start; step < spec.stop; ++step) {
+    if (spec.before_step) spec.before_step(step, opt, *model);
     zero.zero_grad();
     double local = 0, aux = 0;
     // Experts with accumulation: the balancing loss's f_i from the whole step's routing (a
@@ -291,6 +292,7 @@ Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun
       if (spec.step_log != nullptr) scope.emplace(*spec.step_log);
       zero.step(opt);
     }
+    if (spec.complete_step) zero.complete_step();
     if (spec.reports != nullptr) spec.reports->push_back(zero.offload_report());
     Tensor total = Tensor::from_vector<double>({local}, {1});
     world.all_reduce(total, ReduceOp::sum);

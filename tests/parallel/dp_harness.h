@@ -123,6 +123,13 @@ struct ZeroRun {
   // With offload: this rank's offload_report() after construction (front) and after each
   // step, to count the swap file's bytes per step.
   std::vector<ZeroOffloadReport>* reports = nullptr;
+  // With offload: complete_step() after each step (before its report), so the step's own
+  // swap traffic is counted in it (stage 3 defers each update to the next gather).
+  bool complete_step = false;
+  // Called before each step's micro-batches (after the previous step): a schedule setting
+  // the learning rate, an evaluation between steps.
+  std::function<void(int64_t step, optim::Optimizer& optimizer, nn::Module& model)> before_step =
+      nullptr;
 };
 Run train_zero(Communicator& world, const Task& task, DType dtype, const ZeroRun& spec);
 

@@ -5,7 +5,9 @@
 // step equal to the layout's formula, resume, and the errors; a head too big for the budget
 // trained as tiles (nn::TiledLinear).
 #include <doctest/doctest.h>
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -124,12 +126,17 @@ struct Layout {
   int dp, stage;
   OffloadTier optimizer, params;
   int accum = 1;
+  int64_t window = -1;  // OffloadOptions::window (-1: its default, which holds these models whole)
 };
 
+// A window that holds some of the test models' segments but not all (the formula test
+// checks that a step's pages do not fit it).
+constexpr int64_t kPartialWindow = 48 << 10;
+
 std::string describe(const Layout& l) {
-  return fmt::format("dp={} stage={} accum={} offload_optimizer={} offload_params={}", l.dp,
-                     l.stage, l.accum, offload_tier_name(l.optimizer),
-                     offload_tier_name(l.params));
+  return fmt::format("dp={} stage={} accum={} offload_optimizer={} offload_params={} window={}",
+                     l.dp, l.stage, l.accum, offload_tier_name(l.optimizer),
+                     offload_tier_name(l.params), l.window);
 }
 
 OffloadOptions offload_of(const Layout& l) {
@@ -138,13 +145,15 @@ OffloadOptions offload_of(const Layout& l) {
   o.params = l.params;
   o.dir = scratch_dir();
   o.io_block = 64 << 10;  // small models: several blocks per segment anyway
+  if (l.window >= 0) o.window = l.window;
   return o;
 }
 
 // Rank 0's run (every rank's losses and parameters are checked equal to it).
 Run run_layout(const Task& task, const Layout& l, bool offloaded,
                std::vector<ZeroOffloadReport>* reports = nullptr, int64_t stop = kOffloadSteps,
-               int64_t start = 0, const Checkpoint* load = nullptr, Checkpoint* save = nullptr) {
+               int64_t start = 0, const Checkpoint* load = nullptr, Checkpoint* save = nullptr,
+               bool complete_step = false, std::vector<double>* evals = nullptr) {
   std::vector<Run> runs(l.dp);
   std::vector<std::vector<ZeroOffloadReport>> rep(l.dp);
   std::vector<Checkpoint> saves(l.dp);  // every rank saves (collective); rank 0's is kept
@@ -154,6 +163,22 @@ Run run_layout(const Task& task, const Layout& l, bool offloaded,
     if (save != nullptr) spec.save = &saves[world->rank()];
     if (offloaded) spec.offload = offload_of(l);
     spec.reports = &rep[world->rank()];
+    spec.complete_step = complete_step;
+    if (evals != nullptr) {
+      // A schedule that changes the learning rate before every step's forward, and an
+      // evaluation (no gradients) before every other one: at stage 3 on the file tier the
+      // last step's updates then run inside it, at the rate the step saw.
+      Communicator& comm = *world;
+      spec.before_step = [&, evals](int64_t step, optim::Optimizer& opt, nn::Module& model) {
+        opt.set_lr(task.lr * (1.0 + 0.25 * static_cast<double>(step % 4)));
+        if (step % 2 == 0) return;
+        NoGradGuard no_grad;
+        Tensor loss = task.loss(model, DType::f32, step, comm.rank(), comm.size());
+        Tensor total = Tensor::from_vector<double>({loss.item<double>()}, {1});
+        comm.all_reduce(total, ReduceOp::sum);
+        if (comm.rank() == 0) evals->push_back(total.item<double>());
+      };
+    }
     runs[world->rank()] = train_zero(*world, task, DType::f32, spec);
   });
   for (int r = 1; r < l.dp; ++r) {
@@ -180,12 +205,18 @@ int check_bitwise(const Task& task, const std::vector<int>& dps, const std::vect
           std::vector<OffloadTier> params = {OffloadTier::none};
           if (stage == 3) params.insert(params.end(), {OffloadTier::host, OffloadTier::file});
           for (OffloadTier p : params) {
-            const Layout l{dp, stage, opt, p, accum};
-            const Run off = run_layout(task, l, true);
-            INFO(task.name, ": ", describe(l));
-            CHECK(off.losses.size() == static_cast<size_t>(kOffloadSteps));
-            CHECK(bitwise(off, memory));
-            ++configurations;
+            // The file tier with the default window (everything read ahead, written behind
+            // and handed over), none, and one that holds some segments.
+            std::vector<int64_t> windows = {-1};
+            if (opt == OffloadTier::file) windows.insert(windows.end(), {0, kPartialWindow});
+            for (int64_t window : windows) {
+              const Layout l{dp, stage, opt, p, accum, window};
+              const Run off = run_layout(task, l, true);
+              INFO(task.name, ": ", describe(l));
+              CHECK(off.losses.size() == static_cast<size_t>(kOffloadSteps));
+              CHECK(bitwise(off, memory));
+              ++configurations;
+            }
           }
         }
       }
@@ -196,12 +227,39 @@ int check_bitwise(const Task& task, const std::vector<int>& dps, const std::vect
 
 TEST_CASE("offload: MNIST MLP, host and file tiers x stages 1-3 x dp 1, 2, 4 are bitwise the "
           "in-memory run") {
-  // Per dp: stages 1 and 2 with two optimizer tiers, stage 3 with two x three params tiers.
-  CHECK(check_bitwise(mlp_task(), {1, 2, 4}, {1}) == 3 * (2 + 2 + 6));
+  // Per dp: stages 1 and 2 with the host tier and the file tier's three windows, stage 3
+  // with those x three params tiers.
+  CHECK(check_bitwise(mlp_task(), {1, 2, 4}, {1}) == 3 * (4 + 4 + 12));
 }
 
 TEST_CASE("offload: GPT-mini with accumulation, bitwise the in-memory run") {
-  CHECK(check_bitwise(gpt_task(), {2}, {2}) == 2 + 2 + 6);
+  CHECK(check_bitwise(gpt_task(), {2}, {2}) == 4 + 4 + 12);
+}
+
+TEST_CASE("offload: a deferred update runs at its step's learning rate, inside an evaluation "
+          "or the next forward, bitwise the in-memory run") {
+  const Task task = gpt_task();
+  int configurations = 0;
+  for (int dp : {1, 2}) {
+    std::vector<double> memory_evals;
+    const Layout memory{dp, 3, OffloadTier::none, OffloadTier::none};
+    const Run in_memory = run_layout(task, memory, false, nullptr, kOffloadSteps, 0, nullptr,
+                                     nullptr, false, &memory_evals);
+    REQUIRE(memory_evals.size() == static_cast<size_t>(kOffloadSteps / 2));
+    for (OffloadTier params : {OffloadTier::none, OffloadTier::host, OffloadTier::file}) {
+      for (int64_t window : {int64_t{-1}, int64_t{0}, kPartialWindow}) {
+        const Layout l{dp, 3, OffloadTier::file, params, 1, window};
+        INFO(describe(l));
+        std::vector<double> evals;
+        const Run off = run_layout(task, l, true, nullptr, kOffloadSteps, 0, nullptr, nullptr,
+                                   false, &evals);
+        CHECK(bitwise(off, in_memory));
+        CHECK(evals == memory_evals);
+        ++configurations;
+      }
+    }
+  }
+  CHECK(configurations == 2 * 3 * 3);
 }
 
 TEST_CASE("offload: the device stays under a budget the in-memory run exceeds") {
@@ -262,10 +320,13 @@ TEST_CASE("offload: the swap file's bytes per step equal the layout's formula") 
       for (OffloadTier params : {OffloadTier::none, OffloadTier::host, OffloadTier::file}) {
         if (params != OffloadTier::none && stage != 3) continue;
         for (int accum : {1, 2}) {
-          const Layout l{dp, stage, OffloadTier::file, params, accum};
+         for (int64_t window : {int64_t{-1}, int64_t{0}, kPartialWindow}) {
+          const Layout l{dp, stage, OffloadTier::file, params, accum, window};
           INFO(describe(l));
           std::vector<ZeroOffloadReport> reports;
-          run_layout(task, l, true, &reports, 4);
+          // Each step's deferred updates completed before its report: the step's reads and
+          // writes fall in it.
+          run_layout(task, l, true, &reports, 4, 0, nullptr, nullptr, /*complete_step=*/true);
           REQUIRE(reports.size() == 5);  // after construction, then after each step
           // AdamW on f32 parameters: exp_avg and exp_avg_sq, 8 bytes per element.
           const int64_t state = 8;
@@ -278,22 +339,38 @@ TEST_CASE("offload: the swap file's bytes per step equal the layout's formula") 
           CHECK(r.step_io_formula(state) == step_bytes);
           CHECK(r.shard_bytes == r.shard_elements * 4);
           const int64_t gathers =
-              params == OffloadTier::file ? accum * r.gather_read_formula() : 0;
+              params == OffloadTier::file ? accum * r.gather_read_formula(1, false) : 0;
+          // Stage 3 with the parameters on the file: an update leaves its parameter page for
+          // the gather after it, so a step's first forward reads none of them.
+          const int64_t handoff = stage == 3 && params == OffloadTier::file ? r.shard_bytes : 0;
+          CHECK(r.handoff_bytes == handoff);
+          CHECK(r.gather_read_formula(accum, true) == gathers - handoff);
           for (size_t k = 1; k < reports.size(); ++k) {
             CAPTURE(k);
             CHECK(reports[k].written_bytes - reports[k - 1].written_bytes == step_bytes);
-            const int64_t reads = k == 1 ? r.shard_elements * param + gathers : step_bytes + gathers;
+            const int64_t reads =
+                k == 1 ? r.shard_elements * param + gathers : step_bytes + gathers - handoff;
             CHECK(reports[k].read_bytes - reports[k - 1].read_bytes == reads);
           }
+          // The window's peak: what it may hold, beside at most one segment's pages (the
+          // one being written when it was full) and the parameter pages the updates leave
+          // for the next forward (all of them here, the updates completed before it).
+          CHECK(r.largest_segment_page_bytes > 0);
+          CHECK(r.window_peak_bytes > 0);
+          const int64_t holds = window == -1 ? OffloadOptions{}.window : window;
+          const int64_t most = holds + r.largest_segment_page_bytes + handoff;
+          CHECK(r.window_peak_bytes <= most);
+          if (window == kPartialWindow) CHECK(step_bytes > most);  // it is partial
           // Construction writes the parameters once.
           CHECK(reports[0].written_bytes == r.shard_elements * param);
           CHECK(reports[0].read_bytes == 0);
           ++configurations;
+         }
         }
       }
     }
   }
-  CHECK(configurations == 2 * (2 + 6));
+  CHECK(configurations == 2 * (2 + 6) * 3);
 }
 
 TEST_CASE("offload: a run saved offloaded resumes bitwise, in memory and offloaded") {
@@ -349,6 +426,45 @@ TEST_CASE("offload: a checkpoint loads into an optimizer that has already steppe
     zero.load_optimizer_state_dict(*opt, opt_at_2);
     CHECK(train_step(2) == third);
   });
+}
+
+TEST_CASE("offload: a swap file changed under a run fails its next read, naming the record") {
+  // Stage 3 with nothing read ahead: the page written by the last update is read back by the
+  // update deferred to the next forward, which finds the bytes changed.
+  const Task task = gpt_task();
+  const std::string dir = scratch_dir() + "/corrupted";
+  REQUIRE(::mkdir(dir.c_str(), 0700) == 0);
+  std::string err;
+  try {
+    run_threads(1, [&](CommPtr world) {
+      ZeroRun spec{.stage = 3, .stop = 6};
+      spec.offload = {.optimizer = OffloadTier::file, .params = OffloadTier::file, .dir = dir,
+                      .window = 0};
+      spec.before_step = [&](int64_t step, optim::Optimizer&, nn::Module&) {
+        if (step != 3) return;
+        DIR* d = ::opendir(dir.c_str());
+        REQUIRE(d != nullptr);
+        int changed = 0;
+        while (dirent* e = ::readdir(d)) {
+          if (std::string(e->d_name).find(".swap") == std::string::npos) continue;
+          const int fd = ::open((dir + "/" + e->d_name).c_str(), O_WRONLY);
+          REQUIRE(fd >= 0);
+          const std::vector<char> junk(64, 0x5a);  // the first record: segment 0's parameters
+          CHECK(::pwrite(fd, junk.data(), junk.size(), 0) == 64);
+          ::close(fd);
+          ++changed;
+        }
+        ::closedir(d);
+        REQUIRE(changed == 1);
+      };
+      train_zero(*world, task, DType::f32, spec);
+    });
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  ::rmdir(dir.c_str());  // (the swap file is gone: removed when its run unwound)
+  MESSAGE(err);
+  CHECK(contains(err, "fails its checksum at offset 0"));
 }
 
 TEST_CASE("offload: errors name the flags and the sizes, before anything trains") {
