@@ -226,7 +226,8 @@ void hand_over(State& st, int s) {
   o.handed[s] = 0;
 }
 
-// Segment s's pages read ahead for the step: their requests (to wait for), off the window.
+// Segment s's pages read ahead for the step: their requests (to wait for), off the window,
+// hurried (an update takes them when it is about to run, or the one before it is).
 std::vector<SwapFile::Request> take_ahead(State& st, int s) {
   Offload& o = *st.offload;
   Paging a = std::move(o.ahead[s]);
