@@ -325,6 +325,12 @@ void ZeroDataParallel::finish() {
     State& st;
     ~ResetOnExit() {
       st.wait_all();
+      if (st.offload) {  // (thrown past: no copy may land in a gradient dropped later)
+        try {
+          offload_settle_grads(st);
+        } catch (...) {
+        }
+      }
       st.reset_round();
       if (st.stage() == 3) {
         try {
@@ -336,6 +342,7 @@ void ZeroDataParallel::finish() {
   } reset{st};
   while (st.next_launch < static_cast<int>(st.segments.size())) st.launch(st.next_launch++);
   for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) st.finalize(s);
+  if (st.offload) offload_settle_grads(st);  // the gradients' copies to the host have landed
   if (st.options.comm_hook) st.options.comm_hook->end_round();
 }
 

@@ -24,6 +24,7 @@
 
 #include "autograd/checkpoint.h"
 #include "tensor/autocast.h"
+#include "tensor/host_pinning.h"
 #include "parallel/placement.h"
 #include "parallel/zero.h"
 #include "parallel/zero_state.h"
@@ -88,6 +89,8 @@ struct ZeroDataParallel::State::Offload {
   // dirty[s]: a write of segment s's pages failed; they stay resident (nothing releases
   // them) until a later write of them succeeds.
   std::vector<char> dirty;
+  // Per segment: what waits for its gradient's copy from the device (null: none in flight).
+  std::vector<std::function<void()>> grad_copies;
   std::unique_ptr<SwapFile> file;  // (the destructor waits for every request first)
 
   ~Offload() {  // no request outlives the buffers it moves (errors have nowhere to go now)
@@ -99,6 +102,12 @@ struct ZeroDataParallel::State::Offload {
         }
       }
     };
+    for (auto& wait : grad_copies) {  // (the destination is a gradient the segment holds)
+      try {
+        if (wait) wait();
+      } catch (...) {
+      }
+    }
     quiet(reads);
     quiet(setup_writes);
     for (auto& requests : update_reads) quiet(requests);
@@ -530,6 +539,7 @@ void offload_check(State& st) {
   o->update_reads.resize(st.segments.size());
   o->lazy = st.stage() == 3 && opt.optimizer == OffloadTier::file;
   o->dirty.assign(st.segments.size(), 0);
+  o->grad_copies.resize(st.segments.size());
   o->order = forward_order(st);
   st.offload = o;
   // The device budget, against what this rank's device will hold once built: what is in use
@@ -672,17 +682,58 @@ void offload_read_ahead(State& st, int u, bool forward) {
   }
 }
 
+namespace {
+
+// Waits for segment s's gradient copy to the host, if one is in flight.
+void settle_grad(State& st, int s) {
+  Offload& o = *st.offload;
+  if (!o.grad_copies[s]) return;
+  const std::function<void()> wait = std::move(o.grad_copies[s]);
+  o.grad_copies[s] = nullptr;
+  wait();
+}
+
+}  // namespace
+
+void offload_settle_grads(State& st) {
+  std::exception_ptr first;
+  for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) {
+    try {
+      settle_grad(st, s);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
 void offload_take_grad(State& st, int s) {
   State::Segment& seg = st.segments[s];
+  Offload& o = *st.offload;
   NoGradGuard no_grad;
   HostTierScope host;
   MemoryTagScope tag(MemoryTag::gradients);
   Tensor here = Tensor::empty({seg.shard_numel}, seg.dtype, kCPU);
-  here.copy_(seg.reduced);
-  st.offload->to_host += shard_bytes(seg);
+  settle_grad(st, s);
+  // On a device whose backend copies asynchronously into the (pinned) host tier (CUDA: on
+  // the communication stream), the copy goes on while backward computes; finish() waits.
+  std::function<void()> wait;
+  const Tensor& r = seg.reduced;
+  if (!r.device().is_cpu() && r.is_contiguous() && r.dtype() == here.dtype() && r.numel() == here.numel()) {
+    if (const AsyncToHost copy = async_to_host(static_cast<int>(r.device().type))) {
+      wait = copy(here.raw_data(), r.raw_data(), shard_bytes(seg), r.device().index, r.storage()->data());
+    }
+  }
+  if (!wait) here.copy_(seg.reduced);
+  o.to_host += shard_bytes(seg);
   const Tensor grad = seg.host.grad();
-  if (grad.defined()) grad.copy_(grad + here);  // the in-memory path's sum, on the host
-  else seg.host.set_grad(here);
+  if (grad.defined()) {  // the in-memory path's sum, on the host
+    if (wait) wait();
+    grad.copy_(grad + here);
+  } else {
+    seg.host.set_grad(here);
+    o.grad_copies[s] = std::move(wait);
+  }
   read_ahead_for_step(st);
 }
 

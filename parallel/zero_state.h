@@ -47,6 +47,7 @@ void offload_shard_in(ZeroDataParallel::State& st, int s);
 void offload_shard_out(ZeroDataParallel::State& st, int s);
 void offload_read_ahead(ZeroDataParallel::State& st, int u, bool forward);
 void offload_take_grad(ZeroDataParallel::State& st, int s);
+void offload_settle_grads(ZeroDataParallel::State& st);  // every gradient copy to the host done
 void offload_step(ZeroDataParallel::State& st, optim::Optimizer& optimizer);
 void offload_complete(ZeroDataParallel::State& st);  // every deferred update now
 void offload_set_shard(ZeroDataParallel::State& st, int s, const Tensor& values);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -346,6 +347,25 @@ HostTierAllocator& host_tier() {
 Allocator& host_tier_allocator() { return host_tier(); }
 
 void register_host_pinning(HostPinning pinning) { host_tier().set_pinning(std::move(pinning)); }
+
+namespace {
+std::mutex g_async_mu;
+std::map<int, AsyncToHost>& async_copies() {
+  static auto* copies = new std::map<int, AsyncToHost>;  // outlives every caller
+  return *copies;
+}
+}  // namespace
+
+void register_async_to_host(int device_type, AsyncToHost copy) {
+  std::lock_guard<std::mutex> lock(g_async_mu);
+  async_copies()[device_type] = std::move(copy);
+}
+
+AsyncToHost async_to_host(int device_type) {
+  std::lock_guard<std::mutex> lock(g_async_mu);
+  auto it = async_copies().find(device_type);
+  return it == async_copies().end() ? AsyncToHost() : it->second;
+}
 
 HostTierScope::HostTierScope() : previous_(t_host_tier) { t_host_tier = true; }
 HostTierScope::~HostTierScope() { t_host_tier = previous_; }

@@ -318,6 +318,41 @@ bool pinned_host(const void* p) {
 
 }  // namespace
 
+namespace {
+
+// ZeRO-Offload's gradient shards into their pinned host-tier blocks on the communication
+// stream, after the compute that produced them, while backward goes on (the offload waits
+// before it reads them); the device block is kept until the copy is done.
+const bool kAsyncToHostRegistered = (register_async_to_host(
+    static_cast<int>(DeviceType::cuda),
+    [](void* dst, const void* src, int64_t nbytes, int index, void* block) -> std::function<void()> {
+      if (nbytes <= 0 || !pinned_host(dst)) return nullptr;
+      const Device d = cuda(index);
+      DeviceGuard g(d);
+      const cudaStream_t comm = comm_stream(d);
+      stream_wait(comm, compute_stream(d), d);
+      cudaEvent_t done = nullptr;
+      cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate", d);
+      try {
+        cuda_check(cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyDeviceToHost, comm),
+                   "cudaMemcpyAsync D2H (gradient to the host tier)", d);
+        cuda_check(cudaEventRecord(done, comm), "cudaEventRecord", d);
+        record_stream(d, block, comm);
+      } catch (...) {
+        cudaStreamSynchronize(comm);  // nothing left in flight over the event or the blocks
+        cudaEventDestroy(done);
+        throw;
+      }
+      return [done, d] {
+        DeviceGuard g(d);
+        const cudaError_t e = cudaEventSynchronize(done);
+        cudaEventDestroy(done);
+        cuda_check(e, "cudaEventSynchronize (gradient to the host tier)", d);
+      };
+    }), true);
+
+}  // namespace
+
 CachingStats caching_stats(Device d) { return caching_allocator(d).caching_stats(); }
 void empty_cache(Device d) { caching_allocator(d).empty_cache(); }
 void record_stream(Device d, void* ptr, cudaStream_t stream) {

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -273,6 +275,26 @@ TEST_CASE("the host tier: outside the device's counters and budget, page-aligned
   REQUIRE(unpinned.size() == 1);
   CHECK(unpinned[0] == pinned[0]);
   register_host_pinning({});
+  // A backend's asynchronous copy to the host tier, by device type (the CUDA backend's goes
+  // on its communication stream; this one copies at once and counts its waits).
+  const int kType = 7;  // no real device type: nothing else looks it up
+  CHECK_FALSE(async_to_host(kType));
+  int waits = 0;
+  register_async_to_host(kType, [&](void* dst, const void* src, int64_t n, int, void*) {
+    std::memcpy(dst, src, static_cast<size_t>(n));
+    return std::function<void()>([&] { ++waits; });
+  });
+  const std::vector<float> from = {1.5f, -2.0f, 3.25f};
+  std::vector<float> to(3, 0.0f);
+  const AsyncToHost copy = async_to_host(kType);
+  REQUIRE(copy);
+  const std::function<void()> wait = copy(to.data(), from.data(), 12, 0, nullptr);
+  REQUIRE(wait);
+  wait();
+  CHECK(waits == 1);
+  CHECK(to == from);
+  register_async_to_host(kType, {});
+  CHECK_FALSE(async_to_host(kType));
 }
 
 TEST_CASE("a device without a linked backend (or without hardware) is a clear error") {
