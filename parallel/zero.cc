@@ -296,6 +296,7 @@ std::vector<optim::ParamGroup> ZeroDataParallel::param_groups(double lr, double 
 
 void ZeroDataParallel::zero_grad() {
   State& st = *state_;
+  if (st.offload) offload_settle_grads(st);  // (no copy is left landing in a dropped gradient)
   for (State::Param& p : st.params) {
     p.tensor.set_grad(Tensor());
     p.adopted = false;
@@ -400,6 +401,7 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
 double ZeroDataParallel::local_grad_norm_squared(
     const std::function<double(const std::string&)>& weight) const {
   State& st = *state_;
+  if (st.offload) offload_settle_grads(st);
   NoGradGuard no_grad;
   auto sum_sq = [](const Tensor& g) {
     const Tensor g64 = cast(g, DType::f64);
@@ -432,6 +434,7 @@ double ZeroDataParallel::local_grad_norm_squared(
 
 void ZeroDataParallel::scale_grads(double coef) {
   State& st = *state_;
+  if (st.offload) offload_settle_grads(st);
   NoGradGuard no_grad;
   std::vector<Tensor> owned;
   std::optional<HostTierScope> host;

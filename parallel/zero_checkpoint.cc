@@ -62,6 +62,7 @@ nn::StateDict ZeroDataParallel::model_state_dict() {
 
 nn::StateDict ZeroDataParallel::gradient_dict() {
   State& st = *state_;
+  if (st.offload) offload_settle_grads(st);
   NoGradGuard no_grad;
   nn::StateDict out;
   if (st.stage() == 0) {

@@ -35,9 +35,16 @@ namespace tessera::parallel {
 // (OffloadOptions::window): the tensors are held so their buffers outlive the requests.
 struct Paging {
   std::vector<SwapFile::Request> requests;
-  std::vector<Tensor> pages;
+  std::vector<Tensor> targets;  // writes: the page each request writes
+  std::vector<Tensor> pages;    // released once the requests are done
   int64_t bytes = 0;
   bool empty() const { return requests.empty() && pages.empty(); }
+};
+
+// Writes of pages, a request per page.
+struct Writes {
+  std::vector<SwapFile::Request> requests;
+  std::vector<Tensor> targets;
 };
 
 struct ZeroDataParallel::State::Offload {
@@ -45,7 +52,7 @@ struct ZeroDataParallel::State::Offload {
   bool state_file = false;  // the optimizer's state lives in the swap file
   bool params = false;      // stage 3 without device shards
   std::vector<SwapFile::Request> reads;  // per segment: a read ahead of its host copy
-  std::vector<SwapFile::Request> setup_writes;  // construction's writes of the host copies
+  Writes setup_writes;  // construction's writes of the host copies
   // The window (OffloadOptions::window): per segment, its pages read ahead for the step, and
   // an update's writes still in flight (`written`: those segments, oldest first).
   int64_t window = 0;
@@ -86,11 +93,16 @@ struct ZeroDataParallel::State::Offload {
   // ahead change it after).
   int64_t state_host_bytes = 0;
   double update_seconds = 0, gather_wait_seconds = 0;  // ZeroOffloadReport's
-  // dirty[s]: a write of segment s's pages failed; they stay resident (nothing releases
-  // them) until a later write of them succeeds.
-  std::vector<char> dirty;
-  // Per segment: what waits for its gradient's copy from the device (null: none in flight).
-  std::vector<std::function<void()>> grad_copies;
+  // Pages whose last write failed: they stay resident (nothing releases them) until a
+  // later write of them succeeds.
+  std::set<const StorageImpl*> dirty;
+  // Per segment: its gradient's copy from the device in flight (the destination held until
+  // it is waited for; wait null: none).
+  struct GradCopy {
+    Tensor dst;
+    std::function<void()> wait;
+  };
+  std::vector<GradCopy> grad_copies;
   std::unique_ptr<SwapFile> file;  // (the destructor waits for every request first)
 
   ~Offload() {  // no request outlives the buffers it moves (errors have nowhere to go now)
@@ -102,14 +114,14 @@ struct ZeroDataParallel::State::Offload {
         }
       }
     };
-    for (auto& wait : grad_copies) {  // (the destination is a gradient the segment holds)
+    for (GradCopy& copy : grad_copies) {
       try {
-        if (wait) wait();
+        if (copy.wait) copy.wait();
       } catch (...) {
       }
     }
     quiet(reads);
-    quiet(setup_writes);
+    quiet(setup_writes.requests);
     for (auto& requests : update_reads) quiet(requests);
     for (auto* list : {&ahead, &writing}) {
       for (Paging& p : *list) quiet(p.requests);
@@ -185,8 +197,32 @@ void wait_all(std::vector<SwapFile::Request>& requests) {
   if (first) std::rethrow_exception(first);
 }
 
+// Releases page t unless its last write failed (then only the page holds its bytes).
+void release_page(Offload& o, const Tensor& t) {
+  if (o.dirty.count(t.storage().get()) == 0) t.storage()->release();
+}
+
+// Waits for every write; a page whose write failed is marked dirty, one written is not; then
+// throws the first error.
+void wait_writes(Offload& o, std::vector<SwapFile::Request>& requests, std::vector<Tensor>& targets) {
+  std::exception_ptr first;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const StorageImpl* page = targets[i].storage().get();
+    try {
+      requests[i].wait();
+      o.dirty.erase(page);
+    } catch (...) {
+      o.dirty.insert(page);
+      if (!first) first = std::current_exception();
+    }
+  }
+  requests.clear();
+  targets.clear();
+  if (first) std::rethrow_exception(first);
+}
+
 // Segment s's writes from its last update, once done: its pages released (the file holds
-// them now). A failed write throws, its pages left resident and marked dirty.
+// them now). A failed write throws, its page left resident and dirty.
 void finish_writes(State& st, int s) {
   Offload& o = *st.offload;
   if (o.writing[s].empty()) return;
@@ -195,14 +231,14 @@ void finish_writes(State& st, int s) {
   o.window_used -= w.bytes;
   std::erase(o.written, s);
   for (const SwapFile::Request& r : w.requests) o.file->hurry(r);
+  std::exception_ptr error;
   try {
-    wait_all(w.requests);
+    wait_writes(o, w.requests, w.targets);
   } catch (...) {
-    o.dirty[s] = 1;
-    throw;
+    error = std::current_exception();
   }
-  o.dirty[s] = 0;
-  for (Tensor& t : w.pages) t.storage()->release();
+  for (const Tensor& t : w.pages) release_page(o, t);
+  if (error) std::rethrow_exception(error);
 }
 
 // Releases the pages of every segment whose writes are done, without waiting.
@@ -256,14 +292,27 @@ std::vector<SwapFile::Request> page_in(State& st, int s, const optim::Optimizer*
   // (A gather's, without the optimizer, leaves the state read ahead for the update.)
   std::vector<SwapFile::Request> out;
   if (optimizer != nullptr) out = take_ahead(st, s);
-  for (auto& [key, t] : pages(st, s, optimizer)) {
-    if (key % kKeysPerSegment == 0 && o.reads[s].pending()) {
-      out.push_back(std::move(o.reads[s]));  // read ahead already
-      continue;
+  std::vector<Tensor> fresh;  // the pages reallocated here
+  try {
+    for (auto& [key, t] : pages(st, s, optimizer)) {
+      if (key % kKeysPerSegment == 0 && o.reads[s].pending()) {
+        out.push_back(std::move(o.reads[s]));  // read ahead already
+        continue;
+      }
+      if (!t.storage()->released()) continue;
+      t.storage()->reallocate();
+      fresh.push_back(t);
+      out.push_back(o.file->read(key, bytes_of(t), size_of(t), padded(t)));
     }
-    if (!t.storage()->released()) continue;
-    t.storage()->reallocate();
-    out.push_back(o.file->read(key, bytes_of(t), size_of(t), padded(t)));
+  } catch (...) {  // nothing left in flight over a page, none left looking read
+    for (SwapFile::Request& r : out) {
+      try {
+        r.wait();
+      } catch (...) {
+      }
+    }
+    for (const Tensor& t : fresh) t.storage()->release();
+    throw;
   }
   return out;
 }
@@ -281,14 +330,16 @@ void settle_read(State& st, int s) {
 }
 
 // Writes segment s's resident pages; release() them once the requests are done.
-std::vector<SwapFile::Request> write_out(State& st, int s, const optim::Optimizer* optimizer) {
+Writes write_out(State& st, int s, const optim::Optimizer* optimizer) {
   settle_read(st, s);
   // Two writes of one record in flight could land in either order.
   TS_CHECK(st.offload->writing[s].empty(), "{}: offload: segment {} is written again before its "
            "last writes were waited for", kName, s);
-  std::vector<SwapFile::Request> out;
+  Writes out;
   for (auto& [key, t] : pages(st, s, optimizer)) {
-    if (!t.storage()->released()) out.push_back(st.offload->file->write(key, bytes_of(t), size_of(t), padded(t)));
+    if (t.storage()->released()) continue;
+    out.requests.push_back(st.offload->file->write(key, bytes_of(t), size_of(t), padded(t)));
+    out.targets.push_back(t);
   }
   return out;
 }
@@ -297,8 +348,7 @@ void release_pages(State& st, int s, const optim::Optimizer* optimizer) {
   finish_writes(st, s);
   settle_read(st, s);
   hand_over(st, s);
-  if (st.offload->dirty[s]) return;  // not in the file: kept until written
-  for (auto& [key, t] : pages(st, s, optimizer)) t.storage()->release();
+  for (auto& [key, t] : pages(st, s, optimizer)) release_page(*st.offload, t);
 }
 
 // Waits for page_in's requests; if one fails, segment s's pages are released (what was read
@@ -308,10 +358,8 @@ void wait_pages(State& st, int s, const optim::Optimizer* optimizer,
   try {
     wait_all(reads);
   } catch (...) {
-    // (A dirty segment read nothing: its pages are all resident.)
-    if (!st.offload->dirty[s]) {
-      for (auto& [key, t] : pages(st, s, optimizer)) t.storage()->release();
-    }
+    // (A dirty page read nothing: it was resident.)
+    for (auto& [key, t] : pages(st, s, optimizer)) release_page(*st.offload, t);
     throw;
   }
 }
@@ -459,7 +507,7 @@ void update_one(State& st, int s) {
     o.to_device += shard_bytes(seg);
   }
   o.known[s] = pages(st, s, &optimizer);
-  std::vector<SwapFile::Request> writes = write_out(st, s, &optimizer);
+  Writes writes = write_out(st, s, &optimizer);
   Paging w;
   for (const auto& [key, t] : o.known[s]) {
     if (t.storage()->released()) continue;
@@ -471,7 +519,8 @@ void update_one(State& st, int s) {
       w.bytes += size_of(t);
     }
   }
-  w.requests = std::move(writes);
+  w.requests = std::move(writes.requests);
+  w.targets = std::move(writes.targets);
   o.largest_pages = std::max(o.largest_pages, w.bytes + o.handed[s]);
   const int64_t bytes = w.bytes;
   if (!w.empty()) {  // tracked at once: a throw below leaves no write unaccounted for
@@ -482,7 +531,8 @@ void update_one(State& st, int s) {
   // Room for it: the oldest writes waited for until the window holds no more than this
   // segment's pages beyond its size.
   reap(st);
-  while (o.window_used - bytes > o.window && !o.written.empty() && o.written.front() != s) {
+  while (o.window_used - (o.writing[s].empty() ? 0 : bytes) > o.window && !o.written.empty() &&
+         o.written.front() != s) {
     finish_writes(st, o.written.front());
   }
   o.note_peak();
@@ -538,7 +588,6 @@ void offload_check(State& st) {
   o->grads.resize(st.segments.size());
   o->update_reads.resize(st.segments.size());
   o->lazy = st.stage() == 3 && opt.optimizer == OffloadTier::file;
-  o->dirty.assign(st.segments.size(), 0);
   o->grad_copies.resize(st.segments.size());
   o->order = forward_order(st);
   st.offload = o;
@@ -603,7 +652,11 @@ void offload_adopt(State& st, int s) {
   o.to_host += shard_bytes(seg);
   if (o.params) seg.shard.storage()->release();  // stage 3: its own clone
   // The first writes go on while the next segments are built; offload_finish_setup waits.
-  for (auto& w : write_out(st, s, nullptr)) o.setup_writes.push_back(std::move(w));
+  Writes w = write_out(st, s, nullptr);
+  for (size_t i = 0; i < w.requests.size(); ++i) {
+    o.setup_writes.requests.push_back(std::move(w.requests[i]));
+    o.setup_writes.targets.push_back(w.targets[i]);
+  }
 }
 
 void offload_finish_setup(State& st) {
@@ -611,7 +664,7 @@ void offload_finish_setup(State& st) {
   if (o.lazy && o.params && o.param_file) {  // the pages a step hands to the next forward
     for (const State::Segment& seg : st.segments) o.handoff_bytes += size_of(seg.host);
   }
-  wait_all(o.setup_writes);
+  wait_writes(o, o.setup_writes.requests, o.setup_writes.targets);
   for (int s = 0; s < static_cast<int>(st.segments.size()); ++s) release_pages(st, s, nullptr);
 }
 
@@ -638,7 +691,7 @@ void offload_shard_in(State& st, int s) {
   // The page its update left: released with the update's other pages once written.
   hand_over(st, s);
   if (o.writing[s].empty()) {
-    if (!o.dirty[s]) seg.host.storage()->release();
+    release_page(o, seg.host);
   } else {
     o.writing[s].pages.push_back(seg.host);
     o.writing[s].bytes += size_of(seg.host);
@@ -687,10 +740,10 @@ namespace {
 // Waits for segment s's gradient copy to the host, if one is in flight.
 void settle_grad(State& st, int s) {
   Offload& o = *st.offload;
-  if (!o.grad_copies[s]) return;
-  const std::function<void()> wait = std::move(o.grad_copies[s]);
-  o.grad_copies[s] = nullptr;
-  wait();
+  if (!o.grad_copies[s].wait) return;
+  const Offload::GradCopy copy = std::move(o.grad_copies[s]);
+  o.grad_copies[s] = Offload::GradCopy{};
+  copy.wait();
 }
 
 }  // namespace
@@ -717,22 +770,23 @@ void offload_take_grad(State& st, int s) {
   settle_grad(st, s);
   // On a device whose backend copies asynchronously into the (pinned) host tier (CUDA: on
   // the communication stream), the copy goes on while backward computes; finish() waits.
-  std::function<void()> wait;
   const Tensor& r = seg.reduced;
   if (!r.device().is_cpu() && r.is_contiguous() && r.dtype() == here.dtype() && r.numel() == here.numel()) {
     if (const AsyncToHost copy = async_to_host(static_cast<int>(r.device().type))) {
-      wait = copy(here.raw_data(), r.raw_data(), shard_bytes(seg), r.device().index, r.storage()->data());
+      // (Tracked at once, with its destination: waited for whatever happens next.)
+      o.grad_copies[s].wait = copy(here.raw_data(), r.raw_data(), shard_bytes(seg), r.device().index,
+                                   r.storage()->data());
+      if (o.grad_copies[s].wait) o.grad_copies[s].dst = here;
     }
   }
-  if (!wait) here.copy_(seg.reduced);
+  if (!o.grad_copies[s].wait) here.copy_(seg.reduced);
   o.to_host += shard_bytes(seg);
   const Tensor grad = seg.host.grad();
   if (grad.defined()) {  // the in-memory path's sum, on the host
-    if (wait) wait();
+    settle_grad(st, s);
     grad.copy_(grad + here);
   } else {
     seg.host.set_grad(here);
-    o.grad_copies[s] = std::move(wait);
   }
   read_ahead_for_step(st);
 }
@@ -753,6 +807,7 @@ void count_state_bytes(State& st, const optim::Optimizer& optimizer) {
 
 void offload_step(State& st, optim::Optimizer& optimizer) {
   Offload& o = *st.offload;
+  offload_settle_grads(st);
   // An update still due from the last step first (a unit no forward gathered), on the
   // optimizer and indices it was taken with.
   std::vector<Tensor> pending(st.segments.size());
@@ -792,11 +847,15 @@ void offload_step(State& st, optim::Optimizer& optimizer) {
     grads[s] = st.segments[s].host.grad();
     st.segments[s].host.set_grad(Tensor());
   }
+  // (Not when an update throws: the ones not done stay due, with their gradients, for the
+  // next step() to finish; putting them back would apply them twice.)
   struct Restore {
     State& st;
     const std::vector<Tensor>& grads;
     bool on = true;
+    int exceptions = std::uncaught_exceptions();
     ~Restore() {
+      if (std::uncaught_exceptions() > exceptions) return;
       for (size_t s = 0; s < grads.size() && on; ++s) st.segments[s].host.set_grad(grads[s]);
     }
   } restore{st, grads};
@@ -829,11 +888,12 @@ void offload_set_shard(State& st, int s, const Tensor& values) {
   NoGradGuard no_grad;
   if (o.param_file) {
     finish_writes(st, s);  // nothing in flight over the buffer about to be overwritten
-    // The state read ahead goes back to the file (it holds those bytes), read or failed.
+    // The state read ahead goes back to the file (it holds those bytes: a page read ahead
+    // was released, never dirty), read or failed.
     const std::vector<Tensor> read_ahead = o.ahead[s].pages;
     auto drop = [&] {
       for (const Tensor& t : read_ahead) {
-        if (t.storage() != seg.host.storage() && !o.dirty[s]) t.storage()->release();
+        if (t.storage() != seg.host.storage()) t.storage()->release();
       }
     };
     std::vector<SwapFile::Request> ahead = take_ahead(st, s);
@@ -851,14 +911,8 @@ void offload_set_shard(State& st, int s, const Tensor& values) {
   o.to_host += shard_bytes(seg);
   if (!o.params && !same_view(values, seg.shard)) seg.shard.copy_(values);
   if (o.param_file) {
-    std::vector<SwapFile::Request> w = write_out(st, s, nullptr);
-    try {
-      wait_all(w);
-    } catch (...) {
-      o.dirty[s] = 1;
-      throw;
-    }
-    o.dirty[s] = 0;
+    Writes w = write_out(st, s, nullptr);
+    wait_writes(o, w.requests, w.targets);
     release_pages(st, s, nullptr);
   }
 }
@@ -889,17 +943,15 @@ void offload_page_all(State& st, const optim::Optimizer* optimizer, bool in) {
     std::vector<SwapFile::Request> ahead = take_ahead(st, s);
     wait_all(ahead);
   }
-  std::vector<SwapFile::Request> writes;
+  Writes writes;
   for (int s = 0; s < n; ++s) {
-    for (auto& r : write_out(st, s, optimizer)) writes.push_back(std::move(r));
+    Writes w = write_out(st, s, optimizer);
+    for (size_t i = 0; i < w.requests.size(); ++i) {
+      writes.requests.push_back(std::move(w.requests[i]));
+      writes.targets.push_back(w.targets[i]);
+    }
   }
-  try {
-    wait_all(writes);
-  } catch (...) {
-    for (int s = 0; s < n; ++s) o.dirty[s] = 1;  // which one failed is not known: keep all
-    throw;
-  }
-  for (int s = 0; s < n; ++s) o.dirty[s] = 0;
+  wait_writes(o, writes.requests, writes.targets);  // (a failed page stays, dirty)
   for (int s = 0; s < n; ++s) release_pages(st, s, optimizer);
 }
 

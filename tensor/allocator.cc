@@ -358,7 +358,11 @@ std::map<int, AsyncToHost>& async_copies() {
 
 void register_async_to_host(int device_type, AsyncToHost copy) {
   std::lock_guard<std::mutex> lock(g_async_mu);
-  async_copies()[device_type] = std::move(copy);
+  if (copy) {
+    async_copies()[device_type] = std::move(copy);
+  } else {
+    async_copies().erase(device_type);
+  }
 }
 
 AsyncToHost async_to_host(int device_type) {
