@@ -291,8 +291,11 @@ std::vector<SwapFile::Request> page_in(State& st, int s, const optim::Optimizer*
   hand_over(st, s);
   // (A gather's, without the optimizer, leaves the state read ahead for the update.)
   std::vector<SwapFile::Request> out;
-  if (optimizer != nullptr) out = take_ahead(st, s);
-  std::vector<Tensor> fresh;  // the pages reallocated here
+  std::vector<Tensor> fresh;  // the pages reallocated here (or for the reads ahead taken)
+  if (optimizer != nullptr) {
+    fresh = o.ahead[s].pages;
+    out = take_ahead(st, s);
+  }
   try {
     for (auto& [key, t] : pages(st, s, optimizer)) {
       if (key % kKeysPerSegment == 0 && o.reads[s].pending()) {
