@@ -385,20 +385,24 @@ void read_ahead_for_step(State& st) {
   Offload& o = *st.offload;
   if (!o.file || o.window <= 0) return;
   reap(st);
+  // (The gathers read a parameter page when the parameters live in the file.)
   const bool gathered = o.params && o.param_file;
+  auto wanted = [&](int64_t key, const Tensor& page) {
+    return page.storage()->released() && !(gathered && key % kKeysPerSegment == 0);
+  };
   while (o.next_ahead < o.order.size()) {
     const int t = o.order[o.next_ahead];
     // Its update still due, or its writes in flight: later.
     if (o.due[t] || !o.writing[t].empty()) return;
     int64_t bytes = 0;
     for (const auto& [key, page] : o.known[t]) {
-      if (page.storage()->released() && !(gathered && key % kKeysPerSegment == 0)) bytes += size_of(page);
+      if (wanted(key, page)) bytes += size_of(page);
     }
     if (bytes > 0) {
       if (!make_room(st, bytes, /*block=*/false)) return;  // the window is full
       Paging& a = o.ahead[t];
       for (const auto& [key, page] : o.known[t]) {
-        if (!page.storage()->released() || (gathered && key % kKeysPerSegment == 0)) continue;
+        if (!wanted(key, page)) continue;
         page.storage()->reallocate();
         a.requests.push_back(o.file->read(key, bytes_of(page), size_of(page), padded(page), /*ahead=*/true));
         a.pages.push_back(page);
@@ -811,26 +815,10 @@ void count_state_bytes(State& st, const optim::Optimizer& optimizer) {
 void offload_step(State& st, optim::Optimizer& optimizer) {
   Offload& o = *st.offload;
   offload_settle_grads(st);
-  // An update still due from the last step first (a unit no forward gathered), on the
-  // optimizer and indices it was taken with.
-  std::vector<Tensor> pending(st.segments.size());
-  if (o.file) {
-    for (size_t s = 0; s < st.segments.size(); ++s) {  // (this step's gradients kept apart)
-      pending[s] = st.segments[s].host.grad();
-      st.segments[s].host.set_grad(Tensor());
-    }
-    try {
-      complete(st);
-    } catch (...) {
-      for (size_t s = 0; s < st.segments.size(); ++s) st.segments[s].host.set_grad(pending[s]);
-      throw;
-    }
-    for (size_t s = 0; s < st.segments.size(); ++s) st.segments[s].host.set_grad(pending[s]);
-  }
-  bind(st, optimizer);
   const int n = static_cast<int>(st.segments.size());
   NoGradGuard no_grad;
   if (!o.file) {  // everything resident: one step, as in memory
+    bind(st, optimizer);
     const auto start = std::chrono::steady_clock::now();
     HostTierScope host;  // the state the optimizer creates, and its temporaries
     MemoryTagScope tag(MemoryTag::optimizer_state);
@@ -850,6 +838,15 @@ void offload_step(State& st, optim::Optimizer& optimizer) {
     grads[s] = st.segments[s].host.grad();
     st.segments[s].host.set_grad(Tensor());
   }
+  // An update still due from the last step first (a unit no forward gathered), on the
+  // optimizer and indices it was taken with.
+  try {
+    complete(st);
+  } catch (...) {
+    for (int s = 0; s < n; ++s) st.segments[s].host.set_grad(grads[s]);
+    throw;
+  }
+  bind(st, optimizer);
   // (Not when an update throws: the ones not done stay due, with their gradients, for the
   // next step() to finish; putting them back would apply them twice.)
   struct Restore {
