@@ -26,12 +26,15 @@ WorkHandle OnebitAdamHook::reduce(Communicator& comm, const GradBucket& b) {
   TS_CHECK(opt_ != nullptr, "{}: its comm hook reduced a bucket before an OnebitAdam was built "
            "with it", kName);
   current_.uncompressed += b.buffer.numel();
-  average_ = b.average;  // how the step after this round scales the local gradients
   if (opt_->steps_done() < opt_->options().freeze_step) {  // the next step warms up: exact
     current_.sent += b.buffer.numel();
     return comm.all_reduce_async(b.buffer, b.average ? ReduceOp::avg : ReduceOp::sum);
   }
-  // Each rank keeps its gradient; the step after this round sends each momentum through
+  // Each rank keeps its own estimate of the reduction: its gradient (the mean's), times the
+  // group size where DDP sums (gpt's ranks backpropagate shares of the mean), so a clip
+  // before the step measures what the optimizer takes, on the exact reduction's scale.
+  if (!b.average) b.buffer.copy_(b.buffer * static_cast<double>(comm.size()));
+  // The step after this round sends each momentum through
   // onebit_all_reduce, whose bytes (onebit.h: padded / 4 (W - 1) / W + 8 (W - 1)) are an f32
   // all-reduce's of padded / 32 + W elements, counted here so the round reports them.
   for (const Tensor& g : b.gradients) {
@@ -231,8 +234,9 @@ OnebitAdam::Local OnebitAdam::local_momentum(const Pending& item) {
   const Tensor& m = s.at("exp_avg");
   const double b1 = options_.betas.first;
   const int w = comm_.size();
-  // This rank's gradient on the scale of the mean one (a summing DDP gave each rank a share).
-  const Tensor g = hook_->average_ ? item.grad : item.grad * static_cast<double>(w);
+  // This rank's gradient on the scale of the reduced one (the hook scaled a summing DDP's
+  // share).
+  const Tensor& g = item.grad;
   m.copy_(m + (1.0 - b1) * (g - m));
   // Padded for the 1-bit all-reduce, with this parameter's error feedback.
   const int64_t n = m.numel(), padded = onebit_padded(n, w);

@@ -9,8 +9,9 @@
 // and the step is AdamW's (adamw_, bias-corrected; bias_correction false: DeepSpeed's
 // m / (sqrt(v) + eps)). After it the variance is frozen, DDP sends nothing (the hook leaves
 // each rank its own gradient), and each step:
-//   m = m + (1 - beta1) (g - m)          with this rank's gradient (times the group size when
-//                                        DDP sums: gpt's ranks backpropagate shares of the mean)
+//   m = m + (1 - beta1) (g - m)          with this rank's gradient (the hook scales it by the
+//                                        group size when DDP sums: gpt's ranks backpropagate
+//                                        shares of the mean), so it is on the reduced one's scale
 //   d = sqrt(v / bc2_frozen) + eps       AdamW's denominator, fixed from here on
 //   u = onebit_all_reduce(clamp(m / d))  1 bit per element and a scale per tensor and chunk,
 //                                        worker and server error feedback (parallel/onebit.h)
@@ -27,8 +28,10 @@
 // lives in the hook (a per-rank state, checkpointed per rank as every comm hook's is); the
 // optimizer's state (m, v, step) is the same on every rank. Not for ZeRO's flat shards (a
 // scale per tensor): elementwise() is false. Gradient clipping before step() sees, after the
-// warm-up, each rank's own gradient (not reduced): a caller that clips by the global norm
-// clips something else than the AdamW run does.
+// warm-up, each rank's own gradient on the reduced gradient's scale (not reduced): a caller
+// that clips by the global norm clips something else than the AdamW run does. Over pipeline
+// stages and tp shards (gpt's --pp/--tp at ZeRO 0) each rank steps the tensors it holds, so
+// the scales are per stage tensor and per tp shard.
 #pragma once
 
 #include <cstdint>
@@ -89,7 +92,6 @@ class OnebitAdamHook : public CommHook {
  private:
   friend class OnebitAdam;
   const OnebitAdam* opt_ = nullptr;
-  bool average_ = true;  // how DDP reduces (each round says)
   std::map<int64_t, std::pair<Tensor, Tensor>> errors_;
   Traffic last_, current_;
 };

@@ -184,12 +184,16 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
   }
   s.zero = std::make_unique<parallel::ZeroDataParallel>(*s.holder, s.dp(), zopt);
   if (opt.make_optimizer) {
-    s.opt = opt.make_optimizer(s.zero->param_groups(opt.lr, opt.weight_decay));
+    s.opt = opt.make_optimizer(s.zero->param_groups(opt.lr, opt.weight_decay), s.dp(),
+                               opt.comm_hook);
     // Not elementwise: per-block state needs ZeRO to cut at blocks, and tp shards of whole
     // blocks (RowShard::run, checked by the optimizer per parameter); per-matrix state
     // (Adafactor) ZeRO's row shards, which present each parameter as its block of the single
-    // device's (row_layout above).
-    TS_CHECK(s.opt->elementwise() ||
+    // device's (row_layout above). An optimizer paired with a hook that is not a full
+    // reduction (1-bit Adam) reduces this rank's tensors over dp itself, with its per-tensor
+    // scales over the tensors this rank holds (ZeroDataParallel refuses it at ZeRO 1-3).
+    const bool reduces_itself = opt.comm_hook && !opt.comm_hook->full_reduction();
+    TS_CHECK(s.opt->elementwise() || reduces_itself ||
                  (s.opt->shard_block() > 0 && opt.block_shards > 0 &&
                   opt.block_shards % s.opt->shard_block() == 0) ||
                  (s.opt->supports_row_shards() && opt.row_shards),
@@ -223,6 +227,9 @@ Gpt3d::Gpt3d(Gpt& model, parallel::CommPtr world, Gpt3dOptions o)
                            : static_cast<int>(opt.dp * opt.tp + s.world->rank());
   parallel::CommPtr group = s.world->split(color, s.world->rank(), "embedding");
   if (member && first != last) s.tied = group;
+  if (opt.comm_hook && !opt.comm_hook->full_reduction()) {
+    s.replica = s.world->split(static_cast<int>(dp_rank), s.world->rank(), "replica");
+  }
 }
 
 Gpt3d::~Gpt3d() = default;
@@ -381,6 +388,9 @@ double Gpt3d::clip_grad_norm(double max_norm) {
   // parameter whole on tp only on tp rank 0, the tied embedding only on the first stage,
   // and under ZeRO 0 (replicas) only on dp rank 0 (an expert's: on the first rank of the
   // ranks holding it); ZeRO 1's shards are disjoint over dp (and the experts' over them).
+  // With a hook that leaves each dp rank its own gradient (1-bit Adam after the warm-up),
+  // each dp rank's norm over its pp x tp ranks, as a replica's own norm without pp and tp
+  // (the same as dp rank 0's while the hook still reduces exactly).
   const int tp_rank = s.tp_mesh->group(0).rank(), dp_rank = s.dp().rank();
   const parallel::ExpertGroups* experts = s.moe->groups();
   const bool first_stage = s.pp().rank() == s.schedule.rank_of(0);
@@ -390,14 +400,14 @@ double Gpt3d::clip_grad_norm(double max_norm) {
     if (p.placements()[0].is_replicate() && tp_rank != 0) w = 0.0;
     if (name == "wte.weight" && !first_stage) w = 0.0;
     const bool expert = experts != nullptr && experts->holds(name);
-    if (s.o.zero == 0 && (expert ? experts->edp().rank() : dp_rank) != 0) w = 0.0;
+    if (s.o.zero == 0 && !s.replica && (expert ? experts->edp().rank() : dp_rank) != 0) w = 0.0;
     weight[flat_name(name)] = w;
   }
   Tensor total = Tensor::from_vector<double>(
       {s.zero->local_grad_norm_squared([&](const std::string& n) { return weight.at(n); })}, {1});
   {
     parallel::CommCause cause("gpt3d clip_grad_norm");
-    s.world->all_reduce(total, parallel::ReduceOp::sum);
+    (s.replica ? *s.replica : *s.world).all_reduce(total, parallel::ReduceOp::sum);
   }
   const double norm = std::sqrt(total.item<double>());
   // optim::clip_grad_norm's rule: scale by max / (norm + 1e-6) when above the limit.

@@ -50,9 +50,14 @@ struct Gpt3dOptions {
   // The gradient reduction over dp replaced by this rank's hook (ZeroOptions::comm_hook:
   // PowerSGD on the stages' and shards' own tensors); null: exact.
   std::shared_ptr<parallel::CommHook> comm_hook = nullptr;
-  // The optimizer over this rank's shards' groups (elementwise: an Error otherwise); null:
-  // AdamW with the values above.
-  std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>
+  // The optimizer over this rank's shards' groups, given this rank's dp group and
+  // comm_hook; null: AdamW with the values above. It must be elementwise, cut at its blocks
+  // or rows (block_shards, row_shards), or reduce over dp itself with a hook that is not a
+  // full reduction (1-bit Adam at ZeRO 0: its per-tensor scales are then per stage tensor
+  // and per tp shard, the tensors this rank holds); an Error otherwise.
+  std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>,
+                                                  parallel::Communicator& dp,
+                                                  std::shared_ptr<parallel::CommHook> hook)>
       make_optimizer = nullptr;
   // ZeroOptions::block_shards over dp, for an optimizer with per-block state (8-bit AdamW:
   // 256). (The stages hold c_attn's weight as [3, C, C], the single device's [3C, C] in the

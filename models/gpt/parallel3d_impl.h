@@ -50,6 +50,9 @@ struct Gpt3d::Impl {
   std::unique_ptr<parallel::ZeroDataParallel> zero;
   std::unique_ptr<optim::Optimizer> opt;
   parallel::CommPtr tied;  // first + last stage ranks with our (dp, tp), when they differ
+  // With a comm hook that leaves each dp rank its own gradient (1-bit Adam after its
+  // warm-up): the pp x tp ranks of our dp rank, over which the gradient norm is summed.
+  parallel::CommPtr replica;
   std::set<std::string> mine;  // parameter paths this rank's stages hold
   std::map<std::string, int> owner;  // parameter path -> the pp rank of its first stage
   std::map<std::string, Shape> whole;  // parameter path -> the single-device shape

@@ -138,10 +138,6 @@ void validate_train_config(const GptTrainConfig& c) {
            "carry; with --ep {} each rank keeps only its experts, sharded flat over the ranks "
            "holding them: use --optimizer=adamw or sgd", c.optimizer, c.ep);
   if (c.compress.name != "none") {
-    TS_CHECK(c.compress.name != "onebit_adam" || (c.pp == 1 && c.tp == 1),
-             "gpt: --compress=onebit_adam keeps whole-tensor state on every rank and a scale per "
-             "tensor; it cannot be combined with --pp {} or --tp {} yet (--compress=powersgd can)",
-             c.pp, c.tp);
     TS_CHECK(!c.check, "gpt: --compress={} approximates the gradients, so --check (equality "
              "with one device) does not apply", c.compress.name);
     TS_CHECK(c.precision != "f16",

@@ -970,7 +970,14 @@ Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
   o.beta2 = c.beta2;
   o.block_shards = models::optimizer_shard_block(c.optimizer);
   o.row_shards = models::optimizer_needs_row_shards(c.optimizer);
-  o.make_optimizer = [choice = c.optimizer_choice()](std::vector<optim::ParamGroup> groups) {
+  o.make_optimizer = [choice = c.optimizer_choice(), compress = c.compress, lr = c.lr,
+                      betas = std::pair(c.beta1, c.beta2), wd = c.weight_decay, steps = c.steps](
+                         std::vector<optim::ParamGroup> groups, parallel::Communicator& dp,
+                         std::shared_ptr<parallel::CommHook> hook) {
+    if (compress.name == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
+      return models::make_onebit_adam(compress, std::move(groups), dp, std::move(hook), lr,
+                                      betas, wd, steps);
+    }
     return models::make_optimizer("gpt", choice, std::move(groups));
   };
   return o;

@@ -120,8 +120,9 @@ struct GptTrainConfig {
   // memory; --memory_limit caps the device.
   models::OffloadChoice offload;
   // Gradient compression over dp (models/common/comm_hooks.h: --compress=powersgd on ZeRO
-  // 0-3 and pp/tp, or onebit_adam in AdamW's place on ZeRO 0 without pp/tp, with their
-  // flags). Checkpoints keep each rank's error feedback (a resume needs the same layout).
+  // 0-3 and pp/tp, or onebit_adam in AdamW's place on ZeRO 0 and pp/tp, its scales per
+  // stage tensor and tp shard, with their flags). Checkpoints keep each rank's error
+  // feedback (a resume needs the same layout).
   models::CompressChoice compress;
   // Pipeline and tensor parallelism (models/gpt/parallel3d.h): pp stages x dp x tp ranks
   // (ZeRO 0-3 over dp), `microbatches` per dp rank and pipeline run by `schedule` (gpipe,

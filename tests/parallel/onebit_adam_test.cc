@@ -71,6 +71,7 @@ Vec ref_grad(int r, int t, size_t k, int64_t n, bool wake, int64_t freeze) {
 
 struct RankRun {
   std::vector<std::vector<Vec>> params;  // after each step, per parameter
+  std::vector<std::vector<Vec>> grads;   // before each step (after DDP), per parameter
   std::vector<int64_t> bytes;            // gradient-kind bytes per step
   optim::Optimizer::StateDict opt_state;
   std::map<std::string, Tensor> hook_state;
@@ -140,6 +141,9 @@ std::vector<RankRun> run(const Setup& s, int first, int steps,
       {
         CommLogScope scope(log);
         ddp.finish();
+        std::vector<Vec> reduced;
+        for (const Tensor& p : params) reduced.push_back(p.grad().cast(DType::f64).to_vector<double>());
+        me.grads.push_back(reduced);
         opt->step();
       }
       me.bytes.push_back(log.bytes({CommKind::gradients}));
@@ -313,13 +317,27 @@ TEST_CASE("1-bit Adam: a gradient that appears after the freeze is sent within A
 
 TEST_CASE("1-bit Adam under a summing DDP (each rank a share of the mean) takes the averaging run's steps") {
   // The shares are the gradients over 2 or 4 (exact in f64), so the steps are bitwise equal.
+  // The gradients the step (and a clip before it) sees are too: the mean during the
+  // warm-up, then each rank's own gradient on the mean's scale (the hook scales a share by
+  // the group size), rank 1's own values.
   for (int w : {2, 4}) {
     CAPTURE(w);
     const Setup avg{.ranks = w, .freeze = 2};
     Setup sum = avg;
     sum.average = false;
     const std::vector<RankRun> a = run(avg, 0, 5), b = run(sum, 0, 5);
-    for (int t = 0; t < 5; ++t) CHECK(a[1].params[static_cast<size_t>(t)] == b[1].params[static_cast<size_t>(t)]);
+    for (int t = 0; t < 5; ++t) {
+      CAPTURE(t);
+      const size_t st = static_cast<size_t>(t);
+      CHECK(a[1].params[st] == b[1].params[st]);
+      CHECK(a[1].grads[st] == b[1].grads[st]);
+      if (t >= 2) {
+        for (size_t k = 0; k < b[1].grads[st].size(); ++k) {
+          CHECK(b[1].grads[st][k] ==
+                grad_values(1, t, k, static_cast<int64_t>(b[1].grads[st][k].size())));
+        }
+      }
+    }
   }
 }
 
