@@ -259,6 +259,8 @@ TS_REGISTER_SHARDING_RULE(copy_, {.options = copy_options});
 TS_REGISTER_SHARDING_RULE(sign_pack, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(sign_unpack, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(adamw_, {.options = like_param});
+// Several tensors of any shapes scaled in place: each whole.
+TS_REGISTER_SHARDING_RULE(scale_, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(adamw8bit_, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(adamw8bit_segments_, {.options = replicated_update});
 // Adafactor's passes sum whole rows and columns: on whole tensors (ZeRO and tp hand the

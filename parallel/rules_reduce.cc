@@ -73,5 +73,8 @@ TS_REGISTER_SHARDING_RULE(argmax, {.options = [](const AxisCtx& c) {
   }
   return options;
 }});
+// A sum over every element of several tensors: each whole (shards would each give a part of
+// the sum, which the callers reduce over their own groups; optim::grad_norm's).
+TS_REGISTER_SHARDING_RULE(sum_squares, {.options = [](const AxisCtx& c) { return AxisOptions{all_replicate(c)}; }});
 
 }  // namespace tessera::parallel

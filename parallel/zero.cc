@@ -403,10 +403,8 @@ double ZeroDataParallel::local_grad_norm_squared(
   State& st = *state_;
   if (st.offload) offload_settle_grads(st);
   NoGradGuard no_grad;
-  auto sum_sq = [](const Tensor& g) {
-    const Tensor g64 = cast(g, DType::f64);
-    return sum(g64 * g64).item<double>();
-  };
+  // One op per tensor (what sum(cast(g, f64)^2) gives, bitwise on the CPU).
+  auto sum_sq = [](const Tensor& g) { return sum_squares({g}).item<double>(); };
   double total = 0.0;
   if (st.stage() == 0) {
     for (const State::Param& p : st.params) {
@@ -444,10 +442,12 @@ void ZeroDataParallel::scale_grads(double coef) {
   } else {
     for (const State::Segment& seg : st.segments) owned.push_back(st.owner(seg));
   }
+  std::vector<Tensor> grads;  // one scale_ (f32 for f32 and 16-bit gradients, as clipping)
   for (const Tensor& t : owned) {
     const Tensor g = t.grad();
-    if (g.defined() && g.numel() > 0) copy_(g, g * coef);
+    if (g.defined() && g.numel() > 0) grads.push_back(g);
   }
+  if (!grads.empty()) scale_(grads, coef);
 }
 
 void attach_row_shards(ZeroDataParallel::State& st, optim::Optimizer& optimizer) {

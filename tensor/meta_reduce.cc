@@ -1,4 +1,4 @@
-// Shape inference for the reductions (sum, mean, max, argmax, var).
+// Shape inference for the reductions (sum, mean, max, argmax, var, sum_squares).
 #include "tensor/internal/meta_util.h"
 
 namespace tessera {
@@ -45,7 +45,22 @@ std::vector<TensorSpec> argmax_meta(std::span<const TensorSpec> in, const Attrs&
                DType::i64, x.device)};
 }
 
+// sum_squares(x1, ..., xk): floating tensors of any shapes on one device -> f64 [].
+std::vector<TensorSpec> sum_squares_meta(std::span<const TensorSpec> in, const Attrs&) {
+  TS_CHECK(!in.empty(), "sum_squares: expected at least one tensor, got none");
+  for (size_t i = 0; i < in.size(); ++i) {
+    TS_CHECK(is_floating(in[i].dtype),
+             "sum_squares: tensor {} of {} must be floating (f32, f64, f16, bf16), got {} {}", i,
+             in.size(), in[i].dtype, shape_str(in[i].shape));
+    TS_CHECK(in[i].device == in[0].device,
+             "sum_squares: tensor {} of {} is on {}, tensor 0 on {}", i, in.size(), in[i].device,
+             in[0].device);
+  }
+  return {spec({}, DType::f64, in[0].device)};
+}
+
 TS_REGISTER_META(sum, reduce<OpId::sum>);
+TS_REGISTER_META(sum_squares, sum_squares_meta);
 TS_REGISTER_META(mean, reduce<OpId::mean>);
 TS_REGISTER_META(max, reduce<OpId::max>);
 TS_REGISTER_META(var, reduce<OpId::var>);

@@ -85,6 +85,12 @@ inline Attrs dropout(double p, Generator& gen, int64_t numel) {
   a.offset = gen.advance(static_cast<uint64_t>(numel));
   return a;
 }
+inline Attrs scale(double s) {
+  Attrs a;
+  a.scale = s;
+  return a;
+}
+
 inline Attrs attention(bool causal, double scale) {
   Attrs a;
   a.causal = causal;

@@ -82,6 +82,7 @@
   X(max, Compute, Diff, Reduce, None)                             \
   X(argmax, Compute, NoDiff, Reduce, None)                        \
   X(var, Compute, Diff, Reduce, None)                             \
+  X(sum_squares, Compute, NoDiff, Reduce, None)                   \
   /* linear algebra and fused layers */                           \
   X(matmul, Compute, Diff, Linear, None)                          \
   X(softmax, Compute, Diff, Fused, AlongDim)                      \
@@ -127,6 +128,7 @@
   X(adafactor_stats_, Compute, NoDiff, InplaceUpdate, None)       \
   X(adafactor_norm_, Compute, NoDiff, InplaceUpdate, None)        \
   X(adafactor_apply_, Compute, NoDiff, InplaceUpdate, None)       \
+  X(scale_, Compute, NoDiff, InplaceUpdate, None)                 \
   /* views */                                                     \
   X(view, View, Diff, View, None)                                 \
   X(permute, View, Diff, View, None)                              \

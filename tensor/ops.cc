@@ -76,6 +76,8 @@ Tensor var(const Tensor& x, const std::vector<int64_t>& dims, int64_t correction
   return call1(OpId::var, {x}, op_attrs::var(dims, correction, keepdim));
 }
 
+Tensor sum_squares(const std::vector<Tensor>& xs) { return call1(OpId::sum_squares, xs, {}); }
+
 Tensor sum_to(const Tensor& x, const Shape& shape) {
   if (x.shape() == shape) return x;
   const int64_t lead = x.dim() - static_cast<int64_t>(shape.size());
@@ -252,6 +254,12 @@ Tensor to(const Tensor& x, Device device) {
 
 Tensor clone(const Tensor& x) { return call1(OpId::clone, {x}); }
 void copy_(const Tensor& dst, const Tensor& src) { call_copy_(dst, src); }
+
+void scale_(const std::vector<Tensor>& xs, double scale) {
+  std::vector<size_t> written(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) written[i] = i;
+  call_inplace(OpId::scale_, xs, op_attrs::scale(scale), written);
+}
 
 void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
             const Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,

@@ -66,6 +66,11 @@ Tensor argmax(const Tensor& x);
 // Variance with Bessel's correction by default (correction = 1).
 Tensor var(const Tensor& x, const std::vector<int64_t>& dims = {}, int64_t correction = 1,
            bool keepdim = false);
+// The sum of the squares of every element of every tensor, in f64 (a 0-d f64 tensor on the
+// tensors' device), in one op: each tensor summed as sum(cast(x, f64) * cast(x, f64)) sums
+// it (bitwise on the CPU), the tensors' sums added in order; deterministic for any thread
+// count. For gradient norms (optim::grad_norm). Not differentiable; at least one tensor.
+Tensor sum_squares(const std::vector<Tensor>& xs);
 // Sums `x` down to `shape` (the inverse of broadcasting `shape` to x's shape).
 Tensor sum_to(const Tensor& x, const Shape& shape);
 
@@ -160,6 +165,12 @@ void copy_(const Tensor& dst, const Tensor& src);
 void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
             const Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
             double eps, double weight_decay, const Tensor& master = Tensor());
+// Each x = x * scale in place, in one op over all of them: computed in f32 for f32, f16 and
+// bf16 (scale rounded to f32, the product rounded once to x's dtype) and in f64 for f64,
+// i.e. what copy_(x, x * scale) gives (16-bit: copy_(x, cast(x, f32) * scale)). For
+// clipping gradients (optim::clip_grads_to_norm). Each x must not overlap itself or another
+// (no expanded layouts).
+void scale_(const std::vector<Tensor>& xs, double scale);
 // adamw_ with both moments held in 8 bits, block-wise (tensor/quant8.h): exp_avg and
 // exp_avg_sq are u8 codes shaped like param, on the signed and the unsigned dynamic map, and
 // exp_avg_absmax / exp_avg_sq_absmax their blocks' scales, [ceil(numel / 256)] in the state

@@ -595,10 +595,64 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
   for (std::span<const Tensor> t : tuples) sgd_one(t, a);
 }
 
+// ---- scale_ -------------------------------------------------------------------------------
+// x = x * scale in x's compute type (f32 for f32, f16, bf16: the scale rounded to f32; f64),
+// rounded once to x's dtype. Every tensor's chunks are parts of one parallel job.
+constexpr int64_t kScaleChunk = int64_t{1} << 16;
+
+template <typename T>
+void scale_range(const Tensor& x, int64_t b, int64_t e, double scale) {
+  using C = compute_t<T>;
+  const C s = static_cast<C>(scale);
+  T* base = static_cast<T*>(x.raw_data());
+  if (x.is_contiguous()) {
+    for (int64_t i = b; i < e; ++i) base[i] = static_cast<T>(static_cast<C>(base[i]) * s);
+    return;
+  }
+  const Shape& shape = x.shape();
+  const Strides& strides = x.strides();
+  for (int64_t i = b; i < e; ++i) {
+    int64_t off = 0, rest = i;
+    for (int64_t d = x.dim() - 1; d >= 0; --d) {
+      off += (rest % shape[d]) * strides[d];
+      rest /= shape[d];
+    }
+    base[off] = static_cast<T>(static_cast<C>(base[off]) * s);
+  }
+}
+
+void scale_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  struct Part {
+    size_t tensor;
+    int64_t begin, end;
+  };
+  std::vector<Part> parts;
+  for (size_t t = 0; t < in.size(); ++t) {
+    const Tensor& x = in[t];
+    for (int64_t d = 0; d < x.dim(); ++d) {
+      TS_CHECK(x.shape()[d] <= 1 || x.strides()[d] != 0,
+               "scale_: tensor {} of {} is expanded (stride 0 in dim {} of {}): its elements "
+               "share locations and cannot each be scaled in place", t, in.size(), d,
+               shape_str(x.shape()));
+    }
+    const int64_t n = x.numel();
+    for (int64_t b = 0; b < n; b += kScaleChunk) parts.push_back({t, b, std::min(n, b + kScaleChunk)});
+  }
+  parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      const Part& p = parts[static_cast<size_t>(k)];
+      visit_float_dtype(in[p.tensor].dtype(), "scale_", [&]<typename T>() {
+        scale_range<T>(in[p.tensor], p.begin, p.end, a.scale);
+      });
+    }
+  });
+}
+
 TS_REGISTER_KERNEL(cpu, adamw_, adamw_kernel);
 TS_REGISTER_KERNEL(cpu, adamw8bit_, adamw8bit_kernel);
 TS_REGISTER_KERNEL(cpu, adamw8bit_segments_, adamw8bit_segments_kernel);
 TS_REGISTER_KERNEL(cpu, sgd_, sgd_kernel);
+TS_REGISTER_KERNEL(cpu, scale_, scale_kernel);
 
 }  // namespace
 }  // namespace tessera::cpu

@@ -150,7 +150,34 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
 
 TS_REGISTER_KERNEL(cuda, adamw_, adamw_kernel);
 TS_REGISTER_KERNEL(cuda, adamw8bit_, adamw8bit_kernel);
+// Inputs: the tensors to scale; a strided one is scaled in a contiguous copy, copied back.
+void scale_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
+  const Device d = in[0].device();
+  DeviceGuard guard(d);
+  const cudaStream_t stream = compute_stream(d);
+  for (size_t t = 0; t < in.size(); ++t) {
+    const Tensor& x = in[t];
+    for (int64_t k = 0; k < x.dim(); ++k) {
+      TS_CHECK(x.shape()[k] <= 1 || x.strides()[k] != 0,
+               "scale_: tensor {} of {} is expanded (stride 0 in dim {} of {}): its elements "
+               "share locations and cannot each be scaled in place", t, in.size(), k,
+               shape_str(x.shape()));
+    }
+    if (x.is_contiguous()) {
+      const DevTensor dx = dev_tensor(x);
+      run_launch("scale_", d, [&] { launch_scale(dx, a.scale, stream); });
+      continue;
+    }
+    const Tensor c = Tensor::empty(x.shape(), x.dtype(), d);
+    copy_cuda(c, x);
+    const DevTensor dc = dev_tensor(c);
+    run_launch("scale_", d, [&] { launch_scale(dc, a.scale, stream); });
+    copy_cuda(x, c);
+  }
+}
+
 TS_REGISTER_KERNEL(cuda, sgd_, sgd_kernel);
+TS_REGISTER_KERNEL(cuda, scale_, scale_kernel);
 
 }  // namespace
 }  // namespace tessera::cuda_kernels

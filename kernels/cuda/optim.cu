@@ -571,4 +571,26 @@ void launch_sgd(int dtype, bool buffer, bool master, const OptimTuple* tuples, i
   }
 }
 
+// ---- scale_ -----------------------------------------------------------------------------
+namespace {
+
+template <typename T>
+__global__ void scale_kernel(T* x, int64_t n, acc_type<T> s) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = from_acc<T, acc_type<T>>(to_acc(x[i]) * s);
+  }
+}
+
+}  // namespace
+
+void launch_scale(const DevTensor& x, double scale, cudaStream_t stream) {
+  if (x.numel == 0) return;
+  TS_CUDA_DISPATCH_FLOATS(x.dtype, "scale_", [&] {
+    scale_kernel<scalar_t><<<grid_for(x.numel), 256, 0, stream>>>(
+        typed<scalar_t>(x), x.numel, static_cast<acc_type<scalar_t>>(scale));
+  });
+  check_launch("scale_");
+}
+
 }  // namespace tessera::cuda_kernels

@@ -59,4 +59,7 @@ void launch_adamw8bit(int dtype, bool master, const OptimTuple* tuples, int64_t 
 void launch_sgd(int dtype, bool buffer, bool master, const OptimTuple* tuples, int64_t count,
                 const SgdConsts& k, cudaStream_t stream);
 
+// scale_ on one contiguous tensor: x = x * scale in acc_type (the scale rounded to it).
+void launch_scale(const DevTensor& x, double scale, cudaStream_t stream);
+
 }  // namespace tessera::cuda_kernels

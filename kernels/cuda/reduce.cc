@@ -107,7 +107,34 @@ void argmax_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
   reduce(ReduceOp::argmax, "argmax", x, out[0], dims, 0);
 }
 
+// Strided tensors are first copied contiguous (one device copy each); one workspace for the
+// per-tensor sums and the largest tensor's block sums.
+void sum_squares_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  const Device device = out[0].device();
+  DeviceGuard g(device);
+  std::vector<Tensor> keep;
+  std::vector<DevTensor> xs;
+  int64_t most = 1;
+  for (const Tensor& x : in) {
+    Tensor c = x;
+    if (!x.is_contiguous()) {
+      c = Tensor::empty(x.shape(), x.dtype(), device);
+      copy_cuda(c, x);
+    }
+    keep.push_back(c);
+    xs.push_back(dev_tensor(c));
+    most = std::max(most, squares_blocks(x.numel()));
+  }
+  const Tensor ws = Tensor::empty({static_cast<int64_t>(in.size()) + most}, DType::f64, device);
+  double* sums = static_cast<double*>(ws.raw_data());
+  const DevTensor o = dev_tensor(out[0]);
+  run_launch("sum_squares", device, [&] {
+    launch_sum_squares(o, xs, sums, sums + in.size(), compute_stream(device));
+  });
+}
+
 TS_REGISTER_KERNEL(cuda, sum, (reduce_kernel<OpId::sum, ReduceOp::sum>));
+TS_REGISTER_KERNEL(cuda, sum_squares, sum_squares_kernel);
 TS_REGISTER_KERNEL(cuda, mean, (reduce_kernel<OpId::mean, ReduceOp::mean>));
 TS_REGISTER_KERNEL(cuda, max, (reduce_kernel<OpId::max, ReduceOp::max>));
 TS_REGISTER_KERNEL(cuda, var, (reduce_kernel<OpId::var, ReduceOp::var>));

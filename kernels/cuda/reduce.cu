@@ -431,4 +431,62 @@ void launch_reduce(ReduceOp op, const DevTensor& out, const DevTensor& in, const
   check_launch("reduce");
 }
 
+// ---- sum_squares -----------------------------------------------------------------------
+namespace {
+
+constexpr int kSquaresThreads = 256;
+
+// Block b: the squares of x[b kSquaresChunk, ...) in f64, each thread a strided run, then a
+// fixed tree over the block: the same bits for the same n on every run.
+template <typename T>
+__global__ void __launch_bounds__(kSquaresThreads) squares_kernel(double* partial, const T* x,
+                                                                  int64_t n) {
+  __shared__ double s[kSquaresThreads];
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kSquaresChunk;
+  const int64_t end = begin + kSquaresChunk < n ? begin + kSquaresChunk : n;
+  double acc = 0.0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kSquaresThreads) {
+    const double v = static_cast<double>(to_acc(x[i]));
+    acc += v * v;
+  }
+  s[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = kSquaresThreads / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) s[threadIdx.x] += s[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+}
+
+// One thread: out = in[0] + in[1] + ... in order.
+__global__ void fold_kernel(double* out, const double* in, int64_t n) {
+  double t = in[0];
+  for (int64_t i = 1; i < n; ++i) t += in[i];
+  *out = t;
+}
+
+}  // namespace
+
+int64_t squares_blocks(int64_t numel) { return (numel + kSquaresChunk - 1) / kSquaresChunk; }
+
+void launch_sum_squares(const DevTensor& out, const std::vector<DevTensor>& xs, double* sums,
+                        double* partial, cudaStream_t stream) {
+  for (size_t t = 0; t < xs.size(); ++t) {
+    const DevTensor& x = xs[t];
+    if (x.numel == 0) {
+      cudaMemsetAsync(sums + t, 0, sizeof(double), stream);
+      continue;
+    }
+    const int64_t blocks = squares_blocks(x.numel);
+    double* dst = blocks == 1 ? sums + t : partial;
+    TS_CUDA_DISPATCH_FLOATS(x.dtype, "sum_squares", [&] {
+      squares_kernel<scalar_t><<<static_cast<unsigned>(blocks), kSquaresThreads, 0, stream>>>(
+          dst, typed<scalar_t>(x), x.numel);
+    });
+    if (blocks > 1) fold_kernel<<<1, 1, 0, stream>>>(sums + t, partial, blocks);
+  }
+  fold_kernel<<<1, 1, 0, stream>>>(typed<double>(out), sums, static_cast<int64_t>(xs.size()));
+  check_launch("sum_squares");
+}
+
 }  // namespace tessera::cuda_kernels

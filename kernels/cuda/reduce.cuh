@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cuda/dev_tensor.h"
 
@@ -41,5 +42,15 @@ int64_t reduce_workspace_bytes(const ReduceLayout& l);
 // layout gives the strides). correction: var's. workspace: reduce_workspace_bytes of memory.
 void launch_reduce(ReduceOp op, const DevTensor& out, const DevTensor& in, const ReduceLayout& l,
                    int64_t correction, void* workspace, cudaStream_t stream);
+
+// sum_squares (the spec is kernels/cpu/reduce.cc): per tensor, blocks of kSquaresChunk
+// elements' squares in f64 (a fixed tree each), folded in order into sums[t]; then sums[]
+// in order into out (f64 []). Every x contiguous; `sums` holds xs.size() doubles, `partial`
+// the most squares_blocks() of any x. Deterministic: the same bits for the same tensors,
+// however many are passed together (on the CPU it is also bitwise sum()'s).
+constexpr int64_t kSquaresChunk = 1 << 14;
+int64_t squares_blocks(int64_t numel);
+void launch_sum_squares(const DevTensor& out, const std::vector<DevTensor>& xs, double* sums,
+                        double* partial, cudaStream_t stream);
 
 }  // namespace tessera::cuda_kernels

@@ -442,6 +442,61 @@ std::vector<OpSweep> reduction_sweeps() {
     v.cases.push_back(std::move(c));
   }
   out.push_back(std::move(v));
+
+  // sum_squares(x1, ..., xk): every element's square, in f64, one 0-d f64 output.
+  OpSweep sq{OpId::sum_squares, kFloats, kNonFloat, {}, {}};
+  const auto squares_ref = [](const Arrays& in, DType) {
+    // In long double (64-bit significand), so that the reference's own additions stay far
+    // below the bound even over 70,001 equal terms (an expanded layout).
+    long double total = 0;
+    for (const NdArray& x : in) {
+      for (double v : x.data) total += static_cast<long double>(v) * v;
+    }
+    NdArray out = NdArray::zeros({});
+    out.data[0] = static_cast<double>(total);
+    return Arrays{out};
+  };
+  struct Q {
+    const char* label;
+    std::vector<Shape> shapes;
+  };
+  for (const Q& q : {Q{"[4, 6]", {{4, 6}}},
+                     Q{"[3, 5], 0-d, [0], [40, 33]", {{3, 5}, {}, {0}, {40, 33}}},
+                     Q{"[70001] (blocks) and [2, 3]", {{70001}, {2, 3}}}}) {
+    Case c;
+    c.label = q.label;
+    for (const Shape& shape : q.shapes) c.args.push_back(arg(shape, normal(2)));
+    c.ref = squares_ref;
+    c.out_dtype = [](DType, size_t) { return DType::f64; };
+    // The squares are exact in f64 (from at most f32 values); only the order of additions
+    // differs from the reference's, well within a few ulps per addition.
+    c.rel32 = c.rel64 = 1e-12;
+    sq.cases.push_back(std::move(c));
+  }
+  sq.extra = [] {
+    expect_error("sum_squares of no tensors", [] { sum_squares({}); });
+    expect_error("sum_squares of an i64 tensor", [] { sum_squares({zeros({2}), zeros({2}, DType::i64)}); });
+    // The additions of summing each tensor's sum(cast(x, f64)^2) in order: bitwise on the
+    // CPU (the single block and the blocks path, strided, 16-bit), the same in one call as
+    // tensor by tensor.
+    if (!sweep_device().is_cpu()) return;
+    const auto same = [](const std::string& what, double got, double want) {
+      if (got != want) report_failure(fmt::format("sum_squares {}: {} is not bitwise {}", what, got, want));
+    };
+    for (DType dt : {DType::f32, DType::bf16, DType::f64}) {
+      const std::vector<Tensor> xs = {randn({70001}).cast(dt), transpose(randn({33, 40}).cast(dt), 0, 1),
+                                      randn({5}).cast(dt), randn({300, 257}).cast(dt)};
+      double by_sum = 0.0;
+      for (size_t i = 0; i < xs.size(); ++i) {
+        const Tensor x64 = cast(xs[i], DType::f64);
+        const double s = sum(x64 * x64).item<double>();
+        by_sum = i == 0 ? s : by_sum + s;
+        same(fmt::format("of tensor {} in {}", i, dtype_name(dt)), sum_squares({xs[i]}).item<double>(), s);
+      }
+      same(fmt::format("of 4 tensors in {}", dtype_name(dt)), sum_squares(xs).item<double>(), by_sum);
+    }
+  };
+  out.push_back(std::move(sq));
   return out;
 }
 

@@ -747,10 +747,69 @@ OpSweep adafactor_apply_sweep() {
   return s;
 }
 
+// scale_(x1, ..., xk; scale): each x times the scale in its compute type, in place.
+OpSweep scale_sweep() {
+  OpSweep s{OpId::scale_, kFloats, kNonFloat, {}, {}};
+  struct S {
+    const char* label;
+    std::vector<Shape> shapes;
+    double scale;
+  };
+  for (const S& q : {S{"[5, 7] by 0.37", {{5, 7}}, 0.37},
+                     S{"[3, 4], 0-d, [0], [130, 257] by 1.0e-3 (parallel chunks)",
+                       {{3, 4}, {}, {0}, {130, 257}}, 1e-3},
+                     S{"[2, 3] and [6] by -2.5", {{2, 3}, {6}}, -2.5}}) {
+    Case c;
+    c.label = q.label;
+    for (const Shape& shape : q.shapes) c.args.push_back(written(arg(shape, normal(2))));
+    c.attrs = op_attrs::scale(q.scale);
+    const double k = q.scale;
+    c.ref = [k](const Arrays& in, DType) {
+      Arrays out = in;
+      for (NdArray& x : out) {
+        for (double& v : x.data) v *= k;
+      }
+      return out;
+    };
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    expect_error("scale_ of no tensors", [] { scale_({}, 2.0); });
+    expect_error("scale_ of an i32 tensor", [] { scale_({zeros({2}, DType::i32)}, 2.0); });
+    expect_error("scale_ by infinity", [] { scale_({zeros({2})}, INFINITY); });
+    expect_error("scale_ of an expanded tensor", [] { scale_({zeros({1}).expand({4})}, 2.0); });
+    inplace_effects([](const Tensors& in) { scale_({in[0], in[1]}, 0.5); }, 2, {0, 1}, "scale_");
+    // What clipping did before, per tensor, bitwise: copy_(x, x * k) (16-bit through f32).
+    const double k = 0.123456789;
+    for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
+      const Tensor a = randn({70001}).cast(dt).to(sweep_device());
+      const Tensor b = transpose(randn({33, 40}).cast(dt).to(sweep_device()), 0, 1);
+      const bool narrow = dt == DType::f16 || dt == DType::bf16;
+      std::vector<Tensor> want;
+      for (const Tensor& x : {a, b}) {
+        const Tensor w = x.clone();
+        copy_(w, (narrow ? cast(w, DType::f32) : w) * k);
+        want.push_back(w);
+      }
+      {
+        NoGradGuard no_grad;
+        scale_({a, b}, k);
+      }
+      CHECK_MESSAGE(a.to(kCPU).cast(DType::f64).to_vector<double>() ==
+                        want[0].to(kCPU).cast(DType::f64).to_vector<double>(),
+                    "scale_ of a contiguous ", dtype_name(dt), " tensor is copy_(x, x * k)'s");
+      CHECK_MESSAGE(b.to(kCPU).cast(DType::f64).to_vector<double>() ==
+                        want[1].to(kCPU).cast(DType::f64).to_vector<double>(),
+                    "scale_ of a transposed ", dtype_name(dt), " tensor is copy_(x, x * k)'s");
+    }
+  };
+  return s;
+}
+
 std::vector<OpSweep> optim_sweeps() {
   return {adamw_sweep(),           adamw8bit_sweep(),      adamw8bit_segments_sweep(),
           sgd_sweep(),             adafactor_stats_sweep(), adafactor_norm_sweep(),
-          adafactor_apply_sweep()};
+          adafactor_apply_sweep(), scale_sweep()};
 }
 
 }  // namespace tessera::sweep
