@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/dev_tensor.h"
+
 namespace tessera::cuda_kernels {
 
 struct OptimTuple {
