@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -51,9 +52,11 @@ double clip_grads_to_norm(const std::vector<Tensor>& params, double norm, double
   // One scale_ per device: 16-bit gradients are scaled in f32 and rounded once, not by a
   // coefficient that was itself rounded to 16 bits.
   std::vector<std::pair<Device, std::vector<Tensor>>> by_device;
+  std::set<std::pair<const void*, int64_t>> seen;  // a parameter listed twice is scaled once
   for (const Tensor& p : params) {
     const Tensor g = p.grad();
     if (!g.defined() || g.numel() == 0) continue;
+    if (!seen.insert({g.storage().get(), g.offset()}).second) continue;
     auto it = std::find_if(by_device.begin(), by_device.end(),
                            [&](const auto& e) { return e.first == g.device(); });
     if (it == by_device.end()) it = by_device.insert(by_device.end(), {g.device(), {}});

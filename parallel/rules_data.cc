@@ -116,6 +116,22 @@ AxisOptions replicated_update(const AxisCtx& c) {
   return options;
 }
 
+// scale_: each tensor scaled where it is, whatever its placement (the op is elementwise and
+// linear), but for a Partial max or min, which a negative scale would swap.
+AxisOptions scale_options(const AxisCtx& c) {
+  AxisOption keep{{}, {}};
+  bool linear = true;
+  for (size_t i = 0; i < c.in.size(); ++i) {
+    const Placement p = c.now(i);
+    linear = linear && (!p.is_partial() || p.is_partial(ReduceOp::sum) || p.is_partial(ReduceOp::avg));
+    keep.in.push_back(p);
+  }
+  AxisOptions options;
+  if (linear) options.push_back(keep);
+  options.push_back(uniform(c, R, R));
+  return options;
+}
+
 // ---- views ---------------------------------------------------------------------------------
 
 AxisOptions view_options(const AxisCtx& c) {
@@ -259,8 +275,7 @@ TS_REGISTER_SHARDING_RULE(copy_, {.options = copy_options});
 TS_REGISTER_SHARDING_RULE(sign_pack, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(sign_unpack, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(adamw_, {.options = like_param});
-// Several tensors of any shapes scaled in place: each whole.
-TS_REGISTER_SHARDING_RULE(scale_, {.options = replicated_update});
+TS_REGISTER_SHARDING_RULE(scale_, {.options = scale_options});
 TS_REGISTER_SHARDING_RULE(adamw8bit_, {.options = replicated_update});
 TS_REGISTER_SHARDING_RULE(adamw8bit_segments_, {.options = replicated_update});
 // Adafactor's passes sum whole rows and columns: on whole tensors (ZeRO and tp hand the

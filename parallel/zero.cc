@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -363,7 +364,20 @@ double ZeroDataParallel::clip_grad_norm(double max_norm) {
   if (st.stage() == 0 && st.options.subgroup.group == nullptr) {
     std::vector<Tensor> ps;
     for (const State::Param& p : st.params) ps.push_back(p.tensor);
-    return optim::clip_grad_norm(ps, max_norm);
+    const bool own = st.options.comm_hook && !st.options.comm_hook->full_reduction();
+    if (!own) return optim::clip_grad_norm(ps, max_norm);
+    // A hook that leaves each rank its own gradient (1-bit Adam after its warm-up): each
+    // rank clips by its own norm, but whether a norm is inf/NaN is agreed over the group, so
+    // that every rank skips (or stops on) the same steps and none waits in the optimizer's
+    // reduction for a rank that skipped.
+    const double norm = optim::grad_norm(ps);
+    Tensor bad = Tensor::from_vector<double>({std::isfinite(norm) ? 0.0 : 1.0}, {1});
+    {
+      CommCause cause("zero non-finite gradient norm", CommKind::control);
+      st.comm->all_reduce(bad, ReduceOp::max);
+    }
+    if (bad.item<double>() > 0) return std::isfinite(norm) ? std::numeric_limits<double>::infinity() : norm;
+    return optim::clip_grads_to_norm(ps, norm, max_norm);
   }
   if (st.stage() == 0) {
     // Whole gradients: the group's parameters are the same everywhere; the subgroup's are

@@ -98,8 +98,10 @@ std::vector<TensorSpec> cross_entropy_meta(std::span<const TensorSpec> in, const
   require_count(op, in, 2);
   const TensorSpec& target = required(op, in, 1, "target");
   check_cross_entropy(op, in[0], target);
+  // The loss in the stats dtype (f32 for 16-bit logits, which are read as they are: under
+  // autocast no f32 copy of the logits is made).
   const Shape loss = attrs.reduction == Reduction::none ? Shape{in[0].shape[0]} : Shape{};
-  return {spec(loss, in[0].dtype, in[0].device),
+  return {spec(loss, stats_dtype(in[0].dtype), in[0].device),
           spec({in[0].shape[0]}, stats_dtype(in[0].dtype), in[0].device)};
 }
 
@@ -112,6 +114,9 @@ std::vector<TensorSpec> cross_entropy_backward_meta(std::span<const TensorSpec> 
   const Shape loss = attrs.reduction == Reduction::none ? Shape{in[1].shape[0]} : Shape{};
   TS_CHECK(in[0].shape == loss, "cross_entropy_backward: grad shape {} must be {}",
            shape_str(in[0].shape), shape_str(loss));
+  TS_CHECK(in[0].dtype == stats_dtype(in[1].dtype),
+           "cross_entropy_backward: grad dtype {} must be the loss's, {} for {} logits",
+           in[0].dtype, stats_dtype(in[1].dtype), in[1].dtype);
   return {in[1]};
 }
 

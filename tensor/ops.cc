@@ -1,7 +1,9 @@
 // The op API: thin wrappers that pack attributes and go through call()/call_view().
 #include "tensor/ops.h"
 
+#include <array>
 #include <cmath>
+#include <map>
 #include <numeric>
 
 #include "tensor/grad_mode.h"
@@ -256,6 +258,26 @@ Tensor clone(const Tensor& x) { return call1(OpId::clone, {x}); }
 void copy_(const Tensor& dst, const Tensor& src) { call_copy_(dst, src); }
 
 void scale_(const std::vector<Tensor>& xs, double scale) {
+  // No element may be written twice (the parts run in parallel): tensors that share a
+  // storage must not overlap there.
+  std::map<const void*, std::vector<std::array<int64_t, 3>>> spans;  // storage -> {lo, hi, i}
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const Tensor& x = xs[i];
+    if (!x.defined() || x.numel() == 0) continue;
+    int64_t lo = x.offset(), hi = x.offset() + 1;
+    for (int64_t d = 0; d < x.dim(); ++d) {
+      const int64_t reach = (x.shape()[d] - 1) * x.strides()[d];
+      (reach < 0 ? lo : hi) += reach;
+    }
+    std::vector<std::array<int64_t, 3>>& seen = spans[x.storage().get()];
+    for (const auto& [l, h, j] : seen) {
+      TS_CHECK(hi <= l || h <= lo,
+               "scale_: tensors {} and {} of {} share memory (elements [{}, {}) and [{}, {}) of "
+               "one storage); each element must be scaled once",
+               j, i, xs.size(), l, h, lo, hi);
+    }
+    seen.push_back({lo, hi, static_cast<int64_t>(i)});
+  }
   std::vector<size_t> written(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) written[i] = i;
   call_inplace(OpId::scale_, xs, op_attrs::scale(scale), written);

@@ -1,5 +1,6 @@
 // CPU cross_entropy: fused log-softmax + NLL over logits [N, C], with ignore_index and
-// mean/sum/none reductions. The forward saves each row's logsumexp for the backward,
+// mean/sum/none reductions; 16-bit logits are read as they are and the loss (and its
+// gradient coming back) is f32. The forward saves each row's logsumexp for the backward,
 // which writes (softmax - onehot) * scale without materialising the softmax separately.
 #include <cmath>
 #include <limits>
@@ -49,9 +50,9 @@ void ce_forward(const Tensor& logits_in, const Tensor& target_in, const Tensor& 
       row_loss[r] = t == a.ignore_index ? 0.0 : l - static_cast<double>(C(xr[t]));
     }
   });
-  T* out = static_cast<T*>(loss.raw_data());
+  S* out = static_cast<S*>(loss.raw_data());  // the loss in the stats dtype
   if (a.reduction == Reduction::none) {
-    for (int64_t r = 0; r < n; ++r) out[r] = T(static_cast<C>(row_loss[r]));
+    for (int64_t r = 0; r < n; ++r) out[r] = static_cast<S>(row_loss[r]);
     return;
   }
   double total = 0;
@@ -62,7 +63,7 @@ void ce_forward(const Tensor& logits_in, const Tensor& target_in, const Tensor& 
   }
   // Mean over no counted targets is 0/0 = NaN, as in PyTorch.
   const double v = a.reduction == Reduction::sum ? total : total / static_cast<double>(count);
-  out[0] = T(static_cast<C>(v));
+  out[0] = static_cast<S>(v);
 }
 
 void cross_entropy_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
@@ -82,12 +83,12 @@ void ce_backward(std::span<const Tensor> in, const Tensor& dx, const Attrs& a) {
   const Tensor lse_t = contiguous_cpu(in[3]);
   const int64_t n = logits.shape()[0], c = logits.shape()[1];
   const T* xp = static_cast<const T*>(logits.raw_data());
-  const T* gp = static_cast<const T*>(g.raw_data());
+  const S* gp = static_cast<const S*>(g.raw_data());  // the loss's dtype
   const S* lse = static_cast<const S*>(lse_t.raw_data());
   T* dp = static_cast<T*>(dx.raw_data());
   double scale = 1.0;
   if (a.reduction != Reduction::none) {
-    scale = static_cast<double>(C(gp[0]));
+    scale = static_cast<double>(gp[0]);
     if (a.reduction == Reduction::mean) {
       int64_t count = 0;
       for (int64_t r = 0; r < n; ++r) count += load_index(target, r) != a.ignore_index;
@@ -103,7 +104,7 @@ void ce_backward(std::span<const Tensor> in, const Tensor& dx, const Attrs& a) {
         std::fill(dr, dr + c, T(0.0f));
         continue;
       }
-      const C s = static_cast<C>(a.reduction == Reduction::none ? static_cast<double>(C(gp[r])) : scale);
+      const C s = static_cast<C>(a.reduction == Reduction::none ? static_cast<double>(gp[r]) : scale);
       const C l = static_cast<C>(lse[r]);
       const T* xr = xp + r * c;
       // The target entry subtracts s before the one rounding to T: rounding p * s first

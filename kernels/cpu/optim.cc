@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/cpu/loops.h"
+#include "kernels/cpu/reduce_blocks.h"
 #include "kernels/cpu/update_checks.h"
 #include "tensor/op.h"
 #include "tensor/quant8.h"
@@ -595,6 +596,87 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
   for (std::span<const Tensor> t : tuples) sgd_one(t, a);
 }
 
+// The storage offset of x's logical element i.
+int64_t strided_offset(int64_t i, const Shape& shape, const Strides& strides) {
+  int64_t off = 0;
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
+    off += (i % shape[d]) * strides[d];
+    i /= shape[d];
+  }
+  return off;
+}
+
+// ---- sum_squares: one pass over many tensors -------------------------------------------
+// The sum of x[b, e)'s squares in f64, read in x's logical order: reduce.cc's
+// SumReducer<double>::run additions (16 lanes, folded, then the tail) on the squares, so a
+// tensor sums bitwise as sum(cast(x, f64) * cast(x, f64)) does. (Here for this target's
+// -ffp-contract=off: a square fused into the addition would round differently.)
+template <typename T>
+double squares_run(const Tensor& x, int64_t b, int64_t e) {
+  const T* base = static_cast<const T*>(x.raw_data());
+  const bool contiguous = x.is_contiguous();
+  const auto at = [&](int64_t i) {
+    const double v = static_cast<double>(compute_t<T>(
+        base[contiguous ? i : strided_offset(i, x.shape(), x.strides())]));
+    return v * v;
+  };
+  constexpr int kLanes = 16;
+  double lanes[kLanes] = {};
+  int64_t i = b;
+  for (; i + kLanes <= e; i += kLanes) {
+    double sq[kLanes];
+    for (int j = 0; j < kLanes; ++j) sq[j] = at(i + j);
+    for (int j = 0; j < kLanes; ++j) lanes[j] += sq[j];
+  }
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  }
+  double t = lanes[0];
+  for (; i < e; ++i) t += at(i);
+  return 0.0 + t;
+}
+
+// Each tensor's sum as sum()'s full reduction of its squares (from kReduceBlockThreshold
+// elements, blocks of kReduceBlock added in order), then the tensors' sums in order: bitwise the same for
+// any thread count, and what summing each tensor's sum(cast(x, f64) * cast(x, f64)) gives.
+// Every (tensor, block) is one part of a single parallel job.
+void sum_squares_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
+  struct Part {
+    size_t tensor;
+    int64_t begin, end;
+  };
+  std::vector<Part> parts;
+  std::vector<size_t> first(in.size() + 1, 0);
+  for (size_t t = 0; t < in.size(); ++t) {
+    first[t] = parts.size();
+    const int64_t n = in[t].numel();
+    if (n >= kReduceBlockThreshold) {
+      for (int64_t b = 0; b < n; b += kReduceBlock) {
+        parts.push_back({t, b, std::min(n, b + kReduceBlock)});
+      }
+    } else {
+      parts.push_back({t, 0, n});
+    }
+  }
+  first[in.size()] = parts.size();
+  std::vector<double> partial(parts.size(), 0.0);
+  parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      const Part& p = parts[static_cast<size_t>(k)];
+      visit_float_dtype(in[p.tensor].dtype(), "sum_squares", [&]<typename T>() {
+        partial[static_cast<size_t>(k)] = squares_run<T>(in[p.tensor], p.begin, p.end);
+      });
+    }
+  });
+  double total = 0.0;
+  for (size_t t = 0; t < in.size(); ++t) {
+    double s = partial[first[t]];
+    for (size_t k = first[t] + 1; k < first[t + 1]; ++k) s += partial[k];
+    total = t == 0 ? s : total + s;
+  }
+  *static_cast<double*>(out[0].raw_data()) = total;
+}
+
 // ---- scale_ -------------------------------------------------------------------------------
 // x = x * scale in x's compute type (f32 for f32, f16, bf16: the scale rounded to f32; f64),
 // rounded once to x's dtype. Every tensor's chunks are parts of one parallel job.
@@ -609,14 +691,8 @@ void scale_range(const Tensor& x, int64_t b, int64_t e, double scale) {
     for (int64_t i = b; i < e; ++i) base[i] = static_cast<T>(static_cast<C>(base[i]) * s);
     return;
   }
-  const Shape& shape = x.shape();
-  const Strides& strides = x.strides();
   for (int64_t i = b; i < e; ++i) {
-    int64_t off = 0, rest = i;
-    for (int64_t d = x.dim() - 1; d >= 0; --d) {
-      off += (rest % shape[d]) * strides[d];
-      rest /= shape[d];
-    }
+    const int64_t off = strided_offset(i, x.shape(), x.strides());
     base[off] = static_cast<T>(static_cast<C>(base[off]) * s);
   }
 }
@@ -627,15 +703,8 @@ void scale_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a)
     int64_t begin, end;
   };
   std::vector<Part> parts;
-  for (size_t t = 0; t < in.size(); ++t) {
-    const Tensor& x = in[t];
-    for (int64_t d = 0; d < x.dim(); ++d) {
-      TS_CHECK(x.shape()[d] <= 1 || x.strides()[d] != 0,
-               "scale_: tensor {} of {} is expanded (stride 0 in dim {} of {}): its elements "
-               "share locations and cannot each be scaled in place", t, in.size(), d,
-               shape_str(x.shape()));
-    }
-    const int64_t n = x.numel();
+  for (size_t t = 0; t < in.size(); ++t) {  // (call_inplace refused expanded layouts)
+    const int64_t n = in[t].numel();
     for (int64_t b = 0; b < n; b += kScaleChunk) parts.push_back({t, b, std::min(n, b + kScaleChunk)});
   }
   parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t b, int64_t e) {
@@ -653,6 +722,7 @@ TS_REGISTER_KERNEL(cpu, adamw8bit_, adamw8bit_kernel);
 TS_REGISTER_KERNEL(cpu, adamw8bit_segments_, adamw8bit_segments_kernel);
 TS_REGISTER_KERNEL(cpu, sgd_, sgd_kernel);
 TS_REGISTER_KERNEL(cpu, scale_, scale_kernel);
+TS_REGISTER_KERNEL(cpu, sum_squares, sum_squares_kernel);
 
 }  // namespace
 }  // namespace tessera::cpu

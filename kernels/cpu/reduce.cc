@@ -13,14 +13,15 @@
 #include <limits>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/reduce_blocks.h"
 #include "tensor/internal/meta_util.h"
 #include "tensor/op.h"
 
 namespace tessera::cpu {
 namespace {
 
-constexpr int64_t kBlock = 1 << 14;        // reduced elements per block in the blocks loop
-constexpr int64_t kBlockThreshold = 1 << 16;  // reduced size from which blocks are used
+constexpr int64_t kBlock = kReduceBlock;  // reduced elements per block in the blocks loop
+constexpr int64_t kBlockThreshold = kReduceBlockThreshold;  // reduced size from which blocks are used
 constexpr int64_t kOuterChunk = 256;       // outputs per chunk in the outer loop
 
 // ---- reducers ----------------------------------------------------------------------------
@@ -344,76 +345,7 @@ void var_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& 
   });
 }
 
-// ---- sum_squares: one pass over many tensors -------------------------------------------
-// The sum of x[b, e)'s squares in f64, read in x's logical order: SumReducer<double>::run's
-// additions (16 lanes, folded, then the tail) on the squares, so a tensor sums bitwise as
-// sum(cast(x, f64) * cast(x, f64)) does.
-template <typename T>
-double squares_run(const Tensor& x, int64_t b, int64_t e) {
-  const T* base = static_cast<const T*>(x.raw_data());
-  const bool contiguous = x.is_contiguous();
-  const auto at = [&](int64_t i) {
-    const double v = static_cast<double>(compute_t<T>(
-        base[contiguous ? i : offset_of(i, x.shape(), x.strides())]));
-    return v * v;
-  };
-  constexpr int kLanes = 16;
-  double lanes[kLanes] = {};
-  int64_t i = b;
-  for (; i + kLanes <= e; i += kLanes) {
-    double sq[kLanes];
-    for (int j = 0; j < kLanes; ++j) sq[j] = at(i + j);
-    for (int j = 0; j < kLanes; ++j) lanes[j] += sq[j];
-  }
-  for (int w = kLanes / 2; w > 0; w /= 2) {
-    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
-  }
-  double t = lanes[0];
-  for (; i < e; ++i) t += at(i);
-  return 0.0 + t;
-}
-
-// Each tensor's sum as sum()'s full reduction of its squares (from kBlockThreshold elements
-// blocks of kBlock, added in order), then the tensors' sums in order: bitwise the same for
-// any thread count, and what summing each tensor's sum(cast(x, f64) * cast(x, f64)) gives.
-// Every (tensor, block) is one part of a single parallel job.
-void sum_squares_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
-  struct Part {
-    size_t tensor;
-    int64_t begin, end;
-  };
-  std::vector<Part> parts;
-  std::vector<size_t> first(in.size() + 1, 0);
-  for (size_t t = 0; t < in.size(); ++t) {
-    first[t] = parts.size();
-    const int64_t n = in[t].numel();
-    if (n >= kBlockThreshold) {
-      for (int64_t b = 0; b < n; b += kBlock) parts.push_back({t, b, std::min(n, b + kBlock)});
-    } else {
-      parts.push_back({t, 0, n});
-    }
-  }
-  first[in.size()] = parts.size();
-  std::vector<double> partial(parts.size(), 0.0);
-  parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) {
-      const Part& p = parts[static_cast<size_t>(k)];
-      visit_float_dtype(in[p.tensor].dtype(), "sum_squares", [&]<typename T>() {
-        partial[static_cast<size_t>(k)] = squares_run<T>(in[p.tensor], p.begin, p.end);
-      });
-    }
-  });
-  double total = 0.0;
-  for (size_t t = 0; t < in.size(); ++t) {
-    double s = partial[first[t]];
-    for (size_t k = first[t] + 1; k < first[t + 1]; ++k) s += partial[k];
-    total = t == 0 ? s : total + s;
-  }
-  *static_cast<double*>(out[0].raw_data()) = total;
-}
-
 TS_REGISTER_KERNEL(cpu, sum, sum_kernel);
-TS_REGISTER_KERNEL(cpu, sum_squares, sum_squares_kernel);
 TS_REGISTER_KERNEL(cpu, mean, mean_kernel);
 TS_REGISTER_KERNEL(cpu, max, max_kernel);
 TS_REGISTER_KERNEL(cpu, argmax, argmax_kernel);

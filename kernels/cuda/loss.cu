@@ -19,7 +19,7 @@ __device__ __forceinline__ int64_t load_target(const void* t, bool i64, int64_t 
 template <typename T>
 __global__ void ce_forward_kernel(const T* __restrict__ x, const void* target, bool t64,
                                   int64_t c, int64_t ignore_index, stats_t<T>* __restrict__ lse,
-                                  double* __restrict__ row_loss, T* __restrict__ loss_none,
+                                  double* __restrict__ row_loss, stats_t<T>* __restrict__ loss_none,
                                   DeviceErrorRecord* err) {
   using A = acc_type<T>;
   constexpr int VEC = kVec<T>;
@@ -52,14 +52,15 @@ __global__ void ce_forward_kernel(const T* __restrict__ x, const void* target, b
       rl = l - static_cast<double>(to_acc(xr[tg]));
     }
   }
-  if (loss_none) loss_none[r] = from_acc<T>(static_cast<A>(rl));
+  if (loss_none) loss_none[r] = static_cast<stats_t<T>>(rl);
   else row_loss[r] = rl;
 }
 
 // mean / sum of the row losses in a fixed order (one block).
 template <typename T>
 __global__ void ce_reduce_kernel(const double* __restrict__ row_loss, const void* target, bool t64,
-                                 int64_t n, int64_t ignore_index, bool mean, T* __restrict__ out) {
+                                 int64_t n, int64_t ignore_index, bool mean,
+                                 stats_t<T>* __restrict__ out) {
   double s = 0, cnt = 0;
   for (int64_t r = threadIdx.x; r < n; r += blockDim.x) {
     s += row_loss[r];
@@ -69,13 +70,13 @@ __global__ void ce_reduce_kernel(const double* __restrict__ row_loss, const void
   cnt = block_sum(cnt);
   if (threadIdx.x == 0) {
     const double v = mean ? s / cnt : s;  // no counted targets: 0/0 = NaN, as on the CPU
-    out[0] = from_acc<T>(static_cast<acc_type<T>>(v));
+    out[0] = static_cast<stats_t<T>>(v);
   }
 }
 
 // The mean/sum scale: grad * (1 / count for mean), in f64 (one block).
 template <typename T>
-__global__ void ce_scale_kernel(const T* __restrict__ grad, const void* target, bool t64, int64_t n,
+__global__ void ce_scale_kernel(const stats_t<T>* __restrict__ grad, const void* target, bool t64, int64_t n,
                                 int64_t ignore_index, bool mean, double* __restrict__ scale) {
   double cnt = 0;
   if (mean) {
@@ -85,7 +86,7 @@ __global__ void ce_scale_kernel(const T* __restrict__ grad, const void* target, 
     cnt = block_sum(cnt);
   }
   if (threadIdx.x == 0) {
-    const double g = static_cast<double>(to_acc(grad[0]));
+    const double g = static_cast<double>(grad[0]);
     scale[0] = mean ? g / cnt : g;
   }
 }
@@ -93,7 +94,8 @@ __global__ void ce_scale_kernel(const T* __restrict__ grad, const void* target, 
 // dx = exp(x - lse) * s, minus s at the target before the one rounding (the CPU's order).
 template <typename T>
 __global__ void ce_backward_kernel(const T* __restrict__ x, const void* target, bool t64,
-                                   const stats_t<T>* __restrict__ lse, const T* __restrict__ grad,
+                                   const stats_t<T>* __restrict__ lse,
+                                   const stats_t<T>* __restrict__ grad,
                                    const double* __restrict__ scale, int64_t c,
                                    int64_t ignore_index, bool vec_ok, T* __restrict__ dx,
                                    DeviceErrorRecord* err) {
@@ -113,7 +115,7 @@ __global__ void ce_backward_kernel(const T* __restrict__ x, const void* target, 
     for (int64_t i = threadIdx.x; i < c; i += blockDim.x) dr[i] = from_acc<T>(A(0));
     return;
   }
-  const A s = static_cast<A>(grad ? static_cast<double>(to_acc(grad[r])) : scale[0]);
+  const A s = static_cast<A>(grad ? static_cast<double>(grad[r]) : scale[0]);
   const A l = static_cast<A>(lse[r]);
   auto one = [&](int64_t i, T xv) {
     const A v = mul_rn(dexp(sub_rn(to_acc(xv), l)), s);
@@ -158,11 +160,11 @@ void launch_cross_entropy(const DevTensor& loss, const DevTensor& lse, const Dev
     if (n > 0) {
       ce_forward_kernel<T><<<n, ce_threads(c), 0, stream>>>(
           typed<T>(logits), target.data, t64, c, ignore_index, typed<S>(lse), row_loss,
-          reduction == 2 ? typed<T>(loss) : nullptr, err);
+          reduction == 2 ? typed<S>(loss) : nullptr, err);
     }
     if (reduction != 2) {
       ce_reduce_kernel<T><<<1, 1024, 0, stream>>>(row_loss, target.data, t64, n, ignore_index,
-                                                  reduction == 0, typed<T>(loss));
+                                                  reduction == 0, typed<S>(loss));
     }
   });
   check_launch("cross_entropy");
@@ -180,14 +182,14 @@ void launch_cross_entropy_backward(const DevTensor& dx, const DevTensor& grad,
     using S = stats_t<T>;
     double* scale = static_cast<double*>(workspace);
     if (reduction != 2) {
-      ce_scale_kernel<T><<<1, 1024, 0, stream>>>(typed<T>(grad), target.data, t64, n,
+      ce_scale_kernel<T><<<1, 1024, 0, stream>>>(typed<S>(grad), target.data, t64, n,
                                                  ignore_index, reduction == 0, scale);
     }
     // 16-byte vectors need x and dx at the same offset from a 16-byte boundary.
     const bool vec_ok = (reinterpret_cast<uintptr_t>(logits.data) - reinterpret_cast<uintptr_t>(dx.data)) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(logits.data) % sizeof(T) == 0;
     ce_backward_kernel<T><<<n, ce_threads(c), 0, stream>>>(
-        typed<T>(logits), target.data, t64, typed<S>(lse), reduction == 2 ? typed<T>(grad) : nullptr,
+        typed<T>(logits), target.data, t64, typed<S>(lse), reduction == 2 ? typed<S>(grad) : nullptr,
         scale, c, ignore_index, vec_ok, typed<T>(dx), err);
   });
   check_launch("cross_entropy_backward");

@@ -156,23 +156,15 @@ void scale_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a)
   DeviceGuard guard(d);
   const cudaStream_t stream = compute_stream(d);
   for (size_t t = 0; t < in.size(); ++t) {
-    const Tensor& x = in[t];
-    for (int64_t k = 0; k < x.dim(); ++k) {
-      TS_CHECK(x.shape()[k] <= 1 || x.strides()[k] != 0,
-               "scale_: tensor {} of {} is expanded (stride 0 in dim {} of {}): its elements "
-               "share locations and cannot each be scaled in place", t, in.size(), k,
-               shape_str(x.shape()));
-    }
-    if (x.is_contiguous()) {
-      const DevTensor dx = dev_tensor(x);
-      run_launch("scale_", d, [&] { launch_scale(dx, a.scale, stream); });
-      continue;
-    }
-    const Tensor c = Tensor::empty(x.shape(), x.dtype(), d);
-    copy_cuda(c, x);
-    const DevTensor dc = dev_tensor(c);
+    const Tensor& x = in[t];  // (call_inplace refused expanded layouts)
+    const bool direct = x.is_contiguous();
+    const Tensor c = direct ? x : Tensor::empty(x.shape(), x.dtype(), d);
+    if (!direct) copy_cuda(c, x);
+    // As a flat run of elements (any number of dims).
+    const DevTensor dc =
+        dev_tensor(Tensor::from_storage(c.storage(), {c.numel()}, {1}, c.offset(), c.dtype()));
     run_launch("scale_", d, [&] { launch_scale(dc, a.scale, stream); });
-    copy_cuda(x, c);
+    if (!direct) copy_cuda(x, c);
   }
 }
 

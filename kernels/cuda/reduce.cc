@@ -122,7 +122,8 @@ void sum_squares_kernel(std::span<const Tensor> in, std::span<Tensor> out, const
       copy_cuda(c, x);
     }
     keep.push_back(c);
-    xs.push_back(dev_tensor(c));
+    // As a flat run of elements (any number of dims).
+    xs.push_back(dev_tensor(Tensor::from_storage(c.storage(), {c.numel()}, {1}, c.offset(), c.dtype())));
     most = std::max(most, squares_blocks(x.numel()));
   }
   const Tensor ws = Tensor::empty({static_cast<int64_t>(in.size()) + most}, DType::f64, device);

@@ -73,7 +73,8 @@ LoopResult run_loop(Replica& replica, const LoopOptions& o, StepMeter& meter,
     bool skipped = false, poisoned = false;  // poisoned: an inf/NaN norm was applied
     if (o.skip_nonfinite) {
       // Decided before the update, on values every rank shares: the global batch's loss and
-      // the gradients' global norm (which clipping computes anyway).
+      // the gradients' global norm (which clipping computes anyway; with 1-bit Adam after its
+      // warm-up each dp rank's own norm, whose finiteness the ranks agree on).
       const double loss_now = over_ranks(replica, rank_loss(), 0).first;
       const std::optional<double> n = replica.grad_norm(o.clip);
       norm = n ? *n : std::numeric_limits<double>::infinity();  // the scaler found inf/NaN

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "autograd/aux_loss.h"
@@ -409,7 +410,18 @@ double Gpt3d::clip_grad_norm(double max_norm) {
     parallel::CommCause cause("gpt3d clip_grad_norm");
     (s.replica ? *s.replica : *s.world).all_reduce(total, parallel::ReduceOp::sum);
   }
-  const double norm = std::sqrt(total.item<double>());
+  double norm = std::sqrt(total.item<double>());
+  if (s.replica) {
+    // Each dp rank's own norm: whether one is inf/NaN is agreed over the world, so that every
+    // rank skips (or stops on) the same steps and none waits in 1-bit Adam's reduction for a
+    // rank that skipped.
+    Tensor bad = Tensor::from_vector<double>({std::isfinite(norm) ? 0.0 : 1.0}, {1});
+    {
+      parallel::CommCause cause("gpt3d non-finite gradient norm", parallel::CommKind::control);
+      s.world->all_reduce(bad, parallel::ReduceOp::max);
+    }
+    if (bad.item<double>() > 0 && std::isfinite(norm)) norm = std::numeric_limits<double>::infinity();
+  }
   // optim::clip_grad_norm's rule: scale by max / (norm + 1e-6) when above the limit.
   if (max_norm > 0 && std::isfinite(norm) && max_norm / (norm + 1e-6) < 1.0) {
     s.zero->scale_grads(max_norm / (norm + 1e-6));

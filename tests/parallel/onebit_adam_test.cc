@@ -341,6 +341,53 @@ TEST_CASE("1-bit Adam under a summing DDP (each rank a share of the mean) takes 
   }
 }
 
+TEST_CASE("1-bit Adam under ZeRO 0: each rank clips by its own norm; an inf/NaN norm on one rank is every rank's") {
+  // After the warm-up each rank keeps its own gradient. A rank whose gradient is not finite
+  // must not be the only one to skip the step (the others would wait for it in the 1-bit
+  // all-reduce): ZeroDataParallel::clip_grad_norm agrees on non-finite norms over the group.
+  for (bool nan_on_rank1 : {false, true}) {
+    CAPTURE(nan_on_rank1);
+    std::vector<double> norms(2), own(2);
+    run_threads(2, [&](CommPtr world) {
+      Params model(DType::f64);
+      auto hook = std::make_shared<OnebitAdamHook>();
+      ZeroDataParallel zero(model, *world, {.stage = 0, .comm_hook = hook});
+      OnebitAdam opt(zero.param_groups(kLr, kWd), *world,
+                     OnebitAdamOptions{.lr = kLr, .freeze_step = 1}, hook);
+      const nn::NamedTensors named = model.named_parameters();
+      for (int t = 0; t < 2; ++t) {
+        zero.zero_grad();
+        size_t k = 0;
+        for (const auto& [name, p] : named) {
+          Vec g = grad_values(world->rank(), t, k++, p.numel());
+          if (t == 1 && nan_on_rank1 && world->rank() == 1) g[0] = std::nan("");
+          p.set_grad(Tensor::from_vector<double>(g, p.shape()));
+        }
+        zero.finish();
+        if (t == 0) {  // the warm-up step: the mean, the same norm everywhere
+          zero.clip_grad_norm(1e9);
+          opt.step();
+          continue;
+        }
+        double sq = 0;  // this rank's own norm, from its own values
+        k = 0;
+        for (const auto& [name, p] : named) {
+          for (double v : grad_values(world->rank(), t, k++, p.numel())) sq += v * v;
+        }
+        own[static_cast<size_t>(world->rank())] = std::sqrt(sq);
+        norms[static_cast<size_t>(world->rank())] = zero.clip_grad_norm(1e9);
+      }
+    });
+    if (!nan_on_rank1) {
+      for (size_t r = 0; r < 2; ++r) CHECK(std::abs(norms[r] - own[r]) <= 1e-12 * own[r]);
+      CHECK(norms[0] != norms[1]);
+    } else {
+      CHECK(std::isinf(norms[0]));  // rank 0's own norm is finite, but rank 1's is not
+      CHECK(std::isnan(norms[1]));
+    }
+  }
+}
+
 TEST_CASE("1-bit Adam: after the warm-up each step sends the 1-bit all-reduce's bytes") {
   const Setup s{.ranks = 4, .dtype = DType::f32, .freeze = 2};
   const std::vector<RankRun> got = run(s, 0, 4);

@@ -295,7 +295,8 @@ OpSweep cross_entropy_sweep() {
     c.ref = [ce](const Arrays& in, DType) {
       return ref::cross_entropy(in[0], in[1], to_ref(ce.reduction), ce.ignore_index);
     };
-    c.out_dtype = [](DType dt, size_t k) { return k == 0 || dt == DType::f64 ? dt : DType::f32; };
+    // The loss and the logsumexp in the stats dtype (f32 for 16-bit logits).
+    c.out_dtype = [](DType dt, size_t) { return dt == DType::f64 ? dt : DType::f32; };
     s.cases.push_back(std::move(c));
   }
   s.extra = [] {
@@ -323,7 +324,9 @@ OpSweep cross_entropy_backward_sweep() {
     const Shape grad = ce.reduction == Reduction::none ? Shape{ce.n} : Shape{};
     Arg lse = arg({ce.n});
     lse.stats = true;
-    c.args = {arg(grad, normal(1)), arg({ce.n, ce.c}, normal(3)), target_arg(ce), lse};
+    Arg grad_arg = arg(grad, normal(1));
+    grad_arg.stats = true;  // the loss's gradient, in the loss's (stats) dtype
+    c.args = {grad_arg, arg({ce.n, ce.c}, normal(3)), target_arg(ce), lse};
     c.attrs.reduction = ce.reduction;
     c.attrs.ignore_index = ce.ignore_index;
     c.prepare = [](Arrays& in, DType) {

@@ -778,6 +778,14 @@ OpSweep scale_sweep() {
     expect_error("scale_ of an i32 tensor", [] { scale_({zeros({2}, DType::i32)}, 2.0); });
     expect_error("scale_ by infinity", [] { scale_({zeros({2})}, INFINITY); });
     expect_error("scale_ of an expanded tensor", [] { scale_({zeros({1}).expand({4})}, 2.0); });
+    expect_error("scale_ of one tensor twice", [] {
+      const Tensor x = zeros({4});
+      scale_({x, x}, 2.0);
+    });
+    expect_error("scale_ of overlapping slices", [] {
+      const Tensor x = zeros({8});
+      scale_({x.slice(0, 0, 5, 1), x.slice(0, 4, 8, 1)}, 2.0);
+    });
     inplace_effects([](const Tensors& in) { scale_({in[0], in[1]}, 0.5); }, 2, {0, 1}, "scale_");
     // What clipping did before, per tensor, bitwise: copy_(x, x * k) (16-bit through f32).
     const double k = 0.123456789;
