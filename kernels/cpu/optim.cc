@@ -14,6 +14,7 @@
 
 #include "kernels/cpu/loops.h"
 #include "kernels/cpu/reduce_blocks.h"
+#include "kernels/cpu/util.h"
 #include "kernels/cpu/update_checks.h"
 #include "tensor/op.h"
 #include "tensor/quant8.h"
@@ -596,16 +597,6 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
   for (std::span<const Tensor> t : tuples) sgd_one(t, a);
 }
 
-// The storage offset of x's logical element i.
-int64_t strided_offset(int64_t i, const Shape& shape, const Strides& strides) {
-  int64_t off = 0;
-  for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
-    off += (i % shape[d]) * strides[d];
-    i /= shape[d];
-  }
-  return off;
-}
-
 // ---- sum_squares: one pass over many tensors -------------------------------------------
 // The sum of x[b, e)'s squares in f64, read in x's logical order: reduce.cc's
 // SumReducer<double>::run additions (16 lanes, folded, then the tail) on the squares, so a
@@ -617,7 +608,7 @@ double squares_run(const Tensor& x, int64_t b, int64_t e) {
   const bool contiguous = x.is_contiguous();
   const auto at = [&](int64_t i) {
     const double v = static_cast<double>(compute_t<T>(
-        base[contiguous ? i : strided_offset(i, x.shape(), x.strides())]));
+        base[contiguous ? i : offset_of(i, x.shape(), x.strides())]));
     return v * v;
   };
   constexpr int kLanes = 16;
@@ -692,7 +683,7 @@ void scale_range(const Tensor& x, int64_t b, int64_t e, double scale) {
     return;
   }
   for (int64_t i = b; i < e; ++i) {
-    const int64_t off = strided_offset(i, x.shape(), x.strides());
+    const int64_t off = offset_of(i, x.shape(), x.strides());
     base[off] = static_cast<T>(static_cast<C>(base[off]) * s);
   }
 }

@@ -14,6 +14,7 @@
 
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/reduce_blocks.h"
+#include "kernels/cpu/util.h"
 #include "tensor/internal/meta_util.h"
 #include "tensor/op.h"
 
@@ -194,15 +195,7 @@ Layout make_layout(const Tensor& x, const std::vector<int64_t>& rdims) {
   return l;
 }
 
-// Offset of linear index `i` of a coalesced group.
-int64_t offset_of(int64_t i, const Shape& shape, const Strides& strides) {
-  int64_t off = 0;
-  for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
-    off += (i % shape[d]) * strides[d];
-    i /= shape[d];
-  }
-  return off;
-}
+// (offset_of, kernels/cpu/util.h: the offset of linear index `i` of a coalesced group.)
 
 // Reduces reduced-space indices [rbegin, rend) of the input block at `base` into s.
 template <typename T, typename R>

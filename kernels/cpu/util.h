@@ -14,6 +14,17 @@ Tensor contiguous_cpu(const Tensor& t);
 // Copies src (broadcast to dst's shape, any dtype) into dst (any strides, any dtype).
 void copy_cpu(const Tensor& dst, const Tensor& src);
 
+// The storage offset (from the tensor's own offset) of linear index `i` in row-major order
+// over `shape` with `strides`.
+inline int64_t offset_of(int64_t i, const Shape& shape, const Strides& strides) {
+  int64_t off = 0;
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {
+    off += (i % shape[d]) * strides[d];
+    i /= shape[d];
+  }
+  return off;
+}
+
 // A contiguous tensor viewed as [outer, size(dim), inner].
 struct Split3 {
   int64_t outer = 1, mid = 1, inner = 1;
