@@ -33,7 +33,7 @@ WorkHandle OnebitAdamHook::reduce(Communicator& comm, const GradBucket& b) {
   // Each rank keeps its own estimate of the reduction: its gradient (the mean's), times the
   // group size where DDP sums (gpt's ranks backpropagate shares of the mean), so a clip
   // before the step measures what the optimizer takes, on the exact reduction's scale.
-  if (!b.average) b.buffer.copy_(b.buffer * static_cast<double>(comm.size()));
+  if (!b.average) scale_({b.buffer}, static_cast<double>(comm.size()));  // in place, no copy
   // The step after this round sends each momentum through
   // onebit_all_reduce, whose bytes (onebit.h: padded / 4 (W - 1) / W + 8 (W - 1)) are an f32
   // all-reduce's of padded / 32 + W elements, counted here so the round reports them.

@@ -310,16 +310,8 @@ std::vector<TensorSpec> adafactor_apply_meta(std::span<const TensorSpec> in, con
 
 // scale_(x1, ..., xk): floating tensors on one device, each written in place; a finite scale.
 std::vector<TensorSpec> scale_meta(std::span<const TensorSpec> in, const Attrs& a) {
-  TS_CHECK(!in.empty(), "scale_: expected at least one tensor, got none");
-  for (size_t i = 0; i < in.size(); ++i) {
-    TS_CHECK(in[i].defined, "scale_: tensor {} of {} is an undefined tensor", i, in.size());
-    TS_CHECK(is_floating(in[i].dtype),
-             "scale_: tensor {} of {} must be floating (f32, f64, f16, bf16), got {} {}", i,
-             in.size(), in[i].dtype, shape_str(in[i].shape));
-    TS_CHECK(in[i].device == in[0].device, "scale_: tensor {} of {} is on {}, tensor 0 on {}", i,
-             in.size(), in[i].device, in[0].device);
-  }
-  TS_CHECK(std::isfinite(a.scale), "scale_: the scale must be finite, got {}", a.scale);
+  require_floats_on_one_device(OpId::scale_, in);
+  check_finite(OpId::scale_, a.scale, "the scale");
   return {};
 }
 

@@ -47,16 +47,7 @@ std::vector<TensorSpec> argmax_meta(std::span<const TensorSpec> in, const Attrs&
 
 // sum_squares(x1, ..., xk): floating tensors of any shapes on one device -> f64 [].
 std::vector<TensorSpec> sum_squares_meta(std::span<const TensorSpec> in, const Attrs&) {
-  TS_CHECK(!in.empty(), "sum_squares: expected at least one tensor, got none");
-  for (size_t i = 0; i < in.size(); ++i) {
-    TS_CHECK(in[i].defined, "sum_squares: tensor {} of {} is an undefined tensor", i, in.size());
-    TS_CHECK(is_floating(in[i].dtype),
-             "sum_squares: tensor {} of {} must be floating (f32, f64, f16, bf16), got {} {}", i,
-             in.size(), in[i].dtype, shape_str(in[i].shape));
-    TS_CHECK(in[i].device == in[0].device,
-             "sum_squares: tensor {} of {} is on {}, tensor 0 on {}", i, in.size(), in[i].device,
-             in[0].device);
-  }
+  require_floats_on_one_device(OpId::sum_squares, in);
   return {spec({}, DType::f64, in[0].device)};
 }
 

@@ -50,6 +50,20 @@ inline void require_ndim(OpId op, const TensorSpec& t, int64_t ndim, const char*
            name_of(op), what, ndim, shape_str(t.shape));
 }
 
+// The inputs of a multi-tensor op (sum_squares, scale_): at least one, each defined and
+// floating, all on input 0's device.
+inline void require_floats_on_one_device(OpId op, std::span<const TensorSpec> in) {
+  TS_CHECK(!in.empty(), "{}: expected at least one tensor, got none", name_of(op));
+  for (size_t i = 0; i < in.size(); ++i) {
+    TS_CHECK(in[i].defined, "{}: tensor {} of {} is an undefined tensor", name_of(op), i, in.size());
+    TS_CHECK(is_floating(in[i].dtype),
+             "{}: tensor {} of {} must be floating (f32, f64, f16, bf16), got {} {}", name_of(op),
+             i, in.size(), in[i].dtype, shape_str(in[i].shape));
+    TS_CHECK(in[i].device == in[0].device, "{}: tensor {} of {} is on {}, tensor 0 on {}",
+             name_of(op), i, in.size(), in[i].device, in[0].device);
+  }
+}
+
 inline TensorSpec spec(Shape shape, DType dtype, Device device) {
   return TensorSpec{std::move(shape), dtype, device, true};
 }
