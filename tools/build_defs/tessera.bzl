@@ -112,3 +112,17 @@ def ts_cuda_library(name, srcs, hdrs = [], extra_hdrs = [], deps = [], nvcc_flag
         tags = tags,
         **kwargs
     )
+
+def _ts_link_only_impl(ctx):
+    return [CcInfo(linking_context = ctx.attr.dep[CcInfo].linking_context)]
+
+ts_link_only = rule(
+    implementation = _ts_link_only_impl,
+    attrs = {"dep": attr.label(providers = [CcInfo], mandatory = True)},
+    doc = """A cc library's objects and link flags without its headers.
+
+    Dependents link the library but do not compile against it: under --config=cuda, the
+    CUDA backend's and the toolkit's headers would otherwise become inputs of every compile
+    action above //tensor, and the CUDA build would recompile the whole tree instead of
+    reusing the CPU build's objects (the two configurations share one output tree).""",
+)
