@@ -3,7 +3,8 @@
 // dtypes compute in f32 (16-bit inputs widened once, results rounded once) as blocks of
 // query rows through the project's GEMM: scores for a block of rows against the keys it may
 // see, a row softmax, then products with V (forward) or the five products of the backward,
-// with P recomputed from the saved lse. The blocking is fixed by T alone. Unlike the spec,
+// with P recomputed from the saved lse (exp over packets: vec_math.h). The blocking is fixed
+// by T alone. Unlike the spec,
 // a causal block multiplies the zero probabilities of its rows' future keys (up to 63 of
 // them) with those keys' values, so a non-finite v_j (or dO_i) reaches rows i < j of its
 // block as NaN, where the spec leaves them finite.
@@ -22,6 +23,7 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/util.h"
+#include "kernels/cpu/vec_math.h"
 #include "tensor/op.h"
 
 namespace tessera::cpu {
@@ -59,11 +61,7 @@ void softmax_rows(float* s, int64_t rows, int64_t ld, int64_t keys, int64_t i0, 
     const int64_t n = causal ? std::min(keys, i0 + r + 1) : keys;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
-    float sum = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
+    const float sum = exp_affine(row, row, n, 1.0f, mx);
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < n; ++j) row[j] *= inv;
     std::fill(row + n, row + keys, 0.0f);
@@ -138,7 +136,7 @@ void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, c
           float* row = prob.data() + r * t;
           const int64_t n = a.causal ? std::min(keys, i0 + r + 1) : keys;
           const float li = lp[p * t + i0 + r];
-          for (int64_t j = 0; j < n; ++j) row[j] = std::exp(scale * row[j] - li);
+          exp_affine(row, row, n, scale, li);
           std::fill(row + n, row + keys, 0.0f);
           di[r] = dot(gb + r * dh, opp + base + (i0 + r) * dh, dh);
         }

@@ -2,11 +2,13 @@
 // mean/sum/none reductions; 16-bit logits are read as they are and the loss (and its
 // gradient coming back) is f32. The forward saves each row's logsumexp for the backward,
 // which writes (softmax - onehot) * scale without materialising the softmax separately.
+// f32 and 16-bit logits take their exps over packets (vec_math.h), f64 through libm.
 #include <cmath>
 #include <limits>
 
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/util.h"
+#include "kernels/cpu/vec_math.h"
 #include "tensor/op.h"
 
 namespace tessera::cpu {
@@ -25,6 +27,19 @@ void check_target(const char* op, int64_t target, int64_t row, int64_t classes,
   }
 }
 
+// Logits a chunk at a time through f32 (exp_affine's input): f32 rows as they are, 16-bit
+// ones widened into `buf`.
+constexpr int64_t kChunk = 1024;
+template <typename T>
+const float* as_f32(const T* x, int64_t m, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    for (int64_t i = 0; i < m; ++i) buf[i] = float(x[i]);
+    return buf.data();
+  }
+}
+
 template <typename T>
 void ce_forward(const Tensor& logits_in, const Tensor& target_in, const Tensor& loss,
                 const Tensor& lse_out, const Attrs& a) {
@@ -37,6 +52,7 @@ void ce_forward(const Tensor& logits_in, const Tensor& target_in, const Tensor& 
   S* lse = static_cast<S*>(lse_out.raw_data());
   std::vector<double> row_loss(n, 0.0);
   parallel_for(0, n, std::max<int64_t>(1, kElementwiseGrain / c), [&](int64_t b, int64_t e) {
+    std::vector<float> chunk(std::is_same_v<C, float> ? std::min(kChunk, c) : 0);
     for (int64_t r = b; r < e; ++r) {
       const int64_t t = load_index(target, r);
       check_target("cross_entropy", t, r, c, a.ignore_index);
@@ -44,7 +60,16 @@ void ce_forward(const Tensor& logits_in, const Tensor& target_in, const Tensor& 
       C mx = -std::numeric_limits<C>::infinity();
       for (int64_t i = 0; i < c; ++i) mx = std::max<C>(mx, C(xr[i]));
       double s = 0;
-      for (int64_t i = 0; i < c; ++i) s += std::exp(static_cast<double>(C(xr[i]) - mx));
+      if constexpr (std::is_same_v<C, float>) {
+        // exp over packets (vec_math.h), a chunk at a time: each chunk's sum in f32 lanes,
+        // the chunks' in f64.
+        for (int64_t i = 0; i < c; i += kChunk) {
+          const int64_t m = std::min(kChunk, c - i);
+          s += exp_affine(as_f32(xr + i, m, chunk), chunk.data(), m, 1.0f, mx);
+        }
+      } else {
+        for (int64_t i = 0; i < c; ++i) s += std::exp(static_cast<double>(C(xr[i]) - mx));
+      }
       const double l = static_cast<double>(mx) + std::log(s);
       lse[r] = static_cast<S>(l);
       row_loss[r] = t == a.ignore_index ? 0.0 : l - static_cast<double>(C(xr[t]));
@@ -96,6 +121,8 @@ void ce_backward(std::span<const Tensor> in, const Tensor& dx, const Attrs& a) {
     }
   }
   parallel_for(0, n, std::max<int64_t>(1, kElementwiseGrain / c), [&](int64_t b, int64_t e) {
+    std::vector<float> chunk(std::is_same_v<C, float> ? std::min(kChunk, c) : 0);
+    std::vector<float> probs(std::is_same_v<C, float> ? std::min(kChunk, c) : 0);
     for (int64_t r = b; r < e; ++r) {
       const int64_t t = load_index(target, r);
       check_target("cross_entropy_backward", t, r, c, a.ignore_index);
@@ -109,9 +136,20 @@ void ce_backward(std::span<const Tensor> in, const Tensor& dx, const Attrs& a) {
       const T* xr = xp + r * c;
       // The target entry subtracts s before the one rounding to T: rounding p * s first
       // would lose the cancelling digits in 16-bit dtypes.
-      for (int64_t i = 0; i < c; ++i) {
-        const C v = std::exp(C(xr[i]) - l) * s;
-        dr[i] = T(i == t ? v - s : v);
+      if constexpr (std::is_same_v<C, float>) {
+        for (int64_t i0 = 0; i0 < c; i0 += kChunk) {
+          const int64_t m = std::min(kChunk, c - i0);
+          exp_affine(as_f32(xr + i0, m, chunk), probs.data(), m, 1.0f, l);
+          for (int64_t i = 0; i < m; ++i) {
+            const C v = probs[i] * s;
+            dr[i0 + i] = T(i0 + i == t ? v - s : v);
+          }
+        }
+      } else {
+        for (int64_t i = 0; i < c; ++i) {
+          const C v = std::exp(C(xr[i]) - l) * s;
+          dr[i] = T(i == t ? v - s : v);
+        }
       }
     }
   });

@@ -38,7 +38,7 @@ struct Options {
   int warmup = 3;
   double min_ms = 20.0;
   std::string json_path;  // empty: no JSON
-  std::string only;       // "gemm", "memory" or empty for both
+  std::string only;       // "gemm", "memory", "attention" or empty for all
 };
 
 struct Result {
@@ -134,6 +134,32 @@ void bench_memory(const Options& opts, std::vector<Result>& out) {
   add("softmax_lastdim_4096x4096", 2 * kRows * kCols * kF, [&] { return tessera::softmax(m, -1); });
 }
 
+// Causal attention at GPT-mini's shape (B16 H4 T128 D32, f32): forward, and forward +
+// backward. FLOPs count the causal half of the four (forward: two) T x T x D products, as
+// torch_peer.py's composite does.
+void bench_attention(const Options& opts, std::vector<Result>& results) {
+  constexpr int64_t B = 16, H = 4, T = 128, D = 32;
+  const Tensor q = tessera::randn({B, H, T, D}), k = tessera::randn({B, H, T, D});
+  const Tensor v = tessera::randn({B, H, T, D}), dout = tessera::randn({B, H, T, D});
+  const double product = double(B * H) * T * (T + 1) / 2 * D * 2;  // one causal T x T x D
+  const auto add = [&](const std::string& name, double flops, const std::function<void()>& op) {
+    const double ms = median_ms(opts, op);
+    results.push_back({name, "GFLOP/s", flops / (ms * 1e6), ms, opts.reps});
+  };
+  {
+    tessera::NoGradGuard no_grad;
+    add("attention_causal_fwd_b16h4t128d32", 2 * product,
+        [&] { consume(tessera::attention(q, k, v, /*causal=*/true)); });
+  }
+  const Tensor qg = q.detach().requires_grad_(), kg = k.detach().requires_grad_();
+  const Tensor vg = v.detach().requires_grad_();
+  add("attention_causal_fwdbwd_b16h4t128d32", 6 * product, [&] {
+    tessera::attention(qg, kg, vg, /*causal=*/true).backward(dout);
+    consume(qg.grad());
+    for (const Tensor* t : {&qg, &kg, &vg}) t->set_grad(Tensor());
+  });
+}
+
 void write_json(const Options& opts, const std::vector<Result>& results) {
   FILE* f = std::fopen(opts.json_path.c_str(), "w");
   if (!f) {
@@ -163,7 +189,7 @@ Options parse(int argc, char** argv) {
   f.bind("warmup", o.warmup, "untimed calls first");
   f.bind("min_ms", o.min_ms, "each repetition loops an op until it takes this long");
   f.bind("json", o.json_path, "also write the results here as JSON");
-  f.bind("only", o.only, "gemm or memory (empty: both)");
+  f.bind("only", o.only, "gemm, memory or attention (empty: all)");
   f.parse(argc, argv);
   TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
            "cpu_bench: --threads and --reps must be >= 1, --warmup >= 0");
@@ -187,6 +213,7 @@ int main(int argc, char** argv) {
     bench_gemm(opts, results);
   }
   if (opts.only.empty() || opts.only == "memory") bench_memory(opts, results);
+  if (opts.only.empty() || opts.only == "attention") bench_attention(opts, results);
   std::printf(
       "Tessera CPU benchmarks: %d thread(s), median of %d reps (after %d warm-up), "
       "GEMM kernel %s\n",

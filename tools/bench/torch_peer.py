@@ -91,6 +91,35 @@ def bench_memory(args, results):
                         "median_ms": ms, "reps": args.reps})
 
 
+def bench_attention(args, results):
+    """Causal attention at GPT-mini's shape as GPT code writes it in torch 1.13 (no SDPA):
+    scores, mask, softmax, product; forward, and forward + backward."""
+    B, H, T, D = 16, 4, 128, 32
+    q, k, v, dout = (torch.randn(B, H, T, D) for _ in range(4))
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    scale = 1.0 / D ** 0.5
+    product = B * H * T * (T + 1) / 2 * D * 2
+
+    def attend(q, k, v):
+        s = (q @ k.transpose(-2, -1)) * scale
+        return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+    ms = median_ms(args, lambda: attend(q, k, v))
+    results.append({"name": "attention_causal_fwd_b16h4t128d32", "unit": "GFLOP/s",
+                    "value": 2 * product / (ms * 1e6), "median_ms": ms, "reps": args.reps})
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def step():
+        with torch.enable_grad():
+            attend(qg, kg, vg).backward(dout)
+        for t in (qg, kg, vg):
+            t.grad = None
+
+    ms = median_ms(args, step)
+    results.append({"name": "attention_causal_fwdbwd_b16h4t128d32", "unit": "GFLOP/s",
+                    "value": 6 * product / (ms * 1e6), "median_ms": ms, "reps": args.reps})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -98,7 +127,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--min_ms", type=float, default=20.0)
     parser.add_argument("--json", default="")
-    parser.add_argument("--only", choices=["gemm", "memory"], default=None)
+    parser.add_argument("--only", choices=["gemm", "memory", "attention"], default=None)
     parser.add_argument("--preallocated", action="store_true",
                         help="memory ops write into preallocated outputs (out=): kernels only")
     args = parser.parse_args()
@@ -116,6 +145,8 @@ def main():
         bench_gemm(args, results)
     if args.only in (None, "memory"):
         bench_memory(args, results)
+    if args.only in (None, "attention"):
+        bench_attention(args, results)
 
     blas = blas_library()
     print(f"PyTorch {torch.__version__} ({blas}) CPU benchmarks: {torch.get_num_threads()} "
