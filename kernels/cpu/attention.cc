@@ -50,6 +50,30 @@ void store(T* dst, const C* src, int64_t n) {
 // Query rows per block: the scores of a block are [kRows, keys] f32 per thread.
 constexpr int64_t kRows = 64;
 
+// A [B, H, T, D] input seen per (batch, head) pair as a [T, D] matrix with its row stride:
+// an f32 view whose last dim is contiguous (GPT's heads, transposed out of the qkv product)
+// is read in place, anything else through one compute-dtype copy (`held`).
+struct PairRows {
+  Tensor held;
+  const float* data = nullptr;
+  int64_t heads = 1, batch_stride = 0, head_stride = 0, row_stride = 0;
+
+  explicit PairRows(const Tensor& t) {
+    held = t.dtype() == DType::f32 && (t.shape()[3] == 1 || t.strides()[3] == 1) ? t : to_compute_cpu(t);
+    data = static_cast<const float*>(held.raw_data());
+    heads = held.shape()[1];
+    batch_stride = held.strides()[0];
+    head_stride = held.strides()[1];
+    row_stride = held.strides()[2];
+  }
+  // Pair p's row i.
+  const float* row(int64_t p, int64_t i) const {
+    return data + (p / heads) * batch_stride + (p % heads) * head_stride + i * row_stride;
+  }
+  StridedMatrix rows(int64_t p, int64_t i) const { return {row(p, i), row_stride, 1}; }
+  StridedMatrix cols(int64_t p, int64_t i) const { return {row(p, i), 1, row_stride}; }
+};
+
 // The keys rows [i0, i1) may see.
 int64_t keys_for(bool causal, int64_t i1, int64_t t) { return causal ? i1 : t; }
 
@@ -71,12 +95,9 @@ void softmax_rows(float* s, int64_t rows, int64_t ld, int64_t keys, int64_t i0, 
 
 template <typename T>
 void attention_forward_f32(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
-  const Tensor q = to_compute_cpu(in[0]), k = to_compute_cpu(in[1]), v = to_compute_cpu(in[2]);
-  const int64_t bh = q.shape()[0] * q.shape()[1], t = q.shape()[2], dh = q.shape()[3];
+  const PairRows q(in[0]), k(in[1]), v(in[2]);
+  const int64_t bh = in[0].shape()[0] * in[0].shape()[1], t = in[0].shape()[2], dh = in[0].shape()[3];
   const float scale = static_cast<float>(effective_scale(a, dh));
-  const float* qp = static_cast<const float*>(q.raw_data());
-  const float* kp = static_cast<const float*>(k.raw_data());
-  const float* vp = static_cast<const float*>(v.raw_data());
   T* op = static_cast<T*>(out[0].raw_data());
   float* lp = static_cast<float*>(out[1].raw_data());
   parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
@@ -86,16 +107,16 @@ void attention_forward_f32(std::span<const Tensor> in, std::span<Tensor> out, co
       for (int64_t i0 = 0; i0 < t; i0 += kRows) {
         const int64_t rows = std::min(kRows, t - i0), keys = keys_for(a.causal, i0 + rows, t);
         // s = scale (q k^T), the scale applied to each dot product as the spec does.
-        sgemm(rows, keys, dh, {qp + base + i0 * dh, dh, 1}, {kp + base, 1, dh}, s.data(), t);
+        sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), s.data(), t);
         for (int64_t r = 0; r < rows; ++r) {
           float* row = s.data() + r * t;
           for (int64_t j = 0; j < keys; ++j) row[j] *= scale;
         }
         softmax_rows(s.data(), rows, t, keys, i0, a.causal, lp + p * t + i0);
         if constexpr (std::is_same_v<T, float>) {
-          sgemm(rows, dh, keys, {s.data(), t, 1}, {vp + base, dh, 1}, op + base + i0 * dh, dh);
+          sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), op + base + i0 * dh, dh);
         } else {
-          sgemm(rows, dh, keys, {s.data(), t, 1}, {vp + base, dh, 1}, o.data(), dh);
+          sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), o.data(), dh);
           store(op + base + i0 * dh, o.data(), rows * dh);
         }
       }
@@ -106,16 +127,10 @@ void attention_forward_f32(std::span<const Tensor> in, std::span<Tensor> out, co
 // Inputs: grad, q, k, v, out, lse. Outputs: grad_q, grad_k, grad_v.
 template <typename T>
 void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
-  const Tensor g = to_compute_cpu(in[0]), q = to_compute_cpu(in[1]), k = to_compute_cpu(in[2]);
-  const Tensor v = to_compute_cpu(in[3]), o = to_compute_cpu(in[4]);
+  const PairRows g(in[0]), q(in[1]), k(in[2]), v(in[3]), o(in[4]);
   const Tensor lse = contiguous_cpu(in[5]);
-  const int64_t bh = q.shape()[0] * q.shape()[1], t = q.shape()[2], dh = q.shape()[3];
+  const int64_t bh = in[1].shape()[0] * in[1].shape()[1], t = in[1].shape()[2], dh = in[1].shape()[3];
   const float scale = static_cast<float>(effective_scale(a, dh));
-  const float* gp = static_cast<const float*>(g.raw_data());
-  const float* qp = static_cast<const float*>(q.raw_data());
-  const float* kp = static_cast<const float*>(k.raw_data());
-  const float* vp = static_cast<const float*>(v.raw_data());
-  const float* opp = static_cast<const float*>(o.raw_data());
   const float* lp = static_cast<const float*>(lse.raw_data());
   T* dq_out = static_cast<T*>(out[0].raw_data());
   T* dk_out = static_cast<T*>(out[1].raw_data());
@@ -128,22 +143,20 @@ void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, c
       std::fill(dv.begin(), dv.end(), 0.0f);
       for (int64_t i0 = 0; i0 < t; i0 += kRows) {
         const int64_t rows = std::min(kRows, t - i0), keys = keys_for(a.causal, i0 + rows, t);
-        const float* qb = qp + base + i0 * dh;
-        const float* gb = gp + base + i0 * dh;
         // P = exp(scale q k^T - lse), masked entries exact zeros.
-        sgemm(rows, keys, dh, {qb, dh, 1}, {kp + base, 1, dh}, prob.data(), t);
+        sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), prob.data(), t);
         for (int64_t r = 0; r < rows; ++r) {
           float* row = prob.data() + r * t;
           const int64_t n = a.causal ? std::min(keys, i0 + r + 1) : keys;
           const float li = lp[p * t + i0 + r];
           exp_affine(row, row, n, scale, li);
           std::fill(row + n, row + keys, 0.0f);
-          di[r] = dot(gb + r * dh, opp + base + (i0 + r) * dh, dh);
+          di[r] = dot(g.row(p, i0 + r), o.row(p, i0 + r), dh);
         }
         // dv[0, keys) += P^T dO.
-        sgemm(keys, dh, rows, {prob.data(), 1, t}, {gb, dh, 1}, dv.data(), dh, /*accumulate=*/true);
+        sgemm(keys, dh, rows, {prob.data(), 1, t}, g.rows(p, i0), dv.data(), dh, /*accumulate=*/true);
         // dS = scale P (dO v^T - D).
-        sgemm(rows, keys, dh, {gb, dh, 1}, {vp + base, 1, dh}, ds.data(), t);
+        sgemm(rows, keys, dh, g.rows(p, i0), v.cols(p, 0), ds.data(), t);
         for (int64_t r = 0; r < rows; ++r) {
           float* dsr = ds.data() + r * t;
           const float* pr = prob.data() + r * t;
@@ -153,12 +166,12 @@ void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, c
         }
         // dq = dS k; dk[0, keys) += dS^T q.
         if constexpr (std::is_same_v<T, float>) {
-          sgemm(rows, dh, keys, {ds.data(), t, 1}, {kp + base, dh, 1}, dq_out + base + i0 * dh, dh);
+          sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq_out + base + i0 * dh, dh);
         } else {
-          sgemm(rows, dh, keys, {ds.data(), t, 1}, {kp + base, dh, 1}, dq.data(), dh);
+          sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq.data(), dh);
           store(dq_out + base + i0 * dh, dq.data(), rows * dh);
         }
-        sgemm(keys, dh, rows, {ds.data(), 1, t}, {qb, dh, 1}, dk.data(), dh, /*accumulate=*/true);
+        sgemm(keys, dh, rows, {ds.data(), 1, t}, q.rows(p, i0), dk.data(), dh, /*accumulate=*/true);
       }
       store(dk_out + base, dk.data(), t * dh);
       store(dv_out + base, dv.data(), t * dh);
