@@ -1,0 +1,94 @@
+// kernels/cpu/vec_math.h: exp_affine against libm's exp in f64, the sum it returns, and the
+// same bits for a value at every position of runs of every length (tails included).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/vec_math.h"
+
+namespace tessera::cpu {
+namespace {
+
+// Units in the last place between a float result and the f64 truth.
+double ulps(float got, double want) {
+  const double spacing = std::ldexp(1.0, std::ilogb(static_cast<float>(want)) - 23);
+  return std::abs(static_cast<double>(got) - want) / spacing;
+}
+
+TEST_CASE("exp_affine: within 5 ulps of exp over [-87.3, 88.3], and the affine argument") {
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> dist(-87.3f, 88.3f);
+  std::vector<float> x(100003), y(x.size());
+  for (float& v : x) v = dist(gen);
+  exp_affine(x.data(), y.data(), static_cast<int64_t>(x.size()), 1.0f, 0.0f);
+  double worst = 0;
+  for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, ulps(y[i], std::exp(static_cast<double>(x[i]))));
+  CHECK(worst <= 5.0);
+  // a = 0.5 makes a x exact, so the argument rounds once (in - b) however it is compiled.
+  std::vector<float> z(4099), w(z.size());
+  std::uniform_real_distribution<float> small(-150.0f, 20.0f);
+  for (float& v : z) v = small(gen);
+  const float sum = exp_affine(z.data(), w.data(), static_cast<int64_t>(z.size()), 0.5f, 3.5f);
+  double want_sum = 0;
+  worst = 0;
+  for (size_t i = 0; i < z.size(); ++i) {
+    const double want = std::exp(static_cast<double>(0.5f * z[i] - 3.5f));
+    want_sum += want;
+    worst = std::max(worst, ulps(w[i], want));
+  }
+  CHECK(worst <= 5.0);
+  // Positive terms summed in f32 lanes: each addition rounds once (2^-24 relative), and a
+  // lane adds at most 4099 of them.
+  CHECK(std::abs(sum - want_sum) <= 4099 * 6e-8 * want_sum);
+}
+
+TEST_CASE("exp_affine: an element's bits do not depend on its position or the run's length") {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> dist(-20.0f, 5.0f);
+  std::vector<float> values(64);
+  for (float& v : values) v = dist(gen);
+  std::vector<float> reference(values.size());
+  exp_affine(values.data(), reference.data(), static_cast<int64_t>(values.size()), 1.0f, 0.5f);
+  int checked = 0;
+  for (int64_t n = 0; n <= 40; ++n) {
+    for (int64_t shift = 0; shift < 17; ++shift) {
+      // values[shift, shift + n) as a run of its own, starting at an arbitrary alignment.
+      std::vector<float> in(values.begin() + shift, values.begin() + shift + n), out(n, -1.0f);
+      const float sum = exp_affine(in.data(), out.data(), n, 1.0f, 0.5f);
+      double total = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        CHECK(std::memcmp(&out[i], &reference[shift + i], sizeof(float)) == 0);
+        total += out[i];
+        ++checked;
+      }
+      if (n == 0) CHECK(sum == 0.0f);
+      CHECK(std::abs(sum - total) <= 1e-6 * total);
+    }
+  }
+  CHECK(checked == 17 * (40 * 41 / 2));
+}
+
+TEST_CASE("exp_affine: in place; zero, one, the ends and NaN as vec_math.h states") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> x{0.0f, -1.0f, 1.0f, -87.3f, -87.4f, -100.0f, -inf, 88.3f, 88.5f, inf, nan};
+  exp_affine(x.data(), x.data(), static_cast<int64_t>(x.size()), 1.0f, 0.0f);
+  CHECK(x[0] == 1.0f);
+  CHECK(ulps(x[1], std::exp(-1.0)) <= 5.0);
+  CHECK(ulps(x[2], std::exp(1.0)) <= 5.0);
+  CHECK(ulps(x[3], std::exp(double{-87.3f})) <= 5.0);  // the smallest normal results
+  CHECK(x[4] == 0.0f);                        // subnormal results are 0
+  CHECK(x[5] == 0.0f);
+  CHECK(x[6] == 0.0f);
+  CHECK(ulps(x[7], std::exp(double{88.3f})) <= 5.0);
+  CHECK(x[8] == inf);  // from 88.37 (exp(88.5) = 2.7e38 would still fit)
+  CHECK(x[9] == inf);
+  CHECK(std::isnan(x[10]));
+}
+
+}  // namespace
+}  // namespace tessera::cpu
