@@ -10,6 +10,7 @@
 // resolution and per-call jitter do not dominate. Bandwidth counts bytes read + written
 // once each (inputs read, output written), whatever the kernel does internally.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -112,6 +113,20 @@ void bench_gemm(const Options& opts, std::vector<Result>& out) {
     const double flops = 2.0 * n * n * n;
     out.push_back(
         {"matmul_f32_" + std::to_string(n), "GFLOP/s", flops / (ms * 1e6), ms, opts.reps});
+  }
+  // GPT-mini's Linear products (B*T = 2048 rows, width 128): x @ W^T as the model runs them
+  // (W stored [out, in]), forward only.
+  for (const auto& [m, k, n] : {std::array<int64_t, 3>{2048, 128, 384}, {2048, 128, 512},
+                                {2048, 512, 128}, {2048, 128, 256}}) {
+    const Tensor x = tessera::randn({m, k}), w = tessera::randn({n, k});
+    const double ms = median_ms(opts, [&] { consume(tessera::matmul(x, tessera::transpose(w, 0, 1))); });
+    out.push_back({"matmul_f32_" + std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n) + "_wt",
+                   "GFLOP/s", 2.0 * m * k * n / (ms * 1e6), ms, opts.reps});
+    // The backward's weight gradient dW = dy^T x: a [n, m] x [m, k] product over the rows.
+    const Tensor dy = tessera::randn({m, n});
+    const double ms_w = median_ms(opts, [&] { consume(tessera::matmul(tessera::transpose(dy, 0, 1), x)); });
+    out.push_back({"matmul_f32_" + std::to_string(n) + "x" + std::to_string(m) + "x" + std::to_string(k) + "_dw",
+                   "GFLOP/s", 2.0 * m * k * n / (ms_w * 1e6), ms_w, opts.reps});
   }
 }
 
