@@ -59,7 +59,8 @@ struct PairRows {
   int64_t heads = 1, batch_stride = 0, head_stride = 0, row_stride = 0;
 
   explicit PairRows(const Tensor& t) {
-    held = t.dtype() == DType::f32 && (t.shape()[3] == 1 || t.strides()[3] == 1) ? t : to_compute_cpu(t);
+    const bool in_place = t.dtype() == DType::f32 && (t.shape()[3] == 1 || t.strides()[3] == 1);
+    held = in_place ? t : to_compute_cpu(t);
     data = static_cast<const float*>(held.raw_data());
     heads = held.shape()[1];
     batch_stride = held.strides()[0];
@@ -96,7 +97,8 @@ void softmax_rows(float* s, int64_t rows, int64_t ld, int64_t keys, int64_t i0, 
 template <typename T>
 void attention_forward_f32(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
   const PairRows q(in[0]), k(in[1]), v(in[2]);
-  const int64_t bh = in[0].shape()[0] * in[0].shape()[1], t = in[0].shape()[2], dh = in[0].shape()[3];
+  const Shape& shape = in[0].shape();
+  const int64_t bh = shape[0] * shape[1], t = shape[2], dh = shape[3];
   const float scale = static_cast<float>(effective_scale(a, dh));
   T* op = static_cast<T*>(out[0].raw_data());
   float* lp = static_cast<float*>(out[1].raw_data());
@@ -129,7 +131,8 @@ template <typename T>
 void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
   const PairRows g(in[0]), q(in[1]), k(in[2]), v(in[3]), o(in[4]);
   const Tensor lse = contiguous_cpu(in[5]);
-  const int64_t bh = in[1].shape()[0] * in[1].shape()[1], t = in[1].shape()[2], dh = in[1].shape()[3];
+  const Shape& shape = in[1].shape();
+  const int64_t bh = shape[0] * shape[1], t = shape[2], dh = shape[3];
   const float scale = static_cast<float>(effective_scale(a, dh));
   const float* lp = static_cast<const float*>(lse.raw_data());
   T* dq_out = static_cast<T*>(out[0].raw_data());
@@ -154,7 +157,8 @@ void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, c
           di[r] = dot(g.row(p, i0 + r), o.row(p, i0 + r), dh);
         }
         // dv[0, keys) += P^T dO.
-        sgemm(keys, dh, rows, {prob.data(), 1, t}, g.rows(p, i0), dv.data(), dh, /*accumulate=*/true);
+        sgemm(keys, dh, rows, {prob.data(), 1, t}, g.rows(p, i0), dv.data(), dh,
+              /*accumulate=*/true);
         // dS = scale P (dO v^T - D).
         sgemm(rows, keys, dh, g.rows(p, i0), v.cols(p, 0), ds.data(), t);
         for (int64_t r = 0; r < rows; ++r) {

@@ -3,8 +3,11 @@
 // gradient coming back) is f32. The forward saves each row's logsumexp for the backward,
 // which writes (softmax - onehot) * scale without materialising the softmax separately.
 // f32 and 16-bit logits take their exps over packets (vec_math.h), f64 through libm.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/util.h"
@@ -30,6 +33,9 @@ void check_target(const char* op, int64_t target, int64_t row, int64_t classes,
 // Logits a chunk at a time through f32 (exp_affine's input): f32 rows as they are, 16-bit
 // ones widened into `buf`.
 constexpr int64_t kChunk = 1024;
+// 16-bit rows: widened into a chunk buffer first.
+template <typename T>
+constexpr bool kWidened = std::is_same_v<compute_t<T>, float> && !std::is_same_v<T, float>;
 template <typename T>
 const float* as_f32(const T* x, int64_t m, std::vector<float>& buf) {
   if constexpr (std::is_same_v<T, float>) {
@@ -52,6 +58,7 @@ void ce_forward(const Tensor& logits_in, const Tensor& target_in, const Tensor& 
   S* lse = static_cast<S*>(lse_out.raw_data());
   std::vector<double> row_loss(n, 0.0);
   parallel_for(0, n, std::max<int64_t>(1, kElementwiseGrain / c), [&](int64_t b, int64_t e) {
+    // The widened logits (16-bit rows) and then, in place, their exps.
     std::vector<float> chunk(std::is_same_v<C, float> ? std::min(kChunk, c) : 0);
     for (int64_t r = b; r < e; ++r) {
       const int64_t t = load_index(target, r);
@@ -121,7 +128,7 @@ void ce_backward(std::span<const Tensor> in, const Tensor& dx, const Attrs& a) {
     }
   }
   parallel_for(0, n, std::max<int64_t>(1, kElementwiseGrain / c), [&](int64_t b, int64_t e) {
-    std::vector<float> chunk(std::is_same_v<C, float> ? std::min(kChunk, c) : 0);
+    std::vector<float> chunk(kWidened<T> ? std::min(kChunk, c) : 0);
     std::vector<float> probs(std::is_same_v<C, float> ? std::min(kChunk, c) : 0);
     for (int64_t r = b; r < e; ++r) {
       const int64_t t = load_index(target, r);

@@ -14,7 +14,7 @@ namespace {
 constexpr int64_t kRowBlock = 32;
 
 // sum_i f(i) for i in [0, n), in f64: eight running sums (element i into sum i % 8, so the
-// compiler keeps them in one vector register instead of a chain of dependent additions),
+// compiler keeps them in vector registers instead of a chain of dependent additions),
 // added pairwise in a fixed order at the end. Deterministic, as accurate as one f64 sum.
 template <typename F>
 inline double sum8(int64_t n, F&& f) {

@@ -2,6 +2,7 @@
 // same bits for a value at every position of runs of every length (tails included).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,7 +27,9 @@ TEST_CASE("exp_affine: within 1.3 ulps of exp over [-87.3, 88.7], and the affine
   for (float& v : x) v = dist(gen);
   exp_affine(x.data(), y.data(), static_cast<int64_t>(x.size()), 1.0f, 0.0f);
   double worst = 0;
-  for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, ulps(y[i], std::exp(static_cast<double>(x[i]))));
+  for (size_t i = 0; i < x.size(); ++i) {
+    worst = std::max(worst, ulps(y[i], std::exp(static_cast<double>(x[i]))));
+  }
   CHECK(worst <= 1.3);
   // a = 0.5 makes a x exact, so the argument rounds once (in - b) however it is compiled.
   std::vector<float> z(4099), w(z.size());
@@ -75,7 +78,8 @@ TEST_CASE("exp_affine: an element's bits do not depend on its position or the ru
 TEST_CASE("exp_affine: in place; zero, one, the ends and NaN as vec_math.h states") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
-  std::vector<float> x{0.0f, -1.0f, 1.0f, -87.3f, -87.4f, -100.0f, -inf, 88.72283f, 88.72284f, inf, nan};
+  std::vector<float> x{0.0f,   -1.0f, 1.0f,      -87.3f,    -87.4f, -100.0f,
+                       -inf,   88.72283f, 88.72284f, inf, nan};
   exp_affine(x.data(), x.data(), static_cast<int64_t>(x.size()), 1.0f, 0.0f);
   CHECK(x[0] == 1.0f);
   CHECK(ulps(x[1], std::exp(-1.0)) <= 1.3);

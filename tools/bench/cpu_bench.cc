@@ -114,19 +114,23 @@ void bench_gemm(const Options& opts, std::vector<Result>& out) {
     out.push_back(
         {"matmul_f32_" + std::to_string(n), "GFLOP/s", flops / (ms * 1e6), ms, opts.reps});
   }
-  // GPT-mini's Linear products (B*T = 2048 rows, width 128): x @ W^T as the model runs them
-  // (W stored [out, in]), forward only.
-  for (const auto& [m, k, n] : {std::array<int64_t, 3>{2048, 128, 384}, {2048, 128, 512},
+  // GPT-mini's Linear products (B*T = 2048 rows, width 128, W stored [out, in]): x @ W^T for
+  // each of q, k, v and the attention's projection (128 -> 128), the MLP (128 -> 512 -> 128)
+  // and the tied head (128 -> 256), and their weight gradients.
+  for (const auto& [m, k, n] : {std::array<int64_t, 3>{2048, 128, 128}, {2048, 128, 512},
                                 {2048, 512, 128}, {2048, 128, 256}}) {
-    const Tensor x = tessera::randn({m, k}), w = tessera::randn({n, k});
-    const double ms = median_ms(opts, [&] { consume(tessera::matmul(x, tessera::transpose(w, 0, 1))); });
-    out.push_back({"matmul_f32_" + std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n) + "_wt",
-                   "GFLOP/s", 2.0 * m * k * n / (ms * 1e6), ms, opts.reps});
+    const Tensor x = tessera::randn({m, k}), w = tessera::randn({n, k}), dy = tessera::randn({m, n});
+    const auto name = [](int64_t a, int64_t b, int64_t c, const char* kind) {
+      return "matmul_f32_" + std::to_string(a) + "x" + std::to_string(b) + "x" + std::to_string(c) +
+             kind;
+    };
+    const double flops = 2.0 * m * k * n;
+    const Tensor wt = tessera::transpose(w, 0, 1), dyt = tessera::transpose(dy, 0, 1);
+    const double ms = median_ms(opts, [&] { consume(tessera::matmul(x, wt)); });
+    out.push_back({name(m, k, n, "_wt"), "GFLOP/s", flops / (ms * 1e6), ms, opts.reps});
     // The backward's weight gradient dW = dy^T x: a [n, m] x [m, k] product over the rows.
-    const Tensor dy = tessera::randn({m, n});
-    const double ms_w = median_ms(opts, [&] { consume(tessera::matmul(tessera::transpose(dy, 0, 1), x)); });
-    out.push_back({"matmul_f32_" + std::to_string(n) + "x" + std::to_string(m) + "x" + std::to_string(k) + "_dw",
-                   "GFLOP/s", 2.0 * m * k * n / (ms_w * 1e6), ms_w, opts.reps});
+    const double ms_w = median_ms(opts, [&] { consume(tessera::matmul(dyt, x)); });
+    out.push_back({name(n, m, k, "_dw"), "GFLOP/s", flops / (ms_w * 1e6), ms_w, opts.reps});
   }
 }
 
@@ -150,8 +154,8 @@ void bench_memory(const Options& opts, std::vector<Result>& out) {
 }
 
 // Causal attention at GPT-mini's shape (B16 H4 T128 D32, f32): forward, and forward +
-// backward. FLOPs count the causal half of the four (forward: two) T x T x D products, as
-// torch_peer.py's composite does.
+// backward. FLOPs count the causal half of six (forward: two) T x T x D products, as
+// torch_peer.py does: useful FLOPs (Tessera's backward runs a seventh, recomputing the scores).
 void bench_attention(const Options& opts, std::vector<Result>& results) {
   constexpr int64_t B = 16, H = 4, T = 128, D = 32;
   const Tensor q = tessera::randn({B, H, T, D}), k = tessera::randn({B, H, T, D});

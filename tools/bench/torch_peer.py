@@ -54,6 +54,19 @@ def bench_gemm(args, results):
                         "value": 2.0 * n ** 3 / (ms * 1e6), "median_ms": ms, "reps": args.reps})
 
 
+def bench_linear(args, results):
+    """GPT-mini's Linear products x @ W^T and their weight gradients dy^T x (cpu_bench.cc)."""
+    for m, k, n in ((2048, 128, 128), (2048, 128, 512), (2048, 512, 128), (2048, 128, 256)):
+        x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+        flops = 2.0 * m * k * n
+        ms = median_ms(args, lambda: torch.matmul(x, w.t()))
+        results.append({"name": f"matmul_f32_{m}x{k}x{n}_wt", "unit": "GFLOP/s",
+                        "value": flops / (ms * 1e6), "median_ms": ms, "reps": args.reps})
+        ms = median_ms(args, lambda: torch.matmul(dy.t(), x))
+        results.append({"name": f"matmul_f32_{n}x{m}x{k}_dw", "unit": "GFLOP/s",
+                        "value": flops / (ms * 1e6), "median_ms": ms, "reps": args.reps})
+
+
 def bench_memory(args, results):
     n = 1 << 24
     rows = cols = 4096
@@ -143,6 +156,7 @@ def main():
     results = []
     if args.only in (None, "gemm"):
         bench_gemm(args, results)
+        bench_linear(args, results)
     if args.only in (None, "memory"):
         bench_memory(args, results)
     if args.only in (None, "attention"):
