@@ -3,10 +3,10 @@
 // dtypes compute in f32 (16-bit inputs widened once, results rounded once) as blocks of
 // query rows through the project's GEMM: scores for a block of rows against the keys it may
 // see, a row softmax, then products with V (forward) or the five products of the backward,
-// with P recomputed from the saved lse (exp over packets: vec_math.h). The blocking is fixed
-// by T alone. Unlike the spec,
-// a causal block multiplies the zero probabilities of its rows' future keys (up to 63 of
-// them) with those keys' values, so a non-finite v_j (or dO_i) reaches rows i < j of its
+// with P recomputed from the saved lse (exp over packets: vec_math.h); f32 heads are read in
+// place through their strides (PairRows). The blocking is fixed by T alone. Unlike the
+// spec, a causal block multiplies the zero probabilities of its rows' future keys (up to 63
+// of them) with those keys' values, so a non-finite v_j (or dO_i) reaches rows i < j of its
 // block as NaN, where the spec leaves them finite.
 //
 //   forward:  s_ij = scale q_i . k_j (j <= i when causal), lse_i = logsumexp_j s_ij,
