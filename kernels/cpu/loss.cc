@@ -31,9 +31,8 @@ void check_target(const char* op, int64_t target, int64_t row, int64_t classes,
 }
 
 // Logits a chunk at a time through f32 (exp_affine's input): f32 rows as they are, 16-bit
-// ones widened into `buf`.
+// ones (kWidened) widened into `buf`.
 constexpr int64_t kChunk = 1024;
-// 16-bit rows: widened into a chunk buffer first.
 template <typename T>
 constexpr bool kWidened = std::is_same_v<compute_t<T>, float> && !std::is_same_v<T, float>;
 template <typename T>

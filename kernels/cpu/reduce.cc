@@ -195,8 +195,6 @@ Layout make_layout(const Tensor& x, const std::vector<int64_t>& rdims) {
   return l;
 }
 
-// (offset_of, kernels/cpu/util.h: the offset of linear index `i` of a coalesced group.)
-
 // Reduces reduced-space indices [rbegin, rend) of the input block at `base` into s.
 template <typename T, typename R>
 void reduce_range(const R& r, typename R::State& s, const T* base, const Layout& l,

@@ -155,6 +155,7 @@ struct OpSweep {
 const std::vector<OpSweep>& all_sweeps();
 std::vector<OpSweep> elementwise_sweeps();  // cases_elementwise.cc
 std::vector<OpSweep> nn_sweeps();           // cases_nn.cc
+std::vector<OpSweep> attention_sweeps();    // cases_attention.cc (part of nn_sweeps)
 std::vector<OpSweep> data_sweeps();         // cases_data.cc
 std::vector<OpSweep> optim_sweeps();        // cases_optim.cc
 

@@ -1,13 +1,10 @@
-// Records (cases.h): matmul, softmax, layer_norm, cross_entropy, dropout, attention, conv2d,
-// max_pool2d and their fused backward helpers.
+// Records (cases.h): matmul, softmax, layer_norm, cross_entropy, dropout, conv2d, max_pool2d
+// and their fused backward helpers (attention: cases_attention.cc).
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 
-#include "tensor/op_attrs.h"
 #include "tests/reference/cases.h"
 
 namespace tessera::sweep {
@@ -409,127 +406,6 @@ OpSweep dropout_sweep() {
   return s;
 }
 
-// ---- attention -------------------------------------------------------------------------------
-
-using ref::AttentionRef;
-
-struct Attn {
-  const char* label;
-  Shape shape;
-  bool causal;
-  double scale;
-};
-const Attn kAttention[] = {
-    {"[2, 3, 5, 4] causal", {2, 3, 5, 4}, true, 0.0},
-    {"[2, 3, 5, 4] not causal", {2, 3, 5, 4}, false, 0.0},
-    {"[1, 2, 9, 8] causal, scale 0.5", {1, 2, 9, 8}, true, 0.5},
-    {"[3, 1, 6, 3] not causal, scale -0.3", {3, 1, 6, 3}, false, -0.3},
-    {"[1, 1, 1, 5] one query", {1, 1, 1, 5}, true, 0.0},
-    // As tensor-parallel GPT runs it: causal, 4 heads (whole heads per rank on 2 and 4).
-    {"[1, 4, 4, 3] causal, 4 heads", {1, 4, 4, 3}, true, 0.0},
-    // Longer than the CPU kernel's block of 64 query rows: three blocks, the last partial.
-    {"[1, 2, 130, 8] causal, 3 row blocks", {1, 2, 130, 8}, true, 0.0},
-    {"[2, 1, 70, 5] not causal, 2 row blocks", {2, 1, 70, 5}, false, 0.0},
-};
-
-OpSweep attention_sweep() {
-  OpSweep s{OpId::attention, kFloats, kNonFloat, {}, {}};
-  for (const Attn& at : kAttention) {
-    Case c;
-    c.label = at.label;
-    c.args = {arg(at.shape), arg(at.shape), arg(at.shape)};
-    c.attrs.causal = at.causal;
-    c.attrs.scale = at.scale;
-    const AttentionRef r(at.shape, at.scale, at.causal);
-    c.ref = [r](const Arrays& in, DType) { return r.forward(in, false); };
-    c.mag = [r](const Arrays& in, DType) { return r.forward(in, true); };
-    c.out_dtype = [](DType dt, size_t k) { return k == 0 || dt == DType::f64 ? dt : DType::f32; };
-    s.cases.push_back(std::move(c));
-  }
-  s.extra = [] {
-    expect_error("attention k [1, 1, 4, 8] for q [1, 1, 3, 8]", [] {
-      attention(zeros({1, 1, 3, 8}), zeros({1, 1, 4, 8}), zeros({1, 1, 3, 8}));
-    });
-    expect_error("attention 3-D q", [] {
-      attention(zeros({1, 3, 8}), zeros({1, 3, 8}), zeros({1, 3, 8}));
-    });
-    expect_error("attention f64 v with f32 q, k", [] {
-      attention(zeros({1, 1, 3, 8}), zeros({1, 1, 3, 8}), zeros({1, 1, 3, 8}, DType::f64));
-    });
-    // The first query of a causal attention sees only the first key: out_0 = v_0.
-    const NdArray q = NdArray::of({1, 1, 2, 2}, {1, 2, 3, 4});
-    const NdArray v = NdArray::of({1, 1, 2, 2}, {5, -6, 7, 8});
-    const Tensor out = attention(make_tensor(q, DType::f64), make_tensor(q, DType::f64),
-                                 make_tensor(v, DType::f64), true);
-    expect_close("attention causal row 0", out.slice(2, 0, 1), NdArray::of({1, 1, 1, 2}, {5, -6}), 0);
-    // GPT's heads: q, k and v as [B, H, T, D] views of one [B, T, 3, H, D] product, the last
-    // dim contiguous and the others strided, k and v at offsets. The CPU kernel reads such
-    // views in place; forward and backward give the contiguous copies' bits, for T across
-    // two row blocks of 64.
-    for (const bool causal : {true, false}) {
-      constexpr int64_t B = 2, T = 70, H = 3, D = 5;
-      const Tensor qkv = randn({B, T, 3, H, D}).to(sweep_device());
-      const Tensor dout = randn({B, H, T, D}).to(sweep_device());
-      const auto head = [&](int64_t i) {
-        return transpose(view(slice(qkv, 2, i, i + 1), {B, T, H, D}), 1, 2);
-      };
-      const auto bits = [](const Tensor& t) {  // raw f32 bytes: -0 and +0 differ
-        const std::vector<float> v = t.to(kCPU).contiguous().to_vector<float>();
-        std::vector<uint32_t> out(v.size());
-        std::memcpy(out.data(), v.data(), v.size() * sizeof(float));
-        return out;
-      };
-      const std::vector<Tensor> views{head(0), head(1), head(2)};
-      const std::vector<Tensor> copies{views[0].contiguous(), views[1].contiguous(),
-                                       views[2].contiguous()};
-      CHECK(!views[0].is_contiguous());
-      const std::vector<Tensor> a = call(OpId::attention, views, op_attrs::attention(causal, 0.0));
-      const std::vector<Tensor> b = call(OpId::attention, copies, op_attrs::attention(causal, 0.0));
-      CHECK_MESSAGE(bits(a[0]) == bits(b[0]), "attention of strided heads (causal ", causal, ")");
-      CHECK_MESSAGE(bits(a[1]) == bits(b[1]), "attention lse of strided heads (causal ", causal,
-                    ")");
-      const Tensor grad_view = transpose(transpose(dout, 1, 2).contiguous(), 1, 2);  // strided too
-      const Tensor out_view = transpose(transpose(a[0], 1, 2).contiguous(), 1, 2);  // strided
-      const std::vector<Tensor> ga = attention_backward(grad_view, views[0], views[1], views[2],
-                                                        out_view, a[1], causal, 0.0);
-      const std::vector<Tensor> gb = attention_backward(dout, copies[0], copies[1], copies[2], b[0],
-                                                        b[1], causal, 0.0);
-      for (size_t i = 0; i < 3; ++i) {
-        CHECK_MESSAGE(bits(ga[i]) == bits(gb[i]), "attention_backward of strided heads, gradient ",
-                      i, " (causal ", causal, ")");
-      }
-    }
-  };
-  return s;
-}
-
-OpSweep attention_backward_sweep() {
-  OpSweep s{OpId::attention_backward, kFloats, kNonFloat, {}, {}};
-  for (const Attn& at : kAttention) {
-    Case c;
-    c.label = at.label;
-    Arg lse = arg({at.shape[0], at.shape[1], at.shape[2]});
-    lse.stats = true;
-    c.args = {arg(at.shape), arg(at.shape), arg(at.shape), arg(at.shape), arg(at.shape), lse};
-    c.attrs.causal = at.causal;
-    c.attrs.scale = at.scale;
-    const AttentionRef r(at.shape, at.scale, at.causal);
-    // out and lse are the forward's of q, k, v.
-    c.prepare = [r](Arrays& in, DType) {
-      const Arrays fw = r.forward({in[1], in[2], in[3]}, false);
-      in[4] = fw[0];
-      in[5] = fw[1];
-    };
-    c.ref = [r](const Arrays& in, DType) { return r.backward(in, false); };
-    c.mag = [r](const Arrays& in, DType) { return r.backward(in, true); };
-    // One key: the gradients of q and k are 0 up to rounding, which the sharded suite's
-    // relative bound cannot compare (the sweep bounds them by their magnitudes).
-    c.sharded = at.shape[2] > 1;
-    s.cases.push_back(std::move(c));
-  }
-  return s;
-}
-
 // ---- conv2d and max_pool2d ---------------------------------------------------------------
 
 struct Conv {
@@ -866,9 +742,8 @@ std::vector<OpSweep> nn_sweeps() {
                               layer_norm_backward_sweep(),
                               cross_entropy_sweep(),
                               cross_entropy_backward_sweep(),
-                              dropout_sweep(),
-                              attention_sweep(),
-                              attention_backward_sweep()};
+                              dropout_sweep()};
+  for (OpSweep& s : attention_sweeps()) out.push_back(std::move(s));
   for (OpSweep& s : conv_sweeps()) out.push_back(std::move(s));
   out.push_back(max_pool_sweep());
   out.push_back(max_pool_backward_sweep());
