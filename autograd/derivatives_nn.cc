@@ -33,6 +33,29 @@ TS_REGISTER_DERIVATIVE(matmul, kIn0 | kIn1, 0, [](const GradCtx& c) {
                grad_b};
 });
 
+// linear: x [..., K], w [N, K], b [N]. With an activation, its derivative and the bias's
+// gradient are one pass over the saved pre-activation (linear_act_backward). The products
+// are the ones matmul's derivative runs for x @ w.t(): the weight's gradient comes out in
+// w's layout [N, K], with the batch folded into K.
+TS_REGISTER_DERIVATIVE_OUTPUTS(linear, kIn0 | kIn1, kOut1, kOut0, [](const GradCtx& c) {
+  const Tensor &x = c.input(0), &w = c.input(1);
+  Tensor g = c.grad(0), grad_b;
+  if (c.attrs.activation != Activation::none) {
+    std::vector<Tensor> gb = linear_act_backward(g, c.output(1), c.attrs.activation);
+    g = gb[0];
+    grad_b = gb[1];
+  } else if (c.needs(2)) {
+    grad_b = sum_to(g, c.in_shape(2));
+  }
+  Tensor grad_w;
+  if (c.needs(1)) {
+    int64_t rows = 1;  // x's leading dims (not inferred by reshape: any of them may be 0)
+    for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+    grad_w = matmul(transpose(reshape(g, {rows, w.size(0)}), 0, 1), reshape(x, {rows, w.size(1)}));
+  }
+  return Grads{c.needs(0) ? matmul(g, w) : Tensor(), grad_w, c.needs(2) ? grad_b : Tensor()};
+});
+
 // x's gradient runs the same grouping through the transposed experts; the weights' is one
 // product per group (grouped_matmul_backward_weight), in w's logical layout [E, K, M].
 TS_REGISTER_DERIVATIVE(grouped_matmul, kIn0 | kIn1 | kIn2, 0, [](const GradCtx& c) {

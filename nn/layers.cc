@@ -35,8 +35,7 @@ Tensor Linear::forward(const Tensor& x) {
   TS_CHECK(x.defined() && x.dim() >= 1 && x.size(-1) == in_features,
            "Linear: expected input [..., {}], got {}", in_features,
            x.defined() ? shape_str(x.shape()) : std::string("undefined"));
-  Tensor y = matmul(x, weight.t());
-  return bias.defined() ? y + bias : y;
+  return linear(x, weight, bias);  // one op: the bias joins the product's output blocks
 }
 
 TiledLinear::TiledLinear(int64_t in, int64_t out, int64_t count, bool has_bias, DType dtype)

@@ -55,6 +55,10 @@ ShardedTensor matmul(const ShardedTensor& a, const ShardedTensor& b) {
            "operands)", shape_str(a.shape()), shape_str(b.shape()));
   return call1(OpId::matmul, {a, b});
 }
+ShardedTensor linear(const ShardedTensor& x, const ShardedTensor& weight, const ShardedTensor& bias,
+                     Activation activation) {
+  return call(OpId::linear, {x, weight, bias}, op_attrs::linear(activation))[0];
+}
 ShardedTensor softmax(const ShardedTensor& x, int64_t dim) {
   return call1(OpId::softmax, {x}, op_attrs::dim(dim));
 }

@@ -46,6 +46,11 @@ ShardedTensor var(const ShardedTensor& x, const std::vector<int64_t>& dims = {},
 ShardedTensor argmax(const ShardedTensor& x, int64_t dim, bool keepdim = false);
 
 ShardedTensor matmul(const ShardedTensor& a, const ShardedTensor& b);
+// act(x @ weight^T + bias), as tessera::linear. Megatron's column split (weight and bias split
+// on their first dim) keeps the output split on its last dim; a split contraction dim gives a
+// Partial sum only without bias and activation.
+ShardedTensor linear(const ShardedTensor& x, const ShardedTensor& weight, const ShardedTensor& bias = {},
+                     Activation activation = Activation::none);
 ShardedTensor softmax(const ShardedTensor& x, int64_t dim = -1);
 ShardedTensor log_softmax(const ShardedTensor& x, int64_t dim = -1);
 ShardedTensor layer_norm(const ShardedTensor& x, const Shape& normalized_shape,

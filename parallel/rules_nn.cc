@@ -1,4 +1,4 @@
-// Sharding rules: matmul, grouped_matmul and the fused layers (softmax, layer_norm, cross_entropy,
+// Sharding rules: matmul, linear, grouped_matmul and the fused layers (softmax, layer_norm, cross_entropy,
 // attention, conv2d, max_pool2d) with their backward helpers, and dropout.
 //
 // matmul follows Megatron: a split
@@ -35,6 +35,35 @@ AxisOptions matmul_options(const AxisCtx& c) {
     }
     if (any) options.push_back(o);
   }
+  return options;
+}
+
+// linear: x [..., K], weight [N, K], bias [N] -> y, pre [..., N]. Split rows of x stay split;
+// Megatron's column split (weight and bias on dim 0) splits the output's last dim; a split
+// contraction dim (or a Partial operand) gives a Partial sum only when nothing follows the
+// product: no bias (every rank would add it) and no activation (not linear).
+AxisOptions linear_options(const AxisCtx& c) {
+  const int64_t rx = c.rank(0);
+  const Placement R = Replicate();
+  AxisOptions options{all_replicate(c)};
+  for (int64_t d = 0; d < rx - 1; ++d) options.push_back({{Shard(d), R, R}, {Shard(d), Shard(d)}});
+  options.push_back({{R, Shard(0), Shard(0)}, {Shard(rx - 1), Shard(rx - 1)}});
+  if (!c.in[2].defined && c.attrs.activation == Activation::none) {
+    options.push_back({{Shard(rx - 1), Shard(1), R}, {Partial(), Partial()}});
+    options.push_back({{Partial(), R, R}, {Partial(), Partial()}});
+    options.push_back({{R, Partial(), R}, {Partial(), Partial()}});
+  }
+  return options;
+}
+
+// linear_act_backward: grad, pre [..., N] -> grad_pre [..., N], grad_bias [N] (the sum over
+// the leading dims: Partial where they are split). Linear in grad.
+AxisOptions linear_act_backward_options(const AxisCtx& c) {
+  const int64_t r = c.rank(0);
+  AxisOptions options{all_replicate(c)};
+  for (int64_t d = 0; d < r - 1; ++d) options.push_back({{Shard(d), Shard(d)}, {Shard(d), Partial()}});
+  options.push_back({{Shard(r - 1), Shard(r - 1)}, {Shard(r - 1), Shard(0)}});
+  options.push_back({{Partial(), Replicate()}, {Partial(), Partial()}});
   return options;
 }
 
@@ -197,6 +226,8 @@ AxisOptions pool_options(const AxisCtx& c) {
 }  // namespace
 
 TS_REGISTER_SHARDING_RULE(matmul, {.options = matmul_options});
+TS_REGISTER_SHARDING_RULE(linear, {.options = linear_options});
+TS_REGISTER_SHARDING_RULE(linear_act_backward, {.options = linear_act_backward_options});
 TS_REGISTER_SHARDING_RULE(grouped_matmul, {.options = grouped_matmul_options});
 TS_REGISTER_SHARDING_RULE(grouped_matmul_backward_weight,
                           {.options = grouped_matmul_backward_weight_options});

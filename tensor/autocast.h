@@ -1,6 +1,7 @@
-// Mixed precision by op category (PyTorch's autocast): inside an AutocastGuard, matmul and
-// conv2d run in the low-precision dtype (bf16 or f16), while reductions, softmax, log_softmax,
-// layer_norm, exp/log and the loss run in f32; binary elementwise ops with mixed float
+// Mixed precision by op category (PyTorch's autocast): inside an AutocastGuard, matmul,
+// linear (its bias too: the output is low-precision, as torch's linear) and conv2d run in
+// the low-precision dtype (bf16 or f16), while reductions, softmax, log_softmax, layer_norm,
+// exp/log and the loss run in f32; binary elementwise ops with mixed float
 // operands run in the wider dtype. Casts are ordinary (differentiable) cast ops inserted by
 // call(), so the weights stay f32 (the master copy) and their gradients come back f32.
 //

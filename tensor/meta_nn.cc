@@ -30,6 +30,53 @@ std::vector<TensorSpec> matmul_meta(std::span<const TensorSpec> in, const Attrs&
   return {spec(out, a.dtype, a.device)};
 }
 
+// linear: x [..., K], weight [N, K], optional bias [N] -> y [..., N] and, with an activation,
+// the pre-activation x W^T + b [..., N] its backward reads (absent otherwise).
+std::vector<TensorSpec> linear_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
+  constexpr OpId op = OpId::linear;
+  require_count(op, in, 3);
+  const TensorSpec& x = in[0];
+  const TensorSpec& w = required(op, in, 1, "weight");
+  require_float(op, x, "input");
+  require_same_dtype(op, x, w);
+  TS_CHECK(!x.shape.empty(), "linear: input must have at least one dim ([..., in_features]), got "
+           "a 0-d tensor");
+  require_ndim(op, w, 2, "weight ([out_features, in_features])");
+  const int64_t k = x.shape.back(), n = w.shape[0];
+  TS_CHECK(w.shape[1] == k, "linear: input {} has {} features but weight {} takes {}",
+           shape_str(x.shape), k, shape_str(w.shape), w.shape[1]);
+  if (in[2].defined) {
+    require_same_dtype(op, x, in[2]);
+    TS_CHECK(in[2].shape == Shape{n}, "linear: bias shape {} must be [{}] (weight {})",
+             shape_str(in[2].shape), n, shape_str(w.shape));
+  }
+  TS_CHECK(attrs.activation <= Activation::gelu_tanh, "linear: unknown activation {}",
+           static_cast<int>(attrs.activation));
+  Shape out = x.shape;
+  out.back() = n;
+  const TensorSpec y = spec(out, x.dtype, x.device);
+  return {y, attrs.activation == Activation::none ? absent() : y};
+}
+
+// linear_act_backward: grad [..., N], pre [..., N] -> grad_pre = grad * act'(pre) [..., N] and
+// its sum over the leading dims, the bias's gradient [N].
+std::vector<TensorSpec> linear_act_backward_meta(std::span<const TensorSpec> in,
+                                                 const Attrs& attrs) {
+  constexpr OpId op = OpId::linear_act_backward;
+  require_count(op, in, 2);
+  const TensorSpec& g = in[0];
+  const TensorSpec& pre = required(op, in, 1, "pre-activation");
+  require_float(op, g, "grad");
+  require_same_dtype(op, g, pre);
+  TS_CHECK(g.shape == pre.shape && !g.shape.empty(),
+           "linear_act_backward: grad {} and pre-activation {} must have one shape of rank >= 1",
+           shape_str(g.shape), shape_str(pre.shape));
+  TS_CHECK(attrs.activation != Activation::none && attrs.activation <= Activation::gelu_tanh,
+           "linear_act_backward: activation must be relu, gelu or gelu_tanh, got {}",
+           activation_name(attrs.activation));
+  return {g, spec(Shape{g.shape.back()}, g.dtype, g.device)};
+}
+
 template <OpId op>
 std::vector<TensorSpec> softmax_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
   require_count(op, in, 1);
@@ -330,6 +377,8 @@ TS_REGISTER_META(layer_norm_backward, layer_norm_backward_meta);
 TS_REGISTER_META(cross_entropy, cross_entropy_meta);
 TS_REGISTER_META(cross_entropy_backward, cross_entropy_backward_meta);
 TS_REGISTER_META(dropout, dropout_meta);
+TS_REGISTER_META(linear, linear_meta);
+TS_REGISTER_META(linear_act_backward, linear_act_backward_meta);
 TS_REGISTER_META(attention, attention_meta);
 TS_REGISTER_META(attention_backward, attention_backward_meta);
 TS_REGISTER_META(conv2d, conv2d_meta);

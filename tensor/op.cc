@@ -227,6 +227,16 @@ const OpInfo& op_info(OpId op) { return kOpInfos[index_of(op)]; }
 std::span<const OpInfo> all_ops() { return kOpInfos; }
 std::string_view op_name(OpId op) { return kOpInfos[index_of(op)].name; }
 
+std::string_view activation_name(Activation a) {
+  switch (a) {
+    case Activation::none: return "none";
+    case Activation::relu: return "relu";
+    case Activation::gelu: return "gelu";
+    case Activation::gelu_tanh: return "gelu_tanh";
+  }
+  return "unknown";
+}
+
 void register_meta(OpId op, MetaFn fn) { tables().meta[index_of(op)] = fn; }
 void register_kernel(DeviceType device, OpId op, KernelFn fn) {
   tables().kernel[static_cast<int>(device)][index_of(op)] = fn;

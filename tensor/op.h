@@ -35,6 +35,10 @@ std::string_view op_name(OpId op);
 
 enum class Reduction : uint8_t { mean, sum, none };
 
+// linear's fused activation (gelu: the erf form; gelu_tanh: the tanh approximation).
+enum class Activation : uint8_t { none, relu, gelu, gelu_tanh };
+std::string_view activation_name(Activation a);
+
 // Where a locally drawn random tensor sits inside the logical tensor whose element indices
 // key the RNG: element i of the local block uses the counter of its global index. Empty
 // global_shape: the local tensor is the whole logical tensor.
@@ -62,6 +66,7 @@ struct Attrs {
   int64_t correction = 1;                // var (1 = unbiased)
   int64_t k = 1;                         // topk: how many values along dim
   bool approximate_tanh = false;         // gelu
+  Activation activation = Activation::none;  // linear, linear_act_backward
   Reduction reduction = Reduction::mean; // cross_entropy
   int64_t ignore_index = -100;           // cross_entropy
   std::array<int64_t, 2> kernel_size{1, 1}, stride{1, 1}, padding{0, 0};  // conv2d, pool

@@ -24,6 +24,11 @@ inline Attrs gelu(bool approximate_tanh) {
   a.approximate_tanh = approximate_tanh;
   return a;
 }
+inline Attrs linear(Activation act) {
+  Attrs a;
+  a.activation = act;
+  return a;
+}
 // sum, mean, max (dims empty: all).
 inline Attrs reduce(const std::vector<int64_t>& dims, bool keepdim) {
   Attrs a;

@@ -85,6 +85,8 @@
   X(sum_squares, Compute, NoDiff, Reduce, None)                   \
   /* linear algebra and fused layers */                           \
   X(matmul, Compute, Diff, Linear, None)                          \
+  X(linear, Compute, Diff, Linear, None)                          \
+  X(linear_act_backward, Compute, NoDiff, Fused, None)            \
   X(softmax, Compute, Diff, Fused, AlongDim)                      \
   X(log_softmax, Compute, Diff, Fused, AlongDim)                  \
   X(layer_norm, Compute, Diff, Fused, None)                       \

@@ -109,6 +109,14 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, Activation activation) {
+  return call(OpId::linear, {x, weight, bias}, op_attrs::linear(activation))[0];
+}
+
+std::vector<Tensor> linear_act_backward(const Tensor& grad, const Tensor& pre, Activation activation) {
+  return call(OpId::linear_act_backward, {grad, pre}, op_attrs::linear(activation));
+}
+
 Tensor softmax(const Tensor& x, int64_t dim) { return call1(OpId::softmax, {x}, op_attrs::dim(dim)); }
 Tensor log_softmax(const Tensor& x, int64_t dim) {
   return call1(OpId::log_softmax, {x}, op_attrs::dim(dim));

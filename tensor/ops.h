@@ -83,6 +83,13 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 inline Tensor grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& sizes) {
   return call(OpId::grouped_matmul, {x, w, sizes}, Attrs{})[0];
 }
+// A fully connected layer in one op: act(x @ weight^T + bias) for x [..., K], weight
+// [N, K] (nn::Linear's layout) and an optional bias [N]. The bias and the activation are
+// applied to each output block while the GEMM has it in cache (CPU) or in one pass after it
+// (CUDA); 16-bit inputs are multiplied in f32 and rounded once. The backward fuses the
+// activation's derivative with the bias's gradient (linear_act_backward).
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+              Activation activation = Activation::none);
 Tensor softmax(const Tensor& x, int64_t dim = -1);
 Tensor log_softmax(const Tensor& x, int64_t dim = -1);
 // Normalises over the trailing dims given by normalized_shape; weight/bias optional.
@@ -277,6 +284,8 @@ Tensor randn_block(const Shape& shape, const RngView& view, uint64_t seed, uint6
 std::vector<Tensor> layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& mean,
                                         const Tensor& rstd, const Tensor& weight,
                                         const Tensor& bias, int64_t normalized_ndim);
+// Returns {grad * act'(pre), its sum over the leading dims [N]} for linear's pre-activation.
+std::vector<Tensor> linear_act_backward(const Tensor& grad, const Tensor& pre, Activation activation);
 Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,
                               const Tensor& logsumexp, Reduction reduction, int64_t ignore_index);
 // Returns {grad_q, grad_k, grad_v} of attention, given its output `out` and the row

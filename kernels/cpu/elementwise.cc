@@ -5,6 +5,7 @@
 // compiler vectorises on contiguous runs.
 #include <unsupported/Eigen/SpecialFunctions>
 
+#include "kernels/cpu/activation.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/scalar_ops.h"
 #include "tensor/op.h"
@@ -280,6 +281,50 @@ void gelu_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out, con
   });
 }
 
+// A contiguous run through the op kernels' own paths (kernels/cpu/activation.h).
+template <typename T, typename F>
+void contiguous_unary(const T* x, T* y, int64_t n, F f) {
+  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+  if constexpr (HasEigen<F, Eigen::Map<const Arr>>) {
+    eigen_unary<F>(x, y, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
+  }
+}
+
+template <typename T>
+void activation_run_typed(Activation act, const T* x, T* y, int64_t n) {
+  switch (act) {
+    case Activation::none:
+      if (x != y) std::copy(x, x + n, y);
+      return;
+    case Activation::relu: return contiguous_unary(x, y, n, ops::relu{});
+    case Activation::gelu: return contiguous_unary(x, y, n, ops::gelu_erf{});
+    case Activation::gelu_tanh: return contiguous_unary(x, y, n, ops::gelu_tanh{});
+  }
+}
+
+template <typename T>
+void activation_backward_typed(Activation act, const T* g, const T* x, T* out, int64_t n) {
+  auto run = [&](auto f) {
+    if constexpr (std::is_same_v<T, float> && HasEigen2<decltype(f)>) {
+      eigen_binary<decltype(f)>(g, x, out, n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[i] = f(g[i], x[i]);
+    }
+  };
+  switch (act) {
+    case Activation::none:
+      if (g != out) std::copy(g, g + n, out);
+      return;
+    case Activation::relu:
+      for (int64_t i = 0; i < n; ++i) out[i] = x[i] > T(0) ? g[i] : T(0);
+      return;
+    case Activation::gelu: return run(ops::gelu_erf_backward{});
+    case Activation::gelu_tanh: return run(ops::gelu_tanh_backward{});
+  }
+}
+
 // Every functor family op, from the op list: the functor of the same name.
 constexpr bool kFloatsOnly_UnaryFloat = true, kFloatsOnly_UnaryNumeric = false,
                kFloatsOnly_Binary = false, kFloatsOnly_BinaryFloat = true;
@@ -304,4 +349,17 @@ TS_REGISTER_KERNEL(cpu, gelu_backward, gelu_backward_kernel);
 TS_REGISTER_KERNEL(cpu, where, where_kernel);
 
 }  // namespace
+void activation_run(Activation act, const float* x, float* y, int64_t n) {
+  activation_run_typed(act, x, y, n);
+}
+void activation_run(Activation act, const double* x, double* y, int64_t n) {
+  activation_run_typed(act, x, y, n);
+}
+void activation_backward_run(Activation act, const float* g, const float* x, float* out, int64_t n) {
+  activation_backward_typed(act, g, x, out, n);
+}
+void activation_backward_run(Activation act, const double* g, const double* x, double* out, int64_t n) {
+  activation_backward_typed(act, g, x, out, n);
+}
+
 }  // namespace tessera::cpu

@@ -313,6 +313,7 @@ struct Problem {
   int64_t ldc;
   bool accumulate;
   int64_t kc;  // K block: depends on k only (see balanced_block)
+  const GemmEpilogue* epilogue;
 };
 
 // The block size that splits `extent` into equal blocks of at most `max_block`, rounded up
@@ -335,6 +336,7 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
     for (int64_t pb = 0; pb < pr.k; pb += pr.kc) {
       const int64_t kc = std::min(pr.kc, pr.k - pb);
       const bool accumulate = pr.accumulate || pb > 0;
+      const bool last = pb + kc >= pr.k;
       pack_a(pr.a, ib, mb, pb, kc, apack);
       for (int64_t jb = j0; jb < j1; jb += nb_max) {
         const int64_t nb = std::min(nb_max, j1 - jb);
@@ -347,6 +349,7 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
             compute_tile(kc, as, bpack + jr * kc, crow + jr, pr.ldc, rows,
                          std::min<int64_t>(kNR, nb - jr), accumulate);
           }
+          if (last && pr.epilogue != nullptr) pr.epilogue->fn(pr.epilogue->ctx, ib + ir, rows, jb, nb);
         }
       }
     }
@@ -408,7 +411,7 @@ int64_t split_point(int64_t extent, int64_t tile, int parts, int i) {
 }  // namespace
 
 void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, float* c, int64_t ldc,
-           bool accumulate) {
+           bool accumulate, const GemmEpilogue* epilogue) {
   TS_CHECK(m >= 0 && n >= 0 && k >= 0, "sgemm: negative size m={} n={} k={}", m, n, k);
   TS_CHECK(ldc >= n, "sgemm: ldc={} is less than n={}", ldc, n);
   if (m == 0 || n == 0) return;
@@ -416,9 +419,12 @@ void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, fl
     if (!accumulate) {
       for (int64_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
     }
+    if (epilogue != nullptr) {
+      for (int64_t i = 0; i < m; i += kMR) epilogue->fn(epilogue->ctx, i, std::min<int64_t>(kMR, m - i), 0, n);
+    }
     return;
   }
-  const Problem pr{m, n, k, a, b, c, ldc, accumulate, balanced_block(k, kKC, 1)};
+  const Problem pr{m, n, k, a, b, c, ldc, accumulate, balanced_block(k, kKC, 1), epilogue};
   const Grid grid = choose_grid(pr, num_threads());
   const int parts = grid.tm * grid.tn;
   if (parts == 1) {

@@ -23,12 +23,21 @@ struct StridedMatrix {
   int64_t col_stride;
 };
 
+// Work on C's elements once their sums are final (linear's bias and activation): fn(ctx, i0,
+// rows, j0, cols) is called for disjoint blocks [i0, i0 + rows) x [j0, j0 + cols) covering C,
+// each right after the GEMM wrote it (at most kMR rows: the block is still in L1/L2), from
+// the GEMM's threads. What it does to an element must not depend on the block it is in.
+struct GemmEpilogue {
+  void (*fn)(const void* ctx, int64_t i0, int64_t rows, int64_t j0, int64_t cols);
+  const void* ctx;
+};
+
 // C[m, n] (row-major, leading dimension ldc >= n) = A[m, k] * B[k, n]; with `accumulate`
 // (beta = 1) C += A * B instead. k == 0 gives C = 0 (or leaves C as is when accumulating).
 // Runs on num_threads() threads (kernels/cpu/parallel.h; 1 inside a part of a parallel job).
 // C must not overlap A or B. Throws tessera::Error on negative sizes or ldc < n.
 void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, float* c, int64_t ldc,
-           bool accumulate = false);
+           bool accumulate = false, const GemmEpilogue* epilogue = nullptr);
 
 // The micro-kernel compiled into this build, e.g. "avx512 12x32" (for benchmark reports).
 const char* sgemm_kernel_name();

@@ -61,8 +61,8 @@ thread_local long t_steps = 0;
 thread_local bool t_in_update = false;
 
 bool is_gemm(OpId op) {
-  return op == OpId::matmul || op == OpId::grouped_matmul || op == OpId::grouped_matmul_backward_weight ||
-         op == OpId::conv2d || op == OpId::conv2d_backward_input || op == OpId::conv2d_backward_weight;
+  return op == OpId::matmul || op == OpId::linear || op == OpId::grouped_matmul ||
+         op == OpId::grouped_matmul_backward_weight || op == OpId::conv2d || op == OpId::conv2d_backward_input || op == OpId::conv2d_backward_weight;
 }
 
 void report() {

@@ -23,6 +23,7 @@
 
 #include "kernels/cpu/util.h"
 #include "kernels/cuda/blas.h"
+#include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/runtime.h"
 #include "tensor/op.h"
 
@@ -406,8 +407,80 @@ void grouped_matmul_backward_weight_kernel(std::span<const Tensor> in, std::span
   }
 }
 
+// ---- linear ------------------------------------------------------------------------------
+// The product x [rows, K] @ w^T through cuBLASLt (w [N, K] read with its strides: W^T is
+// column-major for a contiguous w), into the pre-activation output when there is an
+// activation (else into y), then one pass for the bias and the activation (linear.cu).
+
+// x [..., K]'s row stride when its leading dims collapse to one (as the CPU kernel).
+bool linear_rows(const Tensor& x, int64_t& stride) {
+  int64_t inner = 1;
+  bool known = false;
+  stride = std::max<int64_t>(x.shape().back(), 1);
+  for (int64_t d = x.dim() - 2; d >= 0; --d) {
+    if (x.shape()[d] == 1) continue;
+    if (!known) {
+      stride = x.strides()[d];
+      known = true;
+    } else if (x.strides()[d] != stride * inner) {
+      return false;
+    }
+    inner *= x.shape()[d];
+  }
+  return true;
+}
+
+void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& attrs) {
+  const Tensor& y = out[0];
+  if (y.numel() == 0) return;
+  const Device d = y.device();
+  DeviceGuard guard(d);
+  Tensor x = in[0], w = in[1];
+  const Tensor b = in[2].defined() ? contiguous_cuda(in[2]) : Tensor();
+  const int64_t K = x.shape().back(), N = w.shape()[0], rows = y.numel() / N;
+  const int act = static_cast<int>(attrs.activation);
+  const Tensor& c = act != 0 ? out[1] : y;
+  if (K == 0) {
+    cuda_check(cudaMemsetAsync(c.raw_data(), 0, static_cast<size_t>(c.nbytes()), compute_stream(d)),
+               "linear (zero fill)", d);
+  } else {
+    int64_t rs = 0;
+    LtOperand probe;
+    if (!linear_rows(x, rs) || !lt_operand(rows, K, rs, x.strides().back(), probe)) {
+      x = contiguous_cuda(x);
+      linear_rows(x, rs);
+    }
+    if (!lt_operand(K, N, w.strides()[1], w.strides()[0], probe)) w = contiguous_cuda(w);
+    gemm_2d(x.dtype(), static_cast<const char*>(x.raw_data()), rs, x.strides().back(),
+            static_cast<const char*>(w.raw_data()), w.strides()[1], w.strides()[0],
+            static_cast<char*>(c.raw_data()), rows, N, K, d);
+  }
+  if (b.defined() || act != 0) {
+    const DevTensor cd = dev_tensor(c), yd = act != 0 ? dev_tensor(y) : DevTensor{};
+    const DevTensor bd = b.defined() ? dev_tensor(b) : DevTensor{};
+    run_launch("linear", d, [&] { launch_bias_act(cd, yd, bd, rows, N, act, compute_stream(d)); });
+  }
+}
+
+// Inputs: grad, pre [..., N]. Outputs: grad_pre [..., N], grad_bias [N].
+void linear_act_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& attrs) {
+  const Device d = in[0].device();
+  DeviceGuard guard(d);
+  const Tensor g = contiguous_cuda(in[0]), pre = contiguous_cuda(in[1]);
+  const int64_t N = g.shape().back(), rows = N == 0 ? 0 : g.numel() / N;
+  const Tensor ws = Tensor::empty({std::max<int64_t>(linear_act_backward_workspace_bytes(rows, N), 1)},
+                                  DType::b8, d);
+  const DevTensor dd = dev_tensor(out[0]), bd = dev_tensor(out[1]), gd = dev_tensor(g), pd = dev_tensor(pre);
+  run_launch("linear_act_backward", d, [&] {
+    launch_linear_act_backward(dd, bd, gd, pd, rows, N, static_cast<int>(attrs.activation), ws.raw_data(),
+                               compute_stream(d));
+  });
+}
+
 TS_REGISTER_KERNEL(cuda, grouped_matmul, grouped_matmul_kernel);
 TS_REGISTER_KERNEL(cuda, grouped_matmul_backward_weight, grouped_matmul_backward_weight_kernel);
+TS_REGISTER_KERNEL(cuda, linear, linear_kernel);
+TS_REGISTER_KERNEL(cuda, linear_act_backward, linear_act_backward_kernel);
 
 }  // namespace
 }  // namespace tessera::cuda_kernels

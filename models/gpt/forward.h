@@ -92,9 +92,21 @@ inline Device device_of(const Tensor& x) { return x.device(); }
 inline Device device_of(const parallel::ShardedTensor& x) { return x.local().device(); }
 }  // namespace both
 
-template <class T>
-T linear(const T& x, const T& w, const T& b) {
-  return matmul(x, transpose(w, 0, 1)) + b;
+// A row-wise Linear (attn.c_proj, mlp.c_proj): its input features split over tp, so the
+// product is Partial there and the stream's reduction comes before the bias, which joins
+// once; the sum is rounded to the product's dtype, as one device's linear rounds product
+// and bias together (under autocast: low precision out). On one device the product and the
+// bias are one op (tessera::linear).
+template <class L>
+typename L::Tensor row_linear(const L& layout, const typename L::Tensor& x, const typename L::Tensor& w,
+                              const typename L::Tensor& b) {
+  if constexpr (std::is_same_v<typename L::Tensor, Tensor>) {
+    return layout.stream(linear(x, w, b));
+  } else {
+    const typename L::Tensor product = layout.stream(linear(x, w));
+    const typename L::Tensor y = product + b;
+    return y.dtype() == product.dtype() ? y : cast(y, product.dtype());
+  }
 }
 
 // Token + position embeddings and dropout: idx [B, T] i64 -> the residual stream [B, T, C].
@@ -151,10 +163,8 @@ typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c
     y = layout.recompute(c.recompute == GptConfig::Recompute::selective, core, {q, k, v})[0];
   }
   const T merged = view(clone(transpose(y, 1, 2)), {B, S, C});  // heads back
-  // Row-wise: the product is Partial over tp; the stream wants it whole (the all-reduce),
-  // then the bias joins once.
-  const T out = layout.stream(matmul(merged, transpose(param("attn.c_proj.weight"), 0, 1)));
-  return layout.region([&] { return dropout(out + param("attn.c_proj.bias"), drop.p, drop.training); });
+  const T out = row_linear(layout, merged, param("attn.c_proj.weight"), param("attn.c_proj.bias"));
+  return layout.region([&] { return dropout(out, drop.p, drop.training); });
 }
 
 // The experts in block `index`'s MLP place (nn/moe.h) over the B*T tokens of n [B, T, C].
@@ -252,12 +262,12 @@ typename L::Tensor block(const L& layout, const P& param, const GptConfig& c, in
     return layout.region([&] { return h + down; });
   }
   if (c.recompute != GptConfig::Recompute::selective || !drop.training) {  // (eval: no backward)
-    const T up = gelu(linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias")),
-                      /*approximate_tanh=*/true);
+    // Column-wise up projection with its bias and GELU in one op, row-wise down projection.
+    const T up = linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias"),
+                        Activation::gelu_tanh);
     const T down = layout.region([&] {
-      return dropout(layout.stream(matmul(up, transpose(param("mlp.c_proj.weight"), 0, 1))) +
-                         param("mlp.c_proj.bias"),
-                     drop.p, drop.training);
+      return dropout(row_linear(layout, up, param("mlp.c_proj.weight"), param("mlp.c_proj.bias")), drop.p,
+                     drop.training);
     });
     return layout.region([&] { return h + down; });
   }

@@ -284,8 +284,7 @@ double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double 
         keep(0, x);
         ++l;
       } else {
-        // Our block of the previous stage's output, handed over in the compute dtype; the
-        // stream itself stays in the model's dtype, as on one device.
+        // Our block of the previous stage's output, in the model's dtype (see below).
         x = s.tp->stream(cast(input, s.model.wte->weight.dtype()), stream_shape);
       }
       for (; l < end; ++l) {
@@ -293,9 +292,10 @@ double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double 
         x = l == last_layer ? s.tp->head(x) : s.tp->block(l - 1, x);
         keep(l, x);
       }
-      // Under autocast the next stage gets the stream in the compute dtype (half the bytes;
-      // its gradient comes back in it too); the last stage's logits stay as they are.
-      if (end - 1 != last_layer && autocast_enabled()) return cast(x.local(), autocast_dtype());
+      // The next stage gets the stream in the model's dtype, f32 under autocast too: one
+      // device keeps the residual stream in f32 (the linears' low-precision outputs join it
+      // in f32), so rounding it at each stage boundary was a rounding one device does not
+      // make (the stream and its gradient, twice the bytes of bf16 now).
       return x.local();
     });
   }

@@ -354,8 +354,9 @@ int check_compositions(parallel::CommPtr world, const std::vector<Combo>& combos
     } else {
       // One unit roundoff of the precision (bf16 2^-9, f16 2^-11): a layout rounds where one
       // device does not (each tp rank's partial product of a row-wise layer before the
-      // all-reduce, where one device rounds the whole sum; the stream handed between pipeline
-      // stages in the compute dtype), which moves the mean loss by about one rounding.
+      // all-reduce, where one device rounds the whole sum), which moves the mean loss by
+      // about one rounding. (Pipeline stages hand the stream over in f32, as one device
+      // keeps it.)
       CHECK(loss_rel <= (c.precision == DType::bf16 ? 0x1p-9 : 0x1p-11));
     }
     CHECK(r.skipped == ref.skipped);

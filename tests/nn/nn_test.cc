@@ -269,8 +269,18 @@ TEST_CASE("autocast: GEMMs in low precision, loss in f32, f32 gradients for f32 
     // The matmul equals the one on bf16-rounded operands, rounded once to bf16.
     CHECK(y.to_vector<float>() ==
           matmul(x.cast(DType::bf16), lin.weight.t().cast(DType::bf16)).to_vector<float>());
-    logits = lin.forward(x);         // bf16 matmul + f32 bias: promoted to f32
-    CHECK(logits.dtype() == DType::f32);
+    // One op (tessera::linear) under autocast: every input lowered, bf16 out, as torch's
+    // linear/addmm; it equals the product of the bf16-rounded operands plus the rounded bias,
+    // computed in f32 and rounded once.
+    logits = lin.forward(x);
+    CHECK(logits.dtype() == DType::bf16);
+    {
+      AutocastGuard off(DType::f32);
+      const Tensor wide = matmul(x.cast(DType::bf16).cast(DType::f32),
+                                 lin.weight.cast(DType::bf16).cast(DType::f32).t()) +
+                          lin.bias.cast(DType::bf16).cast(DType::f32);
+      CHECK(logits.to_vector<float>() == wide.cast(DType::bf16).to_vector<float>());
+    }
     CHECK(softmax(y).dtype() == DType::f32);
     loss = cross_entropy(y, target);
     CHECK(loss.dtype() == DType::f32);

@@ -156,6 +156,7 @@ const std::vector<OpSweep>& all_sweeps();
 std::vector<OpSweep> elementwise_sweeps();  // cases_elementwise.cc
 std::vector<OpSweep> nn_sweeps();           // cases_nn.cc
 std::vector<OpSweep> attention_sweeps();    // cases_attention.cc (part of nn_sweeps)
+std::vector<OpSweep> linear_sweeps();       // cases_linear.cc (part of nn_sweeps)
 std::vector<OpSweep> data_sweeps();         // cases_data.cc
 std::vector<OpSweep> optim_sweeps();        // cases_optim.cc
 
@@ -228,6 +229,11 @@ void expect_error(const std::string& what, const std::function<void()>& f);
 
 // |a| elementwise (the usual error magnitude of a case's terms).
 NdArray abs_of(const NdArray& a);
+
+// The error magnitude of an f32 GELU value at x and of its derivative times g (either form),
+// as the rel32 bound multiplies it (cases_elementwise.cc).
+double gelu_mag(double x, bool tanh_form);
+double gelu_backward_mag(double g, double x, bool tanh_form);
 
 // Case builders shared by the family files.
 Case unary(std::string label, Shape shape, Domain domain, std::function<double(double)> f,

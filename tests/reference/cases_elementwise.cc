@@ -4,11 +4,39 @@
 #include "tests/reference/cases.h"
 
 namespace tessera::sweep {
+
+namespace {
+constexpr double kGeluC = 0.044715;
+double gelu_z(double x) { return std::sqrt(2.0 / M_PI) * (x + kGeluC * x * x * x); }
+}  // namespace
+
+// Error magnitudes of f32 GELU evaluations (see cases.h; linear's records use them too): 0.5 x (1 + erf(x / sqrt 2))
+// cancels in 1 + erf, whose argument carries u |x| (times erf' = 2/sqrt(pi) e^{-x^2/2});
+// the tanh form cancels in 1 + tanh(z) with z carrying u |z| (times 1 - tanh^2 z).
+double gelu_mag(double x, bool tanh_form) {
+  if (!tanh_form) return std::fabs(x) * (1 + std::fabs(x) * std::exp(-0.5 * x * x));
+  const double t = std::tanh(gelu_z(x));
+  return std::fabs(x) * (1 + (1 - t * t) * std::fabs(gelu_z(x)));
+}
+
+// d/dx gelu: cdf + x pdf (pdf's argument error u x^2 / 2 is relative), and the tanh form's
+// 1 - t^2, which cancels with an absolute error of about 3u + 2 (1 - t^2) |z| u.
+double gelu_backward_mag(double g, double x, bool tanh_form) {
+  if (!tanh_form) {
+    const double pdf = std::exp(-0.5 * x * x) / std::sqrt(2 * M_PI);
+    return std::fabs(g) *
+           (1 + std::fabs(x) * std::exp(-0.5 * x * x) + std::fabs(x) * pdf * (1 + x * x));
+  }
+  const double z = gelu_z(x), t = std::tanh(z);
+  return std::fabs(g) *
+         (1 + (1 - t * t) * std::fabs(z) +
+          std::fabs(x) * (1 + 3 * kGeluC * x * x) * (3 + 2 * (1 - t * t) * std::fabs(z)));
+}
+
 namespace {
 
 using ref::map;
 using ref::zip;
-
 
 // Shapes every elementwise op runs on: plain, rank 3, 0-d, empty, and one large enough
 // (> kElementwiseGrain = 2^15 elements) to be split across threads.
@@ -87,32 +115,6 @@ OpSweep unary_sweep(const UnarySpec& u, Attrs attrs = {}) {
   specials.dtypes = kFloats;
   s.cases.push_back(std::move(specials));
   return s;
-}
-
-constexpr double kGeluC = 0.044715;
-double gelu_z(double x) { return std::sqrt(2.0 / M_PI) * (x + kGeluC * x * x * x); }
-
-// Error magnitudes of f32 GELU evaluations (see op_sweep.h): 0.5 x (1 + erf(x / sqrt 2))
-// cancels in 1 + erf, whose argument carries u |x| (times erf' = 2/sqrt(pi) e^{-x^2/2});
-// the tanh form cancels in 1 + tanh(z) with z carrying u |z| (times 1 - tanh^2 z).
-double gelu_mag(double x, bool tanh_form) {
-  if (!tanh_form) return std::fabs(x) * (1 + std::fabs(x) * std::exp(-0.5 * x * x));
-  const double t = std::tanh(gelu_z(x));
-  return std::fabs(x) * (1 + (1 - t * t) * std::fabs(gelu_z(x)));
-}
-
-// d/dx gelu: cdf + x pdf (pdf's argument error u x^2 / 2 is relative), and the tanh form's
-// 1 - t^2, which cancels with an absolute error of about 3u + 2 (1 - t^2) |z| u.
-double gelu_backward_mag(double g, double x, bool tanh_form) {
-  if (!tanh_form) {
-    const double pdf = std::exp(-0.5 * x * x) / std::sqrt(2 * M_PI);
-    return std::fabs(g) *
-           (1 + std::fabs(x) * std::exp(-0.5 * x * x) + std::fabs(x) * pdf * (1 + x * x));
-  }
-  const double z = gelu_z(x), t = std::tanh(z);
-  return std::fabs(g) *
-         (1 + (1 - t * t) * std::fabs(z) +
-          std::fabs(x) * (1 + 3 * kGeluC * x * x) * (3 + 2 * (1 - t * t) * std::fabs(z)));
 }
 
 // The dtypes a functor family op runs on, and those it must reject.

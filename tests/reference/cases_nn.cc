@@ -1,5 +1,5 @@
 // Records (cases.h): matmul, softmax, layer_norm, cross_entropy, dropout, conv2d, max_pool2d
-// and their fused backward helpers (attention: cases_attention.cc).
+// and their fused backward helpers (attention: cases_attention.cc; linear: cases_linear.cc).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -733,16 +733,18 @@ OpSweep grouped_matmul_backward_weight_sweep() {
 }  // namespace
 
 std::vector<OpSweep> nn_sweeps() {
-  std::vector<OpSweep> out = {matmul_sweep(),
-                              grouped_matmul_sweep(),
-                              grouped_matmul_backward_weight_sweep(),
-                              softmax_sweep(OpId::softmax),
-                              softmax_sweep(OpId::log_softmax),
-                              layer_norm_sweep(),
-                              layer_norm_backward_sweep(),
-                              cross_entropy_sweep(),
-                              cross_entropy_backward_sweep(),
-                              dropout_sweep()};
+  std::vector<OpSweep> out;
+  out.push_back(matmul_sweep());
+  for (OpSweep& s : linear_sweeps()) out.push_back(std::move(s));
+  out.push_back(grouped_matmul_sweep());
+  out.push_back(grouped_matmul_backward_weight_sweep());
+  out.push_back(softmax_sweep(OpId::softmax));
+  out.push_back(softmax_sweep(OpId::log_softmax));
+  out.push_back(layer_norm_sweep());
+  out.push_back(layer_norm_backward_sweep());
+  out.push_back(cross_entropy_sweep());
+  out.push_back(cross_entropy_backward_sweep());
+  out.push_back(dropout_sweep());
   for (OpSweep& s : attention_sweeps()) out.push_back(std::move(s));
   for (OpSweep& s : conv_sweeps()) out.push_back(std::move(s));
   out.push_back(max_pool_sweep());
