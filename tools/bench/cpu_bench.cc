@@ -39,7 +39,7 @@ struct Options {
   int warmup = 3;
   double min_ms = 20.0;
   std::string json_path;  // empty: no JSON
-  std::string only;       // "gemm", "memory", "attention" or empty for all
+  std::string only;       // "gemm", "memory", "attention", "linear" or empty for all
 };
 
 struct Result {
@@ -179,6 +179,37 @@ void bench_attention(const Options& opts, std::vector<Result>& results) {
   });
 }
 
+// linear against the unfused ops it replaces, at GPT-mini's MLP (2048 rows, 128 -> 512 with
+// bias and tanh-GELU; 512 -> 128 with bias): forward, and the activation's backward with the
+// bias gradient. GFLOP/s counts the products' FLOPs only (the backward pair: none; its
+// figure is the time).
+void bench_linear(const Options& opts, std::vector<Result>& results) {
+  tessera::NoGradGuard no_grad;
+  constexpr int64_t M = 2048, C = 128, H = 512;
+  const Tensor x = tessera::randn({M, C}), w = tessera::randn({H, C}), b = tessera::randn({H});
+  const Tensor h = tessera::randn({M, H}), w2 = tessera::randn({C, H}), b2 = tessera::randn({C});
+  const Tensor g = tessera::randn({M, H});
+  const auto add = [&](const std::string& name, double flops, const std::function<void()>& op) {
+    const double ms = median_ms(opts, op);
+    results.push_back({name, flops > 0 ? "GFLOP/s" : "ms", flops > 0 ? flops / (ms * 1e6) : ms, ms, opts.reps});
+  };
+  const double up = 2.0 * M * C * H;
+  add("linear_gelu_2048x128x512", up,
+      [&] { consume(tessera::linear(x, w, b, tessera::Activation::gelu_tanh)); });
+  add("unfused_gelu_2048x128x512", up,
+      [&] { consume(tessera::gelu(tessera::matmul(x, w.t()) + b, /*approximate_tanh=*/true)); });
+  add("linear_bias_2048x512x128", up, [&] { consume(tessera::linear(h, w2, b2)); });
+  add("unfused_bias_2048x512x128", up, [&] { consume(tessera::matmul(h, w2.t()) + b2); });
+  add("gelu_tanh_2048x512", 0, [&] { consume(tessera::gelu(h, /*approximate_tanh=*/true)); });
+  add("tanh_2048x512", 0, [&] { consume(tessera::tanh(h)); });
+  add("linear_act_bwd_2048x512", 0, [&] {
+    consume(tessera::linear_act_backward(g, h, tessera::Activation::gelu_tanh)[1]);
+  });
+  add("unfused_act_bwd_2048x512", 0, [&] {
+    consume(tessera::sum(tessera::gelu_backward(g, h, /*approximate_tanh=*/true), {0}));
+  });
+}
+
 void write_json(const Options& opts, const std::vector<Result>& results) {
   FILE* f = std::fopen(opts.json_path.c_str(), "w");
   if (!f) {
@@ -208,7 +239,7 @@ Options parse(int argc, char** argv) {
   f.bind("warmup", o.warmup, "untimed calls first");
   f.bind("min_ms", o.min_ms, "each repetition loops an op until it takes this long");
   f.bind("json", o.json_path, "also write the results here as JSON");
-  f.bind("only", o.only, "gemm, memory or attention (empty: all)");
+  f.bind("only", o.only, "gemm, memory, attention or linear (empty: all)");
   f.parse(argc, argv);
   TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
            "cpu_bench: --threads and --reps must be >= 1, --warmup >= 0");
@@ -233,6 +264,7 @@ int main(int argc, char** argv) {
   }
   if (opts.only.empty() || opts.only == "memory") bench_memory(opts, results);
   if (opts.only.empty() || opts.only == "attention") bench_attention(opts, results);
+  if (opts.only.empty() || opts.only == "linear") bench_linear(opts, results);
   std::printf(
       "Tessera CPU benchmarks: %d thread(s), median of %d reps (after %d warm-up), "
       "GEMM kernel %s\n",
