@@ -85,9 +85,12 @@ inline Tensor grouped_matmul(const Tensor& x, const Tensor& w, const Tensor& siz
 }
 // A fully connected layer in one op: act(x @ weight^T + bias) for x [..., K], weight
 // [N, K] (nn::Linear's layout) and an optional bias [N]. The bias and the activation are
-// applied to each output block while the GEMM has it in cache (CPU) or in one pass after it
-// (CUDA); 16-bit inputs are multiplied in f32 and rounded once. The backward fuses the
-// activation's derivative with the bias's gradient (linear_act_backward).
+// applied to each output block while the f32 GEMM has it in cache (CPU; f64: a pass after
+// Eigen's GEMM) or in one pass after cuBLASLt's (CUDA). 16-bit inputs: x W^T + b computed
+// in f32 and rounded once, the activation applied to that rounded value and rounded again
+// (the unfused ops' result). With an activation, output 1 is the pre-activation (the
+// backward reads it). The backward fuses the activation's derivative with the bias's
+// gradient (linear_act_backward).
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
               Activation activation = Activation::none);
 Tensor softmax(const Tensor& x, int64_t dim = -1);

@@ -355,6 +355,17 @@ void activation_run(Activation act, const float* x, float* y, int64_t n) {
 void activation_run(Activation act, const double* x, double* y, int64_t n) {
   activation_run_typed(act, x, y, n);
 }
+void activation_run_scalar(Activation act, const float* x, float* y, int64_t n) {
+  const auto each = [&](auto f) {
+    for (int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
+  };
+  switch (act) {
+    case Activation::none: return each([](float v) { return v; });
+    case Activation::relu: return each(ops::relu{});
+    case Activation::gelu: return each(ops::gelu_erf{});
+    case Activation::gelu_tanh: return each(ops::gelu_tanh{});
+  }
+}
 void activation_backward_run(Activation act, const float* g, const float* x, float* out, int64_t n) {
   activation_backward_typed(act, g, x, out, n);
 }

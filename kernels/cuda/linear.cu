@@ -2,6 +2,7 @@
 // linear.cuh). The CPU (kernels/cpu/linear.cc) is the spec: the same functors, 16-bit values
 // computed in f32, the bias gradient summed in f64.
 #include <algorithm>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
@@ -12,6 +13,9 @@ namespace tessera::cuda_kernels {
 namespace {
 
 namespace ops = scalar_ops;
+
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
 template <typename A>
 __device__ __forceinline__ A activate(int act, A v) {
@@ -33,33 +37,21 @@ __device__ __forceinline__ A activate_backward(int act, A g, A x) {
   }
 }
 
-template <typename T>
-__global__ void bias_act_kernel(T* __restrict__ c, T* __restrict__ y, const T* __restrict__ bias,
-                                int64_t total, int64_t n, int act) {
-  using A = acc_type<T>;
+// A is the accumulator's type (f32 for 16-bit T, else T); acc may alias pre or y.
+template <typename T, typename A>
+__global__ void bias_act_kernel(const A* acc, T* pre, T* y, const T* __restrict__ bias, int64_t total,
+                                int64_t n, int act) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    A v = to_acc(c[i]);
-    if (bias != nullptr) {
-      v = __fadd_rn(v, to_acc(bias[i % n]));  // not fused with anything: one rounding
-      c[i] = from_acc<T>(v);
+    A v = acc[i];
+    if (bias != nullptr) v = add_rn(v, static_cast<A>(to_acc(bias[i % n])));  // one rounding
+    const T rounded = from_acc<T>(v);
+    if (act == 0) {
+      y[i] = rounded;
+    } else {
+      pre[i] = rounded;
+      y[i] = from_acc<T>(activate(act, static_cast<A>(to_acc(rounded))));
     }
-    if (y != nullptr) y[i] = from_acc<T>(activate(act, v));
-  }
-}
-
-template <>
-__global__ void bias_act_kernel<double>(double* __restrict__ c, double* __restrict__ y,
-                                        const double* __restrict__ bias, int64_t total, int64_t n,
-                                        int act) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    double v = c[i];
-    if (bias != nullptr) {
-      v = __dadd_rn(v, bias[i % n]);
-      c[i] = v;
-    }
-    if (y != nullptr) y[i] = activate(act, v);
   }
 }
 
@@ -68,13 +60,16 @@ constexpr int64_t kChunkRows = 256;  // rows per partial sum of the bias gradien
 
 // Block (32, 8) over 32 columns of one chunk of rows: dpre for each element, and the chunk's
 // column sums (f64) into part[chunk][col].
+// Block (32, 8) over 32 columns of one chunk of rows (chunk first_chunk + blockIdx.y): dpre
+// for each element, and the chunk's column sums (f64) into part[chunk][col].
 template <typename T>
 __global__ void act_backward_kernel(const T* __restrict__ g, const T* __restrict__ pre,
                                     T* __restrict__ dpre, double* __restrict__ part, int64_t rows,
-                                    int64_t n, int act) {
+                                    int64_t n, int act, int64_t first_chunk) {
   __shared__ double sums[kRowThreads][kColTile];
   const int64_t col = blockIdx.x * static_cast<int64_t>(kColTile) + threadIdx.x;
-  const int64_t r0 = blockIdx.y * kChunkRows, r1 = min(rows, r0 + kChunkRows);
+  const int64_t chunk = first_chunk + blockIdx.y;
+  const int64_t r0 = chunk * kChunkRows, r1 = min(rows, r0 + kChunkRows);
   double acc = 0.0;
   if (col < n) {
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowThreads) {
@@ -90,7 +85,7 @@ __global__ void act_backward_kernel(const T* __restrict__ g, const T* __restrict
     double s = 0.0;
 #pragma unroll
     for (int k = 0; k < kRowThreads; ++k) s += sums[k][threadIdx.x];
-    part[blockIdx.y * n + col] = s;
+    part[chunk * n + col] = s;
   }
 }
 
@@ -109,16 +104,18 @@ __global__ void col_sum_kernel(const double* __restrict__ part, int64_t parts, i
 
 }  // namespace
 
-void launch_bias_act(const DevTensor& c, const DevTensor& y, const DevTensor& bias, int64_t rows,
-                     int64_t n, int act, cudaStream_t stream) {
+void launch_bias_act(const DevTensor& acc, const DevTensor& pre, const DevTensor& y, const DevTensor& bias,
+                     int64_t rows, int64_t n, int act, cudaStream_t stream) {
   const int64_t total = rows * n;
   if (total == 0) return;
   const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65535 * 8);
-  TS_CUDA_DISPATCH_FLOATS(c.dtype, "linear", [&] {
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + threads - 1) / threads, 65535 * 8));
+  TS_CUDA_DISPATCH_FLOATS(y.dtype, "linear", [&] {
     using T = scalar_t;
-    bias_act_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-        typed<T>(c), act != 0 ? typed<T>(y) : nullptr, static_cast<const T*>(bias.data), total, n, act);
+    using A = acc_type<T>;
+    bias_act_kernel<T, A><<<blocks, threads, 0, stream>>>(static_cast<const A*>(acc.data),
+                                                         act != 0 ? typed<T>(pre) : nullptr, typed<T>(y),
+                                                         static_cast<const T*>(bias.data), total, n, act);
   });
   check_launch("linear (bias and activation)");
 }
@@ -133,18 +130,22 @@ void launch_linear_act_backward(const DevTensor& dpre, const DevTensor& db, cons
                                 void* workspace, cudaStream_t stream) {
   if (n == 0) return;
   const int64_t parts = (rows + kChunkRows - 1) / kChunkRows;
-  if (parts > 65535) throw CudaLaunchError("linear_act_backward: too many rows for one launch");
   TS_CUDA_DISPATCH_FLOATS(g.dtype, "linear_act_backward", [&] {
     using T = scalar_t;
-    if (rows == 0) {
-      cudaMemsetAsync(db.data, 0, static_cast<size_t>(n) * sizeof(T), stream);
+    if (rows == 0) {  // an empty sum: a zero bias gradient
+      const cudaError_t e = cudaMemsetAsync(db.data, 0, static_cast<size_t>(n) * sizeof(T), stream);
+      if (e != cudaSuccess) throw CudaLaunchError(std::string("linear_act_backward: ") + cudaGetErrorString(e));
       return;
     }
     double* part = static_cast<double*>(workspace);
-    const dim3 block(kColTile, kRowThreads),
-        grid(static_cast<unsigned>((n + kColTile - 1) / kColTile), static_cast<unsigned>(parts));
-    act_backward_kernel<T><<<grid, block, 0, stream>>>(typed<T>(g), typed<T>(pre), typed<T>(dpre), part,
-                                                       rows, n, act);
+    constexpr int64_t kMaxGridY = 65535;
+    for (int64_t first = 0; first < parts; first += kMaxGridY) {
+      const dim3 block(kColTile, kRowThreads),
+          grid(static_cast<unsigned>((n + kColTile - 1) / kColTile),
+               static_cast<unsigned>(std::min(kMaxGridY, parts - first)));
+      act_backward_kernel<T><<<grid, block, 0, stream>>>(typed<T>(g), typed<T>(pre), typed<T>(dpre), part,
+                                                         rows, n, act, first);
+    }
     col_sum_kernel<T><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(part, parts, n,
                                                                                   typed<T>(db));
   });

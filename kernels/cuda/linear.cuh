@@ -13,11 +13,12 @@
 
 namespace tessera::cuda_kernels {
 
-// c [rows, n] += bias [n] (bias.data null: none); then, with act != 0, y = act(c). 16-bit c
-// holds the GEMM's rounded product; c + bias is computed in f32 and rounded once for c and
-// once (after the activation) for y.
-void launch_bias_act(const DevTensor& c, const DevTensor& y, const DevTensor& bias, int64_t rows,
-                     int64_t n, int act, cudaStream_t stream);
+// v = acc [rows, n] + bias [n] (bias.data null: none); y = act(v) (act 0: v), and with an
+// activation pre = v. acc is the GEMM's output: an f32 buffer for 16-bit y (v rounded once;
+// the activation reads the rounded pre-activation and rounds again, as the CPU), else the
+// output the pass rewrites (pre with an activation, y without).
+void launch_bias_act(const DevTensor& acc, const DevTensor& pre, const DevTensor& y, const DevTensor& bias,
+                     int64_t rows, int64_t n, int act, cudaStream_t stream);
 
 // Bytes of workspace launch_linear_act_backward needs.
 int64_t linear_act_backward_workspace_bytes(int64_t rows, int64_t n);

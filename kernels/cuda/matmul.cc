@@ -85,6 +85,7 @@ struct GemmKey {
   bool ta, tb;
   int64_t m, n, k, lda, ldb, batch, sa, sb;
   int align_a, align_b, align_c;
+  bool f32_out;
   bool operator==(const GemmKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
 };
 struct GemmKeyHash {
@@ -126,6 +127,7 @@ struct LtProblem {
   int64_t m, n, k;
   LtOperand a, b;
   int64_t batch = 1, stride_a = 0, stride_b = 0;
+  bool f32_out = false;  // 16-bit operands, an f32 result (linear's unrounded product)
 };
 
 cublasLtMatrixLayout_t make_layout(const LtProblem& p, cudaDataType_t dt, int64_t rows, int64_t cols,
@@ -158,7 +160,7 @@ std::unique_ptr<GemmPlan> build_plan(const LtProblem& p, const GemmKey& key, Dev
                "matmul", "cublasLtMatmulDescSetAttribute", d);
   plan->a = make_layout(p, dt, p.a.rows, p.a.cols, p.a.ld, p.stride_a, d);
   plan->b = make_layout(p, dt, p.b.rows, p.b.cols, p.b.ld, p.stride_b, d);
-  plan->c = make_layout(p, dt, p.m, p.n, p.m, p.m * p.n, d);
+  plan->c = make_layout(p, p.f32_out ? CUDA_R_32F : dt, p.m, p.n, p.m, p.m * p.n, d);
 
   cublasLtMatmulPreference_t pref = nullptr;
   cublas_check(cublasLtMatmulPreferenceCreate(&pref), "matmul", "cublasLtMatmulPreferenceCreate", d);
@@ -200,6 +202,7 @@ const GemmPlan& plan_for(const LtProblem& p, const void* a, const void* b, void*
   key.align_a = alignment_of(a);
   key.align_b = alignment_of(b);
   key.align_c = alignment_of(c);
+  key.f32_out = p.f32_out;
   static std::mutex mu;
   static auto* plans = new std::unordered_map<GemmKey, std::unique_ptr<GemmPlan>, GemmKeyHash>();
   std::lock_guard<std::mutex> lock(mu);
@@ -345,12 +348,12 @@ TS_REGISTER_KERNEL(cuda, matmul, matmul_kernel);
 
 // out [r, c] (row-major, ld c) = A [r, k] (strides ars, acs) @ B [k, c] (strides brs, bcs).
 void gemm_2d(DType dt, const char* a, int64_t ars, int64_t acs, const char* b, int64_t brs, int64_t bcs,
-             char* out, int64_t r, int64_t c, int64_t k, Device d) {
+             char* out, int64_t r, int64_t c, int64_t k, Device d, bool f32_out = false) {
   LtOperand la, lb;
   TS_CHECK(lt_operand(r, k, ars, acs, la) && lt_operand(k, c, brs, bcs, lb),
            "grouped_matmul (CUDA): operands with strides ({}, {}) and ({}, {}) need a copy", ars, acs,
            brs, bcs);
-  const LtProblem p{dt, c, r, k, lb, la, 1, 0, 0};
+  const LtProblem p{dt, c, r, k, lb, la, 1, 0, 0, f32_out};
   run_gemm(p, b, a, out, d);
 }
 
@@ -409,8 +412,8 @@ void grouped_matmul_backward_weight_kernel(std::span<const Tensor> in, std::span
 
 // ---- linear ------------------------------------------------------------------------------
 // The product x [rows, K] @ w^T through cuBLASLt (w [N, K] read with its strides: W^T is
-// column-major for a contiguous w), into the pre-activation output when there is an
-// activation (else into y), then one pass for the bias and the activation (linear.cu).
+// column-major for a contiguous w), then one pass for the bias and the activation
+// (linear.cu) that writes y and, with an activation, the pre-activation output.
 
 // x [..., K]'s row stride when its leading dims collapse to one (as the CPU kernel).
 bool linear_rows(const Tensor& x, int64_t& stride) {
@@ -439,9 +442,13 @@ void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
   const Tensor b = in[2].defined() ? contiguous_cuda(in[2]) : Tensor();
   const int64_t K = x.shape().back(), N = w.shape()[0], rows = y.numel() / N;
   const int act = static_cast<int>(attrs.activation);
-  const Tensor& c = act != 0 ? out[1] : y;
+  const bool epilogue = b.defined() || act != 0;
+  // The GEMM's output: with a bias or an activation, 16-bit products go to an f32 buffer (one
+  // rounding, after the bias, as on the CPU); f32/f64 ones to the output the pass rewrites.
+  const bool half = x.dtype() == DType::f16 || x.dtype() == DType::bf16;
+  const Tensor acc = epilogue && half ? Tensor::empty(y.shape(), DType::f32, d) : act != 0 ? out[1] : y;
   if (K == 0) {
-    cuda_check(cudaMemsetAsync(c.raw_data(), 0, static_cast<size_t>(c.nbytes()), compute_stream(d)),
+    cuda_check(cudaMemsetAsync(acc.raw_data(), 0, static_cast<size_t>(acc.nbytes()), compute_stream(d)),
                "linear (zero fill)", d);
   } else {
     int64_t rs = 0;
@@ -453,12 +460,13 @@ void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
     if (!lt_operand(K, N, w.strides()[1], w.strides()[0], probe)) w = contiguous_cuda(w);
     gemm_2d(x.dtype(), static_cast<const char*>(x.raw_data()), rs, x.strides().back(),
             static_cast<const char*>(w.raw_data()), w.strides()[1], w.strides()[0],
-            static_cast<char*>(c.raw_data()), rows, N, K, d);
+            static_cast<char*>(acc.raw_data()), rows, N, K, d, /*f32_out=*/acc.dtype() != x.dtype());
   }
-  if (b.defined() || act != 0) {
-    const DevTensor cd = dev_tensor(c), yd = act != 0 ? dev_tensor(y) : DevTensor{};
+  if (epilogue) {
+    const DevTensor ad = dev_tensor(acc), yd = dev_tensor(y);
+    const DevTensor pd = act != 0 ? dev_tensor(out[1]) : DevTensor{};
     const DevTensor bd = b.defined() ? dev_tensor(b) : DevTensor{};
-    run_launch("linear", d, [&] { launch_bias_act(cd, yd, bd, rows, N, act, compute_stream(d)); });
+    run_launch("linear", d, [&] { launch_bias_act(ad, pd, yd, bd, rows, N, act, compute_stream(d)); });
   }
 }
 

@@ -97,15 +97,18 @@ inline Device device_of(const parallel::ShardedTensor& x) { return x.local().dev
 // once; the sum is rounded to the product's dtype, as one device's linear rounds product
 // and bias together (under autocast: low precision out). On one device the product and the
 // bias are one op (tessera::linear).
+template <class T>
+T plus_bias(const T& product, const T& b) {
+  const T y = product + b;
+  return y.dtype() == product.dtype() ? y : cast(y, product.dtype());
+}
 template <class L>
 typename L::Tensor row_linear(const L& layout, const typename L::Tensor& x, const typename L::Tensor& w,
                               const typename L::Tensor& b) {
   if constexpr (std::is_same_v<typename L::Tensor, Tensor>) {
     return layout.stream(linear(x, w, b));
   } else {
-    const typename L::Tensor product = layout.stream(linear(x, w));
-    const typename L::Tensor y = product + b;
-    return y.dtype() == product.dtype() ? y : cast(y, product.dtype());
+    return plus_bias(layout.stream(linear(x, w)), b);
   }
 }
 
@@ -272,17 +275,24 @@ typename L::Tensor block(const L& layout, const P& param, const GptConfig& c, in
     return layout.region([&] { return h + down; });
   }
   // Selective recomputation keeps the pre-activation only and reruns GELU and the down
-  // projection in backward, so the [B, T, 4C] activation is not kept.
-  const auto act_down = [](const std::vector<T>& in) {
-    return std::vector<T>{matmul(gelu(in[0], /*approximate_tanh=*/true), transpose(in[1], 0, 1))};
-  };
-  const T product = layout.recompute(
-      true, act_down,
-      {linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias")),
-       param("mlp.c_proj.weight")})[0];
-  const T down = layout.region([&] {
-    return dropout(layout.stream(product) + param("mlp.c_proj.bias"), drop.p, drop.training);
-  });
+  // projection in backward, so the [B, T, 4C] activation is not kept. The values are the
+  // other path's: the GELU reads the pre-activation as kept (as linear's own GELU does, in
+  // 16 bits too), and the down projection's bias joins as in row_linear.
+  const T pre = linear(layout.column_input(n2), param("mlp.c_fc.weight"), param("mlp.c_fc.bias"));
+  T projected;
+  if constexpr (std::is_same_v<T, Tensor>) {
+    const auto act_down = [](const std::vector<T>& in) {
+      return std::vector<T>{linear(gelu(in[0], /*approximate_tanh=*/true), in[1], in[2])};
+    };
+    projected = layout.recompute(true, act_down, {pre, param("mlp.c_proj.weight"), param("mlp.c_proj.bias")})[0];
+  } else {
+    const auto act_down = [](const std::vector<T>& in) {
+      return std::vector<T>{linear(gelu(in[0], /*approximate_tanh=*/true), in[1])};
+    };
+    projected = plus_bias(layout.stream(layout.recompute(true, act_down, {pre, param("mlp.c_proj.weight")})[0]),
+                          param("mlp.c_proj.bias"));
+  }
+  const T down = layout.region([&] { return dropout(projected, drop.p, drop.training); });
   return layout.region([&] { return h + down; });
 }
 

@@ -64,8 +64,8 @@ const Lin kLinear[] = {
     {"[2, 3, 6] -> 4, no bias, gelu", {2, 3, 6}, 4, false, Activation::gelu},
     {"[7, 5] -> 6, bias, relu", {7, 5}, 6, true, Activation::relu},
     {"[5] -> 3 (one row), bias, gelu_tanh", {5}, 3, true, Activation::gelu_tanh},
-    // Two strips of the GEMM's 12-row tiles and two 32-column tiles: the epilogue's blocks.
-    {"[25, 40] -> 37, bias, gelu_tanh (several epilogue blocks)", {25, 40}, 37, true, Activation::gelu_tanh},
+    // Three strips of rows (12 + 12 + 1 on AVX-512): three epilogue calls, the last partial.
+    {"[25, 40] -> 37, bias, gelu_tanh (several epilogue strips)", {25, 40}, 37, true, Activation::gelu_tanh},
     {"[3, 0] -> 4 (k = 0), bias, gelu", {3, 0}, 4, true, Activation::gelu},
     {"[0, 4] -> 3 (no rows), bias, gelu_tanh", {0, 4}, 3, true, Activation::gelu_tanh},
 };
@@ -79,6 +79,9 @@ OpSweep linear_sweep() {
     c.args = {arg(l.x, normal(1)), arg({l.n, k}, normal(1)), l.bias ? arg({l.n}, normal(1)) : absent_arg()};
     c.attrs.activation = l.act;
     const Activation act = l.act;
+    // 16-bit: y rounds twice (x W^T + b, then the activation of that rounded value). The
+    // count is per case, so the pre-activation output (rounded once) gets the same bound.
+    if (act != Activation::none) c.rounds = 2;
     c.ref = [act](const Arrays& in, DType) {
       const NdArray h = pre_activation(in[0], in[1], in[2], false);
       if (act == Activation::none) return Arrays{h, NdArray::absent()};
@@ -108,14 +111,19 @@ OpSweep linear_sweep() {
     expect_error("linear 0-d x", [] { linear(zeros({}), zeros({5, 1})); });
     if (!sweep_device().is_cpu()) return;
     // The CPU kernel's bias and activation epilogue rounds every element as matmul, add and
-    // the activation's op do: the same bits, at a GPT MLP's shape (many tiles, threads) and
-    // at an odd one, for every activation.
+    // the activation's op do: the same bits, at a GPT MLP's shape (many strips; split over
+    // the threads when there are several) and at an odd one, for every activation; in bf16
+    // the activation of the rounded pre-activation, rounded again, as its own op gives.
     struct Shape3 {
       int64_t rows, k, n;
     };
-    for (const Shape3& sh : {Shape3{128, 64, 256}, Shape3{37, 29, 45}}) {
-      const Tensor x = randn({sh.rows, sh.k}), w = randn({sh.n, sh.k}), b = randn({sh.n});
-      const Tensor h = matmul(x, w.t()) + b;
+    for (const auto& [sh, dt] : {std::pair{Shape3{128, 64, 256}, DType::f32}, std::pair{Shape3{37, 29, 45}, DType::f32},
+                                 std::pair{Shape3{37, 29, 45}, DType::bf16}}) {
+      const Tensor x = randn({sh.rows, sh.k}).cast(dt), w = randn({sh.n, sh.k}).cast(dt);
+      const Tensor b = randn({sh.n}).cast(dt);
+      // f32: the unfused matmul + add; bf16: the bias-only linear (x W^T + b rounded once,
+      // which matmul + add would round twice), then the activation's own op.
+      const Tensor h = dt == DType::f32 ? matmul(x, w.t()) + b : linear(x, w, b);
       for (Activation act : {Activation::none, Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
         Tensor want = h;
         if (act == Activation::relu) want = relu(h);
@@ -127,9 +135,9 @@ OpSweep linear_sweep() {
                              static_cast<size_t>(a.nbytes())) == 0;
         };
         if (!same(got[0], want) || (act != Activation::none && !same(got[1], h))) {
-          report_failure(fmt::format("linear [{}, {}] -> {} {}: the fused op's bits differ from "
+          report_failure(fmt::format("linear [{}, {}] -> {} {} {}: the fused op's bits differ from "
                                      "matmul + add + the activation",
-                                     sh.rows, sh.k, sh.n, activation_name(act)));
+                                     sh.rows, sh.k, sh.n, activation_name(act), dt));
         }
       }
     }
