@@ -26,25 +26,6 @@
 namespace tessera::cpu {
 namespace {
 
-// The row stride of x [..., K] seen as [rows, K], or false when its leading dims do not
-// collapse to one stride (then it is copied).
-bool row_stride_of(const Tensor& x, int64_t& stride) {
-  int64_t inner = 1;
-  bool known = false;
-  stride = std::max<int64_t>(x.shape().back(), 1);
-  for (int64_t d = x.dim() - 2; d >= 0; --d) {
-    if (x.shape()[d] == 1) continue;
-    if (!known) {
-      stride = x.strides()[d];
-      known = true;
-    } else if (x.strides()[d] != stride * inner) {
-      return false;
-    }
-    inner *= x.shape()[d];
-  }
-  return true;
-}
-
 // The epilogue's work on rows [i0, i0 + rows), columns [j0, j0 + cols) of the product c:
 // c += bias, then y = act(c) when y is set (c is then the pre-activation output).
 template <typename T>
@@ -189,4 +170,22 @@ TS_REGISTER_KERNEL(cpu, linear, linear_kernel);
 TS_REGISTER_KERNEL(cpu, linear_act_backward, linear_act_backward_kernel);
 
 }  // namespace
+
+bool row_stride_of(const Tensor& x, int64_t& stride) {
+  int64_t inner = 1;
+  bool known = false;
+  stride = std::max<int64_t>(x.shape().back(), 1);
+  for (int64_t d = x.dim() - 2; d >= 0; --d) {
+    if (x.shape()[d] == 1) continue;
+    if (!known) {
+      stride = x.strides()[d];
+      known = true;
+    } else if (x.strides()[d] != stride * inner) {
+      return false;
+    }
+    inner *= x.shape()[d];
+  }
+  return true;
+}
+
 }  // namespace tessera::cpu

@@ -42,6 +42,11 @@ inline Split3 split3(const Shape& s, int64_t dim) {
 // Shared by the CPU and CUDA kernels (kernels/cpu/matmul.cc defines it).
 std::vector<int64_t> group_starts(const char* op, const Tensor& sizes, int64_t rows);
 
+// The row stride of x [..., K] seen as a [rows, K] matrix, or false when its leading dims do
+// not collapse to one stride (then a kernel copies it). Shared by linear's CPU and CUDA
+// kernels (kernels/cpu/linear.cc defines it).
+bool row_stride_of(const Tensor& x, int64_t& stride);
+
 // A contiguous f32 copy of a 16-bit float tensor (f32/f64 tensors are returned contiguous).
 Tensor to_compute_cpu(const Tensor& t);
 

@@ -415,24 +415,6 @@ void grouped_matmul_backward_weight_kernel(std::span<const Tensor> in, std::span
 // column-major for a contiguous w), then one pass for the bias and the activation
 // (linear.cu) that writes y and, with an activation, the pre-activation output.
 
-// x [..., K]'s row stride when its leading dims collapse to one (as the CPU kernel).
-bool linear_rows(const Tensor& x, int64_t& stride) {
-  int64_t inner = 1;
-  bool known = false;
-  stride = std::max<int64_t>(x.shape().back(), 1);
-  for (int64_t d = x.dim() - 2; d >= 0; --d) {
-    if (x.shape()[d] == 1) continue;
-    if (!known) {
-      stride = x.strides()[d];
-      known = true;
-    } else if (x.strides()[d] != stride * inner) {
-      return false;
-    }
-    inner *= x.shape()[d];
-  }
-  return true;
-}
-
 void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& attrs) {
   const Tensor& y = out[0];
   if (y.numel() == 0) return;
@@ -453,9 +435,9 @@ void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
   } else {
     int64_t rs = 0;
     LtOperand probe;
-    if (!linear_rows(x, rs) || !lt_operand(rows, K, rs, x.strides().back(), probe)) {
+    if (!cpu::row_stride_of(x, rs) || !lt_operand(rows, K, rs, x.strides().back(), probe)) {
       x = contiguous_cuda(x);
-      linear_rows(x, rs);
+      cpu::row_stride_of(x, rs);
     }
     if (!lt_operand(K, N, w.strides()[1], w.strides()[0], probe)) w = contiguous_cuda(w);
     gemm_2d(x.dtype(), static_cast<const char*>(x.raw_data()), rs, x.strides().back(),
