@@ -1,13 +1,13 @@
 // CPU linear: y = act(x W^T + b) with the bias and the activation applied by the f32 GEMM's
-// epilogue (kernels/cpu/gemm.h), to each strip of kMR rows (12 on AVX-512, 6 on AVX2) of a
-// column block right after it is written, so
-// the [rows, N] product is not read back from memory for them. With an activation the
-// GEMM writes the pre-activation output (the backward reads it) and the epilogue y. Every
-// element is rounded as matmul, then add, then the activation's kernel round it (the
-// activation's own vectorised path: kernels/cpu/activation.h), so the fused op gives the
-// unfused ops' bits. f16/bf16 are widened and x W^T + b computed in f32 and rounded once;
-// the activation runs on that rounded pre-activation (rounding again), as the unfused ops
-// would. f64 goes through Eigen's GEMM, then the same epilogue as a separate pass.
+// epilogue (kernels/cpu/gemm.h) to each strip of kMR rows (12 on AVX-512, 6 on AVX2) of a
+// column block right after the GEMM writes it, so the [rows, N] product is not read back
+// from memory for them. With an activation the GEMM writes the pre-activation output (the
+// backward reads it) and the epilogue y. Each element is rounded as matmul, then add, then
+// the activation's op round it (the activation runs through that op's own vectorised path:
+// kernels/cpu/activation.h), so the fused op gives the unfused ops' bits. f16/bf16 are
+// widened and x W^T + b computed in f32 and rounded once; the activation runs on that
+// rounded pre-activation (rounding again), as the unfused ops would. f64 goes through
+// Eigen's GEMM, then the same epilogue as a separate pass.
 //
 // linear_act_backward: grad_pre = grad * act'(pre) per row, and the bias gradient (its
 // column sums) accumulated in f64 over row chunks whose size depends on the row count

@@ -97,6 +97,7 @@ inline Device device_of(const parallel::ShardedTensor& x) { return x.local().dev
 // once; the sum is rounded to the product's dtype, as one device's linear rounds product
 // and bias together (under autocast: low precision out). On one device the product and the
 // bias are one op (tessera::linear).
+// product + b, rounded back to the product's dtype when the bias is wider (f32 under autocast).
 template <class T>
 T plus_bias(const T& product, const T& b) {
   const T y = product + b;
