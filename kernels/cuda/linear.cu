@@ -58,8 +58,6 @@ __global__ void bias_act_kernel(const A* acc, T* pre, T* y, const T* __restrict_
 constexpr int kColTile = 32, kRowThreads = 8;
 constexpr int64_t kChunkRows = 256;  // rows per partial sum of the bias gradient
 
-// Block (32, 8) over 32 columns of one chunk of rows: dpre for each element, and the chunk's
-// column sums (f64) into part[chunk][col].
 // Block (32, 8) over 32 columns of one chunk of rows (chunk first_chunk + blockIdx.y): dpre
 // for each element, and the chunk's column sums (f64) into part[chunk][col].
 template <typename T>
