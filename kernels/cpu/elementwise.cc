@@ -166,6 +166,27 @@ void eigen_unary(const T* a, T* out, int64_t n) {
 template <typename F>
 concept HasEigen2 = requires(const InMap& a, OutMap& o) { EigenForm2<F>::apply(a, a, o); };
 
+// f over a contiguous f32/f64 run as the op kernels evaluate it: Eigen's form where the
+// functor has one (above), else the scalar functor. The functor ops' contiguous runs and
+// linear's epilogue (activation_run) both come here, so they give the same bits.
+template <typename T, typename F>
+void contiguous_unary(const T* x, T* y, int64_t n, F f) {
+  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+  if constexpr (HasEigen<F, Eigen::Map<const Arr>>) {
+    eigen_unary<F>(x, y, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
+  }
+}
+template <typename T, typename F>
+void contiguous_binary(const T* a, const T* b, T* out, int64_t n, F f) {
+  if constexpr (std::is_same_v<T, float> && HasEigen2<F>) {
+    eigen_binary<F>(a, b, out, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = f(a[i], b[i]);
+  }
+}
+
 template <typename T, typename F>
 void unary_loop(const Tensor& in, const Tensor& out, F f) {
   using C = compute_t<T>;
@@ -174,12 +195,9 @@ void unary_loop(const Tensor& in, const Tensor& out, F f) {
     const T* a = reinterpret_cast<const T*>(r.ptr[1]);
     constexpr int64_t s = sizeof(T);
     if (r.stride[0] == s && r.stride[1] == s) {
-      using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
       if constexpr (std::is_floating_point_v<T>) {
-        if constexpr (HasEigen<F, Eigen::Map<const Arr>>) {
-          eigen_unary<F>(a, o, r.n);
-          return;
-        }
+        contiguous_unary(a, o, r.n, f);
+        return;
       }
       for (int64_t i = 0; i < r.n; ++i) o[i] = T(f(C(a[i])));
     } else {
@@ -225,8 +243,8 @@ void binary_loop(const Tensor& a, const Tensor& b, const Tensor& out, F f) {
     // The three shapes that matter for speed get their own loops: both contiguous, and
     // one side a broadcast scalar (stride 0).
     if (r.stride[0] == sizeof(Out) && r.stride[1] == s && r.stride[2] == s) {
-      if constexpr (std::is_same_v<T, float> && std::is_same_v<Out, T> && HasEigen2<F>) {
-        eigen_binary<F>(x, y, o, r.n);
+      if constexpr (std::is_floating_point_v<T> && std::is_same_v<Out, T>) {
+        contiguous_binary(x, y, o, r.n, f);
         return;
       }
       for (int64_t i = 0; i < r.n; ++i) o[i] = Out(f(C(x[i]), C(y[i])));
@@ -281,38 +299,26 @@ void gelu_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out, con
   });
 }
 
-// A contiguous run through the op kernels' own paths (kernels/cpu/activation.h).
-template <typename T, typename F>
-void contiguous_unary(const T* x, T* y, int64_t n, F f) {
-  using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
-  if constexpr (HasEigen<F, Eigen::Map<const Arr>>) {
-    eigen_unary<F>(x, y, n);
-  } else {
-    for (int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
+// Calls f with the functor of act's forward (relu, gelu_erf, gelu_tanh); none is the
+// caller's (kernels/cpu/activation.h).
+template <typename F>
+void with_activation(Activation act, F&& f) {
+  switch (act) {
+    case Activation::none: return;
+    case Activation::relu: return f(ops::relu{});
+    case Activation::gelu: return f(ops::gelu_erf{});
+    case Activation::gelu_tanh: return f(ops::gelu_tanh{});
   }
 }
 
 template <typename T>
 void activation_run_typed(Activation act, const T* x, T* y, int64_t n) {
-  switch (act) {
-    case Activation::none:
-      if (x != y) std::copy(x, x + n, y);
-      return;
-    case Activation::relu: return contiguous_unary(x, y, n, ops::relu{});
-    case Activation::gelu: return contiguous_unary(x, y, n, ops::gelu_erf{});
-    case Activation::gelu_tanh: return contiguous_unary(x, y, n, ops::gelu_tanh{});
-  }
+  if (act == Activation::none && x != y) std::copy(x, x + n, y);
+  with_activation(act, [&](auto f) { contiguous_unary(x, y, n, f); });
 }
 
 template <typename T>
 void activation_backward_typed(Activation act, const T* g, const T* x, T* out, int64_t n) {
-  auto run = [&](auto f) {
-    if constexpr (std::is_same_v<T, float> && HasEigen2<decltype(f)>) {
-      eigen_binary<decltype(f)>(g, x, out, n);
-    } else {
-      for (int64_t i = 0; i < n; ++i) out[i] = f(g[i], x[i]);
-    }
-  };
   switch (act) {
     case Activation::none:
       if (g != out) std::copy(g, g + n, out);
@@ -320,8 +326,8 @@ void activation_backward_typed(Activation act, const T* g, const T* x, T* out, i
     case Activation::relu:
       for (int64_t i = 0; i < n; ++i) out[i] = x[i] > T(0) ? g[i] : T(0);
       return;
-    case Activation::gelu: return run(ops::gelu_erf_backward{});
-    case Activation::gelu_tanh: return run(ops::gelu_tanh_backward{});
+    case Activation::gelu: return contiguous_binary(g, x, out, n, ops::gelu_erf_backward{});
+    case Activation::gelu_tanh: return contiguous_binary(g, x, out, n, ops::gelu_tanh_backward{});
   }
 }
 
@@ -356,15 +362,10 @@ void activation_run(Activation act, const double* x, double* y, int64_t n) {
   activation_run_typed(act, x, y, n);
 }
 void activation_run_scalar(Activation act, const float* x, float* y, int64_t n) {
-  const auto each = [&](auto f) {
+  if (act == Activation::none && x != y) std::copy(x, x + n, y);
+  with_activation(act, [&](auto f) {
     for (int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
-  };
-  switch (act) {
-    case Activation::none: return each([](float v) { return v; });
-    case Activation::relu: return each(ops::relu{});
-    case Activation::gelu: return each(ops::gelu_erf{});
-    case Activation::gelu_tanh: return each(ops::gelu_tanh{});
-  }
+  });
 }
 void activation_backward_run(Activation act, const float* g, const float* x, float* out, int64_t n) {
   activation_backward_typed(act, g, x, out, n);

@@ -56,7 +56,7 @@ template <typename T>
 void linear_typed(Tensor x, Tensor w, Tensor b, const Tensor& y, const Tensor& pre, Activation act) {
   const int64_t K = x.shape().back(), N = w.shape()[0];
   const int64_t rows = y.numel() / N;
-  if (b.defined() && b.strides()[0] != 1 && N > 1) b = contiguous_cpu(b);
+  if (b.defined()) b = contiguous_cpu(b);  // itself when it already is
   const bool fused_act = act != Activation::none;
   T* c = static_cast<T*>((fused_act ? pre : y).raw_data());
   const Epilogue<T> epi{c, fused_act ? static_cast<T*>(y.raw_data()) : nullptr,
