@@ -92,6 +92,12 @@ TS_REGISTER_DERIVATIVE_OUTPUTS(attention, kIn0 | kIn1 | kIn2, kOut0 | kOut1, kOu
                             c.output(1), c.attrs.causal, c.attrs.scale);
 });
 
+// The packed form: one gradient for the stacked q, k and v.
+TS_REGISTER_DERIVATIVE_OUTPUTS(attention_qkv, kIn0, kOut0 | kOut1, kOut0, [](const GradCtx& c) {
+  return Grads{attention_qkv_backward(c.grad(0), c.input(0), c.output(0), c.output(1),
+                                      c.attrs.head_dim, c.attrs.causal, c.attrs.scale)};
+});
+
 // The mask is a pure function of (seed, offset, index), so the backward redraws it.
 TS_REGISTER_DERIVATIVE(dropout, 0, 0, [](const GradCtx& c) {
   return Grads{call1(OpId::dropout, {c.grad()}, c.attrs)};

@@ -109,6 +109,9 @@ ShardedTensor attention(const ShardedTensor& q, const ShardedTensor& k, const Sh
                         bool causal, double scale) {
   return call(OpId::attention, {q, k, v}, op_attrs::attention(causal, scale))[0];
 }
+ShardedTensor attention_qkv(const ShardedTensor& qkv, int64_t head_dim, bool causal, double scale) {
+  return call(OpId::attention_qkv, {qkv}, op_attrs::attention_qkv(head_dim, causal, scale))[0];
+}
 ShardedTensor embedding(const ShardedTensor& weight, const ShardedTensor& indices) {
   return call1(OpId::embedding, {weight, indices});
 }

@@ -68,6 +68,10 @@ ShardedTensor max_pool2d(const ShardedTensor& x, std::array<int64_t, 2> kernel_s
 // q, k, v [B, H, T, D] -> out (the logsumexp stays internal, as in tessera::attention).
 ShardedTensor attention(const ShardedTensor& q, const ShardedTensor& k, const ShardedTensor& v,
                         bool causal = true, double scale = 0.0);
+// qkv [3, B, T, C] -> out [B, T, C] (tessera::attention_qkv): a split batch or a split of C
+// into whole heads computes locally.
+ShardedTensor attention_qkv(const ShardedTensor& qkv, int64_t head_dim, bool causal = true,
+                            double scale = 0.0);
 ShardedTensor embedding(const ShardedTensor& weight, const ShardedTensor& indices);
 ShardedTensor index_select(const ShardedTensor& x, int64_t dim, const ShardedTensor& index);
 ShardedTensor index_add(const ShardedTensor& x, int64_t dim, const ShardedTensor& index,

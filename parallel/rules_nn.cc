@@ -217,6 +217,33 @@ AxisOptions attention_options(const AxisCtx& c) {
   return options;
 }
 
+// attention_qkv (qkv [3, B, T, C] -> out [B, T, C], lse [B, H, T]) and its backward (grad,
+// qkv, out, lse -> grad_qkv): the batch split, or C split into whole heads. That is offered
+// when this axis splits the H heads evenly and, if another mesh axis splits C now as well,
+// when the whole mesh does (the splitting axes' sizes multiply to a divisor of it).
+AxisOptions attention_qkv_options(const AxisCtx& c) {
+  const bool backward = c.op == OpId::attention_qkv_backward;
+  const Shape& qkv = c.in[backward ? 1 : 0].shape;
+  // Each input's dim that holds the heads.
+  const std::vector<int64_t> head_dims = backward ? std::vector<int64_t>{2, 3, 2, 1} : std::vector<int64_t>{3};
+  bool split_elsewhere = false;
+  for (size_t i = 0; i < head_dims.size(); ++i) {
+    for (size_t a = 0; a < c.current[i].size(); ++a) {
+      split_elsewhere = split_elsewhere || (static_cast<int>(a) != c.axis && c.current[i][a].is_shard(head_dims[i]));
+    }
+  }
+  const int64_t ways = split_elsewhere ? c.mesh_size : c.axis_size;
+  AxisOptions options{all_replicate(c)};
+  const auto add = [&](Placement rows, Placement packed, Placement stats) {
+    if (backward) options.push_back({{rows, packed, rows, stats}, {packed}});
+    else options.push_back({{packed}, {rows, stats}});
+  };
+  add(Shard(0), Shard(1), Shard(0));
+  const int64_t heads = c.attrs.head_dim > 0 ? qkv[3] / c.attrs.head_dim : 0;
+  if (heads > 0 && heads % ways == 0) add(Shard(2), Shard(3), Shard(1));
+  return options;
+}
+
 AxisOptions pool_options(const AxisCtx& c) {
   AxisOptions options{all_replicate(c)};
   for (int64_t d = 0; d < 2; ++d) options.push_back(uniform(c, Shard(d), Shard(d)));
@@ -247,6 +274,8 @@ TS_REGISTER_SHARDING_RULE(cross_entropy_backward, {.options = cross_entropy_back
                                                    .local = cross_entropy_backward_local});
 TS_REGISTER_SHARDING_RULE(attention, {.options = attention_options});
 TS_REGISTER_SHARDING_RULE(attention_backward, {.options = attention_options});
+TS_REGISTER_SHARDING_RULE(attention_qkv, {.options = attention_qkv_options});
+TS_REGISTER_SHARDING_RULE(attention_qkv_backward, {.options = attention_qkv_options});
 TS_REGISTER_SHARDING_RULE(conv2d, {.options = conv2d_options});
 TS_REGISTER_SHARDING_RULE(conv2d_backward_input, {.options = conv2d_backward_input_options});
 TS_REGISTER_SHARDING_RULE(conv2d_backward_weight, {.options = conv2d_backward_weight_options});

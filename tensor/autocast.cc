@@ -22,7 +22,8 @@ constexpr std::array<AutocastRule, kNumOps> make_rules() {
     const bool binary = f == OpFamily::Binary || f == OpFamily::BinaryFloat || f == OpFamily::Compare;
     r[i] = binary ? AutocastRule::promote : AutocastRule::keep;
   }
-  for (OpId op : {OpId::matmul, OpId::linear, OpId::grouped_matmul, OpId::conv2d, OpId::attention}) {
+  for (OpId op : {OpId::matmul, OpId::linear, OpId::grouped_matmul, OpId::conv2d, OpId::attention,
+                  OpId::attention_qkv}) {
     r[static_cast<int>(op)] = AutocastRule::lower;
   }
   for (OpId op : {OpId::sum, OpId::mean, OpId::var, OpId::softmax, OpId::log_softmax,

@@ -221,6 +221,56 @@ std::vector<TensorSpec> attention_backward_meta(std::span<const TensorSpec> in,
   return {q, q, q};
 }
 
+// attention_qkv: qkv [3, B, T, C] (q, k, v stacked; C a positive multiple of head_dim) ->
+// out [B, T, C] and the row logsumexp [B, C / head_dim, T] (f32; f64 for f64).
+void check_attention_qkv(OpId op, const TensorSpec& qkv, const Attrs& attrs) {
+  require_float(op, qkv, "qkv");
+  require_ndim(op, qkv, 4, "qkv ([3, B, T, C])");
+  TS_CHECK(qkv.shape[0] == 3, "{}: qkv {} must stack q, k and v in dim 0 (size 3)", name_of(op),
+           shape_str(qkv.shape));
+  TS_CHECK(attrs.head_dim > 0 && qkv.shape[3] > 0 && qkv.shape[3] % attrs.head_dim == 0,
+           "{}: width {} of qkv {} must be a positive multiple of head_dim {}", name_of(op),
+           qkv.shape[3], shape_str(qkv.shape), attrs.head_dim);
+  TS_CHECK(std::isfinite(attrs.scale), "{}: scale must be finite, got {}", name_of(op),
+           attrs.scale);
+}
+
+Shape attention_qkv_rows(const TensorSpec& qkv, const Attrs& attrs) {
+  return {qkv.shape[1], qkv.shape[3] / attrs.head_dim, qkv.shape[2]};
+}
+
+std::vector<TensorSpec> attention_qkv_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
+  constexpr OpId op = OpId::attention_qkv;
+  require_count(op, in, 1);
+  const TensorSpec& qkv = in[0];
+  check_attention_qkv(op, qkv, attrs);
+  const Shape& s = qkv.shape;
+  return {spec({s[1], s[2], s[3]}, qkv.dtype, qkv.device),
+          spec(attention_qkv_rows(qkv, attrs), stats_dtype(qkv.dtype), qkv.device)};
+}
+
+// Inputs: grad [B, T, C], qkv, out [B, T, C], lse. Output: grad_qkv [3, B, T, C].
+std::vector<TensorSpec> attention_qkv_backward_meta(std::span<const TensorSpec> in,
+                                                    const Attrs& attrs) {
+  constexpr OpId op = OpId::attention_qkv_backward;
+  require_count(op, in, 4);
+  const TensorSpec& qkv = required(op, in, 1, "qkv");
+  check_attention_qkv(op, qkv, attrs);
+  const Shape rows{qkv.shape[1], qkv.shape[2], qkv.shape[3]};
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    const TensorSpec& t = required(op, in, i, i == 0 ? "grad" : "out");
+    require_same_dtype(op, qkv, t);
+    TS_CHECK(t.shape == rows, "attention_qkv_backward: {} shape {} must be {} for qkv {}",
+             i == 0 ? "grad" : "out", shape_str(t.shape), shape_str(rows), shape_str(qkv.shape));
+  }
+  const TensorSpec& lse = required(op, in, 3, "lse");
+  const Shape want = attention_qkv_rows(qkv, attrs);
+  TS_CHECK(lse.shape == want && lse.dtype == stats_dtype(qkv.dtype),
+           "attention_qkv_backward: lse must be {} {}, got {} {}", stats_dtype(qkv.dtype),
+           shape_str(want), lse.dtype, shape_str(lse.shape));
+  return {qkv};
+}
+
 int64_t conv_out(int64_t in, int64_t k, int64_t s, int64_t p) { return (in + 2 * p - k) / s + 1; }
 
 void check_window(OpId op, const Shape& x, const Attrs& a, int64_t kh, int64_t kw) {
@@ -381,6 +431,8 @@ TS_REGISTER_META(linear, linear_meta);
 TS_REGISTER_META(linear_act_backward, linear_act_backward_meta);
 TS_REGISTER_META(attention, attention_meta);
 TS_REGISTER_META(attention_backward, attention_backward_meta);
+TS_REGISTER_META(attention_qkv, attention_qkv_meta);
+TS_REGISTER_META(attention_qkv_backward, attention_qkv_backward_meta);
 TS_REGISTER_META(conv2d, conv2d_meta);
 TS_REGISTER_META(conv2d_backward_input, conv2d_backward_input_meta);
 TS_REGISTER_META(conv2d_backward_weight, conv2d_backward_weight_meta);

@@ -61,6 +61,7 @@ struct Attrs {
   double p = 0.0;                        // dropout probability of zeroing
   bool causal = false;                   // attention: query i attends to keys j <= i
   double scale = 0.0;                    // attention: logits scale (0: 1/sqrt(head dim)); scale_
+  int64_t head_dim = 0;                  // attention_qkv: the width of one head
   double eps = 1e-5;                     // layer_norm
   int64_t normalized_ndim = 1;           // layer_norm: trailing dims normalised
   int64_t correction = 1;                // var (1 = unbiased)

@@ -102,6 +102,11 @@ inline Attrs attention(bool causal, double scale) {
   a.scale = scale;
   return a;
 }
+inline Attrs attention_qkv(int64_t head_dim, bool causal, double scale) {
+  Attrs a = attention(causal, scale);
+  a.head_dim = head_dim;
+  return a;
+}
 inline Attrs conv2d(std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
   Attrs a;
   a.stride = stride;

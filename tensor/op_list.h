@@ -96,6 +96,8 @@
   X(dropout, Compute, Diff, Fused, None)                          \
   X(attention, Compute, Diff, Fused, None)                        \
   X(attention_backward, Compute, NoDiff, Fused, None)             \
+  X(attention_qkv, Compute, Diff, Fused, None)                    \
+  X(attention_qkv_backward, Compute, NoDiff, Fused, None)         \
   X(conv2d, Compute, Diff, Linear, None)                          \
   X(conv2d_backward_input, Compute, NoDiff, Linear, None)         \
   X(conv2d_backward_weight, Compute, NoDiff, Linear, None)        \

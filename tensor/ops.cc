@@ -160,6 +160,10 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
   return call(OpId::attention, {q, k, v}, op_attrs::attention(causal, scale))[0];
 }
 
+Tensor attention_qkv(const Tensor& qkv, int64_t head_dim, bool causal, double scale) {
+  return call(OpId::attention_qkv, {qkv}, op_attrs::attention_qkv(head_dim, causal, scale))[0];
+}
+
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               std::array<int64_t, 2> stride, std::array<int64_t, 2> padding) {
   return call1(OpId::conv2d, {x, weight, bias}, op_attrs::conv2d(stride, padding));
@@ -496,6 +500,12 @@ std::vector<Tensor> attention_backward(const Tensor& grad, const Tensor& q, cons
                                        const Tensor& v, const Tensor& out, const Tensor& lse,
                                        bool causal, double scale) {
   return call(OpId::attention_backward, {grad, q, k, v, out, lse}, op_attrs::attention(causal, scale));
+}
+
+Tensor attention_qkv_backward(const Tensor& grad, const Tensor& qkv, const Tensor& out,
+                              const Tensor& lse, int64_t head_dim, bool causal, double scale) {
+  return call1(OpId::attention_qkv_backward, {grad, qkv, out, lse},
+               op_attrs::attention_qkv(head_dim, causal, scale));
 }
 
 Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Shape& input_shape,

@@ -111,6 +111,11 @@ Tensor dropout(const Tensor& x, double p, bool training = true,
 // (flash-attention style on CUDA).
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true,
                  double scale = 0.0);
+// The same attention over the packed projection GPT computes: qkv [3, B, T, C] holds q, k
+// and v, each [B, T, C] with H = C / head_dim heads side by side; the result is [B, T, C],
+// the heads merged back (head h in columns [h * head_dim, (h + 1) * head_dim)). No split of
+// qkv, no transposes in or out, and the backward writes one [3, B, T, C] gradient.
+Tensor attention_qkv(const Tensor& qkv, int64_t head_dim, bool causal = true, double scale = 0.0);
 // x [N, C, H, W], weight [O, C, kh, kw], bias [O] optional.
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
               std::array<int64_t, 2> stride = {1, 1}, std::array<int64_t, 2> padding = {0, 0});
@@ -296,6 +301,10 @@ Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Te
 std::vector<Tensor> attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k,
                                        const Tensor& v, const Tensor& out, const Tensor& lse,
                                        bool causal, double scale);
+// The gradient of qkv [3, B, T, C] for attention_qkv, given grad and out [B, T, C] and the
+// row logsumexp lse [B, H, T] its op saved.
+Tensor attention_qkv_backward(const Tensor& grad, const Tensor& qkv, const Tensor& out,
+                              const Tensor& lse, int64_t head_dim, bool causal, double scale);
 Tensor conv2d_backward_input(const Tensor& grad, const Tensor& weight, const Shape& input_shape,
                              std::array<int64_t, 2> stride, std::array<int64_t, 2> padding);
 Tensor conv2d_backward_weight(const Tensor& grad, const Tensor& x, const Shape& weight_shape,

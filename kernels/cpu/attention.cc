@@ -4,7 +4,10 @@
 // query rows through the project's GEMM: scores for a block of rows against the keys it may
 // see, a row softmax, then products with V (forward) or the five products of the backward,
 // with P recomputed from the saved lse (exp over packets: vec_math.h); f32 heads are read in
-// place through their strides (PairRows). The blocking is fixed by T alone. Unlike the
+// place through their strides (PairRows), and every dtype's outputs are written through
+// theirs (OutRows). attention_qkv runs the same code on views: q, k and v are heads of the
+// packed [3, B, T, C] input, out the heads of [B, T, C], the gradients the heads of one
+// [3, B, T, C] tensor. The blocking is fixed by T alone. Unlike the
 // spec, a causal block multiplies the zero probabilities of its rows' future keys (up to 63
 // of them) with those keys' values, so a non-finite v_j (or dO_i) reaches rows i < j of its
 // block as NaN, where the spec leaves them finite.
@@ -75,6 +78,26 @@ struct PairRows {
   StridedMatrix cols(int64_t p, int64_t i) const { return {row(p, i), 1, row_stride}; }
 };
 
+// A [B, H, T, D] output written per pair, its last dim contiguous: attention's own
+// contiguous outputs, or heads of attention_qkv's [B, T, C] and [3, B, T, C] ones.
+template <typename T>
+struct OutRows {
+  T* data;
+  int64_t heads, batch_stride, head_stride, row_stride;
+
+  explicit OutRows(const Tensor& t)
+      : data(static_cast<T*>(t.raw_data())), heads(t.shape()[1]), batch_stride(t.strides()[0]),
+        head_stride(t.strides()[1]), row_stride(t.strides()[2]) {}
+  T* row(int64_t p, int64_t i) const {
+    return data + (p / heads) * batch_stride + (p % heads) * head_stride + i * row_stride;
+  }
+  // Rows [i, i + n) of pair p from n x dh compute-type values, one rounding each.
+  template <typename C>
+  void store_rows(int64_t p, int64_t i, const C* src, int64_t n, int64_t dh) const {
+    for (int64_t r = 0; r < n; ++r) store(row(p, i + r), src + r * dh, dh);
+  }
+};
+
 // The keys rows [i0, i1) may see.
 int64_t keys_for(bool causal, int64_t i1, int64_t t) { return causal ? i1 : t; }
 
@@ -94,18 +117,23 @@ void softmax_rows(float* s, int64_t rows, int64_t ld, int64_t keys, int64_t i0, 
   }
 }
 
+// Forward operands: q, k, v [B, H, T, D] (views), out (the same, written through its
+// strides) and lse [B, H, T] (contiguous).
+struct Forward {
+  Tensor q, k, v, out, lse;
+};
+
 template <typename T>
-void attention_forward_f32(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
-  const PairRows q(in[0]), k(in[1]), v(in[2]);
-  const Shape& shape = in[0].shape();
+void attention_forward_f32(const Forward& f, const Attrs& a) {
+  const PairRows q(f.q), k(f.k), v(f.v);
+  const Shape& shape = f.q.shape();
   const int64_t bh = shape[0] * shape[1], t = shape[2], dh = shape[3];
   const float scale = static_cast<float>(effective_scale(a, dh));
-  T* op = static_cast<T*>(out[0].raw_data());
-  float* lp = static_cast<float*>(out[1].raw_data());
+  const OutRows<T> op(f.out);
+  float* lp = static_cast<float*>(f.lse.raw_data());
   parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kRows * t), o(std::is_same_v<T, float> ? 0 : kRows * dh);
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t base = p * t * dh;
       for (int64_t i0 = 0; i0 < t; i0 += kRows) {
         const int64_t rows = std::min(kRows, t - i0), keys = keys_for(a.causal, i0 + rows, t);
         // s = scale (q k^T), the scale applied to each dot product as the spec does.
@@ -116,32 +144,34 @@ void attention_forward_f32(std::span<const Tensor> in, std::span<Tensor> out, co
         }
         softmax_rows(s.data(), rows, t, keys, i0, a.causal, lp + p * t + i0);
         if constexpr (std::is_same_v<T, float>) {
-          sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), op + base + i0 * dh, dh);
+          sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), op.row(p, i0), op.row_stride);
         } else {
           sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), o.data(), dh);
-          store(op + base + i0 * dh, o.data(), rows * dh);
+          op.store_rows(p, i0, o.data(), rows, dh);
         }
       }
     }
   });
 }
 
-// Inputs: grad, q, k, v, out, lse. Outputs: grad_q, grad_k, grad_v.
+// Backward operands: grad, q, k, v, out [B, H, T, D] (views), lse [B, H, T], and the
+// gradients dq, dk, dv (written through their strides).
+struct Backward {
+  Tensor grad, q, k, v, out, lse, dq, dk, dv;
+};
+
 template <typename T>
-void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
-  const PairRows g(in[0]), q(in[1]), k(in[2]), v(in[3]), o(in[4]);
-  const Tensor lse = contiguous_cpu(in[5]);
-  const Shape& shape = in[1].shape();
+void attention_backward_f32(const Backward& b, const Attrs& a) {
+  const PairRows g(b.grad), q(b.q), k(b.k), v(b.v), o(b.out);
+  const Tensor lse = contiguous_cpu(b.lse);
+  const Shape& shape = b.q.shape();
   const int64_t bh = shape[0] * shape[1], t = shape[2], dh = shape[3];
   const float scale = static_cast<float>(effective_scale(a, dh));
   const float* lp = static_cast<const float*>(lse.raw_data());
-  T* dq_out = static_cast<T*>(out[0].raw_data());
-  T* dk_out = static_cast<T*>(out[1].raw_data());
-  T* dv_out = static_cast<T*>(out[2].raw_data());
+  const OutRows<T> dq_out(b.dq), dk_out(b.dk), dv_out(b.dv);
   parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> prob(kRows * t), ds(kRows * t), dq(kRows * dh), dk(t * dh), dv(t * dh), di(kRows);
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t base = p * t * dh;
       std::fill(dk.begin(), dk.end(), 0.0f);
       std::fill(dv.begin(), dv.end(), 0.0f);
       for (int64_t i0 = 0; i0 < t; i0 += kRows) {
@@ -170,15 +200,15 @@ void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, c
         }
         // dq = dS k; dk[0, keys) += dS^T q.
         if constexpr (std::is_same_v<T, float>) {
-          sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq_out + base + i0 * dh, dh);
+          sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq_out.row(p, i0), dq_out.row_stride);
         } else {
           sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq.data(), dh);
-          store(dq_out + base + i0 * dh, dq.data(), rows * dh);
+          dq_out.store_rows(p, i0, dq.data(), rows, dh);
         }
         sgemm(keys, dh, rows, {ds.data(), 1, t}, q.rows(p, i0), dk.data(), dh, /*accumulate=*/true);
       }
-      store(dk_out + base, dk.data(), t * dh);
-      store(dv_out + base, dv.data(), t * dh);
+      dk_out.store_rows(p, 0, dk.data(), t, dh);
+      dv_out.store_rows(p, 0, dv.data(), t, dh);
     }
   });
 }
@@ -186,16 +216,16 @@ void attention_backward_f32(std::span<const Tensor> in, std::span<Tensor> out, c
 // ---- the spec: plain loops (f64) ---------------------------------------------------------------
 
 template <typename T>
-void attention_forward(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+void attention_forward(const Forward& f, const Attrs& a) {
   using C = compute_t<T>;
-  const Tensor q = to_compute_cpu(in[0]), k = to_compute_cpu(in[1]), v = to_compute_cpu(in[2]);
+  const Tensor q = to_compute_cpu(f.q), k = to_compute_cpu(f.k), v = to_compute_cpu(f.v);
   const int64_t bh = q.shape()[0] * q.shape()[1], t = q.shape()[2], dh = q.shape()[3];
   const C scale = static_cast<C>(effective_scale(a, dh));
   const C* qp = static_cast<const C*>(q.raw_data());
   const C* kp = static_cast<const C*>(k.raw_data());
   const C* vp = static_cast<const C*>(v.raw_data());
-  T* op = static_cast<T*>(out[0].raw_data());
-  C* lp = static_cast<C*>(out[1].raw_data());  // f32, or f64 for f64
+  const OutRows<T> op(f.out);
+  C* lp = static_cast<C*>(f.lse.raw_data());  // f32, or f64 for f64
   parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
     std::vector<C> s(t), acc(dh);
     for (int64_t p = begin; p < end; ++p) {
@@ -219,27 +249,26 @@ void attention_forward(std::span<const Tensor> in, std::span<Tensor> out, const 
           for (int64_t d = 0; d < dh; ++d) acc[d] += s[j] * vj[d];
         }
         for (int64_t d = 0; d < dh; ++d) acc[d] /= sum;
-        store(op + base + i * dh, acc.data(), dh);
+        store(op.row(p, i), acc.data(), dh);
         lp[p * t + i] = mx + std::log(sum);
       }
     }
   });
 }
 
-void attention_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
-  visit_float_dtype(in[0].dtype(), "attention", [&]<typename T>() {
-    if constexpr (std::is_same_v<compute_t<T>, float>) attention_forward_f32<T>(in, out, a);
-    else attention_forward<T>(in, out, a);
+void run_forward(const char* name, const Forward& f, const Attrs& a) {
+  visit_float_dtype(f.q.dtype(), name, [&]<typename T>() {
+    if constexpr (std::is_same_v<compute_t<T>, float>) attention_forward_f32<T>(f, a);
+    else attention_forward<T>(f, a);
   });
 }
 
-// Inputs: grad, q, k, v, out, lse. Outputs: grad_q, grad_k, grad_v.
 template <typename T>
-void attention_backward(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+void attention_backward(const Backward& b, const Attrs& a) {
   using C = compute_t<T>;
-  const Tensor g = to_compute_cpu(in[0]), q = to_compute_cpu(in[1]), k = to_compute_cpu(in[2]);
-  const Tensor v = to_compute_cpu(in[3]), o = to_compute_cpu(in[4]);
-  const Tensor lse = contiguous_cpu(in[5]);
+  const Tensor g = to_compute_cpu(b.grad), q = to_compute_cpu(b.q), k = to_compute_cpu(b.k);
+  const Tensor v = to_compute_cpu(b.v), o = to_compute_cpu(b.out);
+  const Tensor lse = contiguous_cpu(b.lse);
   const int64_t bh = q.shape()[0] * q.shape()[1], t = q.shape()[2], dh = q.shape()[3];
   const C scale = static_cast<C>(effective_scale(a, dh));
   const C* gp = static_cast<const C*>(g.raw_data());
@@ -248,9 +277,7 @@ void attention_backward(std::span<const Tensor> in, std::span<Tensor> out, const
   const C* vp = static_cast<const C*>(v.raw_data());
   const C* opp = static_cast<const C*>(o.raw_data());
   const C* lp = static_cast<const C*>(lse.raw_data());
-  T* dq_out = static_cast<T*>(out[0].raw_data());
-  T* dk_out = static_cast<T*>(out[1].raw_data());
-  T* dv_out = static_cast<T*>(out[2].raw_data());
+  const OutRows<T> dq_out(b.dq), dk_out(b.dk), dv_out(b.dv);
   parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
     std::vector<C> prob(t), ds(t), dq(dh), dk(t * dh), dv(t * dh);
     for (int64_t p = begin; p < end; ++p) {
@@ -279,25 +306,68 @@ void attention_backward(std::span<const Tensor> in, std::span<Tensor> out, const
           }
         }
         for (int64_t d = 0; d < dh; ++d) dq[d] *= scale;
-        store(dq_out + base + i * dh, dq.data(), dh);
+        store(dq_out.row(p, i), dq.data(), dh);
       }
       for (C& x : dk) x *= scale;
-      store(dk_out + base, dk.data(), t * dh);
-      store(dv_out + base, dv.data(), t * dh);
+      dk_out.store_rows(p, 0, dk.data(), t, dh);
+      dv_out.store_rows(p, 0, dv.data(), t, dh);
     }
   });
 }
 
+void run_backward(const char* name, const Backward& b, const Attrs& a) {
+  visit_float_dtype(b.q.dtype(), name, [&]<typename T>() {
+    if constexpr (std::is_same_v<compute_t<T>, float>) attention_backward_f32<T>(b, a);
+    else attention_backward<T>(b, a);
+  });
+}
+
+void attention_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  run_forward("attention", {in[0], in[1], in[2], out[0], out[1]}, a);
+}
+
+// Inputs: grad, q, k, v, out, lse. Outputs: grad_q, grad_k, grad_v.
 void attention_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out,
                                const Attrs& a) {
-  visit_float_dtype(in[1].dtype(), "attention_backward", [&]<typename T>() {
-    if constexpr (std::is_same_v<compute_t<T>, float>) attention_backward_f32<T>(in, out, a);
-    else attention_backward<T>(in, out, a);
-  });
+  run_backward("attention_backward",
+               {in[0], in[1], in[2], in[3], in[4], in[5], out[0], out[1], out[2]}, a);
+}
+
+// ---- attention_qkv: the same kernels on views of the packed tensors ---------------------------
+
+// x [..., B, T, C] (contiguous) -> its heads [B, H, T, head_dim] as a view.
+Tensor heads(const Tensor& x, int64_t head_dim) {
+  const int64_t n = x.dim();
+  const Tensor rows = x.view({x.size(n - 3), x.size(n - 2), x.size(n - 1) / head_dim, head_dim});
+  return rows.transpose(1, 2);
+}
+
+void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  const Tensor qkv = contiguous_cpu(in[0]);
+  const int64_t hd = a.head_dim;
+  run_forward("attention_qkv",
+              {heads(qkv.select(0, 0), hd), heads(qkv.select(0, 1), hd), heads(qkv.select(0, 2), hd),
+               heads(out[0], hd), out[1]},
+              a);
+}
+
+// Inputs: grad [B, T, C], qkv, out [B, T, C], lse. Output: grad_qkv [3, B, T, C].
+void attention_qkv_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out,
+                                   const Attrs& a) {
+  const Tensor grad = contiguous_cpu(in[0]), qkv = contiguous_cpu(in[1]);
+  const Tensor o = contiguous_cpu(in[2]);
+  const int64_t hd = a.head_dim;
+  const auto part = [hd](const Tensor& x, int64_t i) { return heads(x.select(0, i), hd); };
+  run_backward("attention_qkv_backward",
+               {heads(grad, hd), part(qkv, 0), part(qkv, 1), part(qkv, 2), heads(o, hd), in[3],
+                part(out[0], 0), part(out[0], 1), part(out[0], 2)},
+               a);
 }
 
 TS_REGISTER_KERNEL(cpu, attention, attention_kernel);
 TS_REGISTER_KERNEL(cpu, attention_backward, attention_backward_kernel);
+TS_REGISTER_KERNEL(cpu, attention_qkv, attention_qkv_kernel);
+TS_REGISTER_KERNEL(cpu, attention_qkv_backward, attention_qkv_backward_kernel);
 
 }  // namespace
 }  // namespace tessera::cpu

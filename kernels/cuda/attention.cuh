@@ -7,8 +7,9 @@
 //   launch_attention_forward(q, k, v, out, lse, scale, causal, stream);
 //   launch_attention_backward(grad, q, k, v, out, lse, delta, dq, dk, dv, scale, causal, stream);
 //
-// Operands are [B, H, T, D] with unit stride over D (other strides free); out, lse, dq, dk,
-// dv and delta ([B, H, T], lse's dtype) are contiguous. lse is f32 (f64 for f64 inputs).
+// Operands, out, dq, dk and dv are [B, H, T, D] with unit stride over D (other strides
+// free); lse and delta ([B, H, T], lse's dtype) are contiguous. lse is f32 (f64 for f64
+// inputs).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,7 +40,7 @@ struct AttnArgs {
   bool causal = false;
   double scale = 1.0;
   AttnOperand q, k, v, o, dout;  // inputs (o, dout: backward only)
-  AttnOperand out, dq, dk, dv;   // outputs (contiguous)
+  AttnOperand out, dq, dk, dv;   // outputs (unit stride over D)
   void* lse = nullptr;           // [B, H, T]: written by the forward, read by the backward
   void* delta = nullptr;         // [B, H, T]: rowsum(dO * O), backward scratch
 };

@@ -143,15 +143,18 @@ typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c
   const T qkv = matmul(view(layout.column_input(x), {B * S, C}),
                        transpose(view(param("attn.c_attn.weight"), {3, C, C}), 1, 2)) +
                 view(param("attn.c_attn.bias"), {3, 1, C});
-  // [1, B*S, C] -> [B, H, S, hd]: a split of C (whole heads) becomes a split of H.
-  auto heads_first = [&](int64_t k) {
-    return transpose(view(slice(qkv, 0, k, k + 1), {B, S, H, hd}), 1, 2);
-  };
-  const T q = heads_first(0), k = heads_first(1), v = heads_first(2);
-  T y;  // [B, H, S, hd]
+  T merged;  // [B, S, C], the heads side by side
   if (!drop.active()) {
-    y = attention(q, k, v, /*causal=*/true);  // fused: the [S, S] scores are never stored
+    // Fused, on the packed product: the [S, S] scores are never stored, qkv is never split
+    // (its gradient is one tensor) and the heads come out merged. A split of C (whole heads)
+    // stays local.
+    merged = attention_qkv(view(qkv, {3, B, S, C}), hd, /*causal=*/true);
   } else {
+    // [1, B*S, C] -> [B, H, S, hd]: a split of C (whole heads) becomes a split of H.
+    auto heads_first = [&](int64_t k) {
+      return transpose(view(slice(qkv, 0, k, k + 1), {B, S, H, hd}), 1, 2);
+    };
+    const T q = heads_first(0), k = heads_first(1), v = heads_first(2);
     // The fused op has no dropout on the probabilities: with it active, the composite, whose
     // [B, H, S, S] scores and probabilities selective recomputation reruns in backward
     // instead of keeping (the function is kept until then: it captures by value).
@@ -164,9 +167,9 @@ typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c
                      layout.replicate(neg_inf));  // query i sees keys j <= i
       return std::vector<T>{matmul(dropout(softmax(scores, -1), drop.p, drop.training), in[2])};
     };
-    y = layout.recompute(c.recompute == GptConfig::Recompute::selective, core, {q, k, v})[0];
+    const T y = layout.recompute(c.recompute == GptConfig::Recompute::selective, core, {q, k, v})[0];
+    merged = view(clone(transpose(y, 1, 2)), {B, S, C});  // heads back
   }
-  const T merged = view(clone(transpose(y, 1, 2)), {B, S, C});  // heads back
   const T out = row_linear(layout, merged, param("attn.c_proj.weight"), param("attn.c_proj.bias"));
   return layout.region([&] { return dropout(out, drop.p, drop.training); });
 }

@@ -1,6 +1,7 @@
-// Records (cases.h): attention and attention_backward, and the CPU kernel's in-place reads
-// of strided heads.
+// Records (cases.h): attention and attention_backward, the CPU kernel's in-place reads of
+// strided heads, and attention_qkv (the packed form) with its backward.
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include <cstdint>
 #include <cstring>
@@ -132,8 +133,137 @@ OpSweep attention_backward_sweep() {
   return s;
 }
 
+// ---- attention_qkv ---------------------------------------------------------------------------
+// The reference: the packed tensors taken apart into the [B, H, T, D] heads AttentionRef
+// reads and writes, independently of the kernels' views.
+
+struct Packed {
+  const char* label;
+  int64_t b, t, heads, head_dim;
+  bool causal;
+  double scale;
+  int64_t width() const { return heads * head_dim; }
+  Shape qkv() const { return {3, b, t, width()}; }
+  Shape rows() const { return {b, t, width()}; }
+  Shape stats() const { return {b, heads, t}; }
+  AttentionRef ref() const { return AttentionRef({b, heads, t, head_dim}, scale, causal); }
+  // [B, T, C] -> [B, H, T, D] and back.
+  NdArray split(const NdArray& x) const {
+    return ref::permute(ref::reshape(x, {b, t, heads, head_dim}), {0, 2, 1, 3});
+  }
+  NdArray merge(const NdArray& x) const { return ref::reshape(ref::permute(x, {0, 2, 1, 3}), rows()); }
+  // Part i (q, k or v) of qkv as heads.
+  NdArray part(const NdArray& qkv, int64_t i) const {
+    return split(ref::reshape(ref::slice(qkv, 0, i, i + 1, 1), rows()));
+  }
+  Arrays forward(const Arrays& in, bool mag) const {
+    const Arrays r = ref().forward({part(in[0], 0), part(in[0], 1), part(in[0], 2)}, mag);
+    return {merge(r[0]), r[1]};
+  }
+  // grad, qkv, out, lse -> grad_qkv.
+  Arrays backward(const Arrays& in, bool mag) const {
+    const Arrays g = ref().backward(
+        {split(in[0]), part(in[1], 0), part(in[1], 1), part(in[1], 2), split(in[2]), in[3]}, mag);
+    return {ref::stack({merge(g[0]), merge(g[1]), merge(g[2])}, 0)};
+  }
+};
+const Packed kPacked[] = {
+    {"[3, 2, 5, 12]: 3 heads of 4, causal", 2, 5, 3, 4, true, 0.0},
+    {"[3, 2, 5, 12]: 3 heads of 4, not causal", 2, 5, 3, 4, false, 0.0},
+    {"[3, 1, 9, 16]: 2 heads of 8, causal, scale 0.5", 1, 9, 2, 8, true, 0.5},
+    // Small enough for the sharded suite (at most 300 values in all inputs, the backward's
+    // too), with whole heads per rank when 2 or 4 ranks split the width (4 heads), or 2.
+    {"[3, 2, 3, 8]: 4 heads of 2, causal", 2, 3, 4, 2, true, 0.0},
+    {"[3, 1, 4, 6]: 2 heads of 3, not causal, scale 0.7", 1, 4, 2, 3, false, 0.7},
+    {"[3, 1, 130, 16]: 2 heads of 8, causal, 3 row blocks", 1, 130, 2, 8, true, 0.0},
+    {"[3, 2, 70, 5]: one head of 5, not causal, scale -0.3", 2, 70, 1, 5, false, -0.3},
+    {"[3, 1, 1, 10]: 2 heads of 5, one query", 1, 1, 2, 5, true, 0.0},
+};
+
+OpSweep attention_qkv_sweep() {
+  OpSweep s{OpId::attention_qkv, kFloats, kNonFloat, {}, {}};
+  for (const Packed& pk : kPacked) {
+    Case c;
+    c.label = pk.label;
+    c.args = {arg(pk.qkv())};
+    c.attrs = op_attrs::attention_qkv(pk.head_dim, pk.causal, pk.scale);
+    c.ref = [pk](const Arrays& in, DType) { return pk.forward(in, false); };
+    c.mag = [pk](const Arrays& in, DType) { return pk.forward(in, true); };
+    c.out_dtype = [](DType dt, size_t k) { return k == 0 || dt == DType::f64 ? dt : DType::f32; };
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    expect_error("attention_qkv dim 0 of 2", [] { attention_qkv(zeros({2, 1, 3, 8}), 4); });
+    expect_error("attention_qkv width 10 for head_dim 4", [] { attention_qkv(zeros({3, 1, 3, 10}), 4); });
+    expect_error("attention_qkv head_dim 0", [] { attention_qkv(zeros({3, 1, 3, 8}), 0); });
+    expect_error("attention_qkv 3-D qkv", [] { attention_qkv(zeros({3, 3, 8}), 4); });
+    expect_error("attention_qkv_backward lse of 3 heads for 2", [] {
+      attention_qkv_backward(zeros({1, 3, 8}), zeros({3, 1, 3, 8}), zeros({1, 3, 8}),
+                             zeros({1, 3, 3}), 4, true, 0.0);
+    });
+    // The packed op is the unpacked one on views: its output, lse and gradient are the bits
+    // of attention and attention_backward on q, k and v split out of qkv, for T across two
+    // row blocks, in f32 and bf16.
+    for (const DType dt : {DType::f32, DType::bf16}) {
+      for (const bool causal : {true, false}) {
+        constexpr int64_t B = 2, T = 70, H = 3, D = 8, C = H * D;
+        const Tensor qkv = randn({3, B, T, C}).cast(dt).to(sweep_device());
+        const Tensor dout = randn({B, T, C}).cast(dt).to(sweep_device());
+        const auto heads = [&](const Tensor& x) { return transpose(view(x, {B, T, H, D}), 1, 2); };
+        const auto merge = [&](const Tensor& x) { return view(transpose(x, 1, 2).contiguous(), {B, T, C}); };
+        const auto bits = [](const Tensor& t) {  // raw bytes: -0 and +0 differ
+          const Tensor c = t.to(kCPU).contiguous();
+          std::vector<uint8_t> out(static_cast<size_t>(c.numel()) * dtype_size(c.dtype()));
+          std::memcpy(out.data(), c.raw_data(), out.size());
+          return out;
+        };
+        const std::vector<Tensor> qkv_heads{heads(qkv.select(0, 0)), heads(qkv.select(0, 1)),
+                                            heads(qkv.select(0, 2))};
+        const std::vector<Tensor> a =
+            call(OpId::attention_qkv, {qkv}, op_attrs::attention_qkv(D, causal, 0.0));
+        const std::vector<Tensor> b = call(OpId::attention, qkv_heads, op_attrs::attention(causal, 0.0));
+        const std::string what = fmt::format("({}, causal {})", dtype_name(dt), causal);
+        CHECK_MESSAGE(bits(a[0]) == bits(merge(b[0])), "attention_qkv's output ", what);
+        CHECK_MESSAGE(bits(a[1]) == bits(b[1]), "attention_qkv's lse ", what);
+        const Tensor ga = attention_qkv_backward(dout, qkv, a[0], a[1], D, causal, 0.0);
+        const std::vector<Tensor> gb = attention_backward(heads(dout), qkv_heads[0], qkv_heads[1],
+                                                          qkv_heads[2], b[0], b[1], causal, 0.0);
+        CHECK_MESSAGE(bits(ga) == bits(stack({merge(gb[0]), merge(gb[1]), merge(gb[2])}, 0)),
+                      "attention_qkv_backward ", what);
+      }
+    }
+  };
+  return s;
+}
+
+OpSweep attention_qkv_backward_sweep() {
+  OpSweep s{OpId::attention_qkv_backward, kFloats, kNonFloat, {}, {}};
+  for (const Packed& pk : kPacked) {
+    Case c;
+    c.label = pk.label;
+    Arg lse = arg(pk.stats());
+    lse.stats = true;
+    c.args = {arg(pk.rows()), arg(pk.qkv()), arg(pk.rows()), lse};
+    c.attrs = op_attrs::attention_qkv(pk.head_dim, pk.causal, pk.scale);
+    // out and lse are the forward's of qkv.
+    c.prepare = [pk](Arrays& in, DType) {
+      const Arrays fw = pk.forward({in[1]}, false);
+      in[2] = fw[0];
+      in[3] = fw[1];
+    };
+    c.ref = [pk](const Arrays& in, DType) { return pk.backward(in, false); };
+    c.mag = [pk](const Arrays& in, DType) { return pk.backward(in, true); };
+    c.sharded = pk.t > 1;  // as attention_backward's one-key case
+    s.cases.push_back(std::move(c));
+  }
+  return s;
+}
+
 }  // namespace
 
-std::vector<OpSweep> attention_sweeps() { return {attention_sweep(), attention_backward_sweep()}; }
+std::vector<OpSweep> attention_sweeps() {
+  return {attention_sweep(), attention_backward_sweep(), attention_qkv_sweep(),
+          attention_qkv_backward_sweep()};
+}
 
 }  // namespace tessera::sweep

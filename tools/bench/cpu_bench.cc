@@ -177,6 +177,27 @@ void bench_attention(const Options& opts, std::vector<Result>& results) {
     consume(qg.grad());
     for (const Tensor* t : {&qg, &kg, &vg}) t->set_grad(Tensor());
   });
+  // GPT's attention from its packed [3, B, T, C] product to the [B, T, C] heads-merged input
+  // of the projection, forward + backward to the product's gradient: attention_qkv, against
+  // the split-out heads, attention and the merge (slice, transpose, clone; the backward's
+  // zeros + index_add per slice and the sum of the three).
+  constexpr int64_t C = H * D;
+  const Tensor qkv = tessera::randn({3, B, T, C}).requires_grad_();
+  const Tensor dmerged = tessera::randn({B, T, C});
+  add("attention_qkv_packed_fwdbwd_b16h4t128d32", 6 * product, [&] {
+    tessera::attention_qkv(qkv, D, /*causal=*/true).backward(dmerged);
+    consume(qkv.grad());
+    qkv.set_grad(Tensor());
+  });
+  add("attention_split_merge_fwdbwd_b16h4t128d32", 6 * product, [&] {
+    const auto heads = [&](int64_t i) {
+      return tessera::transpose(tessera::view(tessera::slice(qkv, 0, i, i + 1), {B, T, H, D}), 1, 2);
+    };
+    const Tensor y = tessera::attention(heads(0), heads(1), heads(2), /*causal=*/true);
+    tessera::view(tessera::clone(tessera::transpose(y, 1, 2)), {B, T, C}).backward(dmerged);
+    consume(qkv.grad());
+    qkv.set_grad(Tensor());
+  });
 }
 
 // linear against the unfused ops it replaces, at GPT-mini's MLP (2048 rows, 128 -> 512 with
