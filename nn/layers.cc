@@ -93,6 +93,13 @@ Embedding::Embedding(int64_t num, int64_t dim, DType dtype) : Module("Embedding"
 
 Tensor Embedding::forward(const Tensor& indices) { return embedding(weight, indices); }
 
+void Embedding::pad_rows(int64_t rows) {
+  TS_CHECK(rows >= 0, "Embedding::pad_rows: rows must be >= 0, got {}", rows);
+  if (rows == 0) return;
+  const Tensor w = weight.detach();
+  weight = replace_parameter("weight", cat({w, zeros({rows, w.size(1)}, w.dtype(), w.device())}, 0));
+}
+
 LayerNorm::LayerNorm(Shape shape, double eps_, bool affine, DType dtype)
     : Module("LayerNorm"), normalized_shape(std::move(shape)), eps(eps_) {
   TS_CHECK(!normalized_shape.empty(), "LayerNorm: normalized_shape must not be empty");

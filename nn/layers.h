@@ -54,6 +54,9 @@ class Embedding : public Module {
  public:
   Embedding(int64_t num_embeddings, int64_t embedding_dim, DType dtype = DType::f32);
   Tensor forward(const Tensor& indices) override;
+  // Appends `rows` zero rows to the table (gradients dropped): a vocabulary padded so a tied
+  // head's GEMM dimension aligns, the table's own rows and draws unchanged.
+  void pad_rows(int64_t rows);
   Tensor weight;
 };
 

@@ -13,6 +13,9 @@ models::Flags gpt_flags(GptCli& cli) {
   f.bind("context", cli.config.context, "sequence length in bytes");
   f.bind("dropout", cli.config.dropout, "dropout probability (embeddings, attention, residuals)");
   f.bind("vocab", cli.config.vocab, "token vocabulary (256 for text; e.g. 50257 with --synthetic_data)");
+  f.bind("vocab_pad", cli.config.vocab_pad,
+         "round the embedding's rows up to a multiple of this (e.g. 64: 50257 -> 50304), the "
+         "padded logits masked (1: none)");
   f.bind("batch", cli.config.batch, "sequences per step");
   f.bind("steps", cli.config.steps, "optimizer steps (the length of the learning-rate schedule)");
   f.bind("max_steps", cli.config.max_steps, "stop after this many steps in all (0: --steps); resumable");

@@ -300,13 +300,23 @@ typename L::Tensor block(const L& layout, const P& param, const GptConfig& c, in
   return layout.region([&] { return h + down; });
 }
 
-// Final LayerNorm and the LM head tied to the token embedding: [B, T, C] -> [B, T, vocab].
+// The LM head's bias with a padded vocabulary: 0 for the vocabulary, kPaddedLogit for the
+// padding ([padded_vocab()]).
+inline Tensor padded_logits_bias(const GptConfig& c, DType dtype, Device device) {
+  return cat({zeros({c.vocab}, dtype, device), full({c.padded_vocab() - c.vocab}, kPaddedLogit, dtype, device)}, 0);
+}
+
+// Final LayerNorm and the LM head tied to the token embedding: [B, T, C] -> [B, T,
+// padded_vocab()] (the padded columns kPaddedLogit).
 template <class L, class P>
 typename L::Tensor head(const L& layout, const P& param, const GptConfig& c,
                         const typename L::Tensor& x) {
   const typename L::Tensor n = layout.region(
       [&] { return layer_norm(x, {c.width}, param("ln_f.weight"), param("ln_f.bias")); });
-  return matmul(layout.column_input(n), transpose(param("wte.weight"), 0, 1));
+  const auto wte = param("wte.weight");
+  if (c.padded_vocab() == c.vocab) return matmul(layout.column_input(n), transpose(wte, 0, 1));
+  const Tensor bias = padded_logits_bias(c, wte.dtype(), both::device_of(wte));
+  return linear(layout.column_input(n), wte, layout.replicate(bias));
 }
 
 // Mean cross-entropy of logits [B, T, V] against targets [B, T] i64, over B*T rows.

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <limits>
 
 #include "autograd/checkpoint.h"
 #include "models/gpt/forward.h"
@@ -16,6 +17,10 @@ void GptConfig::validate() const {
   TS_CHECK(width > 0, "GptConfig: width must be positive, got {}", width);
   TS_CHECK(context > 0, "GptConfig: context must be positive, got {}", context);
   TS_CHECK(vocab > 0, "GptConfig: vocab must be positive, got {}", vocab);
+  TS_CHECK(vocab_pad >= 1 && vocab_pad <= (int64_t{1} << 20),
+           "GptConfig: vocab_pad must be in [1, 2^20] (1: no padding), got {}", vocab_pad);
+  TS_CHECK(vocab <= std::numeric_limits<int64_t>::max() - vocab_pad,
+           "GptConfig: vocab {} padded to a multiple of {} overflows int64", vocab, vocab_pad);
   TS_CHECK(width % heads == 0, "GptConfig: width ({}) must be divisible by heads ({})", width,
            heads);
   TS_CHECK(dropout >= 0.0 && dropout < 1.0, "GptConfig: dropout must be in [0, 1), got {}",
@@ -52,7 +57,7 @@ int64_t GptConfig::num_parameters() const {
   };
   const int64_t c = width;
   const int64_t block = add(mul(12, mul(c, c)), mul(13, c));
-  total = add(add(add(mul(vocab, c), mul(context, c)), mul(layers, block)), mul(2, c));
+  total = add(add(add(mul(padded_vocab(), c), mul(context, c)), mul(layers, block)), mul(2, c));
   if (experts > 0) {
     // Each MoE block trades the MLP's 8 C^2 + 5 C for the router and E experts.
     const int64_t h = moe.hidden > 0 ? moe.hidden : mul(4, c);
@@ -104,7 +109,9 @@ Tensor Block::forward(const Tensor& x) {
 
 Gpt::Gpt(const GptConfig& config) : Module("Gpt"), config_(config) {
   config_.validate();
+  // The vocabulary's rows draw what an unpadded model's draw; the padding is zero.
   wte = register_module("wte", std::make_shared<nn::Embedding>(config_.vocab, config_.width));
+  wte->pad_rows(config_.padded_vocab() - config_.vocab);
   wpe = register_module("wpe", std::make_shared<nn::Embedding>(config_.context, config_.width));
   h = register_module("h", std::make_shared<nn::Sequential>());
   for (int64_t i = 0; i < config_.layers; ++i) h->push_back(std::make_shared<Block>(config_, i));
@@ -119,7 +126,8 @@ void Gpt::init_weights() {
   // block adds two of them to the residual stream.
   const double std = 0.02;
   const double resid_std = std / std::sqrt(2.0 * static_cast<double>(config_.layers));
-  nn::init::normal_(wte->weight, 0.0, std);
+  Tensor vocabulary = wte->weight.narrow(0, 0, config_.vocab);  // the padding stays zero
+  nn::init::normal_(vocabulary, 0.0, std);
   nn::init::normal_(wpe->weight, 0.0, std);
   auto init_linear = [](nn::Linear& l, double s) {
     nn::init::normal_(l.weight, 0.0, s);

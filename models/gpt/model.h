@@ -21,12 +21,24 @@
 
 namespace tessera::gpt {
 
+// The logit of a padded vocabulary entry: f16's lowest finite value, so finite in every
+// dtype (a padded column times a zero one-hot stays 0 in the vocab-parallel loss) and below
+// any real logit by far more than exp's range, so its probability is exactly 0.
+inline constexpr double kPaddedLogit = -65504.0;
+
 struct GptConfig {
   int64_t layers = 4;
   int64_t heads = 4;
   int64_t width = 128;    // embedding width C; head_dim = width / heads
   int64_t context = 128;  // longest sequence (rows of wpe)
   int64_t vocab = 256;
+  // The token embedding (and so the tied LM head) has padded_vocab() rows: vocab rounded up
+  // to a multiple of vocab_pad (1: none), so the head's GEMM dimension aligns (GPT-2's
+  // 50257 -> 50304 with 64). The padded rows start at zero and are never read by the
+  // embedding; their logits are kPaddedLogit, so the softmax gives them exactly zero and
+  // they never get a gradient. forward() returns all padded_vocab() logits.
+  int64_t vocab_pad = 1;
+  int64_t padded_vocab() const { return (vocab + vocab_pad - 1) / vocab_pad * vocab_pad; }
   double dropout = 0.0;   // after the embeddings, on attention weights, on each residual branch
   // Activation recomputation in training: none; full (each block keeps only its input and
   // reruns its forward in backward); selective (Megatron's: only the attention core with
@@ -45,7 +57,8 @@ struct GptConfig {
 
   // Throws tessera::Error naming the offending field ("GptConfig: heads must ...").
   void validate() const;
-  // V*C + context*C + layers*(12*C^2 + 13*C) + 2*C (the head is tied: no extra parameters);
+  // V*C + context*C + layers*(12*C^2 + 13*C) + 2*C with V = padded_vocab() (the head is
+  // tied: no extra parameters);
   // a Mixture-of-Experts block has E*C (router) + E*(2*C*H + H + C) in its MLP's place.
   int64_t num_parameters() const;
 };

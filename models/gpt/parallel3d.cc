@@ -338,7 +338,7 @@ double Gpt3d::forward_backward(const Tensor& idx, const Tensor& targets, double 
           [&](int mb) { return idx.narrow(0, first_row(s.run, source(mb)), rows); },
           [&](const Tensor& logits, int mb) {
             // The last stage's output is this rank's slice of the vocabulary.
-            const Shape full{logits.size(0), logits.size(1), config.vocab};
+            const Shape full{logits.size(0), logits.size(1), config.padded_vocab()};
             const parallel::ShardedTensor z(logits, s.tp_mesh, {parallel::Shard(2)}, full);
             return s.tp->vocab_parallel_loss(z, targets.narrow(0, first_row(s.run, mb), rows))
                 .local();
@@ -445,7 +445,7 @@ std::vector<std::pair<std::string, Tensor>> Gpt3d::activations() {
   for (int l = 0; l < s.pipe.layers; ++l) {
     // Each row of each layer was computed by one (stage, dp rank) and gathered over tp: the
     // first tp rank of it contributes, every other rank adds zeros.
-    Tensor full = zeros({s.B, s.T, l == s.pipe.layers - 1 ? c.vocab : c.width}, dtype);
+    Tensor full = zeros({s.B, s.T, l == s.pipe.layers - 1 ? c.padded_vocab() : c.width}, dtype);
     auto it = s.outputs.find(l);
     if (tp_lead && it != s.outputs.end()) {
       for (const auto& [row, t] : it->second) full.narrow(0, row, t.size(0)).copy_(t);

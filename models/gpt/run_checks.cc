@@ -28,6 +28,7 @@ void validate_train_config(const GptTrainConfig& c) {
   require_at_least(gpt, "width", c.width, 1);
   require_at_least(gpt, "context", c.context, 1);
   require_at_least(gpt, "vocab", c.vocab, 1);
+  require_at_least(gpt, "vocab_pad", c.vocab_pad, 1);
   TS_CHECK(c.width % c.heads == 0, "gpt: --width {} must be divisible by --heads {}", c.width,
            c.heads);
   require_fraction(gpt, "dropout", c.dropout, /*include_one=*/false);
@@ -192,7 +193,7 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   m.ranks_in_process = std::max(1, ranks_in_process);
   // Doubles throughout: the point is to refuse absurd sizes, which overflow integers.
   const double C = static_cast<double>(c.width), T = static_cast<double>(c.context),
-               V = static_cast<double>(c.vocab), H = static_cast<double>(c.heads),
+               V = static_cast<double>(c.model_config().padded_vocab()), H = static_cast<double>(c.heads),
                L = static_cast<double>(c.layers), e = 4;  // f32 bytes
   const GptConfig model = c.model_config();
   const double psi = static_cast<double>(model.num_parameters());

@@ -125,6 +125,7 @@ GptConfig GptTrainConfig::model_config() const {
   m.width = width;
   m.context = context;
   m.vocab = vocab;
+  m.vocab_pad = vocab_pad;
   m.dropout = dropout;
   m.recompute = recompute == "full"        ? GptConfig::Recompute::full
                 : recompute == "selective" ? GptConfig::Recompute::selective
@@ -694,8 +695,12 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   say(fmt::format("gpt: {} layers, {} heads, width {}, context {}{} ({} parameters); {}; batch {} "
                   "({} tokens/step), {} steps, {} lr {}, precision {}{}",
                   config.layers, config.heads, config.width, config.context,
-                  config.vocab != data::kByteVocab ? fmt::format(", vocab {}", config.vocab)
-                                                   : std::string(),
+                  config.vocab != data::kByteVocab || config.vocab_pad > 1
+                      ? fmt::format(", vocab {}{}", config.vocab,
+                                    config.vocab_pad > 1
+                                        ? fmt::format(" (padded to {})", config.model_config().padded_vocab())
+                                        : std::string())
+                      : std::string(),
                   config.model_config().num_parameters(), replica.batches().str(), config.batch,
                   tokens_per_step,
                   config.steps, replica.optimizer_kind(), config.lr, config.precision,

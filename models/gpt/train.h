@@ -32,6 +32,7 @@ struct GptTrainConfig {
   int64_t context = 128;
   double dropout = 0.0;
   int64_t vocab = 256;            // at least 256 on text (tokens are bytes)
+  int64_t vocab_pad = 1;          // the embedding's rows: vocab rounded up to a multiple (GptConfig)
   // Optimisation.
   int64_t batch = 16;             // sequences of `context` bytes per step
   int64_t steps = 3000;           // length of the schedule (the run ends here)
