@@ -27,6 +27,7 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/util.h"
 #include "kernels/cpu/vec_math.h"
+#include "tensor/grad_mode.h"
 #include "tensor/op.h"
 
 namespace tessera::cpu {
@@ -335,7 +336,9 @@ void attention_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out
 
 // ---- attention_qkv: the same kernels on views of the packed tensors ---------------------------
 
-// x [..., B, T, C] (contiguous) -> its heads [B, H, T, head_dim] as a view.
+// x [..., B, T, C] (contiguous) -> its heads [B, H, T, head_dim] as a view. The kernels
+// below take their views under NoGradGuard: the inputs may require grad, and a view made
+// with grad on would be recorded.
 Tensor heads(const Tensor& x, int64_t head_dim) {
   const int64_t n = x.dim();
   const Tensor rows = x.view({x.size(n - 3), x.size(n - 2), x.size(n - 1) / head_dim, head_dim});
@@ -343,6 +346,7 @@ Tensor heads(const Tensor& x, int64_t head_dim) {
 }
 
 void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  NoGradGuard no_grad;
   const Tensor qkv = contiguous_cpu(in[0]);
   const int64_t hd = a.head_dim;
   run_forward("attention_qkv",
@@ -354,6 +358,7 @@ void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, con
 // Inputs: grad [B, T, C], qkv, out [B, T, C], lse. Output: grad_qkv [3, B, T, C].
 void attention_qkv_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out,
                                    const Attrs& a) {
+  NoGradGuard no_grad;
   const Tensor grad = contiguous_cpu(in[0]), qkv = contiguous_cpu(in[1]);
   const Tensor o = contiguous_cpu(in[2]);
   const int64_t hd = a.head_dim;

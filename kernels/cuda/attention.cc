@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/runtime.h"
+#include "tensor/grad_mode.h"
 #include "tensor/op.h"
 
 namespace tessera::cuda_kernels {
@@ -73,13 +74,16 @@ void attention_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out
                {out[0], out[1], out[2]}, a);
 }
 
-// x [..., B, T, C] (contiguous) -> its heads [B, H, T, head_dim] as a view.
+// x [..., B, T, C] (contiguous) -> its heads [B, H, T, head_dim] as a view. The kernels
+// below take their views under NoGradGuard: the inputs may require grad, and a view made
+// with grad on would be recorded.
 Tensor heads(const Tensor& x, int64_t head_dim) {
   const int64_t n = x.dim();
   return x.view({x.size(n - 3), x.size(n - 2), x.size(n - 1) / head_dim, head_dim}).transpose(1, 2);
 }
 
 void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  NoGradGuard no_grad;
   const Tensor qkv = contiguous_cuda(in[0]);
   const int64_t hd = a.head_dim;
   run_forward("attention_qkv", heads(qkv.select(0, 0), hd), heads(qkv.select(0, 1), hd),
@@ -89,6 +93,7 @@ void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, con
 // Inputs: grad [B, T, C], qkv, out [B, T, C], lse. Output: grad_qkv [3, B, T, C].
 void attention_qkv_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out,
                                    const Attrs& a) {
+  NoGradGuard no_grad;
   const Tensor grad = contiguous_cuda(in[0]), qkv = contiguous_cuda(in[1]);
   const Tensor o = contiguous_cuda(in[2]);
   const int64_t hd = a.head_dim;

@@ -25,6 +25,12 @@ void check_same_model(const std::string& path, const models::TrainingState& s,
              "gpt: {} holds a model with {} = {} but --{} is {}", path, name, it->second, name,
              value);
   }
+  // The embedding's rows: a different --vocab_pad would otherwise fail as a shape mismatch.
+  const int64_t rows = c.model_config().padded_vocab();
+  auto it = s.info.find("padded_vocab");
+  TS_CHECK(it == s.info.end() || it->second == std::to_string(rows),
+           "gpt: {} holds an embedding of {} rows but --vocab {} with --vocab_pad {} gives {}",
+           path, it->second, c.vocab, c.vocab_pad, rows);
 }
 
 }  // namespace
@@ -41,6 +47,7 @@ models::TrainingState training_state(const GptTrainConfig& c, int64_t step) {
             {"heads", std::to_string(c.heads)},
             {"width", std::to_string(c.width)},
             {"context", std::to_string(c.context)},
+            {"padded_vocab", std::to_string(c.model_config().padded_vocab())},
             {"precision", c.precision}};
   return s;
 }

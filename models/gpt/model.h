@@ -7,6 +7,7 @@
 //   manual_seed(0);                                     // GPT-2 init draws from it
 //   gpt::Gpt model({.layers = 2, .heads = 2, .width = 32, .context = 16, .vocab = 64});
 //   Tensor logits = model.forward(idx);                 // idx [B, T] i64 -> [B, T, vocab]
+//                                                       // (padded_vocab() with vocab_pad)
 //   Tensor loss = gpt::Gpt::loss(logits, targets);      // targets [B, T] i64
 //   loss.backward();
 #pragma once
@@ -102,12 +103,13 @@ class Gpt : public nn::Module {
   // for the residual projections (attn.c_proj, mlp.c_proj), zero biases, LayerNorm 1/0.
   explicit Gpt(const GptConfig& config);
 
-  // idx [B, T] i64 with T <= context and values in [0, vocab) -> logits [B, T, vocab]:
+  // idx [B, T] i64 with T <= context and values in [0, vocab) -> logits [B, T,
+  // padded_vocab()] (the padded columns kPaddedLogit):
   // head(blocks(embed(idx))), the pieces a pipeline puts on its first and last stages.
   Tensor forward(const Tensor& idx) override;
   // Token + position embeddings (and dropout): idx [B, T] -> x [B, T, C].
   Tensor embed(const Tensor& idx);
-  // Final LayerNorm and the tied LM head: x [B, T, C] -> logits [B, T, vocab].
+  // Final LayerNorm and the tied LM head: x [B, T, C] -> logits [B, T, padded_vocab()].
   Tensor head(const Tensor& x);
   // Mean cross-entropy of logits [B, T, V] against targets [B, T] i64 (over B*T rows).
   static Tensor loss(const Tensor& logits, const Tensor& targets);

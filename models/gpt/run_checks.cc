@@ -270,11 +270,11 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   // Per token and block, what backward keeps: the block input, both layer-norm outputs and
   // the residual after attention (4 C, whole on every tp rank), q/k/v, the heads' output and
   // the MLP's two 4C tensors (12 C, split over tp). The fused attention (no attention
-  // dropout) keeps its output (C) and row logsumexp (H, f32); the composite one, with
-  // dropout, the softmax probabilities (H x T).
+  // dropout) adds its row logsumexp (H, f32): its output is the heads' output; the composite
+  // one, with dropout, the softmax probabilities (H x T).
   const bool fused_attention = c.dropout == 0;
   double per_token = fused_attention
-                         ? e * (4 * C + 13 * C * width_share) + 4 * heads_here
+                         ? e * (4 * C + 12 * C * width_share) + 4 * heads_here
                          : e * (4 * C + 12 * C * width_share + heads_here * T);
   // Dropout's kept masks and outputs: measured at about 2 bytes per masked element.
   if (c.dropout > 0) per_token += 2 * (heads_here * T + 3 * C * width_share);

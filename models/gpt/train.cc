@@ -695,9 +695,9 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   say(fmt::format("gpt: {} layers, {} heads, width {}, context {}{} ({} parameters); {}; batch {} "
                   "({} tokens/step), {} steps, {} lr {}, precision {}{}",
                   config.layers, config.heads, config.width, config.context,
-                  config.vocab != data::kByteVocab || config.vocab_pad > 1
+                  config.vocab != data::kByteVocab || config.model_config().padded_vocab() != config.vocab
                       ? fmt::format(", vocab {}{}", config.vocab,
-                                    config.vocab_pad > 1
+                                    config.model_config().padded_vocab() != config.vocab
                                         ? fmt::format(" (padded to {})", config.model_config().padded_vocab())
                                         : std::string())
                       : std::string(),

@@ -203,33 +203,38 @@ OpSweep attention_qkv_sweep() {
     });
     // The packed op is the unpacked one on views: its output, lse and gradient are the bits
     // of attention and attention_backward on q, k and v split out of qkv, for T across two
-    // row blocks, in f32 and bf16.
-    for (const DType dt : {DType::f32, DType::bf16}) {
-      for (const bool causal : {true, false}) {
-        constexpr int64_t B = 2, T = 70, H = 3, D = 8, C = H * D;
-        const Tensor qkv = randn({3, B, T, C}).cast(dt).to(sweep_device());
-        const Tensor dout = randn({B, T, C}).cast(dt).to(sweep_device());
-        const auto heads = [&](const Tensor& x) { return transpose(view(x, {B, T, H, D}), 1, 2); };
-        const auto merge = [&](const Tensor& x) { return view(transpose(x, 1, 2).contiguous(), {B, T, C}); };
-        const auto bits = [](const Tensor& t) {  // raw bytes: -0 and +0 differ
-          const Tensor c = t.to(kCPU).contiguous();
-          std::vector<uint8_t> out(static_cast<size_t>(c.numel()) * dtype_size(c.dtype()));
-          std::memcpy(out.data(), c.raw_data(), out.size());
-          return out;
-        };
-        const std::vector<Tensor> qkv_heads{heads(qkv.select(0, 0)), heads(qkv.select(0, 1)),
-                                            heads(qkv.select(0, 2))};
-        const std::vector<Tensor> a =
-            call(OpId::attention_qkv, {qkv}, op_attrs::attention_qkv(D, causal, 0.0));
-        const std::vector<Tensor> b = call(OpId::attention, qkv_heads, op_attrs::attention(causal, 0.0));
-        const std::string what = fmt::format("({}, causal {})", dtype_name(dt), causal);
-        CHECK_MESSAGE(bits(a[0]) == bits(merge(b[0])), "attention_qkv's output ", what);
-        CHECK_MESSAGE(bits(a[1]) == bits(b[1]), "attention_qkv's lse ", what);
-        const Tensor ga = attention_qkv_backward(dout, qkv, a[0], a[1], D, causal, 0.0);
-        const std::vector<Tensor> gb = attention_backward(heads(dout), qkv_heads[0], qkv_heads[1],
-                                                          qkv_heads[2], b[0], b[1], causal, 0.0);
-        CHECK_MESSAGE(bits(ga) == bits(stack({merge(gb[0]), merge(gb[1]), merge(gb[2])}, 0)),
-                      "attention_qkv_backward ", what);
+    // row blocks, in f32 and bf16; head dim 64 is one the CUDA tensor-core kernels take (so
+    // there they write the strided output and gradients too).
+    for (const auto& heads_of : {std::pair<int64_t, int64_t>{3, 8}, {2, 64}}) {
+      const int64_t H = heads_of.first, D = heads_of.second;  // (lambdas capture them)
+      for (const DType dt : {DType::f32, DType::bf16}) {
+        for (const bool causal : {true, false}) {
+          constexpr int64_t B = 2, T = 70;
+          const int64_t C = H * D;
+          const Tensor qkv = randn({3, B, T, C}).cast(dt).to(sweep_device());
+          const Tensor dout = randn({B, T, C}).cast(dt).to(sweep_device());
+          const auto heads = [&](const Tensor& x) { return transpose(view(x, {B, T, H, D}), 1, 2); };
+          const auto merge = [&](const Tensor& x) { return view(transpose(x, 1, 2).contiguous(), {B, T, C}); };
+          const auto bits = [](const Tensor& t) {  // raw bytes: -0 and +0 differ
+            const Tensor c = t.to(kCPU).contiguous();
+            std::vector<uint8_t> out(static_cast<size_t>(c.numel()) * dtype_size(c.dtype()));
+            std::memcpy(out.data(), c.raw_data(), out.size());
+            return out;
+          };
+          const std::vector<Tensor> qkv_heads{heads(qkv.select(0, 0)), heads(qkv.select(0, 1)),
+                                              heads(qkv.select(0, 2))};
+          const std::vector<Tensor> a =
+              call(OpId::attention_qkv, {qkv}, op_attrs::attention_qkv(D, causal, 0.0));
+          const std::vector<Tensor> b = call(OpId::attention, qkv_heads, op_attrs::attention(causal, 0.0));
+          const std::string what = fmt::format("({}, {} heads of {}, causal {})", dtype_name(dt), H, D, causal);
+          CHECK_MESSAGE(bits(a[0]) == bits(merge(b[0])), "attention_qkv's output ", what);
+          CHECK_MESSAGE(bits(a[1]) == bits(b[1]), "attention_qkv's lse ", what);
+          const Tensor ga = attention_qkv_backward(dout, qkv, a[0], a[1], D, causal, 0.0);
+          const std::vector<Tensor> gb = attention_backward(heads(dout), qkv_heads[0], qkv_heads[1],
+                                                            qkv_heads[2], b[0], b[1], causal, 0.0);
+          CHECK_MESSAGE(bits(ga) == bits(stack({merge(gb[0]), merge(gb[1]), merge(gb[2])}, 0)),
+                        "attention_qkv_backward ", what);
+        }
       }
     }
   };
