@@ -21,13 +21,28 @@ Tensor matmul_grad_weight(const Tensor& a, const Tensor& b, const Tensor& g) {
   return matmul(transpose(a2, 0, 1), g2);
 }
 
+// d/db of a @ b for a batch of weights b [..., k, n] and one 2-D a (GPT's [B*T, C] @ [3, C,
+// C]^T): per matrix the same product, in b's own layout when each of its matrices is a
+// transposed view, so the transposes' backward hands on a contiguous gradient. The same
+// terms summed in the same order as a^T g: the same bits.
+Tensor batched_matmul_grad_weight(const Tensor& a, const Tensor& b, const Tensor& g) {
+  const int64_t n = b.dim();
+  const bool column_major = b.stride(n - 2) == 1 && b.stride(n - 1) != 1;
+  if (column_major) return transpose(matmul(transpose(g, -1, -2), a), -1, -2);
+  return matmul(transpose(a, -1, -2), g);
+}
+
 TS_REGISTER_DERIVATIVE(matmul, kIn0 | kIn1, 0, [](const GradCtx& c) {
   const Tensor &a = c.input(0), &b = c.input(1);
   Tensor grad_b;
   if (c.needs(1)) {
-    grad_b = b.dim() == 2 && a.dim() >= 2
-                 ? matmul_grad_weight(a, b, c.grad())
-                 : sum_to(matmul(transpose(a, -1, -2), c.grad()), c.in_shape(1));
+    if (b.dim() == 2 && a.dim() >= 2) {
+      grad_b = matmul_grad_weight(a, b, c.grad());
+    } else if (a.dim() == 2 && b.dim() > 2) {
+      grad_b = sum_to(batched_matmul_grad_weight(a, b, c.grad()), c.in_shape(1));
+    } else {
+      grad_b = sum_to(matmul(transpose(a, -1, -2), c.grad()), c.in_shape(1));
+    }
   }
   return Grads{c.needs(0) ? sum_to(matmul(c.grad(), transpose(b, -1, -2)), c.in_shape(0)) : Tensor(),
                grad_b};
