@@ -336,22 +336,16 @@ void attention_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out
 
 // ---- attention_qkv: the same kernels on views of the packed tensors ---------------------------
 
-// x [..., B, T, C] (contiguous) -> its heads [B, H, T, head_dim] as a view. The kernels
-// below take their views under NoGradGuard: the inputs may require grad, and a view made
-// with grad on would be recorded.
-Tensor heads(const Tensor& x, int64_t head_dim) {
-  const int64_t n = x.dim();
-  const Tensor rows = x.view({x.size(n - 3), x.size(n - 2), x.size(n - 1) / head_dim, head_dim});
-  return rows.transpose(1, 2);
-}
-
+// The kernels below take their views (attention_heads) under NoGradGuard: the inputs may
+// require grad, and a view made with grad on would be recorded.
 void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
   NoGradGuard no_grad;
   const Tensor qkv = contiguous_cpu(in[0]);
-  const int64_t hd = a.head_dim;
+  const auto part = [hd = a.head_dim](const Tensor& x, int64_t i) {
+    return attention_heads(x.select(0, i), hd);
+  };
   run_forward("attention_qkv",
-              {heads(qkv.select(0, 0), hd), heads(qkv.select(0, 1), hd), heads(qkv.select(0, 2), hd),
-               heads(out[0], hd), out[1]},
+              {part(qkv, 0), part(qkv, 1), part(qkv, 2), attention_heads(out[0], a.head_dim), out[1]},
               a);
 }
 
@@ -362,10 +356,10 @@ void attention_qkv_backward_kernel(std::span<const Tensor> in, std::span<Tensor>
   const Tensor grad = contiguous_cpu(in[0]), qkv = contiguous_cpu(in[1]);
   const Tensor o = contiguous_cpu(in[2]);
   const int64_t hd = a.head_dim;
-  const auto part = [hd](const Tensor& x, int64_t i) { return heads(x.select(0, i), hd); };
+  const auto part = [hd](const Tensor& x, int64_t i) { return attention_heads(x.select(0, i), hd); };
   run_backward("attention_qkv_backward",
-               {heads(grad, hd), part(qkv, 0), part(qkv, 1), part(qkv, 2), heads(o, hd), in[3],
-                part(out[0], 0), part(out[0], 1), part(out[0], 2)},
+               {attention_heads(grad, hd), part(qkv, 0), part(qkv, 1), part(qkv, 2),
+                attention_heads(o, hd), in[3], part(out[0], 0), part(out[0], 1), part(out[0], 2)},
                a);
 }
 
@@ -375,4 +369,10 @@ TS_REGISTER_KERNEL(cpu, attention_qkv, attention_qkv_kernel);
 TS_REGISTER_KERNEL(cpu, attention_qkv_backward, attention_qkv_backward_kernel);
 
 }  // namespace
+
+Tensor attention_heads(const Tensor& x, int64_t head_dim) {
+  const int64_t n = x.dim();
+  return x.view({x.size(n - 3), x.size(n - 2), x.size(n - 1) / head_dim, head_dim}).transpose(1, 2);
+}
+
 }  // namespace tessera::cpu

@@ -47,6 +47,11 @@ std::vector<int64_t> group_starts(const char* op, const Tensor& sizes, int64_t r
 // kernels (kernels/cpu/linear.cc defines it).
 bool row_stride_of(const Tensor& x, int64_t& stride);
 
+// x [..., B, T, C] (contiguous) -> its heads [B, C / head_dim, T, head_dim] as a view: how
+// attention_qkv's CPU and CUDA kernels see the packed operands (kernels/cpu/attention.cc
+// defines it; call it under NoGradGuard, the operands may require grad).
+Tensor attention_heads(const Tensor& x, int64_t head_dim);
+
 // A contiguous f32 copy of a 16-bit float tensor (f32/f64 tensors are returned contiguous).
 Tensor to_compute_cpu(const Tensor& t);
 

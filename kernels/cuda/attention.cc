@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 
+#include "kernels/cpu/util.h"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/runtime.h"
 #include "tensor/grad_mode.h"
@@ -74,20 +75,16 @@ void attention_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out
                {out[0], out[1], out[2]}, a);
 }
 
-// x [..., B, T, C] (contiguous) -> its heads [B, H, T, head_dim] as a view. The kernels
-// below take their views under NoGradGuard: the inputs may require grad, and a view made
-// with grad on would be recorded.
-Tensor heads(const Tensor& x, int64_t head_dim) {
-  const int64_t n = x.dim();
-  return x.view({x.size(n - 3), x.size(n - 2), x.size(n - 1) / head_dim, head_dim}).transpose(1, 2);
-}
-
+// The kernels below take their views (cpu::attention_heads) under NoGradGuard: the inputs
+// may require grad, and a view made with grad on would be recorded.
 void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
   NoGradGuard no_grad;
   const Tensor qkv = contiguous_cuda(in[0]);
-  const int64_t hd = a.head_dim;
-  run_forward("attention_qkv", heads(qkv.select(0, 0), hd), heads(qkv.select(0, 1), hd),
-              heads(qkv.select(0, 2), hd), heads(out[0], hd), out[1], a);
+  const auto part = [hd = a.head_dim](const Tensor& x, int64_t i) {
+    return cpu::attention_heads(x.select(0, i), hd);
+  };
+  run_forward("attention_qkv", part(qkv, 0), part(qkv, 1), part(qkv, 2),
+              cpu::attention_heads(out[0], a.head_dim), out[1], a);
 }
 
 // Inputs: grad [B, T, C], qkv, out [B, T, C], lse. Output: grad_qkv [3, B, T, C].
@@ -97,9 +94,10 @@ void attention_qkv_backward_kernel(std::span<const Tensor> in, std::span<Tensor>
   const Tensor grad = contiguous_cuda(in[0]), qkv = contiguous_cuda(in[1]);
   const Tensor o = contiguous_cuda(in[2]);
   const int64_t hd = a.head_dim;
-  const auto part = [hd](const Tensor& x, int64_t i) { return heads(x.select(0, i), hd); };
+  const auto part = [hd](const Tensor& x, int64_t i) { return cpu::attention_heads(x.select(0, i), hd); };
   run_backward("attention_qkv_backward",
-               {heads(grad, hd), part(qkv, 0), part(qkv, 1), part(qkv, 2), heads(o, hd), in[3]},
+               {cpu::attention_heads(grad, hd), part(qkv, 0), part(qkv, 1), part(qkv, 2),
+                cpu::attention_heads(o, hd), in[3]},
                {part(out[0], 0), part(out[0], 1), part(out[0], 2)}, a);
 }
 
