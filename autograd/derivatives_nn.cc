@@ -24,7 +24,8 @@ Tensor matmul_grad_weight(const Tensor& a, const Tensor& b, const Tensor& g) {
 // d/db of a @ b for a batch of weights b [..., k, n] and one 2-D a (GPT's [B*T, C] @ [3, C,
 // C]^T): per matrix the same product, in b's own layout when each of its matrices is a
 // transposed view, so the transposes' backward hands on a contiguous gradient. The same
-// terms summed in the same order as a^T g: the same bits.
+// terms summed in the same order as a^T g: the same bits through the CPU's f32 GEMM (its
+// K order is a function of K alone); elsewhere the same value up to rounding.
 Tensor batched_matmul_grad_weight(const Tensor& a, const Tensor& b, const Tensor& g) {
   const int64_t n = b.dim();
   const bool column_major = b.stride(n - 2) == 1 && b.stride(n - 1) != 1;

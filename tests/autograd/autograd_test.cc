@@ -3,6 +3,7 @@
 // Values are small integers in f32 (exact), or compared against closed forms.
 #include <doctest/doctest.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -345,16 +346,26 @@ TEST_CASE("hooks on a leaf also apply to autograd::grad") {
 
 }  // namespace
 
-namespace copies {
-int g_calls = 0;
-void count(OpId op, Device, bool begin) {
-  if (begin && (op == OpId::clone || op == OpId::copy_)) ++g_calls;
+namespace {
+
+// Counts clone and copy_ kernel calls while it lives (the observer is process-wide).
+int g_copies = 0;
+void count_copies(OpId op, Device, bool begin) {
+  if (begin && (op == OpId::clone || op == OpId::copy_)) ++g_copies;
 }
-}  // namespace copies
+struct CountCopies {
+  KernelObserver previous = kernel_observer();
+  CountCopies() {
+    g_copies = 0;
+    set_kernel_observer(count_copies);
+  }
+  ~CountCopies() { set_kernel_observer(previous); }
+};
 
 // A weight used through transposed views (x @ W^T, GPT's qkv product [B*T, C] @ [3, C, C]^T)
-// gets its gradient in its own layout: the backward copies nothing, and the gradient is the
-// sum over rows of x_r g_r^T per matrix (loops here, f64).
+// gets its gradient in its own layout: the backward copies nothing, the gradient is the sum
+// over rows of x_r g_r^T per matrix (loops here, f64), and in f32 it has the bits of the
+// product a^T g the derivative used to compute (the CPU GEMM's K order depends on K alone).
 TEST_CASE("the gradient of a weight used transposed is written in its layout, without a copy") {
   for (const bool batched : {false, true}) {
     CAPTURE(batched);
@@ -363,12 +374,11 @@ TEST_CASE("the gradient of a weight used transposed is written in its layout, wi
     const Tensor w = (batched ? randn({2, n, k}, DType::f64) : randn({n, k}, DType::f64)).requires_grad_();
     const Tensor y = matmul(x, batched ? transpose(w, 1, 2) : transpose(w, 0, 1));
     const Tensor g = randn(y.shape(), DType::f64);
-    const KernelObserver previous = kernel_observer();
-    copies::g_calls = 0;
-    set_kernel_observer(copies::count);
-    y.backward(g);
-    set_kernel_observer(previous);
-    CHECK(copies::g_calls == 0);
+    {
+      const CountCopies copies;
+      y.backward(g);
+      CHECK(g_copies == 0);
+    }
     const Tensor grad = w.grad();
     REQUIRE(grad.shape() == w.shape());
     CHECK(grad.is_contiguous());
@@ -387,6 +397,18 @@ TEST_CASE("the gradient of a weight used transposed is written in its layout, wi
     }
     CHECK(worst <= 1e-12);
   }
+  // f32, 1000 rows: K spans several of the GEMM's K blocks (at most 384 each); bitwise.
+  const Tensor x = randn({1000, 24});
+  const Tensor w = randn({3, 40, 24}).requires_grad_();
+  const Tensor g = randn({3, 1000, 40});
+  matmul(x, transpose(w, 1, 2)).backward(g);
+  const Tensor want = matmul(transpose(x, 0, 1), g).contiguous();  // [3, 24, 40]: a^T g
+  const std::vector<float> got_v = transpose(w.grad(), 1, 2).contiguous().to_vector<float>();
+  const std::vector<float> want_v = want.to_vector<float>();
+  REQUIRE(got_v.size() == want_v.size());
+  CHECK(std::memcmp(got_v.data(), want_v.data(), got_v.size() * sizeof(float)) == 0);
 }
+
+}  // namespace
 
 }  // namespace tessera
