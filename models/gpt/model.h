@@ -37,7 +37,9 @@ struct GptConfig {
   // to a multiple of vocab_pad (1: none), so the head's GEMM dimension aligns (GPT-2's
   // 50257 -> 50304 with 64). The padded rows start at zero and are never read by the
   // embedding; their logits are kPaddedLogit, so the softmax gives them exactly zero and
-  // they never get a gradient. forward() returns all padded_vocab() logits.
+  // they never get a gradient. forward() returns all padded_vocab() logits. The embedding
+  // checks token ids against its rows, so an id in [vocab, padded_vocab()) is not rejected
+  // (it reads a zero row) where an unpadded model's lookup would reject it.
   int64_t vocab_pad = 1;
   int64_t padded_vocab() const { return (vocab + vocab_pad - 1) / vocab_pad * vocab_pad; }
   double dropout = 0.0;   // after the embeddings, on attention weights, on each residual branch
