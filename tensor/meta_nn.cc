@@ -235,7 +235,8 @@ void check_attention_qkv(OpId op, const TensorSpec& qkv, const Attrs& attrs) {
            attrs.scale);
 }
 
-Shape attention_qkv_rows(const TensorSpec& qkv, const Attrs& attrs) {
+// The row logsumexp's shape [B, H, T].
+Shape attention_qkv_stats_shape(const TensorSpec& qkv, const Attrs& attrs) {
   return {qkv.shape[1], qkv.shape[3] / attrs.head_dim, qkv.shape[2]};
 }
 
@@ -246,7 +247,7 @@ std::vector<TensorSpec> attention_qkv_meta(std::span<const TensorSpec> in, const
   check_attention_qkv(op, qkv, attrs);
   const Shape& s = qkv.shape;
   return {spec({s[1], s[2], s[3]}, qkv.dtype, qkv.device),
-          spec(attention_qkv_rows(qkv, attrs), stats_dtype(qkv.dtype), qkv.device)};
+          spec(attention_qkv_stats_shape(qkv, attrs), stats_dtype(qkv.dtype), qkv.device)};
 }
 
 // Inputs: grad [B, T, C], qkv, out [B, T, C], lse. Output: grad_qkv [3, B, T, C].
@@ -264,7 +265,7 @@ std::vector<TensorSpec> attention_qkv_backward_meta(std::span<const TensorSpec> 
              i == 0 ? "grad" : "out", shape_str(t.shape), shape_str(rows), shape_str(qkv.shape));
   }
   const TensorSpec& lse = required(op, in, 3, "lse");
-  const Shape want = attention_qkv_rows(qkv, attrs);
+  const Shape want = attention_qkv_stats_shape(qkv, attrs);
   TS_CHECK(lse.shape == want && lse.dtype == stats_dtype(qkv.dtype),
            "attention_qkv_backward: lse must be {} {}, got {} {}", stats_dtype(qkv.dtype),
            shape_str(want), lse.dtype, shape_str(lse.shape));

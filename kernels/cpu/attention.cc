@@ -341,11 +341,10 @@ void attention_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out
 void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
   NoGradGuard no_grad;
   const Tensor qkv = contiguous_cpu(in[0]);
-  const auto part = [hd = a.head_dim](const Tensor& x, int64_t i) {
-    return attention_heads(x.select(0, i), hd);
-  };
+  const int64_t hd = a.head_dim;
   run_forward("attention_qkv",
-              {part(qkv, 0), part(qkv, 1), part(qkv, 2), attention_heads(out[0], a.head_dim), out[1]},
+              {attention_heads(qkv, 0, hd), attention_heads(qkv, 1, hd), attention_heads(qkv, 2, hd),
+               attention_heads(out[0], hd), out[1]},
               a);
 }
 
@@ -356,10 +355,11 @@ void attention_qkv_backward_kernel(std::span<const Tensor> in, std::span<Tensor>
   const Tensor grad = contiguous_cpu(in[0]), qkv = contiguous_cpu(in[1]);
   const Tensor o = contiguous_cpu(in[2]);
   const int64_t hd = a.head_dim;
-  const auto part = [hd](const Tensor& x, int64_t i) { return attention_heads(x.select(0, i), hd); };
   run_backward("attention_qkv_backward",
-               {attention_heads(grad, hd), part(qkv, 0), part(qkv, 1), part(qkv, 2),
-                attention_heads(o, hd), in[3], part(out[0], 0), part(out[0], 1), part(out[0], 2)},
+               {attention_heads(grad, hd), attention_heads(qkv, 0, hd), attention_heads(qkv, 1, hd),
+                attention_heads(qkv, 2, hd), attention_heads(o, hd), in[3],
+                attention_heads(out[0], 0, hd), attention_heads(out[0], 1, hd),
+                attention_heads(out[0], 2, hd)},
                a);
 }
 

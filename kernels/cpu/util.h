@@ -51,6 +51,10 @@ bool row_stride_of(const Tensor& x, int64_t& stride);
 // attention_qkv's CPU and CUDA kernels see the packed operands (kernels/cpu/attention.cc
 // defines it; call it under NoGradGuard, the operands may require grad).
 Tensor attention_heads(const Tensor& x, int64_t head_dim);
+// Part i (q, k or v) of a packed [3, B, T, C] tensor as heads.
+inline Tensor attention_heads(const Tensor& packed, int64_t i, int64_t head_dim) {
+  return attention_heads(packed.select(0, i), head_dim);
+}
 
 // A contiguous f32 copy of a 16-bit float tensor (f32/f64 tensors are returned contiguous).
 Tensor to_compute_cpu(const Tensor& t);

@@ -80,11 +80,9 @@ void attention_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out
 void attention_qkv_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
   NoGradGuard no_grad;
   const Tensor qkv = contiguous_cuda(in[0]);
-  const auto part = [hd = a.head_dim](const Tensor& x, int64_t i) {
-    return cpu::attention_heads(x.select(0, i), hd);
-  };
-  run_forward("attention_qkv", part(qkv, 0), part(qkv, 1), part(qkv, 2),
-              cpu::attention_heads(out[0], a.head_dim), out[1], a);
+  const int64_t hd = a.head_dim;
+  run_forward("attention_qkv", cpu::attention_heads(qkv, 0, hd), cpu::attention_heads(qkv, 1, hd),
+              cpu::attention_heads(qkv, 2, hd), cpu::attention_heads(out[0], hd), out[1], a);
 }
 
 // Inputs: grad [B, T, C], qkv, out [B, T, C], lse. Output: grad_qkv [3, B, T, C].
@@ -94,11 +92,13 @@ void attention_qkv_backward_kernel(std::span<const Tensor> in, std::span<Tensor>
   const Tensor grad = contiguous_cuda(in[0]), qkv = contiguous_cuda(in[1]);
   const Tensor o = contiguous_cuda(in[2]);
   const int64_t hd = a.head_dim;
-  const auto part = [hd](const Tensor& x, int64_t i) { return cpu::attention_heads(x.select(0, i), hd); };
   run_backward("attention_qkv_backward",
-               {cpu::attention_heads(grad, hd), part(qkv, 0), part(qkv, 1), part(qkv, 2),
+               {cpu::attention_heads(grad, hd), cpu::attention_heads(qkv, 0, hd),
+                cpu::attention_heads(qkv, 1, hd), cpu::attention_heads(qkv, 2, hd),
                 cpu::attention_heads(o, hd), in[3]},
-               {part(out[0], 0), part(out[0], 1), part(out[0], 2)}, a);
+               {cpu::attention_heads(out[0], 0, hd), cpu::attention_heads(out[0], 1, hd),
+                cpu::attention_heads(out[0], 2, hd)},
+               a);
 }
 
 TS_REGISTER_KERNEL(cuda, attention, attention_kernel);

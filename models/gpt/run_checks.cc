@@ -192,10 +192,10 @@ GptMemoryEstimate estimate_gpt_memory(const GptTrainConfig& c, int ranks_in_proc
   GptMemoryEstimate m;
   m.ranks_in_process = std::max(1, ranks_in_process);
   // Doubles throughout: the point is to refuse absurd sizes, which overflow integers.
-  const double C = static_cast<double>(c.width), T = static_cast<double>(c.context),
-               V = static_cast<double>(c.model_config().padded_vocab()), H = static_cast<double>(c.heads),
-               L = static_cast<double>(c.layers), e = 4;  // f32 bytes
   const GptConfig model = c.model_config();
+  const double C = static_cast<double>(c.width), T = static_cast<double>(c.context),
+               V = static_cast<double>(model.padded_vocab()), H = static_cast<double>(c.heads),
+               L = static_cast<double>(c.layers), e = 4;  // f32 bytes
   const double psi = static_cast<double>(model.num_parameters());
   // Mixture of Experts: moe_blocks of the L blocks hold E experts of hidden width Hx in the
   // MLP's place; each token runs k of them.

@@ -692,13 +692,14 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
     metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
   }
   const int64_t tokens_per_step = config.batch * config.context;
+  const int64_t padded_vocab = config.model_config().padded_vocab();
   say(fmt::format("gpt: {} layers, {} heads, width {}, context {}{} ({} parameters); {}; batch {} "
                   "({} tokens/step), {} steps, {} lr {}, precision {}{}",
                   config.layers, config.heads, config.width, config.context,
-                  config.vocab != data::kByteVocab || config.model_config().padded_vocab() != config.vocab
+                  config.vocab != data::kByteVocab || padded_vocab != config.vocab
                       ? fmt::format(", vocab {}{}", config.vocab,
-                                    config.model_config().padded_vocab() != config.vocab
-                                        ? fmt::format(" (padded to {})", config.model_config().padded_vocab())
+                                    padded_vocab != config.vocab
+                                        ? fmt::format(" (padded to {})", padded_vocab)
                                         : std::string())
                       : std::string(),
                   config.model_config().num_parameters(), replica.batches().str(), config.batch,
