@@ -602,15 +602,8 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
 // SumReducer<double>::run additions (16 lanes, folded, then the tail) on the squares, so a
 // tensor sums bitwise as sum(cast(x, f64) * cast(x, f64)) does. (Here for this target's
 // -ffp-contract=off: a square fused into the addition would round differently.)
-template <typename T>
-double squares_run(const Tensor& x, int64_t b, int64_t e) {
-  const T* base = static_cast<const T*>(x.raw_data());
-  const bool contiguous = x.is_contiguous();
-  const auto at = [&](int64_t i) {
-    const double v = static_cast<double>(compute_t<T>(
-        base[contiguous ? i : offset_of(i, x.shape(), x.strides())]));
-    return v * v;
-  };
+template <typename T, typename At>
+double squares_lanes(int64_t b, int64_t e, const At& at) {
   constexpr int kLanes = 16;
   double lanes[kLanes] = {};
   int64_t i = b;
@@ -625,6 +618,19 @@ double squares_run(const Tensor& x, int64_t b, int64_t e) {
   double t = lanes[0];
   for (; i < e; ++i) t += at(i);
   return 0.0 + t;
+}
+
+template <typename T>
+double squares_run(const Tensor& x, int64_t b, int64_t e) {
+  const T* base = static_cast<const T*>(x.raw_data());
+  const auto square = [](T x) {
+    const double v = static_cast<double>(compute_t<T>(x));
+    return v * v;
+  };
+  // The contiguous loop without an index computation per element, so that it vectorizes
+  // (the same lanes, so the same additions).
+  if (x.is_contiguous()) return squares_lanes<T>(b, e, [&](int64_t i) { return square(base[i]); });
+  return squares_lanes<T>(b, e, [&](int64_t i) { return square(base[offset_of(i, x.shape(), x.strides())]); });
 }
 
 // Each tensor's sum as sum()'s full reduction of its squares (from kReduceBlockThreshold

@@ -134,6 +134,26 @@ void bench_gemm(const Options& opts, std::vector<Result>& out) {
   }
 }
 
+// GPT-2 124M's products at batch 4 x 64 (256 rows, width 768, MLP 3,072, vocabulary 50,257;
+// W stored [out, in]): the forward x @ W^T, the input gradient dy @ W and the weight
+// gradient dy^T x, per Linear. The step is ~84% these (TESSERA_PROFILE), so they set how
+// close the 124M step gets to the FMA peak.
+void bench_gemm_gpt2(const Options& opts, std::vector<Result>& out) {
+  constexpr int64_t m = 256;
+  for (const auto& [k, n] : {std::array<int64_t, 2>{768, 768}, {768, 3072}, {3072, 768}, {768, 50257}}) {
+    const Tensor x = tessera::randn({m, k}), w = tessera::randn({n, k}), dy = tessera::randn({m, n});
+    const std::string shape = std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n);
+    const double flops = 2.0 * m * k * n;
+    const Tensor wt = tessera::transpose(w, 0, 1), dyt = tessera::transpose(dy, 0, 1);
+    const double ms = median_ms(opts, [&] { consume(tessera::matmul(x, wt)); });
+    out.push_back({"gpt2_" + shape + "_fwd", "GFLOP/s", flops / (ms * 1e6), ms, opts.reps});
+    const double ms_x = median_ms(opts, [&] { consume(tessera::matmul(dy, w)); });
+    out.push_back({"gpt2_" + shape + "_dx", "GFLOP/s", flops / (ms_x * 1e6), ms_x, opts.reps});
+    const double ms_w = median_ms(opts, [&] { consume(tessera::matmul(dyt, x)); });
+    out.push_back({"gpt2_" + shape + "_dw", "GFLOP/s", flops / (ms_w * 1e6), ms_w, opts.reps});
+  }
+}
+
 void bench_memory(const Options& opts, std::vector<Result>& out) {
   constexpr int64_t kN = int64_t{1} << 24;  // 16M f32 = 64 MiB per tensor, past any cache
   constexpr int64_t kRows = 4096, kCols = 4096;
@@ -151,6 +171,14 @@ void bench_memory(const Options& opts, std::vector<Result>& out) {
   add("sum_all_16M", kN * kF, [&] { return tessera::sum(x); });
   add("sum_lastdim_4096x4096", (kRows * kCols + kRows) * kF, [&] { return tessera::sum(m, {-1}); });
   add("softmax_lastdim_4096x4096", 2 * kRows * kCols * kF, [&] { return tessera::softmax(m, -1); });
+  // The gradient norm's pass (f64 sums of squares) and clipping's in-place scale, over one
+  // tensor as over a model's gradients.
+  add("sum_squares_16M", kN * kF, [&] { return tessera::sum_squares({x}); });
+  Tensor z = tessera::randn({kN});
+  add("scale__16M", 2 * kN * kF, [&] {
+    tessera::scale_({z}, -1.0);  // exact: no drift into subnormals
+    return z;
+  });
 }
 
 // Causal attention at GPT-mini's shape (B16 H4 T128 D32, f32): forward, and forward +
@@ -260,7 +288,7 @@ Options parse(int argc, char** argv) {
   f.bind("warmup", o.warmup, "untimed calls first");
   f.bind("min_ms", o.min_ms, "each repetition loops an op until it takes this long");
   f.bind("json", o.json_path, "also write the results here as JSON");
-  f.bind("only", o.only, "gemm, memory, attention or linear (empty: all)");
+  f.bind("only", o.only, "gemm, memory, attention or linear (empty: all); gemm_gpt2: GPT-2 124M's products");
   f.parse(argc, argv);
   TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
            "cpu_bench: --threads and --reps must be >= 1, --warmup >= 0");
@@ -283,6 +311,7 @@ int main(int argc, char** argv) {
     bench_fma_peak(opts, results);
     bench_gemm(opts, results);
   }
+  if (opts.only == "gemm_gpt2") bench_gemm_gpt2(opts, results);
   if (opts.only.empty() || opts.only == "memory") bench_memory(opts, results);
   if (opts.only.empty() || opts.only == "attention") bench_attention(opts, results);
   if (opts.only.empty() || opts.only == "linear") bench_linear(opts, results);
