@@ -63,6 +63,7 @@ void AdamW::set_hyperparameters(const std::map<std::string, double>& values) {
 // for_each_bucket_with_grad): each tensor is updated exactly as a call of its own would.
 void AdamW::step() {
   NoGradGuard no_grad;
+  const double grad_scale = take_grad_scale();
   for_each_bucket_with_grad(
       [&](const Tensor& p) {
         std::map<std::string, Tensor> s;
@@ -81,8 +82,9 @@ void AdamW::step() {
           in.insert(in.end(), {item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq"),
                                master == s.end() ? Tensor() : master->second});
         }
-        const Attrs a = op_attrs::adamw(bucket.front().state->step + 1, group.lr, options_.betas.first,
-                                        options_.betas.second, options_.eps, group.weight_decay);
+        Attrs a = op_attrs::adamw(bucket.front().state->step + 1, group.lr, options_.betas.first,
+                                  options_.betas.second, options_.eps, group.weight_decay);
+        a.grad_scale = grad_scale;
         call_update(OpId::adamw_, std::move(in), a, 5, {0, 2, 3, 4});
         for (const Pending& item : bucket) ++item.state->step;
       });

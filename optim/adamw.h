@@ -40,6 +40,7 @@ class AdamW : public Optimizer {
 
   void step() override;
   bool elementwise() const override { return true; }
+  bool fuses_grad_scale() const override { return true; }
   const AdamWOptions& options() const { return options_; }
 
  protected:

@@ -105,6 +105,7 @@ void AdamW8bit::set_hyperparameters(const std::map<std::string, double>& values)
 
 void AdamW8bit::step() {
   NoGradGuard no_grad;
+  step_grad_scale_ = take_grad_scale();
   for_each_bucket_with_grad(
       [&](const Tensor& p) {
         if (const RowShard* rs = row_shard(p)) {
@@ -160,9 +161,9 @@ void AdamW8bit::step() {
           if (eight_bit) in.insert(in.end(), {s.at("exp_avg_absmax"), s.at("exp_avg_sq_absmax")});
           in.push_back(master == s.end() ? Tensor() : master->second);
         }
-        const Attrs a = op_attrs::adamw(bucket.front().state->step + 1, group.lr,
-                                        options_.betas.first, options_.betas.second, options_.eps,
-                                        group.weight_decay);
+        Attrs a = op_attrs::adamw(bucket.front().state->step + 1, group.lr, options_.betas.first,
+                                  options_.betas.second, options_.eps, group.weight_decay);
+        a.grad_scale = step_grad_scale_;
         if (in.empty()) {
         } else if (eight_bit) {
           call_update(OpId::adamw8bit_, std::move(in), a, 7, {0, 2, 3, 4, 5, 6});
@@ -216,7 +217,7 @@ void AdamW8bit::step_segments(const ParamGroup& group, const Pending& item, cons
     adamw8bit_segments_(item.param, item.grad, s.at("exp_avg"), s.at("exp_avg_sq"), a1,
                         s.at("exp_avg_sq_absmax"), w, segments_of(item.param, rs), new1, new2, k,
                         t, group.lr, options_.betas.first, options_.betas.second, options_.eps,
-                        group.weight_decay);
+                        group.weight_decay, step_grad_scale_);
   };
   if (!run) {  // what could refuse: the segments, the operands' shapes, dtypes and layout
     TS_CHECK(item.param.is_contiguous(),
@@ -232,6 +233,7 @@ void AdamW8bit::step_segments(const ParamGroup& group, const Pending& item, cons
     Attrs a = op_attrs::adamw(t, group.lr, options_.betas.first, options_.betas.second,
                               options_.eps, group.weight_decay);
     a.k = 1;
+    a.grad_scale = step_grad_scale_;
     meta_fn(OpId::adamw8bit_segments_)(in, a);
     return;
   }

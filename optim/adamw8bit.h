@@ -54,6 +54,7 @@ class AdamW8bit : public Optimizer {
 
   void step() override;
   bool elementwise() const override { return false; }
+  bool fuses_grad_scale() const override { return true; }
   int64_t shard_block() const override;
   RowShardState row_shard_state(const std::string& name, const Shape& global, int64_t run,
                                 int64_t run_first) const override;
@@ -80,6 +81,7 @@ class AdamW8bit : public Optimizer {
 
   AdamW8bitOptions options_;
   std::map<const TensorImpl*, Tensor> segments_;
+  double step_grad_scale_ = 1.0;  // the step in progress's gradient scale (take_grad_scale)
 };
 
 }  // namespace tessera::optim

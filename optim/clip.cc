@@ -1,5 +1,7 @@
 #include "optim/clip.h"
 
+#include "optim/optimizer.h"
+
 #include <algorithm>
 #include <cmath>
 #include <set>
@@ -42,12 +44,50 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
   return clip_grads_to_norm(params, grad_norm(params), max_norm);
 }
 
+double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, Optimizer& opt) {
+  TS_CHECK(std::isfinite(max_norm) && max_norm > 0,
+           "clip_grad_norm: max_norm must be finite and > 0, got {}", max_norm);
+  // The gradients opt scales are those the norm sums: the same parameters with a gradient.
+  std::set<const TensorImpl*> listed, held;
+  for (const Tensor& p : params) {
+    TS_CHECK(p.defined(), "clip_grad_norm: a parameter is an undefined tensor");
+    if (p.grad().defined()) listed.insert(p.impl());
+  }
+  for (const ParamGroup& group : opt.param_groups()) {
+    for (const Tensor& p : group.params) {
+      if (p.grad().defined()) held.insert(p.impl());
+    }
+  }
+  TS_CHECK(listed == held,
+           "clip_grad_norm: the {} parameters with a gradient given are not {}'s {} with a "
+           "gradient (it applies the clipping coefficient to its own)",
+           listed.size(), opt.kind(), held.size());
+  const double norm = grad_norm(params);
+  if (!std::isfinite(norm)) return norm;
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) opt.scale_grads(coef);
+  return norm;
+}
+
+double clip_grad_norm(Optimizer& opt, double max_norm) {
+  std::vector<Tensor> params;
+  for (const ParamGroup& group : opt.param_groups()) {
+    params.insert(params.end(), group.params.begin(), group.params.end());
+  }
+  return clip_grad_norm(params, max_norm, opt);
+}
+
 double clip_grads_to_norm(const std::vector<Tensor>& params, double norm, double max_norm) {
   TS_CHECK(std::isfinite(max_norm) && max_norm > 0,
            "clip_grad_norm: max_norm must be finite and > 0, got {}", max_norm);
   if (!std::isfinite(norm)) return norm;
   const double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return norm;
+  scale_gradients(params, coef);
+  return norm;
+}
+
+void scale_gradients(const std::vector<Tensor>& params, double scale) {
   NoGradGuard no_grad;
   // One scale_ per device: 16-bit gradients are scaled in f32 and rounded once, not by a
   // coefficient that was itself rounded to 16 bits.
@@ -62,8 +102,7 @@ double clip_grads_to_norm(const std::vector<Tensor>& params, double norm, double
     if (it == by_device.end()) it = by_device.insert(by_device.end(), {g.device(), {}});
     it->second.push_back(g);
   }
-  for (const auto& [device, grads] : by_device) scale_(grads, coef);
-  return norm;
+  for (const auto& [device, grads] : by_device) scale_(grads, scale);
 }
 
 }  // namespace tessera::optim

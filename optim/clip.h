@@ -13,6 +13,8 @@
 
 namespace tessera::optim {
 
+class Optimizer;
+
 // The L2 norm over the gradients of all `params` together (params without a gradient are
 // skipped), summed in f64 whatever the gradients' dtype: relative error about n * 2^-53 for
 // n elements, far below any clipping threshold's meaning. When the norm exceeds max_norm,
@@ -29,5 +31,23 @@ double clip_grads_to_norm(const std::vector<Tensor>& params, double norm, double
 
 // The same global L2 norm without clipping.
 double grad_norm(const std::vector<Tensor>& params);
+
+// clip_grad_norm with the scaling left to `opt`'s next step() (Optimizer::scale_grads):
+// AdamW, AdamW8bit and SGD read each gradient times the coefficient in their update, so the
+// step is bitwise what clip_grad_norm(params) then step() gives, without a pass that writes
+// the gradients; .grad keeps the unclipped values until then. Other optimizers scale the
+// gradients here. `params` are opt's parameters (every one with a gradient, in any order:
+// the norm sums in this order); Error otherwise. Returns the norm before clipping; a
+// non-finite norm scales nothing (the caller skips the step and calls zero_grad()).
+//
+//   loss.backward();
+//   if (std::isfinite(clip_grad_norm(params, 1.0, opt))) opt.step();
+double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, Optimizer& opt);
+// The same over opt's parameters, in its groups' order.
+double clip_grad_norm(Optimizer& opt, double max_norm);
+
+// Each gradient of `params` (each storage once) times `scale`, in place: one scale_ per
+// device.
+void scale_gradients(const std::vector<Tensor>& params, double scale);
 
 }  // namespace tessera::optim

@@ -3,10 +3,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <utility>
 
+#include "optim/clip.h"
 #include "optim/internal/state_dict.h"
 #include "tensor/grad_mode.h"
 #include "tensor/op.h"
@@ -81,6 +83,20 @@ void Optimizer::zero_grad() {
       if (p.grad().defined()) p.set_grad(Tensor());
     }
   }
+  grad_scale_ = 1.0;
+}
+
+void Optimizer::scale_grads(double scale) {
+  TS_CHECK(std::isfinite(scale), "{}: scale_grads: the scale must be finite, got {}", kind_, scale);
+  std::vector<Tensor> params;
+  for (const ParamGroup& group : groups_) params.insert(params.end(), group.params.begin(), group.params.end());
+  const auto apply = [&](double s) { scale_gradients(params, s); };
+  if (!fuses_grad_scale()) {
+    apply(scale);
+    return;
+  }
+  if (grad_scale_ != 1.0) apply(take_grad_scale());
+  grad_scale_ = scale;
 }
 
 void Optimizer::set_lr(double lr) {

@@ -102,10 +102,23 @@ class Optimizer {
   Optimizer& operator=(const Optimizer&) = delete;
 
   // Drops every parameter's gradient (PyTorch's set_to_none): the next backward allocates.
+  // Drops a pending gradient scale too.
   void zero_grad();
   // One update of every parameter that has a gradient (those without are skipped, their
   // state untouched). Runs under NoGradGuard.
   virtual void step() = 0;
+  // Gradient clipping's coefficient, for the next step() (optim::clip_grad_norm(Optimizer&,
+  // max_norm) calls this). An optimizer that fuses it (fuses_grad_scale()) reads every
+  // gradient as grad * scale in its update, rounded as scale_ would have written it, so
+  // the update is bitwise the one after scale_(grads, scale), with one pass less over the
+  // gradients; .grad keeps the unscaled values. Any other optimizer scales the gradients
+  // now, in place, with scale_. step() and zero_grad() drop the pending scale; a second call
+  // before step() first applies the pending one with scale_ (as two scale_ calls would).
+  void scale_grads(double scale);
+  // Whether step() applies scale_grads()'s coefficient itself (AdamW, AdamW8bit, SGD).
+  virtual bool fuses_grad_scale() const { return false; }
+  // The coefficient the next step() applies (1: none).
+  double pending_grad_scale() const { return grad_scale_; }
   // The contract sharded training relies on: true when step() updates each element from
   // that element's parameter, gradient and state alone (SGD, AdamW), so running it on any
   // slice of a parameter (ZeRO's flat 1-D shards, parallel/zero.h) gives the same values as
@@ -164,6 +177,12 @@ class Optimizer {
   void load_state_dict(const StateDict& dict);
 
  protected:
+  // The pending gradient scale, dropped: a fusing step() calls this once, first.
+  double take_grad_scale() {
+    const double s = grad_scale_;
+    grad_scale_ = 1.0;
+    return s;
+  }
   struct ParamState {
     int64_t step = 0;
     std::map<std::string, Tensor> tensors;
@@ -230,6 +249,8 @@ class Optimizer {
 
  private:
   std::string describe_param(int64_t i) const;
+
+  double grad_scale_ = 1.0;
 };
 
 template <typename Init, typename Update>

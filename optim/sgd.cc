@@ -65,6 +65,7 @@ void SGD::set_hyperparameters(const std::map<std::string, double>& values) {
 // each tensor is updated exactly as a call of its own would.
 void SGD::step() {
   NoGradGuard no_grad;
+  const double grad_scale = take_grad_scale();
   for_each_bucket_with_grad(
       [&](const Tensor& p) {
         std::map<std::string, Tensor> s;
@@ -86,8 +87,9 @@ void SGD::step() {
                                buffer == s.end() ? Tensor() : buffer->second,
                                master == s.end() ? Tensor() : master->second});
         }
-        const Attrs a = op_attrs::sgd(bucket.front().state->step + 1, group.lr, options_.momentum,
-                                      options_.dampening, group.weight_decay, options_.nesterov);
+        Attrs a = op_attrs::sgd(bucket.front().state->step + 1, group.lr, options_.momentum,
+                                options_.dampening, group.weight_decay, options_.nesterov);
+        a.grad_scale = grad_scale;
         call_update(OpId::sgd_, std::move(in), a, 4, {0, 2, 3});
         for (const Pending& item : bucket) ++item.state->step;
       });

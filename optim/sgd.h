@@ -31,6 +31,7 @@ class SGD : public Optimizer {
 
   void step() override;
   bool elementwise() const override { return true; }
+  bool fuses_grad_scale() const override { return true; }
   const SGDOptions& options() const { return options_; }
 
  protected:

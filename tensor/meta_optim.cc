@@ -85,7 +85,8 @@ void check_finite(OpId op, double v, const char* what) {
 }
 
 // The attributes of AdamW's step (adamw_, adamw8bit_[segments_]): a 1-based step, betas in
-// [0, 1) (beta == 1 makes the bias correction 1 - beta^t zero), finite lr, eps and decay.
+// [0, 1) (beta == 1 makes the bias correction 1 - beta^t zero), finite lr, eps, decay and
+// grad_scale.
 void check_adam_attrs(OpId op, const Attrs& a) {
   TS_CHECK(a.step_count >= 1, "{}: step_count must be >= 1 (1-based), got {}", name_of(op),
            a.step_count);
@@ -94,6 +95,7 @@ void check_adam_attrs(OpId op, const Attrs& a) {
   check_finite(op, a.lr, "lr");
   check_finite(op, a.eps, "eps");
   check_finite(op, a.weight_decay, "weight_decay");
+  check_finite(op, a.grad_scale, "grad_scale");
 }
 
 // Inputs: param, grad, exp_avg, exp_avg_sq, [master]; or k such tuples of 5 (master
@@ -224,6 +226,7 @@ std::vector<TensorSpec> sgd_meta(std::span<const TensorSpec> in, const Attrs& a)
   check_finite(op, a.momentum, "momentum");
   check_finite(op, a.dampening, "dampening");
   check_finite(op, a.weight_decay, "weight_decay");
+  check_finite(op, a.grad_scale, "grad_scale");
   return {};
 }
 

@@ -81,6 +81,9 @@ struct Attrs {
   double momentum = 0.0, dampening = 0.0;  // sgd_
   bool nesterov = false;                   // sgd_
   int64_t step_count = 1;  // 1-based: adamw_'s bias correction; sgd_ seeds its buffer at 1
+  // adamw_, adamw8bit_[segments_], sgd_: the gradient is read as grad * grad_scale (the
+  // clipping coefficient, optim::clip_grad_norm(Optimizer&, ...)), rounded as scale_ rounds.
+  double grad_scale = 1.0;
 };
 
 // Shape inference input/output: what a tensor is, without data.

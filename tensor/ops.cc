@@ -297,21 +297,24 @@ void scale_(const std::vector<Tensor>& xs, double scale) {
 
 void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
             const Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-            double eps, double weight_decay, const Tensor& master) {
+            double eps, double weight_decay, const Tensor& master, double grad_scale) {
   std::vector<Tensor> in = {param, grad, exp_avg, exp_avg_sq};
   if (master.defined()) in.push_back(master);
-  call_inplace(OpId::adamw_, std::move(in), op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay),
-               {0, 2, 3, 4});
+  Attrs a = op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay);
+  a.grad_scale = grad_scale;
+  call_inplace(OpId::adamw_, std::move(in), a, {0, 2, 3, 4});
 }
 
 void adamw8bit_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                 const Tensor& exp_avg_sq, const Tensor& exp_avg_absmax,
                 const Tensor& exp_avg_sq_absmax, int64_t step, double lr, double beta1,
-                double beta2, double eps, double weight_decay, const Tensor& master) {
+                double beta2, double eps, double weight_decay, const Tensor& master,
+                double grad_scale) {
   std::vector<Tensor> in = {param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax};
   if (master.defined()) in.push_back(master);
-  call_inplace(OpId::adamw8bit_, std::move(in),
-               op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay), {0, 2, 3, 4, 5, 6});
+  Attrs a = op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay);
+  a.grad_scale = grad_scale;
+  call_inplace(OpId::adamw8bit_, std::move(in), a, {0, 2, 3, 4, 5, 6});
 }
 
 void adamw8bit_segments_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
@@ -319,9 +322,11 @@ void adamw8bit_segments_(const Tensor& param, const Tensor& grad, const Tensor& 
                          const Tensor& exp_avg_sq_absmax, const Tensor& master,
                          const Tensor& segments, const Tensor& new_absmax,
                          const Tensor& new_sq_absmax, int pass, int64_t step, double lr,
-                         double beta1, double beta2, double eps, double weight_decay) {
+                         double beta1, double beta2, double eps, double weight_decay,
+                         double grad_scale) {
   Attrs a = op_attrs::adamw(step, lr, beta1, beta2, eps, weight_decay);
   a.k = pass;
+  a.grad_scale = grad_scale;
   const std::vector<size_t> written = pass == 1 ? std::vector<size_t>{0, 6, 8, 9}
                                                 : std::vector<size_t>{2, 3, 4, 5};
   call_inplace(OpId::adamw8bit_segments_,
@@ -351,11 +356,12 @@ void adafactor_apply_(const Tensor& param, const Tensor& grad, const Tensor& a, 
 
 void sgd_(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer, int64_t step,
           double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-          const Tensor& master) {
+          const Tensor& master, double grad_scale) {
   std::vector<Tensor> in = {param, grad, momentum_buffer};
   if (master.defined()) in.push_back(master);
-  call_inplace(OpId::sgd_, std::move(in),
-               op_attrs::sgd(step, lr, momentum, dampening, weight_decay, nesterov), {0, 2, 3});
+  Attrs a = op_attrs::sgd(step, lr, momentum, dampening, weight_decay, nesterov);
+  a.grad_scale = grad_scale;
+  call_inplace(OpId::sgd_, std::move(in), a, {0, 2, 3});
 }
 
 // ---- views --------------------------------------------------------------------------------

@@ -177,9 +177,13 @@ void copy_(const Tensor& dst, const Tensor& src);
 // grad has param's dtype and shape; the moments are f32 (f64 for an f64 param). With an f32
 // `master` (f32/f16/bf16 params) the update runs on the master and param is written as the
 // master rounded to param's dtype (param's own values are not read).
+// grad_scale != 1: grad is read as grad * grad_scale, rounded as scale_ rounds it (clipping's
+// coefficient applied in this pass, optim::clip_grad_norm(Optimizer&, ...); grad itself is
+// not written). The same holds for adamw8bit_[segments_] and sgd_.
 void adamw_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
             const Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-            double eps, double weight_decay, const Tensor& master = Tensor());
+            double eps, double weight_decay, const Tensor& master = Tensor(),
+            double grad_scale = 1.0);
 // Each x = x * scale in place, in one op over all of them: computed in f32 for f32, f16 and
 // bf16 (scale rounded to f32, the product rounded once to x's dtype) and in f64 for f64,
 // i.e. what copy_(x, x * scale) gives (16-bit: copy_(x, cast(x, f32) * scale)). For
@@ -201,7 +205,8 @@ void scale_(const std::vector<Tensor>& xs, double scale);
 void adamw8bit_(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                 const Tensor& exp_avg_sq, const Tensor& exp_avg_absmax,
                 const Tensor& exp_avg_sq_absmax, int64_t step, double lr, double beta1,
-                double beta2, double eps, double weight_decay, const Tensor& master = Tensor());
+                double beta2, double eps, double weight_decay, const Tensor& master = Tensor(),
+                double grad_scale = 1.0);
 // adamw8bit_ on a tensor whose quantization blocks are partly held elsewhere (a tensor-parallel
 // shard whose runs cut blocks), in two passes between which the caller takes the maxima over
 // every holder. The scales exp_avg_absmax / exp_avg_sq_absmax are the whole tensor's (the same
@@ -219,7 +224,8 @@ void adamw8bit_segments_(const Tensor& param, const Tensor& grad, const Tensor& 
                          const Tensor& exp_avg_sq_absmax, const Tensor& master,
                          const Tensor& segments, const Tensor& new_absmax,
                          const Tensor& new_sq_absmax, int pass, int64_t step, double lr,
-                         double beta1, double beta2, double eps, double weight_decay);
+                         double beta1, double beta2, double eps, double weight_decay,
+                         double grad_scale = 1.0);
 // One SGD step, as torch.optim.SGD:
 //   d = grad + weight_decay * param
 //   with momentum: buf = (step == 1 ? d : momentum * buf + (1 - dampening) * d)
@@ -229,7 +235,7 @@ void adamw8bit_segments_(const Tensor& param, const Tensor& grad, const Tensor& 
 // dtypes and `master` as for adamw_.
 void sgd_(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer, int64_t step,
           double lr, double momentum, double dampening, double weight_decay, bool nesterov,
-          const Tensor& master = Tensor());
+          const Tensor& master = Tensor(), double grad_scale = 1.0);
 
 // Adafactor's three passes over factored matrices (optim/adafactor.h), fused: grad and param
 // [B, M, N] (B matrices of M rows and N columns; f32 or f64, contiguous), the row factors a

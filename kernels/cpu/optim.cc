@@ -54,10 +54,26 @@ struct AdamConsts {
   C bc2_sqrt;   // sqrt(1 - beta2^t)
   C eps;
   C step_size;  // lr / (1 - beta1^t)
+  C grad_scale; // the gradient is read as grad * grad_scale (when != 1)
 };
 
+// grad * grad_scale as scale_ computes it: in the compute type S, rounded once to the
+// gradient's dtype P, so that the update equals scale_ (clipping) and then the update.
+template <typename P, typename S>
+S scaled_grad(S g, S grad_scale) {
+  return S(P(g * grad_scale));
+}
+
+template <typename S>
+AdamConsts<S> adam_consts(const Attrs& a) {
+  const double t = static_cast<double>(a.step_count);
+  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
+  return {S(1.0 - a.lr * a.weight_decay), S(1.0 - a.beta1), S(a.beta2),
+          S(1.0 - a.beta2), S(std::sqrt(bc2)), S(a.eps), S(a.lr / bc1), S(a.grad_scale)};
+}
+
 // P: param/grad type; S: moment (and compute) type; master: f32 when kMaster.
-template <bool kContig, bool kMaster, typename P, typename S, int N>
+template <bool kContig, bool kMaster, bool kScaled, typename P, typename S, int N>
 void adamw_run(const Run<N>& r, const AdamConsts<S>& k) {
   constexpr int64_t sp = sizeof(P), ss = sizeof(S);
   const int64_t n = r.n;
@@ -77,7 +93,8 @@ void adamw_run(const Run<N>& r, const AdamConsts<S>& k) {
     S x;
     if constexpr (kMaster) x = w[i * s4];
     else x = S(p[i * s0]);
-    const S gi = S(g[i * s1]);
+    S gi = S(g[i * s1]);
+    if constexpr (kScaled) gi = scaled_grad<P>(gi, k.grad_scale);
     x *= k.decay;
     S mi = m[i * s2];
     mi += k.w1 * (gi - mi);
@@ -94,10 +111,8 @@ void adamw_run(const Run<N>& r, const AdamConsts<S>& k) {
 template <typename P, bool kMaster>
 void adamw_typed(std::span<const Tensor> in, const Attrs& a) {
   using S = std::conditional_t<std::is_same_v<P, double>, double, float>;
-  const double t = static_cast<double>(a.step_count);
-  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
-  const AdamConsts<S> k{S(1.0 - a.lr * a.weight_decay), S(1.0 - a.beta1), S(a.beta2),
-                        S(1.0 - a.beta2), S(std::sqrt(bc2)), S(a.eps), S(a.lr / bc1)};
+  const AdamConsts<S> k = adam_consts<S>(a);
+  const bool scaled = a.grad_scale != 1.0;
   constexpr int N = kMaster ? 5 : 4;
   std::array<int64_t, N> sizes;
   sizes.fill(int64_t(sizeof(S)));
@@ -112,8 +127,11 @@ void adamw_typed(std::span<const Tensor> in, const Attrs& a) {
   for_each_run(
       ops,
       [&](const Run<N>& r) {
-        if (contiguous_run<N>(r, sizes)) adamw_run<true, kMaster, P, S>(r, k);
-        else adamw_run<false, kMaster, P, S>(r, k);
+        const bool contig = contiguous_run<N>(r, sizes);
+        if (contig && scaled) adamw_run<true, kMaster, true, P, S>(r, k);
+        else if (contig) adamw_run<true, kMaster, false, P, S>(r, k);
+        else if (scaled) adamw_run<false, kMaster, true, P, S>(r, k);
+        else adamw_run<false, kMaster, false, P, S>(r, k);
       },
       kUpdateGrain);
 }
@@ -257,7 +275,9 @@ void adamw8bit_span_avx512(const Adam8Operands<P, float, kMaster>& o, int64_t i0
   } else {
     for (int i = 0; i < len; ++i) x[i] = kMaster ? w[i] : float(p[i]);
   }
-  if constexpr (std::is_same_v<P, float>) {
+  if (k.grad_scale != 1.0f) {
+    for (int i = 0; i < len; ++i) gf[i] = scaled_grad<P>(float(g[i]), k.grad_scale);
+  } else if constexpr (std::is_same_v<P, float>) {
     std::memcpy(gf, g, sizeof(float) * static_cast<size_t>(len));
   } else {
     for (int i = 0; i < len; ++i) gf[i] = float(g[i]);
@@ -343,8 +363,9 @@ void adamw8bit_span(const Adam8Operands<P, S, kMaster>& o, int64_t i0, int64_t l
   float* __restrict w = kMaster ? o.w + i0 : nullptr;
   alignas(64) S m[kQuant8Block], v[kQuant8Block];
   S max1 = 0, max2 = 0;
+  const bool scaled = k.grad_scale != S(1);
   for (int64_t i = 0; i < len; ++i) {
-    const S gi = S(g[i]);
+    const S gi = scaled ? scaled_grad<P>(S(g[i]), k.grad_scale) : S(g[i]);
     S mi = S(q1.values[c1[i]]) * s1;
     mi += k.w1 * (gi - mi);
     const S vi = (S(q2.values[c2[i]]) * s2) * k.beta2 + k.w2 * (gi * gi);
@@ -378,13 +399,6 @@ void adamw8bit_span(const Adam8Operands<P, S, kMaster>& o, int64_t i0, int64_t l
   for (int64_t i = 0; i < len; ++i) c2[i] = q2.code(v[i] / d2);
 }
 
-template <typename S>
-AdamConsts<S> adam_consts(const Attrs& a) {
-  const double t = static_cast<double>(a.step_count);
-  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
-  return {S(1.0 - a.lr * a.weight_decay), S(1.0 - a.beta1), S(a.beta2),
-          S(1.0 - a.beta2), S(std::sqrt(bc2)), S(a.eps), S(a.lr / bc1)};
-}
 
 template <typename P, bool kMaster>
 void adamw8bit_typed(std::span<const Tensor> in, const Attrs& a) {
@@ -500,6 +514,8 @@ template <typename C>
 struct SgdConsts {
   C lr, weight_decay, momentum, one_minus_dampening;
   bool decay, nesterov, first;
+  C grad_scale;
+  bool scaled;  // grad_scale != 1
 };
 
 template <bool kContig, bool kBuffer, bool kMaster, typename P, typename S, int N>
@@ -527,6 +543,7 @@ void sgd_run(const Run<N>& r, const SgdConsts<S>& k) {
     if constexpr (kMaster) x = w[i * sw];
     else x = S(p[i * s0]);
     S d = S(g[i * s1]);
+    if (k.scaled) d = scaled_grad<P>(d, k.grad_scale);
     // Skipped, not multiplied by 0, when weight_decay == 0: 0 * inf would be NaN.
     if (k.decay) d += k.weight_decay * x;
     if constexpr (kBuffer) {
@@ -544,7 +561,8 @@ template <typename P, bool kBuffer, bool kMaster>
 void sgd_typed(std::span<const Tensor> in, const Attrs& a) {
   using S = std::conditional_t<std::is_same_v<P, double>, double, float>;
   const SgdConsts<S> k{S(a.lr),       S(a.weight_decay),  S(a.momentum), S(1.0 - a.dampening),
-                       a.weight_decay != 0.0, a.nesterov, a.step_count == 1};
+                       a.weight_decay != 0.0, a.nesterov, a.step_count == 1,
+                       S(a.grad_scale), a.grad_scale != 1.0};
   constexpr int N = 2 + (kBuffer ? 1 : 0) + (kMaster ? 1 : 0);
   std::array<int64_t, N> sizes;
   sizes.fill(int64_t(sizeof(P)));

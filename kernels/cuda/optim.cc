@@ -85,7 +85,7 @@ void adamw_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a)
   const double t = static_cast<double>(a.step_count);
   const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
   const AdamWConsts k{1.0 - a.lr * a.weight_decay, 1.0 - a.beta1, a.beta2, 1.0 - a.beta2,
-                      std::sqrt(bc2), a.eps, a.lr / bc1};
+                      std::sqrt(bc2), a.eps, a.lr / bc1, a.grad_scale};
   const Device d = in[0].device();
   DeviceGuard guard(d);
   const cudaStream_t stream = compute_stream(d);
@@ -107,7 +107,7 @@ void adamw8bit_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs
   const double t = static_cast<double>(a.step_count);
   const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
   const AdamWConsts k{1.0 - a.lr * a.weight_decay, 1.0 - a.beta1, a.beta2, 1.0 - a.beta2,
-                      std::sqrt(bc2), a.eps, a.lr / bc1};
+                      std::sqrt(bc2), a.eps, a.lr / bc1, a.grad_scale};
   const Quant8Map& q1 = quant8_map(Quant8Kind::signed_dynamic);
   const Quant8Map& q2 = quant8_map(Quant8Kind::unsigned_dynamic);
   const Quant8Maps maps{{q1.values.data(), q2.values.data()},
@@ -136,7 +136,7 @@ void sgd_kernel(std::span<const Tensor> in, std::span<Tensor>, const Attrs& a) {
   const bool buffer = in[2].defined();
   const SgdConsts k{a.lr,       a.weight_decay,         a.momentum,
                     1.0 - a.dampening, a.weight_decay != 0.0, a.nesterov,
-                    a.step_count == 1};
+                    a.step_count == 1, a.grad_scale};
   const Device d = in[0].device();
   DeviceGuard guard(d);
   const cudaStream_t stream = compute_stream(d);

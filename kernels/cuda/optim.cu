@@ -24,7 +24,7 @@ namespace {
 constexpr int kChunk = 16384;  // elements per block: many blocks, so launches end evenly
 constexpr int kThreads = 256;
 constexpr int kParamBytes = 4096;
-constexpr int kOpBytes = 64;  // the update's constants (static_assert below)
+constexpr int kOpBytes = 80;  // the update's constants (static_assert below)
 
 // A launch's tensors: block b updates chunk b - first_block[t] of the tensor t whose blocks
 // hold b. Tensors per launch by operand count D: what fits kParamBytes.
@@ -94,13 +94,24 @@ __device__ __forceinline__ void chunk_loop(int n, bool vector, One&& one, Four&&
   }
 }
 
+// The gradient as the update reads it: grad * grad_scale when scaled, rounded as scale_
+// rounds it (in S, with no FMA contraction, then to P: kernels/cpu/optim.cc's scaled_grad).
+template <typename P, typename S>
+__device__ __forceinline__ S read_grad(P g, bool scaled, S grad_scale) {
+  const S x = static_cast<S>(to_acc(g));
+  if (!scaled) return x;
+  if constexpr (std::is_same_v<S, double>) return static_cast<S>(to_acc(from_acc<P>(__dmul_rn(x, grad_scale))));
+  else return static_cast<S>(to_acc(from_acc<P>(__fmul_rn(x, grad_scale))));
+}
+
 // ---- AdamW ---------------------------------------------------------------------------------
 
 // P: param/grad type; S: moment (and compute) type; master: f32 when kMaster.
 template <typename P, typename S, bool kMaster>
 struct AdamWOp {
   static constexpr int kDepth = kMaster ? 5 : 4;
-  S decay, w1, beta2, w2, bc2_sqrt, eps, step_size;
+  S decay, w1, beta2, w2, bc2_sqrt, eps, step_size, grad_scale;
+  bool scaled;
 
   // kernels/cpu/optim.cc's adamw_run, statement for statement.
   __device__ __forceinline__ void update(S& x, S g, S& m, S& v) const {
@@ -127,7 +138,7 @@ struct AdamWOp {
           if constexpr (kMaster) x = w[i];
           else x = static_cast<S>(to_acc(p[i]));
           S mi = m[i], vi = v[i];
-          update(x, static_cast<S>(to_acc(g[i])), mi, vi);
+          update(x, read_grad<P>(g[i], scaled, grad_scale), mi, vi);
           m[i] = mi;
           v[i] = vi;
           if constexpr (kMaster) w[i] = x;
@@ -149,7 +160,7 @@ struct AdamWOp {
           Pack4<P> out;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            update(xp.v[j], static_cast<S>(to_acc(gp.v[j])), mp.v[j], vp.v[j]);
+            update(xp.v[j], read_grad<P>(gp.v[j], scaled, grad_scale), mp.v[j], vp.v[j]);
             out.v[j] = from_acc<P>(xp.v[j]);
           }
           store4(m + i, mp);
@@ -226,7 +237,8 @@ __device__ __forceinline__ uint8_t code_of(S x, const S* bounds) {
 
 template <typename S>
 struct Adam8Consts {
-  S decay, w1, beta2, w2, bc2_sqrt, eps, step_size;
+  S decay, w1, beta2, w2, bc2_sqrt, eps, step_size, grad_scale;
+  bool scaled;
 };
 
 // A launch's parameters: block b updates chunk b - first_chunk[t] of the tensor t whose
@@ -296,7 +308,7 @@ __global__ void __launch_bounds__(kThreads)
       S x;
       if constexpr (kMaster) x = w[i];
       else x = static_cast<S>(to_acc(p[i]));
-      const S gi = static_cast<S>(to_acc(g[i]));
+      const S gi = read_grad<P>(g[i], k.scaled, k.grad_scale);
       x = mul_rn(x, k.decay);
       mi = mul_rn(static_cast<S>(maps.values[0][c1[i]]), s1);
       mi = add_rn(mi, mul_rn(k.w1, sub_rn(gi, mi)));
@@ -348,6 +360,8 @@ struct SgdOp {
   static constexpr int kDepth = 2 + (kBuffer ? 1 : 0) + (kMaster ? 1 : 0);
   S lr, weight_decay, momentum, one_minus_dampening;
   bool decay, nesterov, first;
+  S grad_scale;
+  bool scaled;
 
   // kernels/cpu/optim.cc's sgd_run, statement for statement; b is read only after step 1.
   __device__ __forceinline__ void update(S& x, S d, S& b) const {
@@ -377,7 +391,7 @@ struct SgdOp {
           if constexpr (kBuffer) {
             if (!first) bi = b[i];
           }
-          update(x, static_cast<S>(to_acc(g[i])), bi);
+          update(x, read_grad<P>(g[i], scaled, grad_scale), bi);
           if constexpr (kBuffer) b[i] = bi;
           if constexpr (kMaster) w[i] = x;
           p[i] = from_acc<P>(x);
@@ -400,7 +414,7 @@ struct SgdOp {
           Pack4<P> out;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            update(xp.v[j], static_cast<S>(to_acc(gp.v[j])), bp.v[j]);
+            update(xp.v[j], read_grad<P>(gp.v[j], scaled, grad_scale), bp.v[j]);
             out.v[j] = from_acc<P>(xp.v[j]);
           }
           if constexpr (kBuffer) store4(b + i, bp);
@@ -458,8 +472,9 @@ template <typename P, typename S>
 void adamw_typed(bool master, const OptimTuple* tuples, int64_t count, const AdamWConsts& k,
                  cudaStream_t stream) {
   auto run = [&]<bool kMaster>() {
-    const AdamWOp<P, S, kMaster> op{S(k.decay), S(k.w1),  S(k.beta2),    S(k.w2),
-                                    S(k.bc2_sqrt), S(k.eps), S(k.step_size)};
+    const AdamWOp<P, S, kMaster> op{S(k.decay),    S(k.w1),  S(k.beta2),     S(k.w2),
+                                    S(k.bc2_sqrt), S(k.eps), S(k.step_size), S(k.grad_scale),
+                                    k.grad_scale != 1.0};
     multi_tensor_apply(tuples, count, op, stream, "adamw_");
   };
   if (master) run.template operator()<true>();
@@ -485,7 +500,8 @@ void adamw8bit_typed(const OptimTuple* tuples, int64_t count, const AdamWConsts&
       else prm->maps.bounds[m][j] = maps.thresholds[m][j];
     }
   }
-  prm->k = {S(k.decay), S(k.w1), S(k.beta2), S(k.w2), S(k.bc2_sqrt), S(k.eps), S(k.step_size)};
+  prm->k = {S(k.decay),    S(k.w1),  S(k.beta2),     S(k.w2),
+            S(k.bc2_sqrt), S(k.eps), S(k.step_size), S(k.grad_scale), k.grad_scale != 1.0};
   prm->count = 0;
   int64_t blocks = 0;
   auto launch = [&] {
@@ -517,7 +533,7 @@ void sgd_typed(bool buffer, bool master, const OptimTuple* tuples, int64_t count
   auto run = [&]<bool kBuffer, bool kMaster>() {
     const SgdOp<P, S, kBuffer, kMaster> op{S(k.lr), S(k.weight_decay), S(k.momentum),
                                            S(k.one_minus_dampening), k.decay, k.nesterov,
-                                           k.first};
+                                           k.first, S(k.grad_scale), k.grad_scale != 1.0};
     multi_tensor_apply(tuples, count, op, stream, "sgd_");
   };
   if (buffer && master) run.template operator()<true, true>();

@@ -33,6 +33,7 @@ struct AdamWConsts {
   double bc2_sqrt;   // sqrt(1 - beta2^t)
   double eps;
   double step_size;  // lr / (1 - beta1^t)
+  double grad_scale = 1.0;  // the gradient read as grad * grad_scale (clipping), when != 1
 };
 
 // adamw8bit_'s quantization blocks: tensor/quant8.h's kQuant8Block (the .cu files do not
@@ -51,6 +52,7 @@ struct Quant8Maps {
 struct SgdConsts {
   double lr, weight_decay, momentum, one_minus_dampening;
   bool decay, nesterov, first;
+  double grad_scale = 1.0;  // as AdamWConsts's
 };
 
 void launch_adamw(int dtype, bool master, const OptimTuple* tuples, int64_t count,

@@ -430,7 +430,8 @@ class GptReplica final : public models::Replica {
       return std::nullopt;
     }
     if (zero_) return zero_->clip_grad_norm(max_norm > 0 ? max_norm : kNoClip);
-    return max_norm > 0 ? optim::clip_grad_norm(params_, max_norm) : optim::grad_norm(params_);
+    // The coefficient is applied by the optimizer's step (one pass less over the gradients).
+    return max_norm > 0 ? optim::clip_grad_norm(params_, max_norm, *opt_) : optim::grad_norm(params_);
   }
 
   void step(bool skip) override {

@@ -1,12 +1,23 @@
 // clip_grad_norm: the global norm, the scaled gradients, nothing scaled below max_norm, and
-// non-finite norms returned without touching the gradients.
+// non-finite norms returned without touching the gradients; clip_grad_norm(Optimizer&): the
+// coefficient applied by the optimizer's step, bitwise as clipping the gradients first.
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <limits>
 
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
 #include "autograd/autograd.h"
+#include "optim/adafactor.h"
+#include "optim/adamw.h"
+#include "optim/adamw8bit.h"
 #include "optim/clip.h"
+#include "optim/sgd.h"
+#include "tensor/random.h"
 #include "tests/optim/optim_test_util.h"
 
 namespace tessera::optim {
@@ -82,6 +93,146 @@ TEST_CASE("clip_grad_norm returns a non-finite norm without scaling") {
   Params p;
   expect_error_with([&] { clip_grad_norm(p.all(), 0.0); }, {"clip_grad_norm", "max_norm", "0"});
   CHECK(clip_grad_norm({zeros({2}).requires_grad_()}, 1.0) == 0.0);  // no gradients at all
+}
+
+// ---- clip_grad_norm(Optimizer&): the scale applied in the step ---------------------------
+
+using MakeOpt = std::function<std::unique_ptr<Optimizer>(std::vector<Tensor>)>;
+
+struct StepCase {
+  std::string name;
+  DType dtype;
+  MakeOpt make;
+  bool fuses;
+};
+
+// Two parameters (one past AdamW8bit's 8-bit threshold), equal start values.
+std::vector<Tensor> make_params(DType dt) {
+  return {(randn({64, 80}, DType::f32, kCPU) * 0.5).cast(dt).requires_grad_(),
+          (randn({7}, DType::f32, kCPU) * 0.5).cast(dt).requires_grad_()};
+}
+
+std::vector<Tensor> clones(const std::vector<Tensor>& ps) {
+  std::vector<Tensor> out;
+  for (const Tensor& p : ps) out.push_back(p.detach().clone().requires_grad_());
+  return out;
+}
+
+// The same gradients (norm ~60, so max_norm 1 clips) on both sets of parameters.
+void set_grads(const std::vector<Tensor>& a, const std::vector<Tensor>& b, int step) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    manual_seed(1000 + 10 * step + static_cast<int>(i));
+    const Tensor g = (randn(a[i].shape(), DType::f32, kCPU) * (i == 0 ? 0.8 : 3.0)).cast(a[i].dtype());
+    a[i].set_grad(g.clone());
+    b[i].set_grad(g.clone());
+  }
+}
+
+bool same_state(const Optimizer& a, const Optimizer& b) {
+  const Optimizer::StateDict sa = a.state_dict(), sb = b.state_dict();
+  if (sa.size() != sb.size()) return false;
+  for (const auto& [key, t] : sa) {
+    auto it = sb.find(key);
+    if (it == sb.end() || !bitwise_equal(t, it->second)) return false;
+  }
+  return true;
+}
+
+std::vector<StepCase> step_cases() {
+  std::vector<StepCase> cases;
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
+    const std::string d(dtype_name(dt));
+    cases.push_back({"AdamW " + d, dt, [](std::vector<Tensor> ps) -> std::unique_ptr<Optimizer> {
+                       return std::make_unique<AdamW>(std::move(ps), AdamWOptions{.lr = 1e-2, .weight_decay = 0.1});
+                     }, true});
+    cases.push_back({"SGD nesterov " + d, dt, [](std::vector<Tensor> ps) -> std::unique_ptr<Optimizer> {
+                       return std::make_unique<SGD>(std::move(ps), SGDOptions{.lr = 0.1, .momentum = 0.9,
+                                                                              .weight_decay = 0.01, .nesterov = true});
+                     }, true});
+    cases.push_back({"AdamW8bit " + d, dt, [](std::vector<Tensor> ps) -> std::unique_ptr<Optimizer> {
+                       return std::make_unique<AdamW8bit>(std::move(ps), AdamW8bitOptions{.lr = 1e-2});
+                     }, true});
+  }
+  cases.push_back({"AdamW bf16 without master", DType::bf16, [](std::vector<Tensor> ps) -> std::unique_ptr<Optimizer> {
+                     return std::make_unique<AdamW>(std::move(ps), AdamWOptions{.master_weights = false});
+                   }, true});
+  cases.push_back({"SGD plain f32", DType::f32, [](std::vector<Tensor> ps) -> std::unique_ptr<Optimizer> {
+                     return std::make_unique<SGD>(std::move(ps), SGDOptions{.lr = 0.1});
+                   }, true});
+  cases.push_back({"Adafactor f32 (scales the gradients in clip)", DType::f32,
+                   [](std::vector<Tensor> ps) -> std::unique_ptr<Optimizer> {
+                     return std::make_unique<Adafactor>(std::move(ps), AdafactorOptions{});
+                   }, false});
+  return cases;
+}
+
+TEST_CASE("clip_grad_norm(opt) then step() is bitwise clip_grad_norm(params), then step()") {
+  int ran = 0;
+  for (const StepCase& c : step_cases()) {
+    CAPTURE(c.name);
+    manual_seed(7);
+    const std::vector<Tensor> ref = make_params(c.dtype), fused = clones(ref);
+    std::unique_ptr<Optimizer> ref_opt = c.make(ref), opt = c.make(fused);
+    CHECK(opt->fuses_grad_scale() == c.fuses);
+    for (int step = 0; step < 3; ++step) {
+      set_grads(ref, fused, step);
+      const Tensor unclipped = fused[0].grad().clone();
+      const double want = clip_grad_norm(ref, 1.0);
+      // In opt's order (here the same as ref's) or in the order given.
+      const double got = step == 1 ? clip_grad_norm(fused, 1.0, *opt) : clip_grad_norm(*opt, 1.0);
+      CHECK(got == want);
+      REQUIRE(want > 10.0);  // it clips
+      if (c.fuses) {
+        // Not written: the step reads them scaled.
+        CHECK(bitwise_equal(fused[0].grad(), unclipped));
+        CHECK(opt->pending_grad_scale() == 1.0 / (want + 1e-6));
+      } else {
+        CHECK(bitwise_equal(fused[0].grad(), ref[0].grad()));
+        CHECK(opt->pending_grad_scale() == 1.0);
+      }
+      ref_opt->step();
+      opt->step();
+      CHECK(opt->pending_grad_scale() == 1.0);
+      for (size_t i = 0; i < ref.size(); ++i) CHECK(bitwise_equal(fused[i], ref[i]));
+      CHECK(same_state(*opt, *ref_opt));
+    }
+    ++ran;
+  }
+  CHECK(ran == 15);
+}
+
+TEST_CASE("a pending gradient scale: zero_grad drops it, a second one applies the first") {
+  manual_seed(3);
+  const std::vector<Tensor> ref = make_params(DType::f32), fused = clones(ref);
+  AdamW ref_opt(ref), opt(fused);
+  // Clipped, then zero_grad (a skipped step): the next step is unscaled.
+  set_grads(ref, fused, 0);
+  clip_grad_norm(opt, 1.0);
+  CHECK(opt.pending_grad_scale() < 1.0);
+  opt.zero_grad();
+  CHECK(opt.pending_grad_scale() == 1.0);
+  set_grads(ref, fused, 1);
+  ref_opt.step();
+  opt.step();
+  for (size_t i = 0; i < ref.size(); ++i) CHECK(bitwise_equal(fused[i], ref[i]));
+  // Two scales before a step: as two scale_ passes.
+  set_grads(ref, fused, 2);
+  scale_gradients(ref, 0.5);
+  scale_gradients(ref, 0.3);
+  opt.scale_grads(0.5);
+  opt.scale_grads(0.3);
+  CHECK(opt.pending_grad_scale() == 0.3);
+  ref_opt.step();
+  opt.step();
+  for (size_t i = 0; i < ref.size(); ++i) CHECK(bitwise_equal(fused[i], ref[i]));
+  // A non-finite norm leaves nothing pending; a non-finite scale is refused.
+  fused[1].set_grad(f32({std::numeric_limits<float>::infinity(), 0, 0, 0, 0, 0, 0}, {7}));
+  CHECK(std::isinf(clip_grad_norm(opt, 1.0)));
+  CHECK(opt.pending_grad_scale() == 1.0);
+  expect_error_with([&] { opt.scale_grads(std::nan("")); }, {"AdamW", "scale_grads", "finite", "nan"});
+  expect_error_with([&] { clip_grad_norm(opt, 0.0); }, {"clip_grad_norm", "max_norm", "0"});
+  expect_error_with([&] { clip_grad_norm({fused[0]}, 1.0, opt); },
+                    {"clip_grad_norm", "the 1 parameters", "AdamW's 2"});
 }
 
 }  // namespace

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 
 #include "tensor/op_attrs.h"
@@ -44,7 +46,21 @@ Arg master_arg(Shape shape) {
 struct AdamSetup {
   int64_t t = 1;
   double lr = 0.1, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.1;
+  double grad_scale = 1.0;  // the update reads grad * grad_scale (clipping)
 };
+
+// The gradient the update reads, as tensor/ops.h specifies it: grad * grad_scale as scale_
+// computes it, in f64 for f64 and otherwise in f32 (the scale rounded to f32; the product of
+// two f32 values is exact in f64, then rounded to f32), rounded to the gradient's dtype.
+NdArray scaled(const NdArray& g, double grad_scale, DType dt) {
+  NdArray out = g;
+  if (grad_scale == 1.0) return out;
+  const double s32 = ref::round_to(grad_scale, DType::f32);
+  for (double& v : out.data) {
+    v = dt == DType::f64 ? v * grad_scale : ref::round_to(ref::round_to(v * s32, DType::f32), dt);
+  }
+  return out;
+}
 
 // Inputs: param, grad, exp_avg, exp_avg_sq[, master]. Outputs: param, exp_avg, exp_avg_sq
 // [, master].
@@ -59,24 +75,25 @@ Case adamw_case(std::string label, Shape shape, AdamSetup h, bool master) {
     // A param holds its master rounded (the kernel ignores param's own values then).
     c.prepare = [](Arrays& in, DType) { in[0] = in[4]; };
   }
-  c.ref = [h, master](const Arrays& in, DType) {
+  c.ref = [h, master](const Arrays& in, DType dt) {
     const NdArray& x = master ? in[4] : in[0];
-    Arrays out = ref::adamw(x, in[1], in[2], in[3], h.t, h.lr, h.beta1, h.beta2, h.eps,
-                            h.weight_decay);
+    Arrays out = ref::adamw(x, scaled(in[1], h.grad_scale, dt), in[2], in[3], h.t, h.lr, h.beta1,
+                            h.beta2, h.eps, h.weight_decay);
     if (master) out.push_back(out[0]);
     return out;
   };
   // exp_avg = beta1 m + (1 - beta1) g; param = x (1 - lr wd) - step_size m_hat / denom, whose
   // second term carries exp_avg's error; exp_avg_sq adds positive terms only (|want|).
-  c.mag = [h, master](const Arrays& in, DType) {
+  c.mag = [h, master](const Arrays& in, DType dt) {
     const NdArray& x = master ? in[4] : in[0];
-    const Arrays want = ref::adamw(x, in[1], in[2], in[3], h.t, h.lr, h.beta1, h.beta2, h.eps,
+    const NdArray g = scaled(in[1], h.grad_scale, dt);
+    const Arrays want = ref::adamw(x, g, in[2], in[3], h.t, h.lr, h.beta1, h.beta2, h.eps,
                                    h.weight_decay);
     const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(h.t));
     const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(h.t));
     NdArray mp = x, mm = x;
     for (int64_t i = 0; i < x.numel(); ++i) {
-      mm.data[i] = h.beta1 * std::fabs(in[2].data[i]) + (1 - h.beta1) * std::fabs(in[1].data[i]);
+      mm.data[i] = h.beta1 * std::fabs(in[2].data[i]) + (1 - h.beta1) * std::fabs(g.data[i]);
       const double denom = std::sqrt(want[2].data[i]) / std::sqrt(bc2) + h.eps;
       mp.data[i] = std::fabs(x.data[i]) * (1 - h.lr * h.weight_decay) +
                    h.lr / bc1 * mm.data[i] / denom;
@@ -86,6 +103,7 @@ Case adamw_case(std::string label, Shape shape, AdamSetup h, bool master) {
     return out;
   };
   c.attrs = op_attrs::adamw(h.t, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay);
+  c.attrs.grad_scale = h.grad_scale;
   c.out_dtype = [](DType dt, size_t k) {
     return k == 0 ? dt : k == 3 ? DType::f32 : state_dtype(dt);
   };
@@ -121,6 +139,9 @@ void adamw_errors() {
   expect_error("adamw_ exp_avg aliasing param", [&] { step(p, g, p, v); });
   expect_error("adamw_ step 0", [&] { adamw_(p, g, m, v, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0); });
   expect_error("adamw_ beta1 1", [&] { adamw_(p, g, m, v, 1, 1e-3, 1.0, 0.999, 1e-8, 0.0); });
+  expect_error("adamw_ infinite grad_scale", [&] {
+    adamw_(p, g, m, v, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, Tensor(), std::numeric_limits<double>::infinity());
+  });
   expect_error("adamw_ under grad mode with a param that requires grad", [&] {
     const Tensor w = zeros({2, 3}).requires_grad_();
     step(w, g, m, v);
@@ -164,6 +185,51 @@ void inplace_effects(const std::function<void(const Tensors&)>& update, size_t n
   }
 }
 
+// grad_scale's definition, bitwise on the sweep's device: the update with grad_scale s
+// equals scale_(grad, s) followed by the update with 1, in every float dtype (16-bit: the
+// scaled gradient rounded to 16 bits), with and without a master. `update(p, g, state,
+// scale)` runs the op; state tensors are made by `make_state`.
+void grad_scale_matches_scale_(
+    const char* op, const std::function<Tensors(DType)>& make_state,
+    const std::function<void(const Tensor&, const Tensor&, const Tensors&, double)>& update) {
+  const Device dev = sweep_device();
+  int checked = 0;
+  for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
+    manual_seed(11);
+    const Tensor p = (randn({300}) * 0.5).cast(dt).to(dev), g = (randn({300}) * 3.0).cast(dt).to(dev);
+    const Tensors state = make_state(dt);
+    std::vector<Tensor> a = {p.clone(), g.clone()}, b = {p.clone(), g.clone()};
+    Tensors sa, sb;
+    for (const Tensor& t : state) {
+      sa.push_back(t.defined() ? t.to(dev).clone() : Tensor());
+      sb.push_back(t.defined() ? t.to(dev).clone() : Tensor());
+    }
+    {
+      NoGradGuard no_grad;
+      update(a[0], a[1], sa, 0.37);
+      scale_({b[1]}, 0.37);
+      update(b[0], b[1], sb, 1.0);
+    }
+    const auto same = [&](const std::string& what, const Tensor& x, const Tensor& y) {
+      const Tensor xc = x.to(kCPU).cast(DType::f64), yc = y.to(kCPU).cast(DType::f64);
+      const std::vector<double> xv = xc.to_vector<double>(), yv = yc.to_vector<double>();
+      for (size_t i = 0; i < xv.size(); ++i) {
+        if (std::memcmp(&xv[i], &yv[i], sizeof(double)) != 0) {
+          report_failure(fmt::format("{} grad_scale 0.37 in {}: {}[{}] is {} but scale_ then the "
+                                     "update gives {}", op, dtype_name(dt), what, i, xv[i], yv[i]));
+          return;
+        }
+      }
+    };
+    same("param", a[0], b[0]);
+    for (size_t k = 0; k < sa.size(); ++k) {
+      if (sa[k].defined()) same(fmt::format("state {}", k), sa[k], sb[k]);
+    }
+    ++checked;
+  }
+  if (checked != 4) report_failure(fmt::format("{}: {} of 4 dtypes checked", op, checked));
+}
+
 OpSweep adamw_sweep() {
   OpSweep s{OpId::adamw_, kFloats, kNonFloat, {}, {}};
   s.cases.push_back(adamw_case("[5, 7] t 1 (bias correction 1 - beta)", {5, 7}, {}, false));
@@ -174,6 +240,15 @@ OpSweep adamw_sweep() {
   s.cases.push_back(adamw_case("0-d t 2", {}, {2}, false));
   s.cases.push_back(adamw_case("[0, 3] (empty)", {0, 3}, {}, false));
   s.cases.push_back(adamw_case("[4, 6] t 5 f32 master", {4, 6}, {5, 0.02}, true));
+  // Clipping's coefficient applied in the update. A 16-bit run is checked against its f32
+  // twin, which does not round the scaled gradient to 16 bits, so 16-bit dtypes take a
+  // power of two here (exact); grad_scale_matches_scale_ checks the rounding bitwise.
+  Case gs = adamw_case("[4, 6] t 3 grad_scale 0.37", {4, 6}, {3, 0.05, 0.9, 0.999, 1e-8, 0.1, 0.37},
+                       false);
+  gs.dtypes = {DType::f32, DType::f64};
+  s.cases.push_back(std::move(gs));
+  s.cases.push_back(adamw_case("[4, 6] t 2 grad_scale 0.25, master", {4, 6},
+                               {2, 0.05, 0.9, 0.999, 1e-8, 0.1, 0.25}, true));
   // Over kUpdateGrain elements: the update runs in chunks on several threads.
   Case big = adamw_case("[130, 257] t 2 (parallel chunks)", {130, 257}, {2}, false);
   big.layouts = {Layout::contiguous, Layout::strided};
@@ -190,6 +265,18 @@ OpSweep adamw_sweep() {
   s.cases.push_back(std::move(edge));
   s.extra = [] {
     adamw_errors();
+    // exp_avg, exp_avg_sq, and for 16-bit params an f32 master.
+    grad_scale_matches_scale_(
+        "adamw_",
+        [](DType dt) {
+          const DType st = dt == DType::f64 ? DType::f64 : DType::f32;
+          const bool half = dt == DType::f16 || dt == DType::bf16;
+          return Tensors{randn({300}).cast(st) * 0.1, rand({300}).cast(st) * 0.2,
+                         half ? randn({300}) * 0.5 : Tensor()};
+        },
+        [](const Tensor& p, const Tensor& g, const Tensors& st, double scale) {
+          adamw_(p, g, st[0], st[1], 4, 0.05, 0.9, 0.999, 1e-8, 0.1, st[2], scale);
+        });
     inplace_effects(
         [](const Tensors& in) {
           adamw_(in[0], in[1], in[2], in[3], 1, 0.1, 0.9, 0.999, 1e-8, 0.1, in[4]);
@@ -422,6 +509,7 @@ struct SgdSetup {
   int64_t t = 1;
   double lr = 0.1, momentum = 0.0, dampening = 0.0, weight_decay = 0.0;
   bool nesterov = false;
+  double grad_scale = 1.0;  // the update reads grad * grad_scale (clipping)
 };
 
 // Inputs: param, grad, momentum_buffer (absent without momentum)[, master]. Outputs: param
@@ -443,9 +531,9 @@ Case sgd_case(std::string label, Shape shape, SgdSetup h, bool master) {
     if (master) out.push_back(p);
     return out;
   };
-  c.ref = [h, master, outputs](const Arrays& in, DType) {
-    const Arrays r = ref::sgd(master ? in[3] : in[0], in[1], in[2], h.t, h.lr, h.momentum,
-                              h.dampening, h.weight_decay, h.nesterov);
+  c.ref = [h, master, outputs](const Arrays& in, DType dt) {
+    const Arrays r = ref::sgd(master ? in[3] : in[0], scaled(in[1], h.grad_scale, dt), in[2], h.t,
+                              h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov);
     return outputs(r[0], r[1]);
   };
   // d = g + wd x; buf = momentum buf + (1 - dampening) d; d' = d + momentum buf (nesterov)
@@ -454,7 +542,8 @@ Case sgd_case(std::string label, Shape shape, SgdSetup h, bool master) {
     const NdArray& x = master ? in[3] : in[0];
     NdArray mp = x, mb = x;
     for (int64_t i = 0; i < x.numel(); ++i) {
-      const double d = std::fabs(in[1].data[i]) + h.weight_decay * std::fabs(x.data[i]);
+      const double d =
+          std::fabs(in[1].data[i] * h.grad_scale) + h.weight_decay * std::fabs(x.data[i]);
       double step = d;
       if (buffer) {
         mb.data[i] = h.t == 1 ? d
@@ -466,6 +555,7 @@ Case sgd_case(std::string label, Shape shape, SgdSetup h, bool master) {
     return outputs(mp, mb);
   };
   c.attrs = op_attrs::sgd(h.t, h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov);
+  c.attrs.grad_scale = h.grad_scale;
   c.out_dtype = [buffer](DType dt, size_t k) {
     if (k == 0) return dt;
     return k == 1 && buffer ? state_dtype(dt) : DType::f32;
@@ -492,6 +582,9 @@ void sgd_errors() {
     sgd_(p, g, Tensor(), 1, std::numeric_limits<double>::infinity(), 0, 0, 0, false);
   });
   expect_error("sgd_ buffer aliasing grad", [&] { sgd_(p, g, g, 2, 0.1, 0.9, 0, 0, false); });
+  expect_error("sgd_ NaN grad_scale", [&] {
+    sgd_(p, g, Tensor(), 1, 0.1, 0, 0, 0, false, Tensor(), std::nan(""));
+  });
 }
 
 OpSweep sgd_sweep() {
@@ -507,6 +600,13 @@ OpSweep sgd_sweep() {
   s.cases.push_back(sgd_case("[4, 6] nesterov t 1, master", {4, 6}, {1, 0.1, 0.9, 0, 0.01, true},
                              true));
   s.cases.push_back(sgd_case("[4, 6] plain, master", {4, 6}, {2, 0.3}, true));
+  // As adamw_'s grad_scale cases.
+  Case gs = sgd_case("[4, 6] nesterov t 2 grad_scale 0.21", {4, 6}, {2, 0.1, 0.9, 0, 0.01, true, 0.21},
+                     false);
+  gs.dtypes = {DType::f32, DType::f64};
+  s.cases.push_back(std::move(gs));
+  s.cases.push_back(sgd_case("[4, 6] grad_scale 0.5, master", {4, 6}, {2, 0.3, 0, 0, 0, false, 0.5},
+                             true));
   s.cases.push_back(sgd_case("0-d momentum t 2", {}, {2, 0.1, 0.9}, false));
   s.cases.push_back(sgd_case("[0, 3] (empty)", {0, 3}, {2, 0.1, 0.9}, false));
   Case big = sgd_case("[130, 257] momentum t 2 (parallel chunks)", {130, 257},
@@ -521,6 +621,16 @@ OpSweep sgd_sweep() {
   s.cases.push_back(std::move(edge));
   s.extra = [] {
     sgd_errors();
+    grad_scale_matches_scale_(
+        "sgd_",
+        [](DType dt) {
+          const bool half = dt == DType::f16 || dt == DType::bf16;
+          return Tensors{randn({300}).cast(dt == DType::f64 ? DType::f64 : DType::f32),
+                         half ? randn({300}) * 0.5 : Tensor()};
+        },
+        [](const Tensor& p, const Tensor& g, const Tensors& st, double scale) {
+          sgd_(p, g, st[0], 3, 0.1, 0.9, 0, 0.01, true, st[1], scale);
+        });
     inplace_effects(
         [](const Tensors& in) { sgd_(in[0], in[1], in[2], 2, 0.1, 0.9, 0.1, 0.01, false, in[3]); },
         4, {0, 2, 3}, "sgd_");
