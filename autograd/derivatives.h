@@ -45,7 +45,7 @@ struct Derivative {
 
 inline constexpr uint32_t kIn0 = 1u << 0, kIn1 = 1u << 1, kIn2 = 1u << 2, kIn3 = 1u << 3,
                           kIn4 = 1u << 4, kIn5 = 1u << 5, kAllInputs = ~0u;
-inline constexpr uint32_t kOut0 = 1u << 0, kOut1 = 1u << 1, kOut2 = 1u << 2;
+inline constexpr uint32_t kOut0 = 1u << 0, kOut1 = 1u << 1, kOut2 = 1u << 2, kOut3 = 1u << 3;
 
 void register_derivative(OpId op, Derivative d);
 const Derivative* derivative_for(OpId op);  // null if none is registered

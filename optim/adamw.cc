@@ -63,7 +63,7 @@ void AdamW::set_hyperparameters(const std::map<std::string, double>& values) {
 // for_each_bucket_with_grad): each tensor is updated exactly as a call of its own would.
 void AdamW::step() {
   NoGradGuard no_grad;
-  const double grad_scale = take_grad_scale();
+  const double grad_scale = pending_grad_scale();
   for_each_bucket_with_grad(
       [&](const Tensor& p) {
         std::map<std::string, Tensor> s;
@@ -88,6 +88,7 @@ void AdamW::step() {
         call_update(OpId::adamw_, std::move(in), a, 5, {0, 2, 3, 4});
         for (const Pending& item : bucket) ++item.state->step;
       });
+  take_grad_scale();
 }
 
 }  // namespace tessera::optim

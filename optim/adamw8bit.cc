@@ -105,7 +105,7 @@ void AdamW8bit::set_hyperparameters(const std::map<std::string, double>& values)
 
 void AdamW8bit::step() {
   NoGradGuard no_grad;
-  step_grad_scale_ = take_grad_scale();
+  step_grad_scale_ = pending_grad_scale();
   for_each_bucket_with_grad(
       [&](const Tensor& p) {
         if (const RowShard* rs = row_shard(p)) {
@@ -173,6 +173,7 @@ void AdamW8bit::step() {
         for (const Pending* item : cut) step_segments(group, *item, *row_shard(item->param), true);
         for (const Pending& item : bucket) ++item.state->step;
       });
+  take_grad_scale();
 }
 
 const Tensor& AdamW8bit::segments_of(const Tensor& p, const RowShard& rs) {

@@ -62,6 +62,9 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, Optimi
            "clip_grad_norm: the {} parameters with a gradient given are not {}'s {} with a "
            "gradient (it applies the clipping coefficient to its own)",
            listed.size(), opt.kind(), held.size());
+  // A coefficient still pending (clipped twice before a step) is written first, so the norm
+  // is of the gradients the step would read, as clipping in place twice measures it.
+  opt.apply_pending_grad_scale();
   const double norm = grad_norm(params);
   if (!std::isfinite(norm)) return norm;
   const double coef = max_norm / (norm + 1e-6);

@@ -75,6 +75,9 @@ bool DynamicLossScaler::step(Optimizer& optimizer, const std::function<void()>& 
   if (!checked_) unscale_and_check(optimizer);
   if (found_inf_) {
     ++skipped_steps_;
+    // The gradients stay (a caller may keep accumulating): clipping's pending coefficient is
+    // written into them, as an in-place clip would have left them, not carried to a later step.
+    optimizer.apply_pending_grad_scale();
     return false;
   }
   run();

@@ -88,15 +88,20 @@ void Optimizer::zero_grad() {
 
 void Optimizer::scale_grads(double scale) {
   TS_CHECK(std::isfinite(scale), "{}: scale_grads: the scale must be finite, got {}", kind_, scale);
-  std::vector<Tensor> params;
-  for (const ParamGroup& group : groups_) params.insert(params.end(), group.params.begin(), group.params.end());
-  const auto apply = [&](double s) { scale_gradients(params, s); };
   if (!fuses_grad_scale()) {
-    apply(scale);
+    grad_scale_ = scale;
+    apply_pending_grad_scale();
     return;
   }
-  if (grad_scale_ != 1.0) apply(take_grad_scale());
+  apply_pending_grad_scale();
   grad_scale_ = scale;
+}
+
+void Optimizer::apply_pending_grad_scale() {
+  if (grad_scale_ == 1.0) return;
+  std::vector<Tensor> params;
+  for (const ParamGroup& group : groups_) params.insert(params.end(), group.params.begin(), group.params.end());
+  scale_gradients(params, take_grad_scale());
 }
 
 void Optimizer::set_lr(double lr) {

@@ -117,8 +117,13 @@ class Optimizer {
   void scale_grads(double scale);
   // Whether step() applies scale_grads()'s coefficient itself (AdamW, AdamW8bit, SGD).
   virtual bool fuses_grad_scale() const { return false; }
-  // The coefficient the next step() applies (1: none).
+  // The coefficient the next step() applies (1: none). Until then .grad (and a norm taken of
+  // it) is unscaled.
   double pending_grad_scale() const { return grad_scale_; }
+  // Writes a pending coefficient into the gradients with scale_ (as scale_grads would have
+  // without fusing) and drops it: for code that reads .grad before step(), and for a step
+  // that is skipped while the gradients are kept (DynamicLossScaler).
+  void apply_pending_grad_scale();
   // The contract sharded training relies on: true when step() updates each element from
   // that element's parameter, gradient and state alone (SGD, AdamW), so running it on any
   // slice of a parameter (ZeRO's flat 1-D shards, parallel/zero.h) gives the same values as
@@ -177,7 +182,8 @@ class Optimizer {
   void load_state_dict(const StateDict& dict);
 
  protected:
-  // The pending gradient scale, dropped: a fusing step() calls this once, first.
+  // A fusing step() reads the pending scale first and drops it with take_grad_scale() once
+  // every update has run (a step that throws leaves it pending).
   double take_grad_scale() {
     const double s = grad_scale_;
     grad_scale_ = 1.0;

@@ -65,7 +65,7 @@ void SGD::set_hyperparameters(const std::map<std::string, double>& values) {
 // each tensor is updated exactly as a call of its own would.
 void SGD::step() {
   NoGradGuard no_grad;
-  const double grad_scale = take_grad_scale();
+  const double grad_scale = pending_grad_scale();
   for_each_bucket_with_grad(
       [&](const Tensor& p) {
         std::map<std::string, Tensor> s;
@@ -93,6 +93,7 @@ void SGD::step() {
         call_update(OpId::sgd_, std::move(in), a, 4, {0, 2, 3});
         for (const Pending& item : bucket) ++item.state->step;
       });
+  take_grad_scale();
 }
 
 }  // namespace tessera::optim

@@ -70,6 +70,13 @@ ShardedTensor layer_norm(const ShardedTensor& x, const Shape& normalized_shape,
   return call(OpId::layer_norm, {x, weight, bias},
               op_attrs::layer_norm(x.shape(), normalized_shape, eps))[0];
 }
+ShardedAddLayerNorm add_layer_norm(const ShardedTensor& x, const ShardedTensor& r,
+                                   const Shape& normalized_shape, const ShardedTensor& weight,
+                                   const ShardedTensor& bias, double eps) {
+  const std::vector<ShardedTensor> out = call(OpId::add_layer_norm, {x, r, weight, bias},
+                                              op_attrs::layer_norm(x.shape(), normalized_shape, eps));
+  return {out[0], out[1]};
+}
 ShardedTensor cross_entropy(const ShardedTensor& logits, const ShardedTensor& target,
                             Reduction reduction, int64_t ignore_index) {
   return call(OpId::cross_entropy, {logits, target},

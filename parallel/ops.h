@@ -56,6 +56,13 @@ ShardedTensor log_softmax(const ShardedTensor& x, int64_t dim = -1);
 ShardedTensor layer_norm(const ShardedTensor& x, const Shape& normalized_shape,
                          const ShardedTensor& weight = {}, const ShardedTensor& bias = {},
                          double eps = 1e-5);
+// tensor/ops.h's add_layer_norm: {x + r, layer_norm(x + r)}, split on leading dims alike.
+struct ShardedAddLayerNorm {
+  ShardedTensor sum, normed;
+};
+ShardedAddLayerNorm add_layer_norm(const ShardedTensor& x, const ShardedTensor& r,
+                                   const Shape& normalized_shape, const ShardedTensor& weight = {},
+                                   const ShardedTensor& bias = {}, double eps = 1e-5);
 ShardedTensor cross_entropy(const ShardedTensor& logits, const ShardedTensor& target,
                             Reduction reduction = Reduction::mean, int64_t ignore_index = -100);
 // The mask of element i is the single-device mask of element i (counter-based RNG keyed by

@@ -86,6 +86,17 @@ AxisOptions layer_norm_options(const AxisCtx& c) {
   return options;
 }
 
+AxisOptions add_layer_norm_options(const AxisCtx& c) {
+  // x, r, weight, bias -> s, y, mean, rstd: leading dims of x and r split alike.
+  const int64_t lead = c.rank(0) - c.attrs.normalized_ndim;
+  AxisOptions options{all_replicate(c)};
+  const Placement R = Replicate();
+  for (int64_t d = 0; d < lead; ++d) {
+    options.push_back({{Shard(d), Shard(d), R, R}, {Shard(d), Shard(d), Shard(d), Shard(d)}});
+  }
+  return options;
+}
+
 AxisOptions layer_norm_backward_options(const AxisCtx& c) {
   // grad, x, mean, rstd, weight, bias -> grad_x, grad_weight, grad_bias.
   const int64_t lead = c.rank(1) - c.attrs.normalized_ndim;
@@ -269,6 +280,7 @@ const bool kAlongDimRegistered = [] {
 }();
 TS_REGISTER_SHARDING_RULE(layer_norm, {.options = layer_norm_options});
 TS_REGISTER_SHARDING_RULE(layer_norm_backward, {.options = layer_norm_backward_options});
+TS_REGISTER_SHARDING_RULE(add_layer_norm, {.options = add_layer_norm_options});
 TS_REGISTER_SHARDING_RULE(cross_entropy, {.options = cross_entropy_options, .local = cross_entropy_local});
 TS_REGISTER_SHARDING_RULE(cross_entropy_backward, {.options = cross_entropy_backward_options,
                                                    .local = cross_entropy_backward_local});

@@ -27,7 +27,7 @@ constexpr std::array<AutocastRule, kNumOps> make_rules() {
     r[static_cast<int>(op)] = AutocastRule::lower;
   }
   for (OpId op : {OpId::sum, OpId::mean, OpId::var, OpId::softmax, OpId::log_softmax,
-                  OpId::layer_norm, OpId::exp, OpId::log, OpId::pow}) {
+                  OpId::layer_norm, OpId::add_layer_norm, OpId::exp, OpId::log, OpId::pow}) {
     r[static_cast<int>(op)] = AutocastRule::to_f32;
   }
   for (OpId op : {OpId::where, OpId::cat, OpId::index_add, OpId::scatter_add}) {

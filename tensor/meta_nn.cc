@@ -112,6 +112,22 @@ std::vector<TensorSpec> layer_norm_meta(std::span<const TensorSpec> in, const At
   return {x, spec(rows, st, x.device), spec(rows, st, x.device)};
 }
 
+// Inputs: x, r, weight, bias. Outputs: s = x + r, layer_norm(s), mean, rstd.
+std::vector<TensorSpec> add_layer_norm_meta(std::span<const TensorSpec> in, const Attrs& attrs) {
+  constexpr OpId op = OpId::add_layer_norm;
+  require_count(op, in, 4);
+  const TensorSpec& x = required(op, in, 0, "input");
+  const TensorSpec& r = required(op, in, 1, "residual");
+  require_float(op, x, "input");
+  TS_CHECK(r.shape == x.shape, "add_layer_norm: residual {} must have the input's shape {}",
+           shape_str(r.shape), shape_str(x.shape));
+  require_same_dtype(op, x, r);
+  TS_CHECK(attrs.eps >= 0, "add_layer_norm: eps must be >= 0, got {}", attrs.eps);
+  const Shape rows = layer_norm_rows(op, x, &in[2], &in[3], attrs.normalized_ndim);
+  const DType st = stats_dtype(x.dtype);
+  return {x, x, spec(rows, st, x.device), spec(rows, st, x.device)};
+}
+
 // Inputs: grad, x, mean, rstd, weight, bias. Outputs: grad_x, grad_weight, grad_bias.
 std::vector<TensorSpec> layer_norm_backward_meta(std::span<const TensorSpec> in,
                                                  const Attrs& attrs) {
@@ -425,6 +441,7 @@ TS_REGISTER_META(softmax, softmax_meta<OpId::softmax>);
 TS_REGISTER_META(log_softmax, softmax_meta<OpId::log_softmax>);
 TS_REGISTER_META(layer_norm, layer_norm_meta);
 TS_REGISTER_META(layer_norm_backward, layer_norm_backward_meta);
+TS_REGISTER_META(add_layer_norm, add_layer_norm_meta);
 TS_REGISTER_META(cross_entropy, cross_entropy_meta);
 TS_REGISTER_META(cross_entropy_backward, cross_entropy_backward_meta);
 TS_REGISTER_META(dropout, dropout_meta);

@@ -91,6 +91,7 @@
   X(log_softmax, Compute, Diff, Fused, AlongDim)                  \
   X(layer_norm, Compute, Diff, Fused, None)                       \
   X(layer_norm_backward, Compute, NoDiff, Fused, None)            \
+  X(add_layer_norm, Compute, Diff, Fused, None)                   \
   X(cross_entropy, Compute, Diff, Fused, None)                    \
   X(cross_entropy_backward, Compute, NoDiff, Fused, None)         \
   X(dropout, Compute, Diff, Fused, None)                          \

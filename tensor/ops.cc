@@ -129,6 +129,14 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
               op_attrs::layer_norm(x.shape(), normalized_shape, eps))[0];
 }
 
+AddLayerNorm add_layer_norm(const Tensor& x, const Tensor& r, const Shape& normalized_shape,
+                            const Tensor& weight, const Tensor& bias, double eps) {
+  TS_CHECK(x.defined() && r.defined(), "add_layer_norm: the input or the residual is undefined");
+  const std::vector<Tensor> out = call(OpId::add_layer_norm, {x, r, weight, bias},
+                                       op_attrs::layer_norm(x.shape(), normalized_shape, eps));
+  return {out[0], out[1]};
+}
+
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction,
                      int64_t ignore_index) {
   return call(OpId::cross_entropy, {logits, target},

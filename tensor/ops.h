@@ -98,6 +98,15 @@ Tensor log_softmax(const Tensor& x, int64_t dim = -1);
 // Normalises over the trailing dims given by normalized_shape; weight/bias optional.
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = Tensor(),
                   const Tensor& bias = Tensor(), double eps = 1e-5);
+// A residual add and the layer_norm of its result in one pass: {s, y} with s = x + r (x and r
+// of one shape and dtype) and y = layer_norm(s, ...). The same values as x + r, then
+// layer_norm (s is rounded to the dtype before it is normalised), bit for bit.
+struct AddLayerNorm {
+  Tensor sum, normed;
+};
+AddLayerNorm add_layer_norm(const Tensor& x, const Tensor& r, const Shape& normalized_shape,
+                            const Tensor& weight = Tensor(), const Tensor& bias = Tensor(),
+                            double eps = 1e-5);
 // logits [N, C], target [N] (i64); mean over targets that are not ignore_index.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target,
                      Reduction reduction = Reduction::mean, int64_t ignore_index = -100);

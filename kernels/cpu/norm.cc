@@ -1,5 +1,7 @@
 // CPU layer_norm forward and backward, fused: one pass for the row statistics, one for the
 // output; the backward computes all three gradients in two passes over each row.
+// add_layer_norm is the forward on s = x + r, each row's sum written (rounded to the dtype,
+// as add rounds it) and then normalised while it is in cache.
 // Parameter gradients are summed over fixed blocks of rows and the blocks merged in order,
 // so they do not depend on the thread count. Row sums are f64 in eight lanes (sum8).
 #include <cmath>
@@ -37,12 +39,18 @@ RowsCols rows_cols(const Tensor& x, int64_t nd) {
   return {cols == 0 ? 0 : x.numel() / cols, cols};
 }
 
+// With a residual rt (add_layer_norm), the rows normalised are those of s = x + r, written
+// to st first.
 template <typename T>
 void layer_norm_fwd(const Tensor& xt, const Tensor& wt, const Tensor& bt, const Tensor& y,
-                    const Tensor& mean_t, const Tensor& rstd_t, int64_t nd, double eps) {
+                    const Tensor& mean_t, const Tensor& rstd_t, int64_t nd, double eps,
+                    const Tensor& rt = Tensor(), const Tensor& st = Tensor()) {
   using C = compute_t<T>;
   using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const Tensor x = contiguous_cpu(xt);
+  const Tensor res = rt.defined() ? contiguous_cpu(rt) : Tensor();
+  const T* resp = res.defined() ? static_cast<const T*>(res.raw_data()) : nullptr;
+  T* sp = st.defined() ? static_cast<T*>(st.raw_data()) : nullptr;
   const Tensor w = wt.defined() ? contiguous_cpu(wt) : Tensor();
   const Tensor b = bt.defined() ? contiguous_cpu(bt) : Tensor();
   // Plain variables, not a structured binding: the lambdas below capture them, which
@@ -59,6 +67,12 @@ void layer_norm_fwd(const Tensor& xt, const Tensor& wt, const Tensor& bt, const 
                [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = xp + r * cols;
+      if (resp != nullptr) {
+        T* sr = sp + r * cols;
+        const T* rr = resp + r * cols;
+        for (int64_t i = 0; i < cols; ++i) sr[i] = T(C(xr[i]) + C(rr[i]));
+        xr = sr;
+      }
       const double sum = sum8(cols, [&](int64_t i) { return static_cast<double>(C(xr[i])); });
       const double mean = sum / static_cast<double>(cols);
       const double sq = sum8(cols, [&](int64_t i) {
@@ -160,6 +174,16 @@ void layer_norm_backward_kernel(std::span<const Tensor> in, std::span<Tensor> ou
 
 TS_REGISTER_KERNEL(cpu, layer_norm, layer_norm_kernel);
 TS_REGISTER_KERNEL(cpu, layer_norm_backward, layer_norm_backward_kernel);
+
+// Inputs: x, r, weight, bias. Outputs: s, y, mean, rstd.
+void add_layer_norm_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  visit_float_dtype(in[0].dtype(), "add_layer_norm", [&]<typename T>() {
+    layer_norm_fwd<T>(in[0], in[2], in[3], out[1], out[2], out[3], a.normalized_ndim, a.eps,
+                      in[1], out[0]);
+  });
+}
+
+TS_REGISTER_KERNEL(cpu, add_layer_norm, add_layer_norm_kernel);
 
 }  // namespace
 }  // namespace tessera::cpu

@@ -50,6 +50,24 @@ void layer_norm_kernel(std::span<const Tensor> in, std::span<Tensor> out, const 
   });
 }
 
+// Inputs: x, r, weight, bias. Outputs: s = x + r, layer_norm(s), mean, rstd.
+void add_layer_norm_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& a) {
+  const Device d = in[0].device();
+  DeviceGuard guard(d);
+  const Tensor x = contiguous_cuda(in[0]), r = contiguous_cuda(in[1]);
+  const Tensor w = in[2].defined() ? contiguous_cuda(in[2]) : Tensor();
+  const Tensor b = in[3].defined() ? contiguous_cuda(in[3]) : Tensor();
+  int64_t cols = 1;
+  for (int64_t i = x.dim() - a.normalized_ndim; i < x.dim(); ++i) cols *= x.shape()[i];
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  const DevTensor sd = dev_tensor(out[0]), yd = dev_tensor(out[1]), md = dev_tensor(out[2]),
+                  rd = dev_tensor(out[3]);
+  const DevTensor xd = dev_tensor(x), resd = dev_tensor(r), wd = optional_dev(w), bd = optional_dev(b);
+  run_launch("add_layer_norm", d, [&] {
+    launch_layer_norm(yd, md, rd, xd, wd, bd, rows, cols, a.eps, compute_stream(d), resd, sd);
+  });
+}
+
 // Inputs: grad, x, mean, rstd, weight, bias. Outputs: grad_x, grad_weight, grad_bias.
 void layer_norm_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out,
                                 const Attrs& a) {
@@ -115,6 +133,7 @@ TS_REGISTER_KERNEL(cuda, softmax, softmax_kernel<false>);
 TS_REGISTER_KERNEL(cuda, log_softmax, softmax_kernel<true>);
 TS_REGISTER_KERNEL(cuda, layer_norm, layer_norm_kernel);
 TS_REGISTER_KERNEL(cuda, layer_norm_backward, layer_norm_backward_kernel);
+TS_REGISTER_KERNEL(cuda, add_layer_norm, add_layer_norm_kernel);
 TS_REGISTER_KERNEL(cuda, cross_entropy, cross_entropy_kernel);
 TS_REGISTER_KERNEL(cuda, cross_entropy_backward, cross_entropy_backward_kernel);
 

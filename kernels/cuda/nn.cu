@@ -139,11 +139,14 @@ void softmax_typed(T* y, const T* x, int64_t outer, int64_t d, int64_t inner, cu
 // One warp per row in registers. Mean and variance are two f64 passes over the registers
 // (the CPU's two-pass f64 statistics); the output is ((x - mean) * rstd) * w + b rounded
 // step by step in the compute type, as the CPU does.
+// With r (add_layer_norm) the row is s = x + r, rounded to T (as add rounds it) and
+// written to s.
 template <typename T, int NV>
 __global__ void layer_norm_warp_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                        const T* __restrict__ b, T* __restrict__ y,
                                        stats_t<T>* __restrict__ mean, stats_t<T>* __restrict__ rstd,
-                                       int64_t rows, int cols, double eps) {
+                                       int64_t rows, int cols, double eps,
+                                       const T* __restrict__ r, T* __restrict__ s) {
   using A = acc_type<T>;
   constexpr int VEC = kVec<T>;
   using V = Vec<T, VEC>;
@@ -158,7 +161,13 @@ __global__ void layer_norm_warp_kernel(const T* __restrict__ x, const T* __restr
   for (int k = 0; k < NV; ++k) {
     const int j = k * 32 + lane;
     if (j < nvec) {
-      const V p = xr[j];
+      V p = xr[j];
+      if (r) {
+        const V q = reinterpret_cast<const V*>(r + row * cols)[j];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) p.v[e] = from_acc<T>(add_rn(to_acc(p.v[e]), to_acc(q.v[e])));
+        reinterpret_cast<V*>(s + row * cols)[j] = p;
+      }
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         v[k][e] = to_acc(p.v[e]);
@@ -209,10 +218,18 @@ template <typename T>
 __global__ void layer_norm_block_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                         const T* __restrict__ b, T* __restrict__ y,
                                         stats_t<T>* __restrict__ mean,
-                                        stats_t<T>* __restrict__ rstd, int64_t cols, double eps) {
+                                        stats_t<T>* __restrict__ rstd, int64_t cols, double eps,
+                                        const T* __restrict__ r, T* __restrict__ s) {
   using A = acc_type<T>;
   const int64_t row = blockIdx.x;
   const T* xr = x + row * cols;
+  if (r) {
+    // Each thread writes the elements it reads back below (the same stride): no barrier.
+    T* sr = s + row * cols;
+    const T* rr = r + row * cols;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) sr[i] = from_acc<T>(add_rn(to_acc(xr[i]), to_acc(rr[i])));
+    xr = sr;
+  }
   double sum = 0;
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) sum += static_cast<double>(to_acc(xr[i]));
   const double m = block_sum(sum) / cols;
@@ -429,7 +446,8 @@ void launch_softmax(const DevTensor& y, const DevTensor& x, int64_t outer, int64
 
 void launch_layer_norm(const DevTensor& y, const DevTensor& mean, const DevTensor& rstd,
                        const DevTensor& x, const DevTensor& w, const DevTensor& b, int64_t rows,
-                       int64_t cols, double eps, cudaStream_t stream) {
+                       int64_t cols, double eps, cudaStream_t stream, const DevTensor& r,
+                       const DevTensor& s) {
   if (rows == 0) return;
   TS_CUDA_DISPATCH_FLOATS(x.dtype, "layer_norm", [&] {
     using T = scalar_t;
@@ -437,17 +455,19 @@ void launch_layer_norm(const DevTensor& y, const DevTensor& mean, const DevTenso
     constexpr int VEC = kVec<T>;
     const T* wp = static_cast<const T*>(w.data);
     const T* bp = static_cast<const T*>(b.data);
+    const T* rp = static_cast<const T*>(r.data);
+    T* sp = static_cast<T*>(s.data);
     if (cols % VEC == 0 && cols / VEC <= 32 * kMaxNv && aligned16(x.data) && aligned16(y.data) &&
-        aligned16(wp) && aligned16(bp)) {
+        aligned16(wp) && aligned16(bp) && aligned16(rp) && aligned16(sp)) {
       with_nv(cols / VEC, [&](auto nv) {
         layer_norm_warp_kernel<T, decltype(nv)::value>
             <<<blocks_for_rows(rows, kWarpsPerBlock), 32 * kWarpsPerBlock, 0, stream>>>(
                 typed<T>(x), wp, bp, typed<T>(y), typed<S>(mean), typed<S>(rstd), rows,
-                static_cast<int>(cols), eps);
+                static_cast<int>(cols), eps, rp, sp);
       });
     } else {
       layer_norm_block_kernel<T><<<rows, cols >= 4096 ? 512 : 256, 0, stream>>>(
-          typed<T>(x), wp, bp, typed<T>(y), typed<S>(mean), typed<S>(rstd), cols, eps);
+          typed<T>(x), wp, bp, typed<T>(y), typed<S>(mean), typed<S>(rstd), cols, eps, rp, sp);
     }
   });
   check_launch("layer_norm");

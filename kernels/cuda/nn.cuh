@@ -20,9 +20,12 @@ void launch_softmax(const DevTensor& y, const DevTensor& x, int64_t outer, int64
                     int64_t inner, bool log, cudaStream_t stream);
 
 // x, y [rows, cols]; mean, rstd [rows] (f32, or f64 for f64 x); w, b [cols] or data == null.
+// add_layer_norm: r and s [rows, cols] (else data == null): the rows normalised are
+// s = x + r, rounded to the dtype and written to s.
 void launch_layer_norm(const DevTensor& y, const DevTensor& mean, const DevTensor& rstd,
                        const DevTensor& x, const DevTensor& w, const DevTensor& b, int64_t rows,
-                       int64_t cols, double eps, cudaStream_t stream);
+                       int64_t cols, double eps, cudaStream_t stream,
+                       const DevTensor& r = DevTensor{}, const DevTensor& s = DevTensor{});
 
 // Bytes of workspace launch_layer_norm_backward needs (0 when neither dw nor db is wanted).
 int64_t layer_norm_backward_workspace_bytes(int64_t rows, int64_t cols, int dtype, bool want_w,

@@ -16,6 +16,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "models/gpt/model.h"
 #include "parallel/dispatch.h"
@@ -262,8 +263,19 @@ typename L::Tensor block(const L& layout, const P& param, const GptConfig& c, in
   // parallelism, each rank its part of the sequence); `region` accounts their memory.
   const T n1 = layout.region([&] { return layer_norm(x, w, param("ln_1.weight"), param("ln_1.bias")); });
   const T a = gpt::attention(layout, param, c, n1, drop);
-  const T h = layout.region([&] { return x + a; });
-  const T n2 = layout.region([&] { return layer_norm(h, w, param("ln_2.weight"), param("ln_2.bias")); });
+  // h = x + a and ln_2(h): one add_layer_norm on plain tensors (the same values, one pass
+  // less); sharded layouts keep the two ops, whose redistributions the layout places.
+  const std::pair<T, T> h_n2 = [&]() -> std::pair<T, T> {
+    if constexpr (std::is_same_v<T, Tensor>) {
+      const AddLayerNorm f = add_layer_norm(x, a, w, param("ln_2.weight"), param("ln_2.bias"));
+      return {f.sum, f.normed};
+    } else {
+      const T sum = layout.region([&] { return x + a; });
+      return {sum, layout.region([&] { return layer_norm(sum, w, param("ln_2.weight"), param("ln_2.bias")); })};
+    }
+  }();
+  const T& h = h_n2.first;
+  const T& n2 = h_n2.second;
   if (c.moe_block(index)) {
     const T down = gpt::moe_mlp(layout, param, c, index, n2, drop);
     return layout.region([&] { return h + down; });

@@ -377,7 +377,7 @@ TEST_CASE("adamw8bit_ single-tensor form on CUDA equals the CPU bitwise") {
 }
 
 TEST_CASE("adamw8bit_ on CUDA: lists longer than one launch") {
-  // 250 tensors (a launch takes at most 204 with 6 operands).
+  // 250 tensors (a launch takes at most 203 with 6 operands).
   std::vector<Shape> shapes;
   for (int64_t j = 0; j < 250; ++j) shapes.push_back({j * 389 % 3001 + 1});
   adamw8bit_against_cpu(DType::f32, false, 0.1, shapes);

@@ -225,6 +225,22 @@ TEST_CASE("a pending gradient scale: zero_grad drops it, a second one applies th
   ref_opt.step();
   opt.step();
   for (size_t i = 0; i < ref.size(); ++i) CHECK(bitwise_equal(fused[i], ref[i]));
+  // Clipped twice before a step: the second norm is of the clipped gradients, as in place.
+  set_grads(ref, fused, 3);
+  const double r1 = clip_grad_norm(ref, 1.0), r2 = clip_grad_norm(ref, 0.5);
+  CHECK(clip_grad_norm(opt, 1.0) == r1);
+  CHECK(clip_grad_norm(opt, 0.5) == r2);
+  CHECK(r2 == doctest::Approx(1.0).epsilon(1e-6));  // the norm after the first clip
+  ref_opt.step();
+  opt.step();
+  for (size_t i = 0; i < ref.size(); ++i) CHECK(bitwise_equal(fused[i], ref[i]));
+  // apply_pending_grad_scale writes the coefficient into .grad, as clipping in place does.
+  set_grads(ref, fused, 4);
+  clip_grad_norm(ref, 1.0);
+  clip_grad_norm(opt, 1.0);
+  opt.apply_pending_grad_scale();
+  CHECK(opt.pending_grad_scale() == 1.0);
+  for (size_t i = 0; i < ref.size(); ++i) CHECK(bitwise_equal(fused[i].grad(), ref[i].grad()));
   // A non-finite norm leaves nothing pending; a non-finite scale is refused.
   fused[1].set_grad(f32({std::numeric_limits<float>::infinity(), 0, 0, 0, 0, 0, 0}, {7}));
   CHECK(std::isinf(clip_grad_norm(opt, 1.0)));

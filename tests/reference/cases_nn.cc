@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "tests/reference/cases.h"
 
@@ -176,6 +177,95 @@ OpSweep layer_norm_sweep() {
       layer_norm(zeros({3, 4}), {4}, zeros({5}));
     });
     expect_error("layer_norm normalized [3] of [3, 4]", [] { layer_norm(zeros({3, 4}), {3}); });
+  };
+  return s;
+}
+
+// add_layer_norm(x, r, w, b) = {s, layer_norm(s)} with s = x + r. The reference adds in f64;
+// the op rounds s to the dtype before normalising it, an error of |s| rstd |w| per rounding
+// that layer_norm_mag of s already counts. The records are f32 and f64: a 16-bit run's
+// statistics are those of s rounded to 16 bits, which neither the f64 reference nor the f32
+// twin reproduces. 16-bit is checked below, bitwise against add then layer_norm (both of
+// which the sweep checks in 16 bits).
+OpSweep add_layer_norm_sweep() {
+  OpSweep s{OpId::add_layer_norm, kFloats, kNonFloat, {}, {}};
+  struct L {
+    const char* label;
+    Shape x;
+    int64_t nd;
+    bool w, b;
+    Domain domain;
+  };
+  for (const L& l : {L{"[4, 6] nd 1, weight, bias", {4, 6}, 1, true, true, normal(1)},
+                     L{"[2, 3, 4] nd 2, weight, bias", {2, 3, 4}, 2, true, true, normal(1)},
+                     L{"[5, 8] no weight, no bias", {5, 8}, 1, false, false, normal(1)},
+                     L{"[3, 16] mean 5, sd 0.5", {3, 16}, 1, true, true, normal(0.5, 5)},
+                     L{"[2, 40] wider rows, weight only", {2, 40}, 1, true, false, normal(1)}}) {
+    Case c;
+    c.label = l.label;
+    const Shape norm(l.x.end() - l.nd, l.x.end());
+    c.args = {arg(l.x, l.domain), arg(l.x, normal(1)), l.w ? arg(norm, normal(1, 1)) : absent_arg(),
+              l.b ? arg(norm, normal(1)) : absent_arg()};
+    c.attrs.normalized_ndim = l.nd;
+    c.attrs.eps = 1e-5;
+    const int64_t nd = l.nd;
+    const auto sum = [](const Arrays& in) {
+      NdArray s = in[0];
+      for (int64_t i = 0; i < s.numel(); ++i) s.data[i] += in[1].data[i];
+      return s;
+    };
+    c.ref = [=](const Arrays& in, DType) {
+      const NdArray s = sum(in);
+      const Arrays ln = ref::layer_norm(s, in[2], in[3], nd, 1e-5);
+      return Arrays{s, ln[0], ln[1], ln[2]};
+    };
+    c.mag = [=](const Arrays& in, DType) {
+      NdArray ms = in[0];
+      for (int64_t i = 0; i < ms.numel(); ++i) ms.data[i] = std::fabs(in[0].data[i]) + std::fabs(in[1].data[i]);
+      const Arrays my = layer_norm_mag({sum(in), in[2], in[3]}, nd, 1e-5);
+      return Arrays{ms, my[0]};
+    };
+    c.out_dtype = [](DType dt, size_t k) { return k <= 1 || dt == DType::f64 ? dt : DType::f32; };
+    c.dtypes = {DType::f32, DType::f64};
+    s.cases.push_back(std::move(c));
+  }
+  s.extra = [] {
+    expect_error("add_layer_norm residual [3, 5] for input [3, 4]", [] {
+      add_layer_norm(zeros({3, 4}), zeros({3, 5}), {4});
+    });
+    expect_error("add_layer_norm f64 residual for an f32 input", [] {
+      add_layer_norm(zeros({3, 4}), zeros({3, 4}, DType::f64), {4});
+    });
+    expect_error("add_layer_norm weight [5] for normalized [4]", [] {
+      add_layer_norm(zeros({3, 4}), zeros({3, 4}), {4}, zeros({5}));
+    });
+    // What it replaces, bit for bit: x + r, then layer_norm of it (the sum rounded to the
+    // dtype first), on the sweep's device; rows of 64 take CUDA's warp path, rows of 100
+    // its block path.
+    for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
+      for (int64_t cols : {64, 100}) {
+        manual_seed(5);
+        const Device dev = sweep_device();
+        const Tensor x = randn({6, cols}).cast(dt).to(dev), r = randn({6, cols}).cast(dt).to(dev);
+        const Tensor w = randn({cols}).cast(dt).to(dev), b = randn({cols}).cast(dt).to(dev);
+        const AddLayerNorm fused = add_layer_norm(x, r, {cols}, w, b);
+        const Tensor s = x + r, y = layer_norm(s, {cols}, w, b);
+        const auto same = [&](const char* what, const Tensor& got, const Tensor& want) {
+          const std::vector<double> g = got.to(kCPU).cast(DType::f64).to_vector<double>();
+          const std::vector<double> v = want.to(kCPU).cast(DType::f64).to_vector<double>();
+          for (size_t i = 0; i < g.size(); ++i) {
+            if (std::memcmp(&g[i], &v[i], sizeof(double)) != 0) {
+              report_failure(fmt::format("add_layer_norm {} [6, {}]: {}[{}] is {} where x + r, "
+                                         "then layer_norm gives {}",
+                                         dtype_name(dt), cols, what, i, g[i], v[i]));
+              return;
+            }
+          }
+        };
+        same("the sum", fused.sum, s);
+        same("the normalised sum", fused.normed, y);
+      }
+    }
   };
   return s;
 }
@@ -742,6 +832,7 @@ std::vector<OpSweep> nn_sweeps() {
   out.push_back(softmax_sweep(OpId::log_softmax));
   out.push_back(layer_norm_sweep());
   out.push_back(layer_norm_backward_sweep());
+  out.push_back(add_layer_norm_sweep());
   out.push_back(cross_entropy_sweep());
   out.push_back(cross_entropy_backward_sweep());
   out.push_back(dropout_sweep());

@@ -358,6 +358,22 @@ void adamw8bit_errors() {
   }
 }
 
+void adamw8bit_grad_scale() {
+  // Codes and block scales (300 elements: 2 blocks), and for 16-bit params an f32 master.
+  grad_scale_matches_scale_(
+      "adamw8bit_",
+      [](DType dt) {
+        const DType st = dt == DType::f64 ? DType::f64 : DType::f32;
+        const bool half = dt == DType::f16 || dt == DType::bf16;
+        const Tensor c1 = (rand({300}) * 255.0).cast(DType::u8), c2 = (rand({300}) * 255.0).cast(DType::u8);
+        return Tensors{c1, c2, (rand({2}) + 0.1).cast(st), (rand({2}) * 0.1 + 0.01).cast(st),
+                       half ? randn({300}) * 0.5 : Tensor()};
+      },
+      [](const Tensor& p, const Tensor& g, const Tensors& st, double scale) {
+        adamw8bit_(p, g, st[0], st[1], st[2], st[3], 4, 0.05, 0.9, 0.999, 1e-8, 0.1, st[4], scale);
+      });
+}
+
 OpSweep adamw8bit_sweep() {
   OpSweep s{OpId::adamw8bit_, kFloats, kNonFloat, {}, {}};
   s.cases.push_back(adamw8bit_case("[5, 7] t 1 (one short block)", {5, 7}, {}, false));
@@ -387,7 +403,10 @@ OpSweep adamw8bit_sweep() {
   edge.args[2] = written(fixed_arg({300}, c1, DType::u8));
   edge.args[3] = written(fixed_arg({300}, c2, DType::u8));
   s.cases.push_back(std::move(edge));
-  s.extra = [] { adamw8bit_errors(); };
+  s.extra = [] {
+    adamw8bit_errors();
+    adamw8bit_grad_scale();
+  };
   return s;
 }
 
