@@ -95,22 +95,16 @@ TS_REGISTER_DERIVATIVE_OUTPUTS(layer_norm, kAllInputs, kOut1 | kOut2, kOut0, [](
                              c.input(2), c.attrs.normalized_ndim);
 });
 
-// s = x + r feeds y = layer_norm(s): the gradient of s is its own plus layer_norm's; x and r
-// both get it (the same tensor).
+// s = x + r feeds y = layer_norm(s): the gradient of s is its own plus layer_norm's (added by
+// layer_norm_backward, rounded as the add would be); x and r both get it (the same tensor).
 TS_REGISTER_DERIVATIVE_OUTPUTS(add_layer_norm, kIn2 | kIn3, kOut0 | kOut2 | kOut3, kOut0 | kOut1,
                                [](const GradCtx& c) {
-  Tensor gs;
-  Tensor gw, gb;
-  if (c.grad(1).defined()) {
-    const std::vector<Tensor> ln = layer_norm_backward(c.grad(1), c.output(0), c.output(2),
-                                                       c.output(3), c.input(2), c.input(3),
-                                                       c.attrs.normalized_ndim);
-    gs = ln[0];
-    gw = ln[1];
-    gb = ln[2];
-  }
-  if (c.grad(0).defined()) gs = gs.defined() ? c.grad(0) + gs : c.grad(0);
-  return Grads{gs, gs, gw, gb};
+  if (!c.grad(1).defined()) return Grads{c.grad(0), c.grad(0), Tensor(), Tensor()};
+  // The sum's own gradient joins layer_norm's in the same pass.
+  const std::vector<Tensor> ln =
+      layer_norm_backward(c.grad(1), c.output(0), c.output(2), c.output(3), c.input(2), c.input(3),
+                          c.attrs.normalized_ndim, c.grad(0));
+  return Grads{ln[0], ln[0], ln[1], ln[2]};
 });
 
 TS_REGISTER_DERIVATIVE_OUTPUTS(cross_entropy, kIn0 | kIn1, kOut1, kOut0, [](const GradCtx& c) {

@@ -98,14 +98,21 @@ AxisOptions add_layer_norm_options(const AxisCtx& c) {
 }
 
 AxisOptions layer_norm_backward_options(const AxisCtx& c) {
-  // grad, x, mean, rstd, weight, bias -> grad_x, grad_weight, grad_bias.
+  // grad, x, mean, rstd, weight, bias[, residual_grad] -> grad_x, grad_weight, grad_bias.
+  // residual_grad is added to grad_x: placed as grad (both Partial: the sum of the ranks'
+  // grad_x + residual_grad is the whole's).
   const int64_t lead = c.rank(1) - c.attrs.normalized_ndim;
+  const bool residual = c.num_inputs() > 6;
   AxisOptions options{all_replicate(c)};
   const Placement R = Replicate();
   for (int64_t d = 0; d < lead; ++d) {
-    options.push_back({{Shard(d), Shard(d), Shard(d), Shard(d), R, R}, {Shard(d), Partial(), Partial()}});
+    AxisOption o{{Shard(d), Shard(d), Shard(d), Shard(d), R, R}, {Shard(d), Partial(), Partial()}};
+    if (residual) o.in.push_back(Shard(d));
+    options.push_back(std::move(o));
   }
-  options.push_back({{Partial(), R, R, R, R, R}, {Partial(), Partial(), Partial()}});
+  AxisOption partial{{Partial(), R, R, R, R, R}, {Partial(), Partial(), Partial()}};
+  if (residual) partial.in.push_back(Partial());
+  options.push_back(std::move(partial));
   return options;
 }
 

@@ -128,11 +128,19 @@ std::vector<TensorSpec> add_layer_norm_meta(std::span<const TensorSpec> in, cons
   return {x, x, spec(rows, st, x.device), spec(rows, st, x.device)};
 }
 
-// Inputs: grad, x, mean, rstd, weight, bias. Outputs: grad_x, grad_weight, grad_bias.
+// Inputs: grad, x, mean, rstd, weight, bias[, residual_grad]. Outputs: grad_x, grad_weight,
+// grad_bias.
 std::vector<TensorSpec> layer_norm_backward_meta(std::span<const TensorSpec> in,
                                                  const Attrs& attrs) {
   constexpr OpId op = OpId::layer_norm_backward;
-  require_count(op, in, 6);
+  TS_CHECK(in.size() == 6 || in.size() == 7,
+           "layer_norm_backward: expected 6 or 7 inputs (grad, x, mean, rstd, weight, bias[, "
+           "residual_grad]), got {}", in.size());
+  if (in.size() == 7 && in[6].defined) {
+    TS_CHECK(in[6].shape == in[0].shape, "layer_norm_backward: residual_grad {} vs grad {}",
+             shape_str(in[6].shape), shape_str(in[0].shape));
+    require_same_dtype(op, in[0], in[6]);
+  }
   const TensorSpec& x = required(op, in, 1, "input");
   require_float(op, x, "input");
   TS_CHECK(in[0].shape == x.shape, "layer_norm_backward: grad {} vs input {}",

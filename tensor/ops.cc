@@ -497,10 +497,12 @@ Tensor randn_block(const Shape& shape, const RngView& view, uint64_t seed, uint6
 // ---- backward helpers ---------------------------------------------------------------------
 std::vector<Tensor> layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& mean,
                                         const Tensor& rstd, const Tensor& weight,
-                                        const Tensor& bias, int64_t normalized_ndim) {
+                                        const Tensor& bias, int64_t normalized_ndim,
+                                        const Tensor& residual_grad) {
   Attrs a;
   a.normalized_ndim = normalized_ndim;
-  return call(OpId::layer_norm_backward, {grad, x, mean, rstd, weight, bias}, a);
+  if (!residual_grad.defined()) return call(OpId::layer_norm_backward, {grad, x, mean, rstd, weight, bias}, a);
+  return call(OpId::layer_norm_backward, {grad, x, mean, rstd, weight, bias, residual_grad}, a);
 }
 
 Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,

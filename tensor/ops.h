@@ -304,9 +304,12 @@ Tensor randn_block(const Shape& shape, const RngView& view, uint64_t seed, uint6
 
 // ---- backward helpers (fused; used by derivatives, not differentiable) ---------------------
 // Returns {grad_x, grad_weight, grad_bias}; the latter two undefined when weight/bias were.
+// residual_grad (grad's shape and dtype): added to grad_x, rounded as grad_x + residual_grad
+// would be (add_layer_norm's backward: the sum's own gradient joins layer_norm's).
 std::vector<Tensor> layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& mean,
                                         const Tensor& rstd, const Tensor& weight,
-                                        const Tensor& bias, int64_t normalized_ndim);
+                                        const Tensor& bias, int64_t normalized_ndim,
+                                        const Tensor& residual_grad = Tensor());
 // Returns {grad * act'(pre), its sum over the leading dims [N]} for linear's pre-activation.
 std::vector<Tensor> linear_act_backward(const Tensor& grad, const Tensor& pre, Activation activation);
 Tensor cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,

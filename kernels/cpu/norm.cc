@@ -101,6 +101,7 @@ void layer_norm_kernel(std::span<const Tensor> in, std::span<Tensor> out, const 
 }
 
 // dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)); dw = sum(g*xhat); db = sum(g).
+// With a residual_grad (input 6), dx is then rounded and the residual_grad added.
 template <typename T>
 void layer_norm_bwd(std::span<const Tensor> in, std::span<Tensor> out, int64_t nd) {
   using C = compute_t<T>;
@@ -110,6 +111,8 @@ void layer_norm_bwd(std::span<const Tensor> in, std::span<Tensor> out, int64_t n
   const Tensor mean = contiguous_cpu(in[2]);
   const Tensor rstd = contiguous_cpu(in[3]);
   const Tensor w = in[4].defined() ? contiguous_cpu(in[4]) : Tensor();
+  const Tensor res = in.size() > 6 && in[6].defined() ? contiguous_cpu(in[6]) : Tensor();
+  const T* resp = res.defined() ? static_cast<const T*>(res.raw_data()) : nullptr;
   // Plain variables, not a structured binding: the lambdas below capture them, which
   // clang before 16 rejects for bindings.
   const RowsCols rc = rows_cols(x, nd);
@@ -150,6 +153,10 @@ void layer_norm_bwd(std::span<const Tensor> in, std::span<Tensor> out, int64_t n
         const C mean_gw = static_cast<C>(sum_gw / cols), mean_gwx = static_cast<C>(sum_gwx / cols);
         T* dxr = dxp + r * cols;
         for (int64_t i = 0; i < cols; ++i) dxr[i] = T(rs * (gw[i] - mean_gw - xhat[i] * mean_gwx));
+        if (resp != nullptr) {  // + residual_grad, as an add of the rounded grad_x
+          const T* rr = resp + r * cols;
+          for (int64_t i = 0; i < cols; ++i) dxr[i] = T(C(dxr[i]) + C(rr[i]));
+        }
       }
     }
   });

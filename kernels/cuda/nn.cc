@@ -68,7 +68,8 @@ void add_layer_norm_kernel(std::span<const Tensor> in, std::span<Tensor> out, co
   });
 }
 
-// Inputs: grad, x, mean, rstd, weight, bias. Outputs: grad_x, grad_weight, grad_bias.
+// Inputs: grad, x, mean, rstd, weight, bias[, residual_grad]. Outputs: grad_x, grad_weight,
+// grad_bias.
 void layer_norm_backward_kernel(std::span<const Tensor> in, std::span<Tensor> out,
                                 const Attrs& a) {
   const Device d = in[1].device();
@@ -76,6 +77,7 @@ void layer_norm_backward_kernel(std::span<const Tensor> in, std::span<Tensor> ou
   const Tensor g = contiguous_cuda(in[0]), x = contiguous_cuda(in[1]);
   const Tensor mean = contiguous_cuda(in[2]), rstd = contiguous_cuda(in[3]);
   const Tensor w = in[4].defined() ? contiguous_cuda(in[4]) : Tensor();
+  const Tensor res = in.size() > 6 && in[6].defined() ? contiguous_cuda(in[6]) : Tensor();
   int64_t cols = 1;
   for (int64_t i = x.dim() - a.normalized_ndim; i < x.dim(); ++i) cols *= x.shape()[i];
   const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
@@ -90,7 +92,7 @@ void layer_norm_backward_kernel(std::span<const Tensor> in, std::span<Tensor> ou
                   rd = dev_tensor(rstd), wd = optional_dev(w);
   run_launch("layer_norm_backward", d, [&] {
     launch_layer_norm_backward(dxd, dwd, dbd, gd, xd, md, rd, wd, rows, cols, ws.raw_data(),
-                               compute_stream(d));
+                               compute_stream(d), optional_dev(res));
   });
 }
 

@@ -271,7 +271,8 @@ __global__ void __launch_bounds__(256, 2)
 ln_bwd_warp_kernel(const T* __restrict__ g, const T* __restrict__ x,
                    const stats_t<T>* __restrict__ mean, const stats_t<T>* __restrict__ rstd,
                    const T* __restrict__ w, T* __restrict__ dx, part_t<T>* __restrict__ part_w,
-                   part_t<T>* __restrict__ part_b, int64_t rows, int cols) {
+                   part_t<T>* __restrict__ part_b, int64_t rows, int cols,
+                   const T* __restrict__ res) {
   using A = acc_type<T>;
   using P = part_t<T>;
   constexpr int VEC = kVec<T>;
@@ -319,14 +320,16 @@ ln_bwd_warp_kernel(const T* __restrict__ g, const T* __restrict__ x,
     for (int k = 0; k < NV; ++k) {
       const int j = k * 32 + lane;
       if (j < nvec) {
-        V wk, out;
+        V wk, out, rv;
         if (w) wk = wv[j];
+        if (res) rv = reinterpret_cast<const V*>(res + row * cols)[j];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const A gv = to_acc(gs[k].v[e]);
           const A xh = mul_rn(sub_rn(to_acc(xs[k].v[e]), m), rs);
           const A gw = w ? mul_rn(gv, to_acc(wk.v[e])) : gv;
           out.v[e] = from_acc<T>(mul_rn(rs, sub_rn(sub_rn(gw, mean_gw), mul_rn(xh, mean_gwx))));
+          if (res) out.v[e] = from_acc<T>(add_rn(to_acc(out.v[e]), to_acc(rv.v[e])));
         }
         dr[j] = out;
       }
@@ -365,7 +368,7 @@ template <typename T>
 __global__ void ln_bwd_block_kernel(const T* __restrict__ g, const T* __restrict__ x,
                                     const stats_t<T>* __restrict__ mean,
                                     const stats_t<T>* __restrict__ rstd, const T* __restrict__ w,
-                                    T* __restrict__ dx, int64_t cols) {
+                                    T* __restrict__ dx, int64_t cols, const T* __restrict__ res) {
   using A = acc_type<T>;
   const int64_t row = blockIdx.x;
   const T* gr = g + row * cols;
@@ -384,7 +387,9 @@ __global__ void ln_bwd_block_kernel(const T* __restrict__ g, const T* __restrict
   for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
     const A xh = mul_rn(sub_rn(to_acc(xr[i]), m), rs);
     const A gw = w ? mul_rn(to_acc(gr[i]), to_acc(w[i])) : to_acc(gr[i]);
-    dr[i] = from_acc<T>(mul_rn(rs, sub_rn(sub_rn(gw, mean_gw), mul_rn(xh, mean_gwx))));
+    T out = from_acc<T>(mul_rn(rs, sub_rn(sub_rn(gw, mean_gw), mul_rn(xh, mean_gwx))));
+    if (res) out = from_acc<T>(add_rn(to_acc(out), to_acc(res[row * cols + i])));
+    dr[i] = out;
   }
 }
 
@@ -483,7 +488,8 @@ int64_t layer_norm_backward_workspace_bytes(int64_t rows, int64_t cols, int, boo
 void launch_layer_norm_backward(const DevTensor& dx, const DevTensor& dw, const DevTensor& db,
                                 const DevTensor& g, const DevTensor& x, const DevTensor& mean,
                                 const DevTensor& rstd, const DevTensor& w, int64_t rows,
-                                int64_t cols, void* workspace, cudaStream_t stream) {
+                                int64_t cols, void* workspace, cudaStream_t stream,
+                                const DevTensor& res) {
   const bool want_w = dw.data != nullptr, want_b = db.data != nullptr;
   TS_CUDA_DISPATCH_FLOATS(x.dtype, "layer_norm_backward", [&] {
     using T = scalar_t;
@@ -491,6 +497,7 @@ void launch_layer_norm_backward(const DevTensor& dx, const DevTensor& dw, const 
     using P = part_t<T>;
     constexpr int VEC = kVec<T>;
     const T* wp = static_cast<const T*>(w.data);
+    const T* rp = static_cast<const T*>(res.data);
     auto reduce = [&](const auto* part, int64_t parts, const DevTensor& out, int64_t which) {
       if (out.data == nullptr) return;
       const dim3 block(32, 16), grid(static_cast<unsigned>((cols + 31) / 32));
@@ -505,7 +512,7 @@ void launch_layer_norm_backward(const DevTensor& dx, const DevTensor& dw, const 
       return;
     }
     const bool fast = cols % VEC == 0 && cols / VEC <= 32 * kMaxNv && aligned16(x.data) &&
-                      aligned16(g.data) && aligned16(dx.data) && aligned16(wp);
+                      aligned16(g.data) && aligned16(dx.data) && aligned16(wp) && aligned16(rp);
     if (fast) {
       const int64_t blocks = std::min(kLnBwdMaxBlocks, blocks_for_rows(rows, kLnBwdWarps));
       P* part = static_cast<P*>(workspace);
@@ -515,13 +522,13 @@ void launch_layer_norm_backward(const DevTensor& dx, const DevTensor& dw, const 
       with_nv(cols / VEC, [&](auto nv) {
         ln_bwd_warp_kernel<T, decltype(nv)::value><<<blocks, 32 * kLnBwdWarps, smem, stream>>>(
             typed<T>(g), typed<T>(x), typed<S>(mean), typed<S>(rstd), wp, typed<T>(dx), pw, pb,
-            rows, static_cast<int>(cols));
+            rows, static_cast<int>(cols), rp);
       });
       reduce(part, blocks, dw, 0);
       reduce(part, blocks, db, 1);
     } else {
       ln_bwd_block_kernel<T><<<rows, cols >= 4096 ? 512 : 256, 0, stream>>>(
-          typed<T>(g), typed<T>(x), typed<S>(mean), typed<S>(rstd), wp, typed<T>(dx), cols);
+          typed<T>(g), typed<T>(x), typed<S>(mean), typed<S>(rstd), wp, typed<T>(dx), cols, rp);
       if (want_w || want_b) {
         const int64_t parts = (rows + kLnColChunk - 1) / kLnColChunk;
         double* part = static_cast<double*>(workspace);

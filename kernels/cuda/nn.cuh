@@ -31,10 +31,12 @@ void launch_layer_norm(const DevTensor& y, const DevTensor& mean, const DevTenso
 int64_t layer_norm_backward_workspace_bytes(int64_t rows, int64_t cols, int dtype, bool want_w,
                                             bool want_b);
 // dx [rows, cols]; dw, db [cols] or data == null when not wanted; w data == null when absent.
+// res [rows, cols] (data == null: none) is added to dx, which is rounded to the dtype first.
 void launch_layer_norm_backward(const DevTensor& dx, const DevTensor& dw, const DevTensor& db,
                                 const DevTensor& g, const DevTensor& x, const DevTensor& mean,
                                 const DevTensor& rstd, const DevTensor& w, int64_t rows,
-                                int64_t cols, void* workspace, cudaStream_t stream);
+                                int64_t cols, void* workspace, cudaStream_t stream,
+                                const DevTensor& res = DevTensor{});
 
 // reduction: 0 mean, 1 sum, 2 none (Reduction's numbering).
 int64_t cross_entropy_workspace_bytes(int64_t n);

@@ -35,6 +35,17 @@ void GptConfig::validate() const {
   num_parameters();  // throws when the sizes overflow
 }
 
+int64_t GptConfig::padded_vocab() const {
+  TS_CHECK(vocab_pad >= 1, "GptConfig: vocab_pad must be in [1, 2^20] (1: no padding), got {}",
+           vocab_pad);
+  const int64_t rem = vocab % vocab_pad;  // negative for a negative vocab (validate refuses it)
+  if (rem == 0) return vocab;
+  const int64_t add = vocab_pad - rem;
+  TS_CHECK(vocab <= std::numeric_limits<int64_t>::max() - add,
+           "GptConfig: vocab {} padded to a multiple of {} overflows int64", vocab, vocab_pad);
+  return vocab + add;
+}
+
 nn::MoeOptions GptConfig::moe_options() const {
   nn::MoeOptions o = moe;
   o.experts = experts;

@@ -41,7 +41,9 @@ struct GptConfig {
   // checks token ids against its rows, so an id in [vocab, padded_vocab()) is not rejected
   // (it reads a zero row) where an unpadded model's lookup would reject it.
   int64_t vocab_pad = 1;
-  int64_t padded_vocab() const { return (vocab + vocab_pad - 1) / vocab_pad * vocab_pad; }
+  // Error (naming both) when vocab_pad < 1 or the padded count overflows int64: it is read
+  // before validate() too (the memory estimate refuses absurd sizes first).
+  int64_t padded_vocab() const;
   double dropout = 0.0;   // after the embeddings, on attention weights, on each residual branch
   // Activation recomputation in training: none; full (each block keeps only its input and
   // reruns its forward in backward); selective (Megatron's: only the attention core with

@@ -277,11 +277,14 @@ OpSweep layer_norm_backward_sweep() {
     Shape x;
     int64_t nd;
     bool w, b;
+    bool residual = false;  // a residual_grad added to grad_x (add_layer_norm's backward)
   };
   for (const L& l : {L{"[4, 6] nd 1, weight, bias", {4, 6}, 1, true, true},
                      L{"[2, 3, 4] nd 2, weight, bias", {2, 3, 4}, 2, true, true},
                      L{"[5, 8] no weight, no bias", {5, 8}, 1, false, false},
-                     L{"[40, 8] weight only (several row blocks)", {40, 8}, 1, true, false}}) {
+                     L{"[40, 8] weight only (several row blocks)", {40, 8}, 1, true, false},
+                     L{"[4, 6] weight, bias, residual_grad", {4, 6}, 1, true, true, true},
+                     L{"[2, 3, 4] nd 2, residual_grad", {2, 3, 4}, 2, false, false, true}}) {
     Case c;
     c.label = l.label;
     const Shape norm(l.x.end() - l.nd, l.x.end()), rows(l.x.begin(), l.x.end() - l.nd);
@@ -293,6 +296,11 @@ OpSweep layer_norm_backward_sweep() {
               rstd,
               l.w ? arg(norm, normal(1, 1)) : absent_arg(),
               l.b ? arg(norm) : absent_arg()};
+    const bool residual = l.residual;
+    if (residual) {
+      c.args.push_back(arg(l.x));
+      c.rounds = 2;  // 16-bit: grad_x rounded, then the sum
+    }
     const int64_t nd = l.nd;
     c.attrs.normalized_ndim = nd;
     // mean and rstd are the forward's statistics of x.
@@ -301,12 +309,16 @@ OpSweep layer_norm_backward_sweep() {
       in[2] = fw[1];
       in[3] = fw[2];
     };
-    c.ref = [nd](const Arrays& in, DType) {
-      return ref::layer_norm_backward(in[0], in[1], in[2], in[3], in[4], in[5], nd);
+    c.ref = [nd, residual](const Arrays& in, DType) {
+      Arrays out = ref::layer_norm_backward(in[0], in[1], in[2], in[3], in[4], in[5], nd);
+      if (residual) {
+        for (int64_t i = 0; i < out[0].numel(); ++i) out[0].data[i] += in[6].data[i];
+      }
+      return out;
     };
     // dx = rstd (g w - mean(g w) - xhat mean(g w xhat)) with xhat = (x - mean) rstd carrying
     // (|x| + |mean|) rstd; dw = sum g xhat; db = sum g: the sums of the terms' magnitudes.
-    c.mag = [nd](const Arrays& in, DType) {
+    c.mag = [nd, residual](const Arrays& in, DType) {
       const int64_t cols = ref::count(Shape(in[1].shape.end() - nd, in[1].shape.end()));
       const int64_t rows = cols == 0 ? 0 : in[1].numel() / cols;
       NdArray dx = in[1];
@@ -329,12 +341,51 @@ OpSweep layer_norm_backward_sweep() {
           const double gw = in[4].defined ? g * std::fabs(in[4].data[k]) : g;
           const double xh = (std::fabs(in[1].data[r * cols + k]) + m) * rs;
           dx.data[r * cols + k] = rs * (gw + mean_gw + xh * mean_gwx);
+          if (residual) dx.data[r * cols + k] += std::fabs(in[6].data[r * cols + k]);
         }
       }
       return Arrays{dx, dw, db};
     };
     s.cases.push_back(std::move(c));
   }
+  // residual_grad is grad_x + residual_grad bit for bit (grad_x rounded first), on the sweep's
+  // device: rows of 64 take CUDA's warp kernel, rows of 100 its block kernel.
+  s.extra = [] {
+    expect_error("layer_norm_backward residual_grad [4, 5] for grad [4, 6]", [] {
+      layer_norm_backward(zeros({4, 6}), zeros({4, 6}), zeros({4}), ones({4}), Tensor(), Tensor(), 1,
+                          zeros({4, 5}));
+    });
+    for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
+      for (int64_t cols : {64, 100}) {
+        manual_seed(9);
+        const Device dev = sweep_device();
+        const Tensor x = randn({6, cols}).cast(dt).to(dev), w = randn({cols}).cast(dt).to(dev);
+        const Tensor b = randn({cols}).cast(dt).to(dev);
+        const Tensor g = randn({6, cols}).cast(dt).to(dev), res = randn({6, cols}).cast(dt).to(dev);
+        // Any statistics do for the comparison.
+        const DType st = dt == DType::f64 ? DType::f64 : DType::f32;
+        const Tensor mean = (randn({6}) * 0.1).cast(st).to(dev), rstd = (rand({6}) + 0.5).cast(st).to(dev);
+        const std::vector<Tensor> fused = layer_norm_backward(g, x, mean, rstd, w, b, 1, res);
+        const std::vector<Tensor> plain = layer_norm_backward(g, x, mean, rstd, w, b, 1);
+        const Tensor want = plain[0] + res;
+        const std::vector<double> gv = fused[0].to(kCPU).cast(DType::f64).to_vector<double>();
+        const std::vector<double> wv = want.to(kCPU).cast(DType::f64).to_vector<double>();
+        for (size_t i = 0; i < gv.size(); ++i) {
+          if (std::memcmp(&gv[i], &wv[i], sizeof(double)) != 0) {
+            report_failure(fmt::format("layer_norm_backward {} [6, {}] residual_grad: grad_x[{}] is {} "
+                                       "where grad_x + residual_grad gives {}",
+                                       dtype_name(dt), cols, i, gv[i], wv[i]));
+            break;
+          }
+        }
+        for (size_t k : {size_t{1}, size_t{2}}) {
+          const std::vector<double> a = fused[k].to(kCPU).cast(DType::f64).to_vector<double>();
+          const std::vector<double> e = plain[k].to(kCPU).cast(DType::f64).to_vector<double>();
+          if (a != e) report_failure(fmt::format("layer_norm_backward {} residual_grad changed output {}", dtype_name(dt), k));
+        }
+      }
+    }
+  };
   return s;
 }
 
