@@ -183,7 +183,8 @@ class Optimizer {
 
  protected:
   // A fusing step() reads the pending scale first and drops it with take_grad_scale() once
-  // every update has run (a step that throws leaves it pending).
+  // every update has run: a step that throws leaves it pending (as with any step that fails
+  // partway, the buckets already updated are not rolled back).
   double take_grad_scale() {
     const double s = grad_scale_;
     grad_scale_ = 1.0;

@@ -73,6 +73,10 @@ ShardedTensor layer_norm(const ShardedTensor& x, const Shape& normalized_shape,
 ShardedAddLayerNorm add_layer_norm(const ShardedTensor& x, const ShardedTensor& r,
                                    const Shape& normalized_shape, const ShardedTensor& weight,
                                    const ShardedTensor& bias, double eps) {
+  if (!add_layer_norm_fuses(x.dtype(), r.dtype())) {  // autocast: as tensor/ops.cc
+    const ShardedTensor s = x + r;
+    return {s, layer_norm(s, normalized_shape, weight, bias, eps)};
+  }
   const std::vector<ShardedTensor> out = call(OpId::add_layer_norm, {x, r, weight, bias},
                                               op_attrs::layer_norm(x.shape(), normalized_shape, eps));
   return {out[0], out[1]};

@@ -136,16 +136,16 @@ std::vector<TensorSpec> layer_norm_backward_meta(std::span<const TensorSpec> in,
   TS_CHECK(in.size() == 6 || in.size() == 7,
            "layer_norm_backward: expected 6 or 7 inputs (grad, x, mean, rstd, weight, bias[, "
            "residual_grad]), got {}", in.size());
-  if (in.size() == 7 && in[6].defined) {
-    TS_CHECK(in[6].shape == in[0].shape, "layer_norm_backward: residual_grad {} vs grad {}",
-             shape_str(in[6].shape), shape_str(in[0].shape));
-    require_same_dtype(op, in[0], in[6]);
-  }
   const TensorSpec& x = required(op, in, 1, "input");
   require_float(op, x, "input");
   TS_CHECK(in[0].shape == x.shape, "layer_norm_backward: grad {} vs input {}",
            shape_str(in[0].shape), shape_str(x.shape));
   require_same_dtype(op, in[0], x);
+  if (in.size() == 7 && in[6].defined) {
+    TS_CHECK(in[6].shape == in[0].shape, "layer_norm_backward: residual_grad {} vs grad {}",
+             shape_str(in[6].shape), shape_str(in[0].shape));
+    require_same_dtype(op, in[0], in[6]);
+  }
   const Shape rows = layer_norm_rows(op, x, &in[4], &in[5], attrs.normalized_ndim);
   TS_CHECK(in[2].shape == rows && in[3].shape == rows,
            "layer_norm_backward: mean/rstd shapes {} {} must be {}", shape_str(in[2].shape),

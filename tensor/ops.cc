@@ -6,6 +6,7 @@
 #include <map>
 #include <numeric>
 
+#include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/internal/views.h"
 #include "tensor/op_attrs.h"
@@ -129,9 +130,22 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
               op_attrs::layer_norm(x.shape(), normalized_shape, eps))[0];
 }
 
+bool add_layer_norm_fuses(DType x, DType r) {
+  if (!autocast_enabled()) return true;
+  // Under autocast the op's inputs go to f32 (layer_norm's rule), which is where add's
+  // promotion puts the sum only when one side is f32 and the other f32 or 16-bit. Otherwise
+  // (both 16-bit: a 16-bit sum; f64: an f64 one) the two ops run, as they would have.
+  const auto low_or_f32 = [](DType d) { return d == DType::f32 || d == DType::f16 || d == DType::bf16; };
+  return (x == DType::f32 && low_or_f32(r)) || (r == DType::f32 && low_or_f32(x));
+}
+
 AddLayerNorm add_layer_norm(const Tensor& x, const Tensor& r, const Shape& normalized_shape,
                             const Tensor& weight, const Tensor& bias, double eps) {
   TS_CHECK(x.defined() && r.defined(), "add_layer_norm: the input or the residual is undefined");
+  if (!add_layer_norm_fuses(x.dtype(), r.dtype())) {
+    const Tensor s = add(x, r);
+    return {s, layer_norm(s, normalized_shape, weight, bias, eps)};
+  }
   const std::vector<Tensor> out = call(OpId::add_layer_norm, {x, r, weight, bias},
                                        op_attrs::layer_norm(x.shape(), normalized_shape, eps));
   return {out[0], out[1]};

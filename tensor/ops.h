@@ -100,10 +100,17 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
                   const Tensor& bias = Tensor(), double eps = 1e-5);
 // A residual add and the layer_norm of its result in one pass: {s, y} with s = x + r (x and r
 // of one shape and dtype) and y = layer_norm(s, ...). The same values as x + r, then
-// layer_norm (s is rounded to the dtype before it is normalised), bit for bit.
+// layer_norm (s is rounded to the dtype before it is normalised), bit for bit; under
+// autocast too (where the sum would not be f32 there, the two ops run: see
+// add_layer_norm_fuses). In backward, an output nothing used counts as a zero gradient:
+// with only s used, weight and bias get zero gradients (not none), and with only y used the
+// sum's gradient is grad_x + 0 (a -0 becomes +0).
 struct AddLayerNorm {
   Tensor sum, normed;
 };
+// Whether add_layer_norm runs as one op on inputs of these dtypes (always, unless autocast
+// would give the composite's sum another dtype than the op's).
+bool add_layer_norm_fuses(DType x, DType r);
 AddLayerNorm add_layer_norm(const Tensor& x, const Tensor& r, const Shape& normalized_shape,
                             const Tensor& weight = Tensor(), const Tensor& bias = Tensor(),
                             double eps = 1e-5);

@@ -36,9 +36,10 @@ void GptConfig::validate() const {
 }
 
 int64_t GptConfig::padded_vocab() const {
-  TS_CHECK(vocab_pad >= 1, "GptConfig: vocab_pad must be in [1, 2^20] (1: no padding), got {}",
-           vocab_pad);
-  const int64_t rem = vocab % vocab_pad;  // negative for a negative vocab (validate refuses it)
+  TS_CHECK(vocab_pad >= 1 && vocab_pad <= (int64_t{1} << 20),
+           "GptConfig: vocab_pad must be in [1, 2^20] (1: no padding), got {}", vocab_pad);
+  if (vocab <= 0) return vocab;  // validate() refuses it
+  const int64_t rem = vocab % vocab_pad;
   if (rem == 0) return vocab;
   const int64_t add = vocab_pad - rem;
   TS_CHECK(vocab <= std::numeric_limits<int64_t>::max() - add,

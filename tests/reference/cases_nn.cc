@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "tensor/autocast.h"
 #include "tests/reference/cases.h"
 
 namespace tessera::sweep {
@@ -219,14 +220,27 @@ OpSweep add_layer_norm_sweep() {
       const Arrays ln = ref::layer_norm(s, in[2], in[3], nd, 1e-5);
       return Arrays{s, ln[0], ln[1], ln[2]};
     };
+    // s: |x| + |r|; y: layer_norm's terms on s; mean: the row's mean of |x| + |r| (the sum
+    // rounded per element, then summed); rstd: |want|.
     c.mag = [=](const Arrays& in, DType) {
       NdArray ms = in[0];
       for (int64_t i = 0; i < ms.numel(); ++i) ms.data[i] = std::fabs(in[0].data[i]) + std::fabs(in[1].data[i]);
       const Arrays my = layer_norm_mag({sum(in), in[2], in[3]}, nd, 1e-5);
-      return Arrays{ms, my[0]};
+      const int64_t cols = ref::count(Shape(in[0].shape.end() - nd, in[0].shape.end()));
+      NdArray mm = NdArray::zeros(Shape(in[0].shape.begin(), in[0].shape.end() - nd));
+      for (int64_t i = 0; i < ms.numel(); ++i) mm.data[i / cols] += ms.data[i] / static_cast<double>(cols);
+      return Arrays{ms, my[0], mm};
     };
     c.out_dtype = [](DType dt, size_t k) { return k <= 1 || dt == DType::f64 ? dt : DType::f32; };
     c.dtypes = {DType::f32, DType::f64};
+    // Gradcheck differentiates one output: s here, and y in a copy of the first two cases
+    // (the layer_norm part of the derivative, and weight's and bias's gradients).
+    if (l.w && l.b) {
+      Case through_y = c;
+      through_y.label = std::string(l.label) + " (gradient through y)";
+      through_y.grad_output = 1;
+      s.cases.push_back(std::move(through_y));
+    }
     s.cases.push_back(std::move(c));
   }
   s.extra = [] {
@@ -240,10 +254,10 @@ OpSweep add_layer_norm_sweep() {
       add_layer_norm(zeros({3, 4}), zeros({3, 4}), {4}, zeros({5}));
     });
     // What it replaces, bit for bit: x + r, then layer_norm of it (the sum rounded to the
-    // dtype first), on the sweep's device; rows of 64 take CUDA's warp path, rows of 100
-    // its block path.
+    // dtype first), on the sweep's device; rows of 64 take CUDA's warp path, rows of 101
+    // (no whole vectors) its block path.
     for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
-      for (int64_t cols : {64, 100}) {
+      for (int64_t cols : {64, 101}) {
         manual_seed(5);
         const Device dev = sweep_device();
         const Tensor x = randn({6, cols}).cast(dt).to(dev), r = randn({6, cols}).cast(dt).to(dev);
@@ -266,6 +280,26 @@ OpSweep add_layer_norm_sweep() {
         same("the normalised sum", fused.normed, y);
       }
     }
+    // Under autocast: the composite's dtypes, whether the op runs (an f32 stream and a
+    // 16-bit branch: f32) or falls back to the two ops (both 16-bit: a 16-bit sum).
+    const Device dev = sweep_device();
+    int autocast_cases = 0;
+    for (DType xd : {DType::f32, DType::bf16}) {
+      manual_seed(6);
+      const Tensor x = randn({4, 64}).cast(xd).to(dev), r = randn({4, 64}).cast(DType::bf16).to(dev);
+      const Tensor w = randn({64}).to(dev), b = randn({64}).to(dev);
+      AutocastGuard amp(DType::bf16);
+      const AddLayerNorm fused = add_layer_norm(x, r, {64}, w, b);
+      const Tensor s = x + r, y = layer_norm(s, {64}, w, b);
+      CHECK(add_layer_norm_fuses(xd, DType::bf16) == (xd == DType::f32));
+      CHECK(fused.sum.dtype() == s.dtype());
+      CHECK(fused.normed.dtype() == y.dtype());
+      const std::vector<double> a = fused.normed.to(kCPU).cast(DType::f64).to_vector<double>();
+      const std::vector<double> e = y.to(kCPU).cast(DType::f64).to_vector<double>();
+      if (a != e) report_failure(fmt::format("add_layer_norm under bf16 autocast, {} input: not the two ops' values", dtype_name(xd)));
+      ++autocast_cases;
+    }
+    CHECK(autocast_cases == 2);
   };
   return s;
 }
@@ -349,14 +383,14 @@ OpSweep layer_norm_backward_sweep() {
     s.cases.push_back(std::move(c));
   }
   // residual_grad is grad_x + residual_grad bit for bit (grad_x rounded first), on the sweep's
-  // device: rows of 64 take CUDA's warp kernel, rows of 100 its block kernel.
+  // device: rows of 64 take CUDA's warp kernel, rows of 101 its block kernel.
   s.extra = [] {
     expect_error("layer_norm_backward residual_grad [4, 5] for grad [4, 6]", [] {
       layer_norm_backward(zeros({4, 6}), zeros({4, 6}), zeros({4}), ones({4}), Tensor(), Tensor(), 1,
                           zeros({4, 5}));
     });
     for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
-      for (int64_t cols : {64, 100}) {
+      for (int64_t cols : {64, 101}) {
         manual_seed(9);
         const Device dev = sweep_device();
         const Tensor x = randn({6, cols}).cast(dt).to(dev), w = randn({cols}).cast(dt).to(dev);
