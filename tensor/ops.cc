@@ -132,11 +132,11 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
 
 bool add_layer_norm_fuses(DType x, DType r) {
   if (!autocast_enabled()) return true;
-  // Under autocast the op's inputs go to f32 (layer_norm's rule), which is where add's
-  // promotion puts the sum only when one side is f32 and the other f32 or 16-bit. Otherwise
-  // (both 16-bit: a 16-bit sum; f64: an f64 one) the two ops run, as they would have.
-  const auto low_or_f32 = [](DType d) { return d == DType::f32 || d == DType::f16 || d == DType::bf16; };
-  return (x == DType::f32 && low_or_f32(r)) || (r == DType::f32 && low_or_f32(x));
+  // Under autocast the op's inputs go to f32 (layer_norm's rule): the same sum only where
+  // add's own rule puts both operands in f32. Otherwise (both 16-bit: a 16-bit sum; f64: an
+  // f64 one) the two ops run, as they would have.
+  const std::vector<DType> sum = autocast_dtypes(OpId::add, {x, r}, autocast_dtype());
+  return sum[0] == DType::f32 && sum[1] == DType::f32;
 }
 
 AddLayerNorm add_layer_norm(const Tensor& x, const Tensor& r, const Shape& normalized_shape,

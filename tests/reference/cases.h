@@ -224,6 +224,10 @@ void report_failure(const std::string& message);
 // defaults to |want|). Returns whether it passed (failures are reported).
 bool expect_close(const std::string& what, const Tensor& got, const NdArray& want, double rel,
                   double abs = 0.0, const NdArray* mag = nullptr);
+// For extra checks against another computation of the same bits (a fused op against the ops
+// it replaces): got and want (any device) must have one shape and dtype and equal bytes;
+// a failure names `what` and the first differing element. Returns whether it passed.
+bool expect_same_bits(const std::string& what, const Tensor& got, const Tensor& want);
 // Runs f and checks that it throws tessera::Error.
 void expect_error(const std::string& what, const std::function<void()>& f);
 

@@ -6,7 +6,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
@@ -669,6 +671,27 @@ bool expect_close(const std::string& what, const Tensor& got, const NdArray& wan
   return compare(
       fmt::format("{} {}{}", what, dtype_name(got.dtype()), shape_str(got.shape())),
       read_tensor(got), want, [&](int64_t i) { return rel * m.data[i] + abs; }, "reference");
+}
+
+bool expect_same_bits(const std::string& what, const Tensor& got, const Tensor& want) {
+  if (!got.defined() || !want.defined() || got.shape() != want.shape() || got.dtype() != want.dtype()) {
+    report_failure(fmt::format("{}: got {} {}, want {} {}", what,
+                               got.defined() ? dtype_name(got.dtype()) : "undefined", shape_str(got.shape()),
+                               want.defined() ? dtype_name(want.dtype()) : "undefined", shape_str(want.shape())));
+    return false;
+  }
+  const Tensor g = got.to(kCPU).contiguous(), w = want.to(kCPU).contiguous();
+  const size_t elem = static_cast<size_t>(g.nbytes() / std::max<int64_t>(g.numel(), 1));
+  const auto* gb = static_cast<const unsigned char*>(g.raw_data());
+  const auto* wb = static_cast<const unsigned char*>(w.raw_data());
+  for (int64_t i = 0; i < g.numel(); ++i) {
+    if (std::memcmp(gb + i * elem, wb + i * elem, elem) == 0) continue;
+    const NdArray gv = read_tensor(g), wv = read_tensor(w);
+    report_failure(fmt::format("{}: element {} is {} where the other computation gives {}", what, i,
+                               gv.data[static_cast<size_t>(i)], wv.data[static_cast<size_t>(i)]));
+    return false;
+  }
+  return true;
 }
 
 void expect_error(const std::string& what, const std::function<void()>& f) {

@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <limits>
 
@@ -211,15 +210,9 @@ void grad_scale_matches_scale_(
       update(b[0], b[1], sb, 1.0);
     }
     const auto same = [&](const std::string& what, const Tensor& x, const Tensor& y) {
-      const Tensor xc = x.to(kCPU).cast(DType::f64), yc = y.to(kCPU).cast(DType::f64);
-      const std::vector<double> xv = xc.to_vector<double>(), yv = yc.to_vector<double>();
-      for (size_t i = 0; i < xv.size(); ++i) {
-        if (std::memcmp(&xv[i], &yv[i], sizeof(double)) != 0) {
-          report_failure(fmt::format("{} grad_scale 0.37 in {}: {}[{}] is {} but scale_ then the "
-                                     "update gives {}", op, dtype_name(dt), what, i, xv[i], yv[i]));
-          return;
-        }
-      }
+      expect_same_bits(fmt::format("{} grad_scale 0.37 in {}: {}, against scale_ then the update", op,
+                                   dtype_name(dt), what),
+                       x, y);
     };
     same("param", a[0], b[0]);
     for (size_t k = 0; k < sa.size(); ++k) {
