@@ -269,6 +269,7 @@ std::vector<ShardedTensor> call(OpId op, const std::vector<ShardedTensor>& given
     autocast_inputs_with(op, cast_inputs, [](const ShardedTensor& t, DType dtype) {
       Attrs a;
       a.dtype = dtype;
+      const internal::AutocastCastScope autocast_cast;  // its local casts may be cached
       return call1(OpId::cast, {t}, a);
     });
   }

@@ -17,6 +17,7 @@
 #include "parallel/data_parallel.h"
 #include "parallel/placement.h"
 #include "tensor/allocator.h"
+#include "tensor/autocast.h"
 #include "tensor/error.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -520,6 +521,8 @@ void ZeroDataParallel::step(optim::Optimizer& optimizer) {
   State& st = *state_;
   check_elementwise(optimizer, st.stage(), "step", st.options);
   attach_row_shards(st, optimizer);
+  // The parameters' new values arrive by all-gather, file or host copy (no version moves).
+  clear_cast_cache();
   if (st.offload) {
     offload_step(st, optimizer);  // the update on the host, the shards copied back
   } else {
@@ -539,6 +542,7 @@ void ZeroDataParallel::step(optim::Optimizer& optimizer) {
 }
 
 void ZeroDataParallel::complete_step() {
+  clear_cast_cache();
   if (state_->offload) offload_complete(*state_);
 }
 

@@ -1,11 +1,48 @@
 #include "tensor/autocast.h"
 
 #include <array>
+#include <map>
+#include <memory>
+#include <tuple>
 
 namespace tessera {
 namespace {
 
 thread_local DType t_autocast = DType::f32;
+
+// The cast cache (autocast.h): per thread, keyed by the source view (storage, offset, shape,
+// strides) and the target dtype. An entry keeps the source's storage weakly (a dead or
+// replaced storage never matches) and the cast's tensor strongly.
+struct CastEntry {
+  std::weak_ptr<StorageImpl> storage;
+  const void* bytes;  // the storage's data when cast: a release and reallocation changes it
+  uint64_t version;
+  Tensor cast;  // detached: each reuse is a fresh handle with its own graph node
+  uint64_t cast_version;
+};
+using CastKey = std::tuple<const StorageImpl*, int64_t, Shape, Strides, DType>;
+CastKey key_of(const Tensor& src, DType dtype) {
+  return {src.storage().get(), src.offset(), src.shape(), src.strides(), dtype};
+}
+struct CastCache {
+  std::map<CastKey, CastEntry> entries;
+  int holders = 0;
+  bool off = false;      // an AutocastGuard(low, false) region
+  bool casting = false;  // inside autocast's own cast (AutocastCastScope)
+  int64_t hits = 0, misses = 0;
+};
+thread_local CastCache t_cast_cache;
+
+void hold_cast_cache() { ++t_cast_cache.holders; }
+void release_cast_cache() {
+  if (--t_cast_cache.holders == 0) t_cast_cache.entries.clear();
+}
+
+bool entry_serves(const CastEntry& e, const Tensor& src) {
+  const std::shared_ptr<StorageImpl> storage = e.storage.lock();
+  return storage != nullptr && storage == src.storage() && storage->data() == e.bytes &&
+         storage->version() == e.version && e.cast.storage()->version() == e.cast_version;
+}
 
 constexpr OpFamily kFamilies[] = {
 #define TS_OP_FAMILY(name, kind, grad, family, props) OpFamily::family,
@@ -44,6 +81,7 @@ int width(DType d) { return d == DType::f64 ? 3 : d == DType::f32 ? 2 : 1; }
 Tensor cast_to(const Tensor& t, DType d) {
   Attrs a;
   a.dtype = d;
+  const internal::AutocastCastScope autocast_cast;
   return call1(OpId::cast, {t}, a);
 }
 
@@ -52,13 +90,60 @@ Tensor cast_to(const Tensor& t, DType d) {
 AutocastRule autocast_rule(OpId op) { return kRules[static_cast<int>(op)]; }
 DType autocast_dtype() { return t_autocast; }
 
-AutocastGuard::AutocastGuard(DType low) : previous_(t_autocast) {
+AutocastGuard::AutocastGuard(DType low, bool cache_casts)
+    : previous_(t_autocast), previous_cache_off_(t_cast_cache.off), holds_(low != DType::f32) {
   TS_CHECK(low == DType::f32 || is_low(low),
            "AutocastGuard: the low-precision dtype must be bf16 or f16 (or f32 for off), got {}",
            low);
   t_autocast = low;
+  if (!cache_casts) t_cast_cache.off = true;
+  if (holds_) hold_cast_cache();
 }
-AutocastGuard::~AutocastGuard() { t_autocast = previous_; }
+AutocastGuard::~AutocastGuard() {
+  t_autocast = previous_;
+  t_cast_cache.off = previous_cache_off_;
+  if (holds_) release_cast_cache();
+}
+
+WeightCastCache::WeightCastCache() { hold_cast_cache(); }
+WeightCastCache::~WeightCastCache() { release_cast_cache(); }
+
+void clear_cast_cache() { t_cast_cache.entries.clear(); }
+
+CastCacheStats cast_cache_stats() {
+  return {t_cast_cache.hits, t_cast_cache.misses, static_cast<int64_t>(t_cast_cache.entries.size())};
+}
+
+namespace internal {
+
+AutocastCastScope::AutocastCastScope() : previous_(t_cast_cache.casting) { t_cast_cache.casting = true; }
+AutocastCastScope::~AutocastCastScope() { t_cast_cache.casting = previous_; }
+
+bool cast_cache_applies(const Tensor& src, DType dtype) {
+  const CastCache& c = t_cast_cache;
+  return c.casting && c.holders > 0 && !c.off && src.dtype() == DType::f32 && is_low(dtype) &&
+         src.requires_grad() && src.storage() != nullptr && src.storage()->grad_leaf();
+}
+
+Tensor cast_cache_find(const Tensor& src, DType dtype) {
+  CastCache& c = t_cast_cache;
+  const auto it = c.entries.find(key_of(src, dtype));
+  if (it == c.entries.end() || !entry_serves(it->second, src)) {
+    ++c.misses;
+    return Tensor();
+  }
+  ++c.hits;
+  return it->second.cast.detach();
+}
+
+void cast_cache_put(const Tensor& src, DType dtype, const Tensor& cast) {
+  const Storage& storage = src.storage();
+  t_cast_cache.entries.insert_or_assign(
+      key_of(src, dtype),
+      CastEntry{storage, storage->data(), storage->version(), cast.detach(), cast.storage()->version()});
+}
+
+}  // namespace internal
 
 std::vector<DType> autocast_dtypes(OpId op, const std::vector<DType>& dtypes, DType low) {
   std::vector<DType> out = dtypes;

@@ -31,17 +31,73 @@ AutocastRule autocast_rule(OpId op);
 DType autocast_dtype();
 inline bool autocast_enabled() { return autocast_dtype() != DType::f32; }
 
-// Turns autocast on with `low` (bf16 or f16), or off with f32, for its lifetime.
+// Turns autocast on with `low` (bf16 or f16), or off with f32, for its lifetime. A guard that
+// turns it on holds the cast cache (below) open for its region; cache_casts = false turns the
+// cache off inside the region instead (every cast runs, as before the cache existed).
 class AutocastGuard {
  public:
-  explicit AutocastGuard(DType low);
+  explicit AutocastGuard(DType low, bool cache_casts = true);
   ~AutocastGuard();
   AutocastGuard(const AutocastGuard&) = delete;
   AutocastGuard& operator=(const AutocastGuard&) = delete;
 
  private:
   DType previous_;
+  bool previous_cache_off_;
+  bool holds_;
 };
+
+// ---- the cast cache ---------------------------------------------------------------------------
+// Autocast casts a parameter (a leaf tensor that requires grad, or a view of one: GPT's tied
+// head multiplies by wte's transpose) to the low dtype once and reuses that cast while a
+// holder is open on this thread: an AutocastGuard that turns autocast
+// on (its region, as PyTorch's autocast caches within one), or a WeightCastCache, which the
+// training loop holds across a step's micro-batches and recomputation so that each weight is
+// cast once a step instead of once per forward. A reuse records its own cast in the graph, so
+// the gradient reaches the f32 parameter as before; the values are the cast's, bit for bit.
+// An entry serves only while the parameter's storage, bytes and version are those it was cast
+// from (an optimizer's in-place update, copy_, and a collective writing into it each bump the
+// version), and only casts autocast inserts (an explicit cast() always runs). The cache is
+// emptied when the thread's last holder closes.
+//
+//   WeightCastCache keep;                     // the step's micro-batches share the casts
+//   for (int m = 0; m < accum; ++m) { AutocastGuard amp(DType::bf16); model(x[m]).backward(); }
+class WeightCastCache {
+ public:
+  WeightCastCache();
+  ~WeightCastCache();
+  WeightCastCache(const WeightCastCache&) = delete;
+  WeightCastCache& operator=(const WeightCastCache&) = delete;
+};
+
+// Drops this thread's cached casts. For code that writes parameters outside the op path
+// (a collective or a file read into their bytes moves no version): ZeRO's step calls it.
+void clear_cast_cache();
+
+// This thread's cache: casts served from it, casts made into it, entries held now.
+struct CastCacheStats {
+  int64_t hits = 0, misses = 0, entries = 0;
+};
+CastCacheStats cast_cache_stats();
+
+namespace internal {
+// Marks the casts made in its lifetime as autocast's own (tensor and sharded dispatch).
+class AutocastCastScope {
+ public:
+  AutocastCastScope();
+  ~AutocastCastScope();
+  AutocastCastScope(const AutocastCastScope&) = delete;
+  AutocastCastScope& operator=(const AutocastCastScope&) = delete;
+
+ private:
+  bool previous_;
+};
+// For call(): whether this cast of `src` to `dtype` goes through the cache; the cached cast
+// (undefined when there is none); storing a new one.
+bool cast_cache_applies(const Tensor& src, DType dtype);
+Tensor cast_cache_find(const Tensor& src, DType dtype);
+void cast_cache_put(const Tensor& src, DType dtype, const Tensor& cast);
+}  // namespace internal
 
 // The dtypes `op`'s inputs take under autocast with low-precision dtype `low` (undefined
 // inputs: unchanged), for any tensor type: tensors (call()) and sharded tensors

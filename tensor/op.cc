@@ -262,6 +262,15 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
     fail("{}: input 0 is an undefined tensor", info.name);
   }
   if (autocast_enabled()) [[unlikely]] autocast_inputs(op, inputs);
+  // Autocast's cast of a parameter: served from the cast cache when it holds one (autocast.h).
+  const bool cached_cast = op == OpId::cast && internal::cast_cache_applies(inputs[0], attrs.dtype);
+  if (cached_cast) [[unlikely]] {
+    if (Tensor hit = internal::cast_cache_find(inputs[0], attrs.dtype); hit.defined()) {
+      std::vector<Tensor> outputs{std::move(hit)};
+      maybe_record(op, inputs, outputs, attrs);
+      return outputs;
+    }
+  }
   const Device device = dispatch_device(op, inputs, attrs);
   const std::vector<TensorSpec> out_specs = infer(op, inputs, attrs);
   std::vector<Tensor> outputs;
@@ -269,6 +278,7 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
       kernel_fn(device.type, op) == nullptr && kernel_fn(DeviceType::cpu, op) != nullptr) {
     outputs = allocate_outputs(op, out_specs);
     run_on_cpu(op, inputs, outputs, out_specs, attrs);
+    if (cached_cast) internal::cast_cache_put(inputs[0], attrs.dtype, outputs[0]);
     maybe_record(op, inputs, outputs, attrs);
     return outputs;
   }
@@ -287,6 +297,7 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
   } else {
     run_kernel(kernel, op, device, inputs, outputs, attrs);
   }
+  if (cached_cast) [[unlikely]] internal::cast_cache_put(inputs[0], attrs.dtype, outputs[0]);
   maybe_record(op, inputs, outputs, attrs);
   return outputs;
 }

@@ -34,6 +34,10 @@ class StorageImpl {
   uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
   MemoryTag tag() const { return tag_; }
+  // Whether a leaf that requires grad (a parameter) views this storage: set by requires_grad_
+  // and never cleared. Autocast's cast cache serves only such storages (tensor/autocast.h).
+  bool grad_leaf() const { return grad_leaf_.load(std::memory_order_relaxed); }
+  void mark_grad_leaf() { grad_leaf_.store(true, std::memory_order_relaxed); }
   const Allocator* allocator() const { return allocator_; }  // null for external memory
 
   // Frees the bytes while every tensor viewing this storage stays valid as a handle (FSDP's
@@ -53,6 +57,7 @@ class StorageImpl {
   MemoryTag tag_ = MemoryTag::untagged;  // the MemoryTagScope active at allocation
   std::function<void(void*)> deleter_;  // external memory only
   std::atomic<uint64_t> version_{0};
+  std::atomic<bool> grad_leaf_{false};
 };
 
 using Storage = std::shared_ptr<StorageImpl>;

@@ -69,6 +69,7 @@ Tensor& Tensor::requires_grad_(bool on) {
   TS_CHECK(!on || is_floating(dtype()),
            "requires_grad_: only floating tensors can require grad, got dtype {}", dtype());
   ensure_autograd_meta().requires_grad = on;
+  if (on && storage() != nullptr) storage()->mark_grad_leaf();
   return *this;
 }
 
@@ -105,6 +106,7 @@ void Tensor::set_data(const Tensor& src) const {
            "set_data: source {} {} does not match tensor {} {}", shape_str(src.shape()),
            src.dtype(), shape_str(shape()), dtype());
   impl_->storage = src.impl_->storage;
+  if (requires_grad() && is_leaf() && storage() != nullptr) storage()->mark_grad_leaf();
   impl_->strides = src.impl_->strides;
   impl_->offset = src.impl_->offset;
 }

@@ -12,6 +12,7 @@
 #include "models/common/checkpoint.h"
 #include "models/common/fault.h"
 #include "models/common/run_control.h"
+#include "tensor/autocast.h"
 #include "tensor/error.h"
 
 namespace tessera::models {
@@ -59,8 +60,14 @@ LoopResult run_loop(Replica& replica, const LoopOptions& o, StepMeter& meter,
     if (replica.group() != nullptr && run_step == 1) log_scope.emplace(step_log);
 
     replica.zero_grad(step, lr);
-    for (int micro = 0; micro < o.accum; ++micro) {
-      losses.push_back(replica.forward_backward(step, micro).detach());
+    {
+      // Under autocast the micro-batches share each parameter's cast (tensor/autocast.h):
+      // one cast per step. Not kept past the backward passes, so the update runs without them.
+      std::optional<WeightCastCache> casts;
+      if (o.accum > 1) casts.emplace();
+      for (int micro = 0; micro < o.accum; ++micro) {
+        losses.push_back(replica.forward_backward(step, micro).detach());
+      }
     }
     // This rank's mean loss over its micro-batches (read here: after the backward passes,
     // and below after the update on a device, where the read waits for the whole step).

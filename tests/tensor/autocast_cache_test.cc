@@ -1,0 +1,225 @@
+// Autocast's cast cache (tensor/autocast.h): a parameter is cast once while a holder is open,
+// each reuse has the cast's bits and its own graph node, and the gradients are those of the
+// uncached run (AutocastGuard(low, /*cache_casts=*/false), every cast made) bit for bit. An
+// in-place write, a closed holder or clear_cast_cache() end an entry; explicit casts,
+// activations and other threads never see one.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "tensor/autocast.h"
+#include "tensor/grad_mode.h"
+#include "tensor/ops.h"
+#include "tests/testing.h"
+
+namespace tessera {
+namespace {
+
+// Counts cast kernel calls while it lives (the observer is process-wide).
+int g_casts = 0;
+void count_casts(OpId op, Device, bool begin) {
+  if (begin && op == OpId::cast) ++g_casts;
+}
+struct CountCasts {
+  KernelObserver previous = kernel_observer();
+  CountCasts() {
+    g_casts = 0;
+    set_kernel_observer(count_casts);
+  }
+  ~CountCasts() { set_kernel_observer(previous); }
+};
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  const Tensor ca = a.contiguous(), cb = b.contiguous();
+  return std::memcmp(ca.raw_data(), cb.raw_data(), static_cast<size_t>(ca.nbytes())) == 0;
+}
+
+CastCacheStats since(const CastCacheStats& before) {
+  const CastCacheStats now = cast_cache_stats();
+  return {now.hits - before.hits, now.misses - before.misses, now.entries};
+}
+
+// Two parameters, one used through a transposed view (as GPT's tied head is) and once as it
+// is (linear), over `micro` micro-batches x[m]; returns each micro-batch's output.
+struct Model {
+  Tensor w = randn({6, 8}).requires_grad_();
+  Tensor b = randn({6}).requires_grad_();
+  Tensor v = randn({6, 6}).requires_grad_();
+  std::vector<Tensor> x;
+  explicit Model(int micro) {
+    for (int m = 0; m < micro; ++m) x.push_back(randn({4, 8}));
+  }
+  Tensor forward(const Tensor& xm) const {
+    const Tensor h = linear(xm, w, b);           // w and b as they are
+    return matmul(h, transpose(v, 0, 1)) + matmul(h, v);  // v twice, once transposed
+  }
+  void zero() const {
+    for (const Tensor& p : {w, b, v}) p.set_grad(Tensor());
+  }
+};
+
+TEST_CASE("a parameter is cast once per holder; outputs and gradients have the uncached bits") {
+  for (const DType low : {DType::bf16, DType::f16}) {
+    CAPTURE(low);
+    const Model model(1);
+    // Uncached: every use casts (w, b, v twice, x twice).
+    Tensor want;
+    int casts_uncached = 0;
+    {
+      const CountCasts count;
+      {
+        AutocastGuard amp(low, /*cache_casts=*/false);
+        want = model.forward(model.x[0]);
+      }
+      sum(want).backward();
+      casts_uncached = g_casts;
+    }
+    // Forward: x, w, b (linear), v^T, v (h is bf16 already); backward: the four parameters'
+    // gradients back to f32.
+    CHECK(casts_uncached == 9);
+    const Tensor gw = model.w.grad(), gb = model.b.grad(), gv = model.v.grad();
+    model.zero();
+    Tensor got;
+    const CastCacheStats before = cast_cache_stats();
+    {
+      const CountCasts count;
+      {
+        AutocastGuard amp(low);
+        got = model.forward(model.x[0]);
+        // w, b, v and v^T each cast once (x too, uncached: not a parameter).
+        CHECK(since(before).misses == 4);
+        CHECK(since(before).hits == 0);
+        CHECK(since(before).entries == 4);
+        const Tensor again = model.forward(model.x[0]);  // all four served
+        CHECK(since(before).hits == 4);
+        CHECK(same_bits(again, got));
+      }
+      CHECK(cast_cache_stats().entries == 0);  // emptied with its last holder
+      sum(got).backward();
+      // The second forward cast only x; backward's casts are not autocast's.
+      CHECK(g_casts == casts_uncached + 1);
+    }
+    CHECK(same_bits(got, want));
+    CHECK(same_bits(model.w.grad(), gw));
+    CHECK(same_bits(model.b.grad(), gb));
+    CHECK(same_bits(model.v.grad(), gv));
+  }
+}
+
+TEST_CASE("WeightCastCache: micro-batches share the casts; the accumulated gradients are the uncached ones") {
+  constexpr int kMicro = 3;
+  const Model model(kMicro);
+  auto run = [&](bool cache) {
+    model.zero();
+    std::optional<WeightCastCache> keep;
+    if (cache) keep.emplace();
+    std::vector<Tensor> outs;
+    for (int m = 0; m < kMicro; ++m) {
+      Tensor y;
+      {
+        AutocastGuard amp(DType::bf16, cache);
+        y = model.forward(model.x[m]);
+      }
+      sum(y).backward();
+      outs.push_back(y.detach());
+    }
+    return std::make_pair(outs, std::vector<Tensor>{model.w.grad(), model.b.grad(), model.v.grad()});
+  };
+  int uncached_casts = 0, cached_casts = 0;
+  std::pair<std::vector<Tensor>, std::vector<Tensor>> want, got;
+  {
+    const CountCasts count;
+    want = run(false);
+    uncached_casts = g_casts;
+  }
+  const CastCacheStats before = cast_cache_stats();
+  {
+    const CountCasts count;
+    got = run(true);
+    cached_casts = g_casts;
+  }
+  CHECK(since(before).misses == 4);
+  CHECK(since(before).hits == 4 * (kMicro - 1));
+  CHECK(since(before).entries == 0);
+  CHECK(uncached_casts - cached_casts == 4 * (kMicro - 1));
+  for (int m = 0; m < kMicro; ++m) CHECK(same_bits(got.first[m], want.first[m]));
+  for (size_t i = 0; i < got.second.size(); ++i) CHECK(same_bits(got.second[i], want.second[i]));
+}
+
+TEST_CASE("an in-place write to the parameter, or clear_cast_cache(), ends its entry") {
+  Tensor w = randn({5, 3}).requires_grad_();
+  const Tensor x = randn({2, 3});
+  AutocastGuard amp(DType::bf16);
+  const Tensor first = linear(x, w);
+  {
+    NoGradGuard no_grad;
+    w.copy_(randn({5, 3}));  // (an optimizer's fused update bumps the version the same way)
+  }
+  const CastCacheStats before = cast_cache_stats();
+  const Tensor second = linear(x, w);
+  CHECK(since(before).misses == 1);
+  CHECK(since(before).hits == 0);
+  Tensor want;
+  {
+    AutocastGuard uncached(DType::bf16, false);
+    want = linear(x, w);
+  }
+  CHECK(same_bits(second, want));
+  CHECK_FALSE(same_bits(second, first));
+  // Writers outside the op path (a collective into the parameter's bytes) clear the cache.
+  clear_cast_cache();
+  CHECK(cast_cache_stats().entries == 0);
+  linear(x, w);
+  CHECK(since(before).misses == 2);
+}
+
+TEST_CASE("only autocast's casts of parameters are cached, on this thread, while a holder is open") {
+  const Tensor w = randn({5, 3}).requires_grad_();
+  const Tensor x = randn({2, 3});
+  const CastCacheStats before = cast_cache_stats();
+  {
+    AutocastGuard amp(DType::bf16);
+    // An explicit cast runs (and its output is the caller's own, never an alias).
+    const Tensor a = cast(w, DType::bf16), b = cast(w, DType::bf16);
+    CHECK(a.storage() != b.storage());
+    // An activation (no grad) and a computed tensor that requires grad are not parameters.
+    linear(x, x * 1.0);
+    linear(x, w * 2.0);
+    CHECK(since(before).misses == 0);
+    CHECK(since(before).entries == 0);
+    // A nested guard with the cache off casts every time; so does autocast off.
+    {
+      AutocastGuard off(DType::bf16, false);
+      linear(x, w);
+      linear(x, w);
+    }
+    CHECK(since(before).entries == 0);
+    linear(x, w);
+    CHECK(since(before).entries == 1);
+    // A nested guard closing keeps the outer holder's entries.
+    { AutocastGuard inner(DType::bf16); }
+    CHECK(since(before).entries == 1);
+    // Another thread has its own cache.
+    std::thread([&] {
+      AutocastGuard amp2(DType::bf16);
+      const CastCacheStats there = cast_cache_stats();
+      CHECK(there.entries == 0);
+      linear(x, w);
+      CHECK(cast_cache_stats().misses - there.misses == 1);
+    }).join();
+    CHECK(since(before).misses == 1);
+  }
+  // No holder: nothing is kept.
+  {
+    AutocastGuard f32(DType::f32);
+    linear(x, w);
+  }
+  CHECK(cast_cache_stats().entries == 0);
+}
+
+}  // namespace
+}  // namespace tessera
