@@ -286,14 +286,14 @@ std::vector<Tensor> call(OpId op, std::vector<Tensor> inputs, const Attrs& attrs
 
   outputs = allocate_outputs(op, out_specs);
   if (KernelObserver obs = tables().observer) [[unlikely]] {
-    obs(op, device, true);
+    obs(op, device, true, inputs);
     try {
       run_kernel(kernel, op, device, inputs, outputs, attrs);
     } catch (...) {
-      obs(op, device, false);  // every begin has its end, also when the kernel throws
+      obs(op, device, false, inputs);  // every begin has its end, also when the kernel throws
       throw;
     }
-    obs(op, device, false);
+    obs(op, device, false, inputs);
   } else {
     run_kernel(kernel, op, device, inputs, outputs, attrs);
   }
@@ -329,14 +329,14 @@ void call_copy_(const Tensor& dst, const Tensor& src) {
   infer(OpId::copy_, inputs, Attrs{});
   std::vector<Tensor> out = {dst};
   KernelObserver obs = tables().observer;
-  if (obs) obs(OpId::copy_, device, true);
+  if (obs) obs(OpId::copy_, device, true, inputs);
   try {
     run_kernel(find_kernel(OpId::copy_, device), OpId::copy_, device, inputs, out, Attrs{});
   } catch (...) {
-    if (obs) obs(OpId::copy_, device, false);
+    if (obs) obs(OpId::copy_, device, false, inputs);
     throw;
   }
-  if (obs) obs(OpId::copy_, device, false);
+  if (obs) obs(OpId::copy_, device, false, inputs);
   dst.storage()->bump_version();
 }
 
@@ -363,7 +363,7 @@ void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
   TS_CHECK(out_specs.empty(), "{}: an in-place op's shape inference returned {} outputs",
            info.name, out_specs.size());
   KernelObserver obs = tables().observer;
-  if (obs) obs(op, device, true);
+  if (obs) obs(op, device, true, inputs);
   try {
     if (!device.is_cpu() && kernel_fn(device.type, op) == nullptr &&
         kernel_fn(DeviceType::cpu, op) != nullptr) {
@@ -372,10 +372,10 @@ void call_inplace(OpId op, std::vector<Tensor> inputs, const Attrs& attrs,
       run_kernel(find_kernel(op, device), op, device, inputs, std::span<Tensor>(), attrs);
     }
   } catch (...) {
-    if (obs) obs(op, device, false);
+    if (obs) obs(op, device, false, inputs);
     throw;
   }
-  if (obs) obs(op, device, false);
+  if (obs) obs(op, device, false, inputs);
   for (size_t i : written) {
     if (i < inputs.size() && inputs[i].defined()) inputs[i].storage()->bump_version();
   }

@@ -110,9 +110,10 @@ using GraphRecorder = void (*)(OpId op, std::span<const Tensor> in, std::span<Te
                                const Attrs& attrs);
 
 // Observes every kernel call() runs, for per-op profiles: begin == true just before the
-// kernel of `op` runs on `device`, false just after. The CUDA backend installs one when
-// TESSERA_PROFILE is set (kernels/cuda/profile.cc).
-using KernelObserver = void (*)(OpId op, Device device, bool begin);
+// kernel of `op` runs on `device` with `inputs`, false just after (the same inputs). Each
+// backend installs one when TESSERA_PROFILE is set (kernels/cpu/profile.cc,
+// kernels/cuda/profile.cc).
+using KernelObserver = void (*)(OpId op, Device device, bool begin, std::span<const Tensor> inputs);
 void set_kernel_observer(KernelObserver observer);
 KernelObserver kernel_observer();
 

@@ -1,12 +1,16 @@
-// CPU linear: y = act(x W^T + b) with the bias and the activation applied by the f32 GEMM's
-// epilogue (kernels/cpu/gemm.h) to each strip of kMR rows (12 on AVX-512, 6 on AVX2) of a
-// column block right after the GEMM writes it, so the [rows, N] product is not read back
-// from memory for them. With an activation the GEMM writes the pre-activation output (the
-// backward reads it) and the epilogue y. Each element is rounded as matmul, then add, then
-// the activation's op round it (the activation runs through that op's own vectorised path:
-// kernels/cpu/activation.h), so the fused op gives the unfused ops' bits. f16/bf16 are
-// widened and x W^T + b computed in f32 and rounded once; the activation runs on that
-// rounded pre-activation (rounding again), as the unfused ops would. f64 goes through
+// CPU linear: y = act(x W^T + b) with the bias added by the f32 GEMM's epilogue
+// (kernels/cpu/gemm.h) to each strip of kMR rows (12 on AVX-512, 6 on AVX2) of a column
+// block right after the GEMM writes it, so the [rows, N] product is not read back from memory
+// for it. With an activation the GEMM writes the pre-activation output (the backward reads
+// it), and one parallel pass over whole rows then writes y. The activation ran in the
+// epilogue too until 2026-11-27, but there GPT-mini's 2048 x 128 x 512 GELU product spent
+// ~12% of the step against ~9.7% for the product then the pass (TESSERA_PROFILE_SHAPES,
+// BENCHMARKS.md): the epilogue's short per-row calls between micro-tiles cost the GEMM more
+// than one read of the product from cache costs the pass. Each element is rounded as matmul,
+// then add, then the activation's op round it (the activation runs through that op's own
+// vectorised path: kernels/cpu/activation.h), so the fused op gives the unfused ops' bits.
+// f16/bf16 are widened and x W^T + b computed in f32 and rounded once; the activation runs
+// on that rounded pre-activation (rounding again), as the unfused ops would. f64 goes through
 // Eigen's GEMM, then the same epilogue as a separate pass.
 //
 // linear_act_backward: grad_pre = grad * act'(pre) per row, and the bias gradient (its
@@ -68,11 +72,17 @@ void linear_typed(Tensor x, Tensor w, Tensor b, const Tensor& y, const Tensor& p
       x = contiguous_cpu(x);
       row_stride_of(x, rs);
     }
-    const GemmEpilogue ge{&Epilogue<T>::call, &epi};
+    const Epilogue<T> bias_only{c, nullptr, epi.bias, N, act};
+    const GemmEpilogue ge{&Epilogue<T>::call, &bias_only};
     // B = W^T [K, N]: element (k, n) is w[n, k].
     sgemm(rows, N, K, StridedMatrix{static_cast<const float*>(x.raw_data()), rs, x.strides().back()},
           StridedMatrix{static_cast<const float*>(w.raw_data()), w.strides()[1], w.strides()[0]}, c, N,
-          /*accumulate=*/false, any ? &ge : nullptr);
+          /*accumulate=*/false, epi.bias != nullptr ? &ge : nullptr);
+    if (fused_act) {
+      T* yp = epi.y;
+      parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)),
+                   [&](int64_t r0, int64_t r1) { activation_run(act, c + r0 * N, yp + r0 * N, (r1 - r0) * N); });
+    }
   } else {
     using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     x = contiguous_cpu(x);

@@ -7,6 +7,11 @@
 //
 //   TESSERA_PROFILE=5 bazel-bin/models/gpt/gpt --synthetic_data --steps=15 ...
 //
+// With TESSERA_PROFILE_SHAPES=1 too, a second table breaks the GEMM ops down by their
+// operands' shapes and layouts (N: row-major, T: transposed, S: other strides), with each
+// shape's GFLOP/s (matmul and linear: 2 m n k per product) inside the step, to set beside
+// the same products run alone (tools/bench/cpu_bench --only gemm).
+//
 // Steps are counted per thread by the optimizer's fused update ops, so a run whose optimizer
 // issues none (Adafactor) never starts the table; with simulated ranks every rank's ops are
 // summed and "per step" divides by the steps of the furthest rank. With CUDA linked too, each backend's observer
@@ -30,13 +35,16 @@ struct Sum {
   long calls = 0;
   double ms = 0;
   long jobs = 0;
+  double flops = 0;  // the shape table's rows: the products' FLOPs
 };
 
 struct Open {
   OpId op;
   std::chrono::steady_clock::time_point start;
   int64_t jobs_before;
-  bool record;  // a top-level call after the skipped steps
+  bool record;        // a top-level call after the skipped steps
+  std::string shape;  // the shape table's key (GEMM ops, with TESSERA_PROFILE_SHAPES)
+  double flops = 0;
 };
 
 struct Profile {
@@ -46,6 +54,8 @@ struct Profile {
   bool started = false;
   std::chrono::steady_clock::time_point first;
   std::map<OpId, Sum> by_op;
+  bool shapes = false;                    // TESSERA_PROFILE_SHAPES
+  std::map<std::string, Sum> by_shape;  // "op  [a] x [b]" -> its calls
   KernelObserver previous = nullptr;
 };
 
@@ -63,6 +73,59 @@ thread_local bool t_in_update = false;
 bool is_gemm(OpId op) {
   return op == OpId::matmul || op == OpId::linear || op == OpId::grouped_matmul ||
          op == OpId::grouped_matmul_backward_weight || op == OpId::conv2d || op == OpId::conv2d_backward_input || op == OpId::conv2d_backward_weight;
+}
+
+// "[16,128,512]N": the dims, and the layout of the last two (a matrix operand).
+std::string operand(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? "," : "") + std::to_string(t.shape()[d]);
+  s += "]";
+  if (t.dim() >= 2) {
+    const int64_t rs = t.strides()[t.dim() - 2], cs = t.strides()[t.dim() - 1];
+    s += cs == 1 || t.shape()[t.dim() - 1] == 1 ? "N" : rs == 1 || t.shape()[t.dim() - 2] == 1 ? "T" : "S";
+  }
+  return s;
+}
+
+// The FLOPs of a matmul (2 m n k per product over the broadcast batch) or a linear (2 rows
+// N K); 0 for the other GEMM ops (the table then shows their time alone).
+double gemm_flops(OpId op, std::span<const Tensor> in) {
+  if (in.size() < 2 || !in[0].defined() || !in[1].defined() || in[0].dim() < 1 || in[1].dim() < 1) return 0;
+  const Tensor &a = in[0], &b = in[1];
+  if (op == OpId::linear && b.dim() == 2) {
+    const double k = static_cast<double>(a.shape().back());
+    return k == 0 ? 0 : 2.0 * static_cast<double>(a.numel()) * static_cast<double>(b.shape()[0]);
+  }
+  if (op != OpId::matmul || a.dim() < 2 || b.dim() < 2) return 0;
+  const double m = a.shape()[a.dim() - 2], k = a.shape()[a.dim() - 1], n = b.shape()[b.dim() - 1];
+  double batch = 1;
+  for (int64_t i = 1; i <= std::max(a.dim(), b.dim()) - 2; ++i) {
+    const int64_t da = a.dim() - 2 - i >= 0 ? a.shape()[a.dim() - 2 - i] : 1;
+    const int64_t db = b.dim() - 2 - i >= 0 ? b.shape()[b.dim() - 2 - i] : 1;
+    batch *= static_cast<double>(std::max(da, db));
+  }
+  return 2.0 * batch * m * n * k;
+}
+
+void report_shapes(const Profile& p, double wall_ms) {
+  std::vector<std::pair<std::string, Sum>> rows(p.by_shape.begin(), p.by_shape.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+  double ms = 0, flops = 0;
+  std::fprintf(stderr, "\nGEMM ops by operand shapes (N row-major, T transposed, S strided):\n");
+  std::fprintf(stderr, "| op and operands | calls | ms | %% of wall | GFLOP/s |\n|---|---:|---:|---:|---:|\n");
+  for (const auto& [key, s] : rows) {
+    ms += s.ms;
+    flops += s.flops;
+    if (s.flops > 0) {
+      std::fprintf(stderr, "| %s | %ld | %.2f | %.1f | %.1f |\n", key.c_str(), s.calls, s.ms,
+                   100.0 * s.ms / std::max(wall_ms, 1e-9), s.flops / (s.ms * 1e6));
+    } else {
+      std::fprintf(stderr, "| %s | %ld | %.2f | %.1f | |\n", key.c_str(), s.calls, s.ms,
+                   100.0 * s.ms / std::max(wall_ms, 1e-9));
+    }
+  }
+  std::fprintf(stderr, "| all GEMM ops | | %.2f | %.1f | %.1f (matmul and linear) |\n", ms,
+               100.0 * ms / std::max(wall_ms, 1e-9), flops / (std::max(ms, 1e-9) * 1e6));
 }
 
 void report() {
@@ -98,12 +161,13 @@ void report() {
                wall_ms / steps, static_cast<double>(calls) / steps, static_cast<double>(jobs) / steps,
                100.0 * gemm_ms / wall_ms, 100.0 * (total_ms - gemm_ms) / wall_ms,
                100.0 * (wall_ms - total_ms) / wall_ms);
+  if (p.shapes) report_shapes(p, wall_ms);
 }
 
-void observe(OpId op, Device device, bool begin) {
+void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs) {
   Profile& p = profile();
   if (!device.is_cpu()) {
-    if (p.previous != nullptr) p.previous(op, device, begin);
+    if (p.previous != nullptr) p.previous(op, device, begin, inputs);
     return;
   }
   const auto now = std::chrono::steady_clock::now();
@@ -126,7 +190,15 @@ void observe(OpId op, Device device, bool begin) {
         record = true;
       }
     }
-    t_open.push_back({op, now, internal::jobs_started(), record});
+    Open o{op, now, internal::jobs_started(), record};
+    if (record && p.shapes && is_gemm(op)) {
+      o.shape = std::string(op_name(op)) + " ";
+      for (size_t i = 0; i < inputs.size() && i < 2; ++i) {
+        if (inputs[i].defined()) o.shape += (i ? " x " : "") + operand(inputs[i]);
+      }
+      o.flops = gemm_flops(op, inputs);
+    }
+    t_open.push_back(std::move(o));
     return;
   }
   if (t_open.empty()) return;
@@ -138,12 +210,20 @@ void observe(OpId op, Device device, bool begin) {
   ++s.calls;
   s.ms += std::chrono::duration<double, std::milli>(now - o.start).count();
   s.jobs += internal::jobs_started() - o.jobs_before;
+  if (!o.shape.empty()) {
+    Sum& g = p.by_shape[o.shape];
+    ++g.calls;
+    g.ms += std::chrono::duration<double, std::milli>(now - o.start).count();
+    g.flops += o.flops;
+  }
 }
 
 const bool kInstalled = [] {
   const char* v = std::getenv("TESSERA_PROFILE");
   if (v == nullptr || *v == '\0') return false;
   profile().skip_steps = std::atol(v);
+  const char* shapes = std::getenv("TESSERA_PROFILE_SHAPES");
+  profile().shapes = shapes != nullptr && *shapes != '\0' && std::string(shapes) != "0";
   profile().previous = kernel_observer();
   set_kernel_observer(&observe);
   return true;

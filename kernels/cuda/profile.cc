@@ -79,9 +79,9 @@ void report() {
 
 KernelObserver g_previous = nullptr;  // another backend's profile, if installed first
 
-void observe(OpId op, Device device, bool begin) {
+void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs) {
   if (!device.is_cuda()) {
-    if (g_previous != nullptr) g_previous(op, device, begin);
+    if (g_previous != nullptr) g_previous(op, device, begin, inputs);
     return;
   }
   Profile& p = profile();

@@ -350,7 +350,7 @@ namespace {
 
 // Counts clone and copy_ kernel calls while it lives (the observer is process-wide).
 int g_copies = 0;
-void count_copies(OpId op, Device, bool begin) {
+void count_copies(OpId op, Device, bool begin, std::span<const Tensor>) {
   if (begin && (op == OpId::clone || op == OpId::copy_)) ++g_copies;
 }
 struct CountCopies {

@@ -666,7 +666,7 @@ TEST_CASE("optim::Adafactor steps CUDA params as it steps CPU params: hf, torch,
 
 // Counts the fused passes' kernel calls on cuda:0 (a plain function pointer: KernelObserver).
 std::atomic<int> g_fused_apply_calls{0};
-void count_fused_apply(OpId op, Device device, bool begin) {
+void count_fused_apply(OpId op, Device device, bool begin, std::span<const Tensor>) {
   if (begin && op == OpId::adafactor_apply_ && device == cuda(0)) ++g_fused_apply_calls;
 }
 

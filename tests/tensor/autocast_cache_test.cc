@@ -20,7 +20,7 @@ namespace {
 
 // Counts cast kernel calls while it lives (the observer is process-wide).
 int g_casts = 0;
-void count_casts(OpId op, Device, bool begin) {
+void count_casts(OpId op, Device, bool begin, std::span<const Tensor>) {
   if (begin && op == OpId::cast) ++g_casts;
 }
 struct CountCasts {
