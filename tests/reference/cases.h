@@ -110,6 +110,12 @@ struct Arg {
 Arg arg(Shape shape, Domain domain = normal(), std::optional<Domain> int_domain = std::nullopt);
 Arg index_arg(Shape shape, int64_t lo, int64_t hi, DType dt = DType::i64);
 Arg fixed_arg(Shape shape, std::vector<double> values, DType dt);
+// `a` as an input the op writes in place: never laid out as an expanded (stride-0) view,
+// whose elements sharing one location could not each be updated.
+inline Arg written(Arg a) {
+  a.expandable = false;
+  return a;
+}
 Arg absent_arg();
 
 struct Case {
@@ -157,6 +163,8 @@ std::vector<OpSweep> elementwise_sweeps();  // cases_elementwise.cc
 std::vector<OpSweep> nn_sweeps();           // cases_nn.cc
 std::vector<OpSweep> attention_sweeps();    // cases_attention.cc (part of nn_sweeps)
 std::vector<OpSweep> linear_sweeps();       // cases_linear.cc (part of nn_sweeps)
+std::vector<OpSweep> norm_sweeps();         // cases_norm.cc (part of nn_sweeps)
+std::vector<OpSweep> optim_pass_sweeps();   // cases_optim_passes.cc (part of optim_sweeps)
 std::vector<OpSweep> data_sweeps();         // cases_data.cc
 std::vector<OpSweep> optim_sweeps();        // cases_optim.cc
 
@@ -169,6 +177,11 @@ Tensor make_tensor(const NdArray& a, DType dt);
 NdArray read_tensor(const Tensor& t);
 // The value stored at flat storage position `i` of t's storage (for gap checks).
 double read_storage(const Tensor& t, int64_t i);
+// An in-place op's effects on strided f32 [3, 4] inputs: `update` bumps the version of the
+// inputs it writes (their indices: written_inputs) and of no other, and leaves the storage
+// gaps between their elements alone.
+void inplace_effects(const std::function<void(const Tensors&)>& update, size_t n_inputs,
+                     std::vector<size_t> written_inputs, const char* op);
 // Values for `arg` drawn from a generator seeded with `seed`, rounded to dt.
 NdArray draw(const Arg& arg, DType dt, uint64_t seed);
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 
@@ -190,6 +191,33 @@ double read_storage(const Tensor& device_tensor, int64_t i) {
   return visit_dtype(t.dtype(), [&]<typename T>() {
     return from_storage(static_cast<const T*>(t.storage()->data())[i]);
   });
+}
+
+void inplace_effects(const std::function<void(const Tensors&)>& update, size_t n_inputs,
+                     std::vector<size_t> written_inputs, const char* op) {
+  Tensors in;
+  for (size_t i = 0; i < n_inputs; ++i) {
+    in.push_back(build(NdArray::zeros({3, 4}, 0.5), DType::f32, Layout::strided, i).tensor);
+  }
+  std::vector<uint64_t> before;
+  for (const Tensor& t : in) before.push_back(t.storage()->version());
+  {
+    NoGradGuard no_grad;
+    update(in);
+  }
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool is_written =
+        std::find(written_inputs.begin(), written_inputs.end(), i) != written_inputs.end();
+    CHECK_MESSAGE(in[i].storage()->version() == before[i] + (is_written ? 1 : 0), op,
+                  ": input ", i, " version ", in[i].storage()->version(), " (was ", before[i],
+                  ")");
+    int64_t finite = 0;
+    for (int64_t k = 0; k < in[i].storage()->nbytes() / 4; ++k) {
+      finite += !std::isnan(read_storage(in[i], k));
+    }
+    CHECK_MESSAGE(finite == 12, op, ": input ", i, " has ", finite,
+                  " non-NaN storage elements: the update wrote into its gaps");
+  }
 }
 
 NdArray draw(const Arg& a, DType dt, uint64_t seed) {
