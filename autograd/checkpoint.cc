@@ -64,7 +64,7 @@ class CheckpointNode final : public Node {
       // its batch slice (dropout draws the same rows of the masks; a pipeline's backward runs
       // outside the slice its forward ran in).
       GradModeGuard grad_on(true);
-      AutocastGuard amp(autocast_);
+      AutocastGuard amp(autocast_, /*cache_casts=*/false);  // (each weight is cast once here)
       const RecomputeMark mark;
       // What the replay saves is read right away: compressing it would only add rounding.
       const SavedCompressionGuard exact({.mode = SavedCompression::none});
@@ -116,6 +116,8 @@ std::vector<Tensor> checkpoint(CheckpointFn fn, const std::vector<Tensor>& input
   std::vector<Tensor> outputs;
   {
     NoGradGuard no_grad;
+    // Nothing this pass casts is kept: the point is to hold less until backward.
+    const AutocastGuard no_cast_cache(autocast_dtype(), /*cache_casts=*/false);
     outputs = fn(inputs);
   }
   auto node = std::make_shared<CheckpointNode>(fn, inputs, seed, offset, autocast_dtype());

@@ -91,7 +91,8 @@ AutocastRule autocast_rule(OpId op) { return kRules[static_cast<int>(op)]; }
 DType autocast_dtype() { return t_autocast; }
 
 AutocastGuard::AutocastGuard(DType low, bool cache_casts)
-    : previous_(t_autocast), previous_cache_off_(t_cast_cache.off), holds_(low != DType::f32) {
+    : previous_(t_autocast), previous_cache_off_(t_cast_cache.off),
+      holds_(low != DType::f32 && cache_casts) {
   TS_CHECK(low == DType::f32 || is_low(low),
            "AutocastGuard: the low-precision dtype must be bf16 or f16 (or f32 for off), got {}",
            low);
@@ -121,8 +122,11 @@ AutocastCastScope::~AutocastCastScope() { t_cast_cache.casting = previous_; }
 
 bool cast_cache_applies(const Tensor& src, DType dtype) {
   const CastCache& c = t_cast_cache;
+  // (ZeRO-3's gathered units are released after each use: a cached cast would keep a
+  // full-size copy of every unit alive, what gathering a unit at a time is there to avoid.)
   return c.casting && c.holders > 0 && !c.off && src.dtype() == DType::f32 && is_low(dtype) &&
-         src.requires_grad() && src.storage() != nullptr && src.storage()->grad_leaf();
+         src.requires_grad() && src.storage() != nullptr && src.storage()->grad_leaf() &&
+         src.storage()->tag() != MemoryTag::gathered;
 }
 
 Tensor cast_cache_find(const Tensor& src, DType dtype) {
@@ -137,6 +141,9 @@ Tensor cast_cache_find(const Tensor& src, DType dtype) {
 }
 
 void cast_cache_put(const Tensor& src, DType dtype, const Tensor& cast) {
+  // Entries whose source died go first: a leaf that lives a micro-batch (a checkpointed
+  // block's or a pipeline stage's detached input) then keeps its cast no longer than itself.
+  std::erase_if(t_cast_cache.entries, [](const auto& e) { return e.second.storage.expired(); });
   const Storage& storage = src.storage();
   t_cast_cache.entries.insert_or_assign(
       key_of(src, dtype),

@@ -56,9 +56,13 @@ class AutocastGuard {
 // cast once a step instead of once per forward. A reuse records its own cast in the graph, so
 // the gradient reaches the f32 parameter as before; the values are the cast's, bit for bit.
 // An entry serves only while the parameter's storage, bytes and version are those it was cast
-// from (an optimizer's in-place update, copy_, and a collective writing into it each bump the
-// version), and only casts autocast inserts (an explicit cast() always runs). The cache is
-// emptied when the thread's last holder closes.
+// from: in-place ops, copy_ and the optimizers' fused updates bump the version, but a
+// collective or a file read writing into a parameter's bytes does not, so such a writer calls
+// clear_cast_cache() (ZeRO's step does). Only casts autocast inserts are served (an explicit
+// cast() always runs), never of ZeRO-3's gathered units (released after each use), and an
+// entry whose parameter died is dropped at the next cast. The cache is emptied when the
+// thread's last holder closes. A region with cache_casts = false keeps it off in regions
+// nested inside it.
 //
 //   WeightCastCache keep;                     // the step's micro-batches share the casts
 //   for (int m = 0; m < accum; ++m) { AutocastGuard amp(DType::bf16); model(x[m]).backward(); }

@@ -10,7 +10,8 @@
 // With TESSERA_PROFILE_SHAPES=1 too, a second table breaks the GEMM ops down by their
 // operands' shapes and layouts (N: row-major, T: transposed, S: other strides), with each
 // shape's GFLOP/s (matmul and linear: 2 m n k per product) inside the step, to set beside
-// the same products run alone (tools/bench/cpu_bench --only gemm).
+// the same products run alone (tools/bench/cpu_bench --only gemm). A linear's time includes
+// its bias and activation; grouped matmul and conv rows show their time alone.
 //
 // Steps are counted per thread by the optimizer's fused update ops, so a run whose optimizer
 // issues none (Adafactor) never starts the table; with simulated ranks every rank's ops are
@@ -102,7 +103,7 @@ double gemm_flops(OpId op, std::span<const Tensor> in) {
   for (int64_t i = 1; i <= std::max(a.dim(), b.dim()) - 2; ++i) {
     const int64_t da = a.dim() - 2 - i >= 0 ? a.shape()[a.dim() - 2 - i] : 1;
     const int64_t db = b.dim() - 2 - i >= 0 ? b.shape()[b.dim() - 2 - i] : 1;
-    batch *= static_cast<double>(std::max(da, db));
+    batch *= static_cast<double>(da == 1 ? db : da);  // broadcasting: 1 against n (or 0)
   }
   return 2.0 * batch * m * n * k;
 }
@@ -110,13 +111,16 @@ double gemm_flops(OpId op, std::span<const Tensor> in) {
 void report_shapes(const Profile& p, double wall_ms) {
   std::vector<std::pair<std::string, Sum>> rows(p.by_shape.begin(), p.by_shape.end());
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
-  double ms = 0, flops = 0;
+  double ms = 0, flops = 0, flops_ms = 0;  // flops_ms: the time of the rows with a FLOP count
   std::fprintf(stderr, "\nGEMM ops by operand shapes (N row-major, T transposed, S strided):\n");
   std::fprintf(stderr, "| op and operands | calls | ms | %% of wall | GFLOP/s |\n|---|---:|---:|---:|---:|\n");
   for (const auto& [key, s] : rows) {
     ms += s.ms;
-    flops += s.flops;
     if (s.flops > 0) {
+      flops += s.flops;
+      flops_ms += s.ms;
+    }
+    if (s.flops > 0 && s.ms > 0) {
       std::fprintf(stderr, "| %s | %ld | %.2f | %.1f | %.1f |\n", key.c_str(), s.calls, s.ms,
                    100.0 * s.ms / std::max(wall_ms, 1e-9), s.flops / (s.ms * 1e6));
     } else {
@@ -125,7 +129,7 @@ void report_shapes(const Profile& p, double wall_ms) {
     }
   }
   std::fprintf(stderr, "| all GEMM ops | | %.2f | %.1f | %.1f (matmul and linear) |\n", ms,
-               100.0 * ms / std::max(wall_ms, 1e-9), flops / (std::max(ms, 1e-9) * 1e6));
+               100.0 * ms / std::max(wall_ms, 1e-9), flops / (std::max(flops_ms, 1e-9) * 1e6));
 }
 
 void report() {

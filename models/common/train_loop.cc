@@ -64,7 +64,7 @@ LoopResult run_loop(Replica& replica, const LoopOptions& o, StepMeter& meter,
       // Under autocast the micro-batches share each parameter's cast (tensor/autocast.h):
       // one cast per step. Not kept past the backward passes, so the update runs without them.
       std::optional<WeightCastCache> casts;
-      if (o.accum > 1) casts.emplace();
+      if (o.accum > 1 && o.share_casts) casts.emplace();
       for (int micro = 0; micro < o.accum; ++micro) {
         losses.push_back(replica.forward_backward(step, micro).detach());
       }

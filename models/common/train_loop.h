@@ -79,7 +79,11 @@ struct LoopOptions {
   int64_t stop_at = 0;             // the step to stop after
   // The learning rate of a step (the schedule).
   std::function<double(int64_t step)> lr;
-  int64_t accum = 1;               // micro-batches per step (they share autocast's casts)
+  int64_t accum = 1;               // micro-batches per step
+  // With accum > 1, the micro-batches share autocast's casts of the parameters (one
+  // WeightCastCache over the step's forwards and backwards: tensor/autocast.h), which keeps
+  // those casts alive until the step's last backward ends.
+  bool share_casts = true;
   double clip = 0.0;               // max global gradient norm; 0: no clipping
   bool skip_nonfinite = false;     // --nonfinite=skip (else error)
   int64_t log_every = 10;          // steps between progress / metrics lines

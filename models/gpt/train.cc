@@ -632,6 +632,8 @@ models::LoopOptions loop_options(const GptTrainConfig& config, int64_t start, bo
            config.resume, o.start_step, config.steps, config.max_steps);
   o.lr = [schedule](int64_t step) { return schedule->lr(step); };
   o.accum = config.accum;
+  // Recomputation is there to hold less across the backward: not every weight's cast too.
+  o.share_casts = config.recompute == "none";
   o.clip = config.clip;
   o.skip_nonfinite = config.nonfinite == "skip";
   o.log_every = config.log_every;

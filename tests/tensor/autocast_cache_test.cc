@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "tensor/allocator.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -66,44 +67,44 @@ TEST_CASE("a parameter is cast once per holder; outputs and gradients have the u
   for (const DType low : {DType::bf16, DType::f16}) {
     CAPTURE(low);
     const Model model(1);
-    // Uncached: every use casts (w, b, v twice, x twice).
-    Tensor want;
+    // Uncached, two forwards: each casts x, w, b (linear), v^T and v (h is low already).
+    std::vector<Tensor> want;
     int casts_uncached = 0;
     {
       const CountCasts count;
       {
         AutocastGuard amp(low, /*cache_casts=*/false);
-        want = model.forward(model.x[0]);
+        want = {model.forward(model.x[0]), model.forward(model.x[0])};
       }
-      sum(want).backward();
+      (sum(want[0]) + sum(want[1])).backward();
       casts_uncached = g_casts;
     }
-    // Forward: x, w, b (linear), v^T, v (h is bf16 already); backward: the four parameters'
-    // gradients back to f32.
-    CHECK(casts_uncached == 9);
+    // 2 x 5 forward casts; backward casts each parameter's gradient back to f32, per use.
+    CHECK(casts_uncached == 18);
     const Tensor gw = model.w.grad(), gb = model.b.grad(), gv = model.v.grad();
     model.zero();
-    Tensor got;
+    std::vector<Tensor> got;
     const CastCacheStats before = cast_cache_stats();
     {
       const CountCasts count;
       {
         AutocastGuard amp(low);
-        got = model.forward(model.x[0]);
+        got.push_back(model.forward(model.x[0]));
         // w, b, v and v^T each cast once (x too, uncached: not a parameter).
         CHECK(since(before).misses == 4);
         CHECK(since(before).hits == 0);
         CHECK(since(before).entries == 4);
-        const Tensor again = model.forward(model.x[0]);  // all four served
+        got.push_back(model.forward(model.x[0]));  // all four served
         CHECK(since(before).hits == 4);
-        CHECK(same_bits(again, got));
       }
       CHECK(cast_cache_stats().entries == 0);  // emptied with its last holder
-      sum(got).backward();
-      // The second forward cast only x; backward's casts are not autocast's.
-      CHECK(g_casts == casts_uncached + 1);
+      // The gradients flow through the served casts' own nodes as through the made ones.
+      (sum(got[0]) + sum(got[1])).backward();
+      // The second forward cast only x; backward's casts are the same 8.
+      CHECK(g_casts == casts_uncached - 4);
     }
-    CHECK(same_bits(got, want));
+    CHECK(same_bits(got[0], want[0]));
+    CHECK(same_bits(got[1], want[1]));
     CHECK(same_bits(model.w.grad(), gw));
     CHECK(same_bits(model.b.grad(), gb));
     CHECK(same_bits(model.v.grad(), gv));
@@ -213,12 +214,64 @@ TEST_CASE("only autocast's casts of parameters are cached, on this thread, while
     }).join();
     CHECK(since(before).misses == 1);
   }
-  // No holder: nothing is kept.
-  {
-    AutocastGuard f32(DType::f32);
-    linear(x, w);
-  }
+  // The last holder closed: the next holder starts empty.
   CHECK(cast_cache_stats().entries == 0);
+  {
+    AutocastGuard amp(DType::bf16);
+    linear(x, w);
+    CHECK(since(before).misses == 2);
+    CHECK(since(before).entries == 1);
+  }
+}
+
+TEST_CASE("views of a parameter, a swapped storage, a dead parameter, a gathered unit") {
+  Tensor w = randn({6, 4}).requires_grad_();
+  const Tensor x = randn({3, 4});
+  auto uncached = [&](const Tensor& weight) {
+    AutocastGuard amp(DType::bf16, false);
+    return linear(x, weight);
+  };
+  AutocastGuard amp(DType::bf16);
+  const CastCacheStats before = cast_cache_stats();
+  // A row slice (an offset into w's storage) is its own entry, beside w's.
+  const Tensor rows = narrow(w, 0, 2, 3);
+  const Tensor a = linear(x, w), b = linear(x, rows);
+  CHECK(since(before).misses == 2);
+  CHECK(since(before).entries == 2);
+  CHECK(same_bits(linear(x, w), a));
+  CHECK(same_bits(linear(x, rows), b));
+  CHECK(since(before).hits == 2);
+  CHECK(same_bits(b, uncached(rows)));
+  // set_data gives w another storage: a new entry, its values.
+  w.set_data(randn({6, 4}));
+  const Tensor c = linear(x, w);
+  CHECK(since(before).misses == 3);
+  CHECK(same_bits(c, uncached(w)));
+  CHECK_FALSE(same_bits(c, a));
+  // A parameter that dies takes its entry with it at the next cast (the narrow view of the
+  // old storage keeps that storage, and its entries, alive).
+  {
+    const Tensor t = randn({6, 4}).requires_grad_();
+    linear(x, t);
+  }
+  const int64_t with_dead = cast_cache_stats().entries;
+  linear(x, rows);  // a hit: nothing put, nothing dropped
+  CHECK(cast_cache_stats().entries == with_dead);
+  const Tensor u = randn({5, 4}).requires_grad_();
+  linear(x, u);  // a put: the dead one goes, u comes
+  CHECK(cast_cache_stats().entries == with_dead);
+  // ZeRO-3's gathered units (released after each use) are never cached.
+  Tensor g;
+  {
+    MemoryTagScope tag(MemoryTag::gathered);
+    g = randn({6, 4});
+  }
+  g.requires_grad_();
+  const int64_t misses = since(before).misses;
+  linear(x, g);
+  linear(x, g);
+  CHECK(since(before).misses == misses);
+  CHECK(cast_cache_stats().entries == with_dead);
 }
 
 }  // namespace
