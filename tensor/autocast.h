@@ -52,8 +52,8 @@ class AutocastGuard {
 // head multiplies by wte's transpose) to the low dtype once and reuses that cast while a
 // holder is open on this thread: an AutocastGuard that turns autocast
 // on (its region, as PyTorch's autocast caches within one), or a WeightCastCache, which the
-// training loop holds across a step's micro-batches and recomputation so that each weight is
-// cast once a step instead of once per forward. A reuse records its own cast in the graph, so
+// training loop holds across a step's micro-batches so that each weight is cast once a step
+// instead of once per forward (not with recomputation, whose passes keep nothing). A reuse records its own cast in the graph, so
 // the gradient reaches the f32 parameter as before; the values are the cast's, bit for bit.
 // An entry serves only while the parameter's storage, bytes and version are those it was cast
 // from: in-place ops, copy_ and the optimizers' fused updates bump the version, but a
