@@ -5,13 +5,14 @@
 // it), and one parallel pass over whole rows then writes y. The activation ran in the
 // epilogue too until 2026-11-27, but there GPT-mini's 2048 x 128 x 512 GELU product spent
 // ~12% of the step against ~9.7% for the product then the pass (TESSERA_PROFILE_SHAPES,
-// BENCHMARKS.md): the epilogue's short per-row calls between micro-tiles cost the GEMM more
-// than one read of the product from cache costs the pass. Each element is rounded as matmul,
-// then add, then the activation's op round it (the activation runs through that op's own
-// vectorised path: kernels/cpu/activation.h), so the fused op gives the unfused ops' bits.
-// f16/bf16 are widened and x W^T + b computed in f32 and rounded once; the activation runs
-// on that rounded pre-activation (rounding again), as the unfused ops would. f64 goes through
-// Eigen's GEMM, then the same epilogue as a separate pass.
+// BENCHMARKS.md). The likely cause, not measured apart: the epilogue's short per-row calls
+// between micro-tiles cost the GEMM more than one more read of the product costs the pass.
+// Each element is rounded as matmul, then add, then the activation's op round it (the
+// activation runs through that op's own vectorised path: kernels/cpu/activation.h), so the
+// fused op gives the unfused ops' bits. f16/bf16 are widened and x W^T + b computed in f32
+// and rounded once; the activation runs on that rounded pre-activation (rounding again), as
+// the unfused ops would. f64 goes through Eigen's GEMM, then the same epilogue as a separate
+// pass.
 //
 // linear_act_backward: grad_pre = grad * act'(pre) per row, and the bias gradient (its
 // column sums) accumulated in f64 over row chunks whose size depends on the row count
