@@ -1,7 +1,11 @@
 #include "optim/loss_scaler.h"
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
+#include "optim/clip.h"
 #include "optim/internal/state_dict.h"
 #include "tensor/grad_mode.h"
 #include "tensor/ops.h"
@@ -38,18 +42,37 @@ bool DynamicLossScaler::unscale_and_check(const std::vector<Tensor>& params) {
            "iteration; call update() after step() to start the next one");
   NoGradGuard no_grad;
   const double inv = 1.0 / scale_;
-  bool finite = true;
+  // Every gradient unscaled by one scale_ per device (clip.h's scale_gradients: 16-bit ones
+  // in f32, rounded once, the bits of copy_(g, cast(g, f32) * inv); a parameter listed twice
+  // once), then one check of the stored values per device: sum_squares accumulates in f64,
+  // where the squares of f32 and 16-bit values (at most ~1.2e77) and their sums cannot
+  // overflow, so it is non-finite exactly when some element is. f64 gradients, whose squares
+  // can overflow, are checked one by one with max(|g|) (max propagates NaN). One host read
+  // per device instead of one per parameter.
   for (const Tensor& p : params) {
     TS_CHECK(p.defined(), "DynamicLossScaler.unscale_and_check: a parameter is undefined");
+  }
+  scale_gradients(params, inv);
+  std::vector<std::pair<Device, std::vector<Tensor>>> by_device;
+  std::vector<Tensor> wide;
+  for (const Tensor& p : params) {
     const Tensor g = p.grad();
     if (!g.defined() || g.numel() == 0) continue;
-    // 16-bit gradients are unscaled in f32 and rounded once; the check runs on the f32
-    // values, which are non-finite exactly when the stored ones are.
-    const bool narrow = g.dtype() == DType::f16 || g.dtype() == DType::bf16;
-    const Tensor unscaled = (narrow ? cast(g, DType::f32) : g) * inv;
-    copy_(g, unscaled);
-    // max(|g|) is inf or NaN exactly when some element is (max propagates NaN).
-    if (finite && !std::isfinite(max(abs(unscaled)).item<double>())) finite = false;
+    if (g.dtype() == DType::f64) {
+      wide.push_back(g);
+      continue;
+    }
+    auto it = std::find_if(by_device.begin(), by_device.end(),
+                           [&](const auto& e) { return e.first == g.device(); });
+    if (it == by_device.end()) it = by_device.insert(by_device.end(), {g.device(), {}});
+    it->second.push_back(g);
+  }
+  bool finite = true;
+  for (const auto& [device, grads] : by_device) {
+    if (finite && !std::isfinite(sum_squares(grads).item<double>())) finite = false;
+  }
+  for (const Tensor& g : wide) {
+    if (finite && !std::isfinite(max(abs(g)).item<double>())) finite = false;
   }
   checked_ = true;
   found_inf_ = any_rank_ ? any_rank_(!finite) : !finite;

@@ -43,8 +43,11 @@ class DynamicLossScaler {
   // loss * scale (in loss's dtype; losses are normally f32). Disabled: loss itself.
   Tensor scale(const Tensor& loss) const;
   // Divides every gradient of `params` by the scale in place and returns whether all of
-  // them are finite (on every rank, with reduce_found_inf_with). At most once per iteration
-  // (Error on a second call before update()). Disabled: touches nothing and returns true.
+  // them are finite (on every rank, with reduce_found_inf_with): one scale_ and one
+  // sum_squares per device, one host read (f64 gradients: a max |g| each). The check reads
+  // the stored gradients, so a 16-bit one that the unscale overflowed counts. At most once
+  // per iteration (Error on a second call before update()). Disabled: touches nothing and
+  // returns true.
   bool unscale_and_check(const std::vector<Tensor>& params);
   // The same for the optimizer's parameters (under ZeRO: this rank's shards).
   bool unscale_and_check(const Optimizer& optimizer);

@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <limits>
+#include <span>
+#include <vector>
 
 #include "autograd/autograd.h"
 #include "optim/loss_scaler.h"
@@ -123,6 +125,69 @@ TEST_CASE("finite gradients are unscaled exactly and stepped; the scale grows ev
   CHECK(bitwise_equal(p, reference));  // skipped steps left no trace
   CHECK(opt.step_count(0) == 8);  // 9 iterations, 1 skipped
   CHECK(scaler.skipped_steps() == 1);
+}
+
+// Counts kernel calls while it lives (the observer is process-wide).
+int g_kernel_calls = 0;
+void count_kernels(OpId, Device, bool begin, std::span<const Tensor>) {
+  if (begin) ++g_kernel_calls;
+}
+struct CountKernels {
+  KernelObserver previous = kernel_observer();
+  CountKernels() {
+    g_kernel_calls = 0;
+    set_kernel_observer(count_kernels);
+  }
+  ~CountKernels() { set_kernel_observer(previous); }
+};
+
+TEST_CASE("unscale_and_check: one scale_ and one check for the whole set, the per-parameter bits") {
+  // f32, bf16 and f16 gradients (a transposed one too) at scale 1024, against the
+  // per-parameter definition: copy_(g, (16-bit ? cast(g, f32) : g) * (1 / scale)).
+  std::vector<Tensor> params, want;
+  for (const DType dt : {DType::f32, DType::bf16, DType::f16, DType::f32}) {
+    Tensor p = randn({37, 5}).cast(dt).requires_grad_();
+    Tensor g = (randn({37, 5}) * 1024.0).cast(dt);
+    if (params.size() == 3) g = transpose(randn({5, 37}) * 1024.0, 0, 1);
+    p.set_grad(g.clone());
+    const bool narrow = dt != DType::f32;
+    const Tensor w = g.clone();
+    copy_(w, (narrow ? cast(w, DType::f32) : w) * (1.0 / 1024.0));
+    params.push_back(p);
+    want.push_back(w);
+  }
+  DynamicLossScaler scaler({.init_scale = 1024});
+  {
+    const CountKernels count;
+    CHECK(scaler.unscale_and_check(params));
+    // scale_, sum_squares and the copy_ that reads its result (before: a cast for 16-bit,
+    // mul, copy_, abs, max and a read per parameter).
+    CHECK(g_kernel_calls == 3);
+  }
+  for (size_t i = 0; i < params.size(); ++i) CHECK(bitwise_equal(params[i].grad(), want[i]));
+  scaler.update();
+
+  // The check: a NaN in a bf16 gradient, an inf in an f64 one (checked by max |g|, whose
+  // squares could overflow), and finite f32 values near the top of the range (their squares
+  // do not overflow f64) are told apart.
+  auto check = [&](const Tensor& g) {
+    Tensor p = zeros(g.shape(), g.dtype()).requires_grad_();
+    p.set_grad(g);
+    DynamicLossScaler s({.init_scale = 1.0});
+    return s.unscale_and_check(std::vector<Tensor>{params[0], p});
+  };
+  CHECK_FALSE(check(f32({1.0f, std::nanf("")}).cast(DType::bf16)));
+  CHECK_FALSE(check(Tensor::from_vector<double>({1.0, HUGE_VAL}, {2})));
+  CHECK(check(Tensor::from_vector<double>({1e300, -1e300}, {2})));  // squares overflow; finite
+  CHECK(check(f32({3.0e38f, -3.0e38f})));
+  // A 16-bit gradient that the unscale itself overflows (scale below 1) is caught: the
+  // check reads the stored values.
+  {
+    Tensor p = zeros({2}, DType::f16).requires_grad_();
+    p.set_grad(f32({60000.0f, 1.0f}).cast(DType::f16));
+    DynamicLossScaler s({.init_scale = 0.25});
+    CHECK_FALSE(s.unscale_and_check(std::vector<Tensor>{p}));
+  }
 }
 
 TEST_CASE("scale() multiplies the loss; unscale_and_check() recovers the true gradient") {
