@@ -1,8 +1,6 @@
 #include "optim/loss_scaler.h"
 
-#include <algorithm>
 #include <cmath>
-#include <utility>
 #include <vector>
 
 #include "optim/clip.h"
@@ -44,35 +42,20 @@ bool DynamicLossScaler::unscale_and_check(const std::vector<Tensor>& params) {
   const double inv = 1.0 / scale_;
   // Every gradient unscaled by one scale_ per device (clip.h's scale_gradients: 16-bit ones
   // in f32, rounded once, the bits of copy_(g, cast(g, f32) * inv); a parameter listed twice
-  // once), then one check of the stored values per device: sum_squares accumulates in f64,
-  // where the squares of f32 and 16-bit values (at most ~1.2e77) and their sums cannot
-  // overflow, so it is non-finite exactly when some element is. f64 gradients, whose squares
-  // can overflow, are checked one by one with max(|g|) (max propagates NaN). One host read
-  // per device instead of one per parameter.
+  // once), then checked on the stored values by grad_norm: its f64 sum of squares cannot
+  // overflow for f32 and 16-bit values (squares at most ~1.2e77), so the norm is non-finite
+  // exactly when some element is (one op and one host read on one device). f64 gradients, whose
+  // squares can overflow, are checked one by one with max(|g|) (max propagates NaN).
+  std::vector<Tensor> narrow_or_f32, wide;
   for (const Tensor& p : params) {
     TS_CHECK(p.defined(), "DynamicLossScaler.unscale_and_check: a parameter is undefined");
+    const Tensor g = p.grad();
+    if (g.defined() && g.numel() > 0) (g.dtype() == DType::f64 ? wide : narrow_or_f32).push_back(p);
   }
   scale_gradients(params, inv);
-  std::vector<std::pair<Device, std::vector<Tensor>>> by_device;
-  std::vector<Tensor> wide;
-  for (const Tensor& p : params) {
-    const Tensor g = p.grad();
-    if (!g.defined() || g.numel() == 0) continue;
-    if (g.dtype() == DType::f64) {
-      wide.push_back(g);
-      continue;
-    }
-    auto it = std::find_if(by_device.begin(), by_device.end(),
-                           [&](const auto& e) { return e.first == g.device(); });
-    if (it == by_device.end()) it = by_device.insert(by_device.end(), {g.device(), {}});
-    it->second.push_back(g);
-  }
-  bool finite = true;
-  for (const auto& [device, grads] : by_device) {
-    if (finite && !std::isfinite(sum_squares(grads).item<double>())) finite = false;
-  }
-  for (const Tensor& g : wide) {
-    if (finite && !std::isfinite(max(abs(g)).item<double>())) finite = false;
+  bool finite = std::isfinite(grad_norm(narrow_or_f32));
+  for (const Tensor& p : wide) {
+    if (finite && !std::isfinite(max(abs(p.grad())).item<double>())) finite = false;
   }
   checked_ = true;
   found_inf_ = any_rank_ ? any_rank_(!finite) : !finite;

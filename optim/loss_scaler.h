@@ -43,8 +43,8 @@ class DynamicLossScaler {
   // loss * scale (in loss's dtype; losses are normally f32). Disabled: loss itself.
   Tensor scale(const Tensor& loss) const;
   // Divides every gradient of `params` by the scale in place and returns whether all of
-  // them are finite (on every rank, with reduce_found_inf_with): one scale_ and one
-  // sum_squares per device, one host read (f64 gradients: a max |g| each). The check reads
+  // them are finite (on every rank, with reduce_found_inf_with): scale_gradients, then
+  // whether grad_norm is finite (f64 gradients: a max |g| each). The check reads
   // the stored gradients, so a 16-bit one that the unscale overflowed counts. At most once
   // per iteration (Error on a second call before update()). Disabled: touches nothing and
   // returns true.

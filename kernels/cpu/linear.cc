@@ -66,7 +66,6 @@ void linear_typed(Tensor x, Tensor w, Tensor b, const Tensor& y, const Tensor& p
   T* c = static_cast<T*>((fused_act ? pre : y).raw_data());
   const Epilogue<T> epi{c, fused_act ? static_cast<T*>(y.raw_data()) : nullptr,
                         b.defined() ? static_cast<const T*>(b.raw_data()) : nullptr, N, act};
-  const bool any = epi.y != nullptr || epi.bias != nullptr;
   if constexpr (std::is_same_v<T, float>) {
     int64_t rs = 0;
     if (!row_stride_of(x, rs)) {
@@ -95,7 +94,7 @@ void linear_typed(Tensor x, Tensor w, Tensor b, const Tensor& y, const Tensor& p
       cm.noalias() = Eigen::Map<const RowMat>(static_cast<const T*>(x.raw_data()), rows, K) *
                      Eigen::Map<const RowMat>(static_cast<const T*>(w.raw_data()), N, K).transpose();
     }
-    if (any) {
+    if (epi.y != nullptr || epi.bias != nullptr) {
       parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(N, 1)),
                    [&](int64_t r0, int64_t r1) { epi.run(r0, r1 - r0, 0, N); });
     }

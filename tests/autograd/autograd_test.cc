@@ -348,20 +348,6 @@ TEST_CASE("hooks on a leaf also apply to autograd::grad") {
 
 namespace {
 
-// Counts clone and copy_ kernel calls while it lives (the observer is process-wide).
-int g_copies = 0;
-void count_copies(OpId op, Device, bool begin, std::span<const Tensor>) {
-  if (begin && (op == OpId::clone || op == OpId::copy_)) ++g_copies;
-}
-struct CountCopies {
-  KernelObserver previous = kernel_observer();
-  CountCopies() {
-    g_copies = 0;
-    set_kernel_observer(count_copies);
-  }
-  ~CountCopies() { set_kernel_observer(previous); }
-};
-
 // A weight used through transposed views (x @ W^T, GPT's qkv product [B*T, C] @ [3, C, C]^T)
 // gets its gradient in its own layout: the backward copies nothing, the gradient is the sum
 // over rows of x_r g_r^T per matrix (loops here, f64), and in f32 it has the bits of the
@@ -375,9 +361,9 @@ TEST_CASE("the gradient of a weight used transposed is written in its layout, wi
     const Tensor y = matmul(x, batched ? transpose(w, 1, 2) : transpose(w, 0, 1));
     const Tensor g = randn(y.shape(), DType::f64);
     {
-      const CountCopies copies;
+      const testing::KernelCalls copies({OpId::clone, OpId::copy_});
       y.backward(g);
-      CHECK(g_copies == 0);
+      CHECK(copies.count() == 0);
     }
     const Tensor grad = w.grad();
     REQUIRE(grad.shape() == w.shape());

@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <limits>
-#include <span>
 #include <vector>
 
 #include "autograd/autograd.h"
@@ -14,6 +13,7 @@
 #include "optim/sgd.h"
 #include "parallel/comm/threads.h"
 #include "tests/optim/optim_test_util.h"
+#include "tests/testing.h"
 
 namespace tessera::optim {
 namespace {
@@ -127,20 +127,6 @@ TEST_CASE("finite gradients are unscaled exactly and stepped; the scale grows ev
   CHECK(scaler.skipped_steps() == 1);
 }
 
-// Counts kernel calls while it lives (the observer is process-wide).
-int g_kernel_calls = 0;
-void count_kernels(OpId, Device, bool begin, std::span<const Tensor>) {
-  if (begin) ++g_kernel_calls;
-}
-struct CountKernels {
-  KernelObserver previous = kernel_observer();
-  CountKernels() {
-    g_kernel_calls = 0;
-    set_kernel_observer(count_kernels);
-  }
-  ~CountKernels() { set_kernel_observer(previous); }
-};
-
 TEST_CASE("unscale_and_check: one scale_ and one check for the whole set, the per-parameter bits") {
   // f32, bf16 and f16 gradients (a transposed one too) at scale 1024, against the
   // per-parameter definition: copy_(g, (16-bit ? cast(g, f32) : g) * (1 / scale)).
@@ -158,11 +144,11 @@ TEST_CASE("unscale_and_check: one scale_ and one check for the whole set, the pe
   }
   DynamicLossScaler scaler({.init_scale = 1024});
   {
-    const CountKernels count;
+    const tessera::testing::KernelCalls calls;
     CHECK(scaler.unscale_and_check(params));
     // scale_, sum_squares and the copy_ that reads its result (before: a cast for 16-bit,
     // mul, copy_, abs, max and a read per parameter).
-    CHECK(g_kernel_calls == 3);
+    CHECK(calls.count() == 3);
   }
   for (size_t i = 0; i < params.size(); ++i) CHECK(bitwise_equal(params[i].grad(), want[i]));
   scaler.update();

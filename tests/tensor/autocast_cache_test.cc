@@ -19,20 +19,6 @@
 namespace tessera {
 namespace {
 
-// Counts cast kernel calls while it lives (the observer is process-wide).
-int g_casts = 0;
-void count_casts(OpId op, Device, bool begin, std::span<const Tensor>) {
-  if (begin && op == OpId::cast) ++g_casts;
-}
-struct CountCasts {
-  KernelObserver previous = kernel_observer();
-  CountCasts() {
-    g_casts = 0;
-    set_kernel_observer(count_casts);
-  }
-  ~CountCasts() { set_kernel_observer(previous); }
-};
-
 bool same_bits(const Tensor& a, const Tensor& b) {
   if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
   const Tensor ca = a.contiguous(), cb = b.contiguous();
@@ -71,13 +57,13 @@ TEST_CASE("a parameter is cast once per holder; outputs and gradients have the u
     std::vector<Tensor> want;
     int casts_uncached = 0;
     {
-      const CountCasts count;
+      const testing::KernelCalls casts({OpId::cast});
       {
         AutocastGuard amp(low, /*cache_casts=*/false);
         want = {model.forward(model.x[0]), model.forward(model.x[0])};
       }
       (sum(want[0]) + sum(want[1])).backward();
-      casts_uncached = g_casts;
+      casts_uncached = casts.count();
     }
     // 2 x 5 forward casts; backward casts each parameter's gradient back to f32, per use.
     CHECK(casts_uncached == 18);
@@ -86,7 +72,7 @@ TEST_CASE("a parameter is cast once per holder; outputs and gradients have the u
     std::vector<Tensor> got;
     const CastCacheStats before = cast_cache_stats();
     {
-      const CountCasts count;
+      const testing::KernelCalls casts({OpId::cast});
       {
         AutocastGuard amp(low);
         got.push_back(model.forward(model.x[0]));
@@ -101,7 +87,7 @@ TEST_CASE("a parameter is cast once per holder; outputs and gradients have the u
       // The gradients flow through the served casts' own nodes as through the made ones.
       (sum(got[0]) + sum(got[1])).backward();
       // The second forward cast only x; backward's casts are the same 8.
-      CHECK(g_casts == casts_uncached - 4);
+      CHECK(casts.count() == casts_uncached - 4);
     }
     CHECK(same_bits(got[0], want[0]));
     CHECK(same_bits(got[1], want[1]));
@@ -133,15 +119,15 @@ TEST_CASE("WeightCastCache: micro-batches share the casts; the accumulated gradi
   int uncached_casts = 0, cached_casts = 0;
   std::pair<std::vector<Tensor>, std::vector<Tensor>> want, got;
   {
-    const CountCasts count;
+    const testing::KernelCalls casts({OpId::cast});
     want = run(false);
-    uncached_casts = g_casts;
+    uncached_casts = casts.count();
   }
   const CastCacheStats before = cast_cache_stats();
   {
-    const CountCasts count;
+    const testing::KernelCalls casts({OpId::cast});
     got = run(true);
-    cached_casts = g_casts;
+    cached_casts = casts.count();
   }
   CHECK(since(before).misses == 4);
   CHECK(since(before).hits == 4 * (kMicro - 1));
