@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/profile.h"
 #include "tensor/op.h"
 
 namespace tessera::cpu {
@@ -71,43 +72,6 @@ thread_local std::vector<Open> t_open;
 thread_local long t_steps = 0;
 thread_local bool t_in_update = false;
 
-bool is_gemm(OpId op) {
-  return op == OpId::matmul || op == OpId::linear || op == OpId::grouped_matmul ||
-         op == OpId::grouped_matmul_backward_weight || op == OpId::conv2d || op == OpId::conv2d_backward_input || op == OpId::conv2d_backward_weight;
-}
-
-// "[16,128,512]N": the dims, and the layout of the last two (a matrix operand).
-std::string operand(const Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? "," : "") + std::to_string(t.shape()[d]);
-  s += "]";
-  if (t.dim() >= 2) {
-    const int64_t rs = t.strides()[t.dim() - 2], cs = t.strides()[t.dim() - 1];
-    s += cs == 1 || t.shape()[t.dim() - 1] == 1 ? "N" : rs == 1 || t.shape()[t.dim() - 2] == 1 ? "T" : "S";
-  }
-  return s;
-}
-
-// The FLOPs of a matmul (2 m n k per product over the broadcast batch) or a linear (2 rows
-// N K); 0 for the other GEMM ops (the table then shows their time alone).
-double gemm_flops(OpId op, std::span<const Tensor> in) {
-  if (in.size() < 2 || !in[0].defined() || !in[1].defined() || in[0].dim() < 1 || in[1].dim() < 1) return 0;
-  const Tensor &a = in[0], &b = in[1];
-  if (op == OpId::linear && b.dim() == 2) {
-    const double k = static_cast<double>(a.shape().back());
-    return k == 0 ? 0 : 2.0 * static_cast<double>(a.numel()) * static_cast<double>(b.shape()[0]);
-  }
-  if (op != OpId::matmul || a.dim() < 2 || b.dim() < 2) return 0;
-  const double m = a.shape()[a.dim() - 2], k = a.shape()[a.dim() - 1], n = b.shape()[b.dim() - 1];
-  double batch = 1;
-  for (int64_t i = 1; i <= std::max(a.dim(), b.dim()) - 2; ++i) {
-    const int64_t da = a.dim() - 2 - i >= 0 ? a.shape()[a.dim() - 2 - i] : 1;
-    const int64_t db = b.dim() - 2 - i >= 0 ? b.shape()[b.dim() - 2 - i] : 1;
-    batch *= static_cast<double>(da == 1 ? db : da);  // broadcasting: 1 against n (or 0)
-  }
-  return 2.0 * batch * m * n * k;
-}
-
 void report_shapes(const Profile& p, double wall_ms) {
   std::vector<std::pair<std::string, Sum>> rows(p.by_shape.begin(), p.by_shape.end());
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
@@ -145,7 +109,7 @@ void report() {
   long calls = 0, jobs = 0;
   for (const auto& [op, s] : rows) {
     total_ms += s.ms;
-    if (is_gemm(op)) gemm_ms += s.ms;
+    if (is_gemm_op(op)) gemm_ms += s.ms;
     calls += s.calls;
     jobs += s.jobs;
   }
@@ -195,10 +159,10 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
       }
     }
     Open o{op, now, internal::jobs_started(), record};
-    if (record && p.shapes && is_gemm(op)) {
+    if (record && p.shapes && is_gemm_op(op)) {
       o.shape = std::string(op_name(op)) + " ";
       for (size_t i = 0; i < inputs.size() && i < 2; ++i) {
-        if (inputs[i].defined()) o.shape += (i ? " x " : "") + operand(inputs[i]);
+        if (inputs[i].defined()) o.shape += (i ? " x " : "") + operand_key(inputs[i]);
       }
       o.flops = gemm_flops(op, inputs);
     }
@@ -226,12 +190,51 @@ const bool kInstalled = [] {
   const char* v = std::getenv("TESSERA_PROFILE");
   if (v == nullptr || *v == '\0') return false;
   profile().skip_steps = std::atol(v);
-  const char* shapes = std::getenv("TESSERA_PROFILE_SHAPES");
-  profile().shapes = shapes != nullptr && *shapes != '\0' && std::string(shapes) != "0";
+  profile().shapes = profile_shapes_requested();
   profile().previous = kernel_observer();
   set_kernel_observer(&observe);
   return true;
 }();
 
 }  // namespace
+
+bool profile_shapes_requested() {
+  const char* v = std::getenv("TESSERA_PROFILE_SHAPES");
+  return v != nullptr && *v != '\0' && std::string(v) != "0";
+}
+
+bool is_gemm_op(OpId op) {
+  return op == OpId::matmul || op == OpId::linear || op == OpId::grouped_matmul ||
+         op == OpId::grouped_matmul_backward_weight || op == OpId::conv2d || op == OpId::conv2d_backward_input || op == OpId::conv2d_backward_weight;
+}
+
+std::string operand_key(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? "," : "") + std::to_string(t.shape()[d]);
+  s += "]";
+  if (t.dim() >= 2) {
+    const int64_t rs = t.strides()[t.dim() - 2], cs = t.strides()[t.dim() - 1];
+    s += cs == 1 || t.shape()[t.dim() - 1] == 1 ? "N" : rs == 1 || t.shape()[t.dim() - 2] == 1 ? "T" : "S";
+  }
+  return s;
+}
+
+double gemm_flops(OpId op, std::span<const Tensor> in) {
+  if (in.size() < 2 || !in[0].defined() || !in[1].defined() || in[0].dim() < 1 || in[1].dim() < 1) return 0;
+  const Tensor &a = in[0], &b = in[1];
+  if (op == OpId::linear && b.dim() == 2) {
+    const double k = static_cast<double>(a.shape().back());
+    return k == 0 ? 0 : 2.0 * static_cast<double>(a.numel()) * static_cast<double>(b.shape()[0]);
+  }
+  if (op != OpId::matmul || a.dim() < 2 || b.dim() < 2) return 0;
+  const double m = a.shape()[a.dim() - 2], k = a.shape()[a.dim() - 1], n = b.shape()[b.dim() - 1];
+  double batch = 1;
+  for (int64_t i = 1; i <= std::max(a.dim(), b.dim()) - 2; ++i) {
+    const int64_t da = a.dim() - 2 - i >= 0 ? a.shape()[a.dim() - 2 - i] : 1;
+    const int64_t db = b.dim() - 2 - i >= 0 ? b.shape()[b.dim() - 2 - i] : 1;
+    batch *= static_cast<double>(da == 1 ? db : da);  // broadcasting: 1 against n (or 0)
+  }
+  return 2.0 * batch * m * n * k;
+}
+
 }  // namespace tessera::cpu

@@ -3,8 +3,14 @@
 // exit a table prints, per op, the calls, the device time between the events and the host
 // time spent inside the call (dispatch + launch), sorted by device time. Host time outside
 // kernels (autograd bookkeeping, Python-free but not free) is the wall time minus these.
+// A call's device time runs from the event before it to the event after it, so where the
+// device waits on the host (it has caught up), that wait counts too.
 //
-//   TESSERA_PROFILE=3 bin/gpt --device=cuda --precision=bf16 --steps=6 ...
+// With TESSERA_PROFILE_SHAPES=1 too, a second table splits each op by its inputs' shapes,
+// layouts (N row-major, T transposed, S strided) and dtypes, the 40 slowest rows, with the
+// time per call and, for matmul and linear, TFLOP/s.
+//
+//   TESSERA_PROFILE=3 [TESSERA_PROFILE_SHAPES=1] bin/gpt --device=cuda --precision=bf16 --steps=6 ...
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/profile.h"
 #include "kernels/cuda/runtime.h"
 #include "tensor/op.h"
 
@@ -24,6 +31,7 @@ struct Record {
   OpId op;
   cudaEvent_t begin, end;
   double host_us;
+  int shape = -1;  // index into Profile::shape_keys (TESSERA_PROFILE_SHAPES)
 };
 
 struct Profile {
@@ -32,6 +40,12 @@ struct Profile {
   long steps = 0;
   bool in_update = false;
   std::vector<Record> records;
+  bool shapes = false;                  // TESSERA_PROFILE_SHAPES
+  std::vector<std::string> shape_keys;  // distinct "op [a]N bf16 x [b]T bf16" keys
+  std::map<std::string, int> shape_index;
+  std::vector<double> open_flops;       // with the open stack: each call's GEMM FLOPs
+  std::vector<int> open_shape;
+  std::vector<double> shape_flops;      // per key, summed over its calls
   std::vector<cudaEvent_t> open;  // stack of begin events (ops call ops)
   std::vector<std::chrono::steady_clock::time_point> open_host;
   std::chrono::steady_clock::time_point first;
@@ -41,6 +55,36 @@ struct Profile {
 Profile& profile() {
   static Profile* p = new Profile;
   return *p;
+}
+
+// The calls by op and input shapes, the slowest 40.
+void report_shapes(const Profile& p, double total_device) {
+  struct Sum { long calls = 0; double device_ms = 0; };
+  std::vector<Sum> sums(p.shape_keys.size());
+  for (const Record& r : p.records) {
+    if (r.shape < 0) continue;
+    float ms = 0;
+    cudaEventElapsedTime(&ms, r.begin, r.end);
+    ++sums[r.shape].calls;
+    sums[r.shape].device_ms += ms;
+  }
+  std::vector<int> order(sums.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return sums[a].device_ms > sums[b].device_ms; });
+  std::fprintf(stderr, "\nOps by input shapes (N row-major, T transposed, S strided), the slowest 40 of %zu:\n",
+               order.size());
+  std::fprintf(stderr, "| op and inputs | calls | device ms | device %% | us per call | TFLOP/s |\n"
+                       "|---|---:|---:|---:|---:|---:|\n");
+  for (size_t i = 0; i < order.size() && i < 40; ++i) {
+    const Sum& s = sums[order[i]];
+    const double flops = p.shape_flops[order[i]];
+    std::fprintf(stderr, "| %s | %ld | %.2f | %.1f | %.1f | %s |\n", p.shape_keys[order[i]].c_str(),
+                 s.calls, s.device_ms, 100.0 * s.device_ms / std::max(total_device, 1e-9),
+                 1000.0 * s.device_ms / std::max(s.calls, 1L),
+                 flops > 0 && s.device_ms > 0
+                     ? std::to_string(static_cast<int>(flops / (s.device_ms * 1e9))).c_str()
+                     : "");
+  }
 }
 
 void report() {
@@ -75,6 +119,7 @@ void report() {
   }
   std::fprintf(stderr, "| total (top-level ops overlap nested ones) | | %.2f | | %.2f |\n",
                total_device, total_host);
+  if (p.shapes) report_shapes(p, total_device);
 }
 
 KernelObserver g_previous = nullptr;  // another backend's profile, if installed first
@@ -105,6 +150,24 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
     cudaEventRecord(e, compute_stream(device));
     p.open.push_back(e);
     p.open_host.push_back(std::chrono::steady_clock::now());
+    int shape = -1;
+    double flops = 0;
+    if (p.shapes && p.open.size() == 1) {
+      std::string key(op_name(op));
+      for (size_t i = 0; i < inputs.size() && i < 3; ++i) {
+        if (!inputs[i].defined()) continue;
+        key += (i ? " x " : " ") + cpu::operand_key(inputs[i]) + " " + std::string(dtype_name(inputs[i].dtype()));
+      }
+      const auto [it, added] = p.shape_index.try_emplace(key, static_cast<int>(p.shape_keys.size()));
+      if (added) {
+        p.shape_keys.push_back(key);
+        p.shape_flops.push_back(0);
+      }
+      shape = it->second;
+      flops = cpu::gemm_flops(op, inputs);
+    }
+    p.open_shape.push_back(shape);
+    p.open_flops.push_back(flops);
     return;
   }
   if (p.open.empty()) return;
@@ -116,15 +179,21 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
   // Nested calls (a kernel that calls ops) are recorded; only top-level ones would avoid
   // double counting, so nested records are dropped.
   const bool top_level = p.open.size() == 1;
-  if (top_level) p.records.push_back({op, p.open.back(), e, host_us});
+  if (top_level) {
+    p.records.push_back({op, p.open.back(), e, host_us, p.open_shape.back()});
+    if (p.open_shape.back() >= 0) p.shape_flops[p.open_shape.back()] += p.open_flops.back();
+  }
   p.open.pop_back();
   p.open_host.pop_back();
+  p.open_shape.pop_back();
+  p.open_flops.pop_back();
 }
 
 const bool kInstalled = [] {
   const char* v = std::getenv("TESSERA_PROFILE");
   if (v == nullptr || *v == '\0') return false;
   profile().skip_steps = std::atol(v);
+  profile().shapes = cpu::profile_shapes_requested();
   g_previous = kernel_observer();
   set_kernel_observer(&observe);
   return true;
