@@ -108,13 +108,13 @@ void argmax_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
 }
 
 // Strided tensors are first copied contiguous (one device copy each); one workspace for the
-// per-tensor sums and the largest tensor's block sums.
+// per-tensor sums and every tensor's block sums.
 void sum_squares_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
   const Device device = out[0].device();
   DeviceGuard g(device);
   std::vector<Tensor> keep;
   std::vector<DevTensor> xs;
-  int64_t most = 1;
+  int64_t blocks = 1;
   for (const Tensor& x : in) {
     Tensor c = x;
     if (!x.is_contiguous()) {
@@ -124,9 +124,9 @@ void sum_squares_kernel(std::span<const Tensor> in, std::span<Tensor> out, const
     keep.push_back(c);
     // As a flat run of elements (any number of dims).
     xs.push_back(dev_tensor(Tensor::from_storage(c.storage(), {c.numel()}, {1}, c.offset(), c.dtype())));
-    most = std::max(most, squares_blocks(x.numel()));
+    blocks += squares_blocks(x.numel());
   }
-  const Tensor ws = Tensor::empty({static_cast<int64_t>(in.size()) + most}, DType::f64, device);
+  const Tensor ws = Tensor::empty({static_cast<int64_t>(in.size()) + blocks}, DType::f64, device);
   double* sums = static_cast<double*>(ws.raw_data());
   const DevTensor o = dev_tensor(out[0]);
   run_launch("sum_squares", device, [&] {

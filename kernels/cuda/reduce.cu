@@ -9,7 +9,10 @@
 //     partial states a second kernel merges in a fixed order (a full sum);
 //   - columns: the innermost kept dim is contiguous (sum over dim 0 of a matrix): 32 outputs
 //     per block row, coalesced reads, 16 slices of the reduced range merged in order,
-//     optionally split into chunks like the rows.
+//     optionally split into chunks like the rows;
+//   - thin columns: the same, where the reduced range has at most 16 elements (the sum of a
+//     [3, rows, C] gradient over its 3): a thread per output doing those 16 slices' steps
+//     and merges itself, so no block waits on 13 idle rows of threads (the same bits).
 // Other layouts are packed with the reduced dims last by the caller (reduce.cc).
 #include <algorithm>
 #include <cstring>
@@ -265,6 +268,30 @@ __global__ void __launch_bounds__(32 * kColThreadsY) cols_kernel(
   }
 }
 
+// cols_kernel's arithmetic where nr <= kColThreadsY (one chunk): slice y holds element y
+// alone, so a thread per output steps slice 0 and merges slices 1..15 in order itself.
+template <typename T, typename R>
+__global__ void __launch_bounds__(256) cols_thin_kernel(typename R::Out* out, const T* in,
+                                                        Offsets kouter, int64_t nouter, int64_t kinner,
+                                                        Offsets red, int64_t nr, R r) {
+  using State = typename R::State;
+  const int64_t n = nouter * kinner;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t outer = nouter == 1 ? 0 : k / kinner, j = k - outer * kinner;
+    const T* base = in + kouter.at(outer) + j;
+    State s = r.init();
+    if (nr > 0) r.step(s, base[red.at(0)], 0);
+#pragma unroll
+    for (int y = 1; y < kColThreadsY; ++y) {
+      State t = r.init();
+      if (y < nr) r.step(t, base[red.at(y)], y);
+      r.merge(s, t);
+    }
+    out[k] = r.finalize(s, nr);
+  }
+}
+
 // Merges each output's nchunks partial states in order (a warp per output).
 template <typename R>
 __global__ void __launch_bounds__(256) merge_kernel(typename R::Out* out, const typename R::State* ws,
@@ -282,7 +309,7 @@ __global__ void __launch_bounds__(256) merge_kernel(typename R::Out* out, const 
 
 // ---- planning --------------------------------------------------------------------------------
 
-enum class Kind { rows_warp, rows_block, cols };
+enum class Kind { rows_warp, rows_block, cols, cols_thin };
 
 struct Plan {
   Kind kind = Kind::rows_warp;
@@ -312,7 +339,8 @@ Plan make_plan(const ReduceLayout& l) {
     }
     return p;
   }
-  p.kind = Kind::cols;
+  p.kind = l.nr <= kColThreadsY ? Kind::cols_thin : Kind::cols;
+  if (p.kind == Kind::cols_thin) return p;
   const int64_t kinner = l.ksizes[l.nkept - 1];
   const int64_t blocks = (l.nk / kinner) * ceil_div(kinner, 32);
   if (blocks < kTargetBlocks && l.nr >= 1024) {
@@ -359,6 +387,15 @@ void run_reduce(const DevTensor& out, const DevTensor& in, const ReduceLayout& l
       } else {
         rows_block_kernel<T, R, true><<<grid, kRowBlockThreads, 0, stream>>>(o, ws, x, kept, l.nk, nr, p.chunk, r);
       }
+      break;
+    }
+    case Kind::cols_thin: {
+      const int64_t kinner = l.ksizes[l.nkept - 1];
+      const int64_t nouter = l.nk / kinner;
+      const Offsets kouter = offsets_of(l.nkept - 1, l.ksizes, l.kstrides);
+      const Offsets red = offsets_of(l.nred, l.rsizes, l.rstrides);
+      const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(l.nk, 256), 132 * 32));
+      cols_thin_kernel<T, R><<<blocks, 256, 0, stream>>>(o, x, kouter, nouter, kinner, red, nr, r);
       break;
     }
     case Kind::cols: {
@@ -435,19 +472,45 @@ void launch_reduce(ReduceOp op, const DevTensor& out, const DevTensor& in, const
 namespace {
 
 constexpr int kSquaresThreads = 256;
+constexpr int kSquaresGroup = 48;  // tensors per launch, passed by value (kernel parameters)
 
-// Block b: the squares of x[b kSquaresChunk, ...) in f64, each thread a strided run, then a
-// fixed tree over the block: the same bits for the same n on every run.
+// Up to kSquaresGroup tensors of one launch: their blocks numbered one after another.
+struct SquaresGroup {
+  const void* x[kSquaresGroup];
+  int64_t numel[kSquaresGroup];
+  int64_t first_block[kSquaresGroup + 1];  // tensor t's blocks: [first_block[t], first_block[t + 1])
+  int dtype[kSquaresGroup];
+  int count;
+};
+
 template <typename T>
-__global__ void __launch_bounds__(kSquaresThreads) squares_kernel(double* partial, const T* x,
-                                                                  int64_t n) {
-  __shared__ double s[kSquaresThreads];
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kSquaresChunk;
-  const int64_t end = begin + kSquaresChunk < n ? begin + kSquaresChunk : n;
+__device__ __forceinline__ double squares_run(const void* data, int64_t begin, int64_t end) {
+  const T* x = static_cast<const T*>(data);
   double acc = 0.0;
   for (int64_t i = begin + threadIdx.x; i < end; i += kSquaresThreads) {
     const double v = static_cast<double>(to_acc(x[i]));
     acc += v * v;
+  }
+  return acc;
+}
+
+// Block b (numbered over the group's tensors): the squares of its tensor's elements
+// [j kSquaresChunk, (j + 1) kSquaresChunk) in f64, each thread a strided run, then a fixed tree
+// over the block: the same bits for the same tensor on every run, whatever else is launched
+// with it.
+__global__ void __launch_bounds__(kSquaresThreads) squares_kernel(double* partial, SquaresGroup g) {
+  __shared__ double s[kSquaresThreads];
+  const int64_t b = blockIdx.x;
+  int t = 0;
+  while (t + 1 < g.count && g.first_block[t + 1] <= b) ++t;
+  const int64_t begin = (b - g.first_block[t]) * kSquaresChunk;
+  const int64_t end = begin + kSquaresChunk < g.numel[t] ? begin + kSquaresChunk : g.numel[t];
+  double acc = 0.0;
+  switch (g.dtype[t]) {
+    case kF64: acc = squares_run<double>(g.x[t], begin, end); break;
+    case kF16: acc = squares_run<__half>(g.x[t], begin, end); break;
+    case kBF16: acc = squares_run<__nv_bfloat16>(g.x[t], begin, end); break;
+    default: acc = squares_run<float>(g.x[t], begin, end); break;
   }
   s[threadIdx.x] = acc;
   __syncthreads();
@@ -455,7 +518,17 @@ __global__ void __launch_bounds__(kSquaresThreads) squares_kernel(double* partia
     if (threadIdx.x < w) s[threadIdx.x] += s[threadIdx.x + w];
     __syncthreads();
   }
-  if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+  if (threadIdx.x == 0) partial[b] = s[0];
+}
+
+// Thread t: sums[t] = tensor t's block sums added in order (0 for an empty tensor).
+__global__ void fold_blocks_kernel(double* sums, const double* partial, SquaresGroup g) {
+  const int t = threadIdx.x;
+  if (t >= g.count) return;
+  const int64_t first = g.first_block[t], n = g.first_block[t + 1] - first;
+  double v = n > 0 ? partial[first] : 0.0;
+  for (int64_t i = 1; i < n; ++i) v += partial[first + i];
+  sums[t] = v;
 }
 
 // One thread: out = in[0] + in[1] + ... in order.
@@ -471,19 +544,26 @@ int64_t squares_blocks(int64_t numel) { return (numel + kSquaresChunk - 1) / kSq
 
 void launch_sum_squares(const DevTensor& out, const std::vector<DevTensor>& xs, double* sums,
                         double* partial, cudaStream_t stream) {
-  for (size_t t = 0; t < xs.size(); ++t) {
-    const DevTensor& x = xs[t];
-    if (x.numel == 0) {
-      cudaMemsetAsync(sums + t, 0, sizeof(double), stream);
-      continue;
+  // Two launches per group of tensors (their blocks' squares, then each tensor's blocks
+  // folded in order), then one fold of the per-tensor sums in order.
+  for (size_t first = 0; first < xs.size(); first += kSquaresGroup) {
+    SquaresGroup g{};
+    g.count = static_cast<int>(std::min<size_t>(kSquaresGroup, xs.size() - first));
+    for (int t = 0; t < g.count; ++t) {
+      const DevTensor& x = xs[first + t];
+      if (x.dtype != kF32 && x.dtype != kF64 && x.dtype != kF16 && x.dtype != kBF16) {
+        bad_dtype("sum_squares", x.dtype);
+      }
+      g.x[t] = x.data;
+      g.numel[t] = x.numel;
+      g.dtype[t] = x.dtype;
+      g.first_block[t + 1] = g.first_block[t] + squares_blocks(x.numel);
     }
-    const int64_t blocks = squares_blocks(x.numel);
-    double* dst = blocks == 1 ? sums + t : partial;
-    TS_CUDA_DISPATCH_FLOATS(x.dtype, "sum_squares", [&] {
-      squares_kernel<scalar_t><<<static_cast<unsigned>(blocks), kSquaresThreads, 0, stream>>>(
-          dst, typed<scalar_t>(x), x.numel);
-    });
-    if (blocks > 1) fold_kernel<<<1, 1, 0, stream>>>(sums + t, partial, blocks);
+    const int64_t blocks = g.first_block[g.count];
+    if (blocks > 0) {
+      squares_kernel<<<static_cast<unsigned>(blocks), kSquaresThreads, 0, stream>>>(partial, g);
+    }
+    fold_blocks_kernel<<<1, kSquaresGroup, 0, stream>>>(sums + first, partial, g);
   }
   fold_kernel<<<1, 1, 0, stream>>>(typed<double>(out), sums, static_cast<int64_t>(xs.size()));
   check_launch("sum_squares");

@@ -46,7 +46,8 @@ void launch_reduce(ReduceOp op, const DevTensor& out, const DevTensor& in, const
 // sum_squares (the spec is kernels/cpu/reduce.cc): per tensor, blocks of kSquaresChunk
 // elements' squares in f64 (a fixed tree each), folded in order into sums[t]; then sums[]
 // in order into out (f64 []). Every x contiguous; `sums` holds xs.size() doubles, `partial`
-// the most squares_blocks() of any x. Deterministic: the same bits for the same tensors,
+// the sum of squares_blocks() over the xs. A few launches for any number of tensors (the
+// blocks of up to 48 tensors in one). Deterministic: the same bits for the same tensors,
 // however many are passed together (on the CPU it is also bitwise sum()'s).
 constexpr int64_t kSquaresChunk = 1 << 14;
 int64_t squares_blocks(int64_t numel);
