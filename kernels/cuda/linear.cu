@@ -55,6 +55,22 @@ __global__ void bias_act_kernel(const A* acc, T* pre, T* y, const T* __restrict_
   }
 }
 
+// y = act(pre), 16 bytes of pre per thread and step where aligned (vec), else one element.
+template <typename T, int V>
+__global__ void act_kernel(const T* __restrict__ pre, T* __restrict__ y, int64_t total, int act) {
+  struct alignas(16) Pack { T v[V]; };
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total / V; i += stride) {
+    Pack p;
+    if constexpr (V > 1) p = reinterpret_cast<const Pack*>(pre)[i];
+    else p.v[0] = pre[i];
+#pragma unroll
+    for (int e = 0; e < V; ++e) p.v[e] = from_acc<T>(activate(act, to_acc(p.v[e])));
+    if constexpr (V > 1) reinterpret_cast<Pack*>(y)[i] = p;
+    else y[i] = p.v[0];
+  }
+}
+
 constexpr int kColTile = 32, kRowThreads = 8;
 constexpr int64_t kChunkRows = 256;  // rows per partial sum of the bias gradient
 
@@ -116,6 +132,23 @@ void launch_bias_act(const DevTensor& acc, const DevTensor& pre, const DevTensor
                                                          static_cast<const T*>(bias.data), total, n, act);
   });
   check_launch("linear (bias and activation)");
+}
+
+void launch_act(const DevTensor& pre, const DevTensor& y, int64_t total, int act, cudaStream_t stream) {
+  if (total == 0) return;
+  TS_CUDA_DISPATCH_FLOATS(y.dtype, "linear", [&] {
+    using T = scalar_t;
+    constexpr int V = 16 / sizeof(T);
+    const T* p = typed<T>(pre);
+    T* o = typed<T>(y);
+    const bool vec = total % V == 0 && reinterpret_cast<uintptr_t>(p) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(o) % 16 == 0;
+    const int64_t items = vec ? total / V : total;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((items + 255) / 256, 132 * 16));
+    if (vec) act_kernel<T, V><<<blocks, 256, 0, stream>>>(p, o, total, act);
+    else act_kernel<T, 1><<<blocks, 256, 0, stream>>>(p, o, total, act);
+  });
+  check_launch("linear (activation)");
 }
 
 int64_t linear_act_backward_workspace_bytes(int64_t rows, int64_t n) {

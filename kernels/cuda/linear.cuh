@@ -20,6 +20,10 @@ namespace tessera::cuda_kernels {
 void launch_bias_act(const DevTensor& acc, const DevTensor& pre, const DevTensor& y, const DevTensor& bias,
                      int64_t rows, int64_t n, int act, cudaStream_t stream);
 
+// y [total] = act(pre [total]) (act != 0): the activation of the rounded pre-activation,
+// computed in f32 for 16-bit values and rounded once, as launch_bias_act does it.
+void launch_act(const DevTensor& pre, const DevTensor& y, int64_t total, int act, cudaStream_t stream);
+
 // Bytes of workspace launch_linear_act_backward needs.
 int64_t linear_act_backward_workspace_bytes(int64_t rows, int64_t n);
 // dpre [rows, n] = g * act'(pre); db [n] = dpre's column sums (f64 partials over fixed row

@@ -86,6 +86,7 @@ struct GemmKey {
   int64_t m, n, k, lda, ldb, batch, sa, sb;
   int align_a, align_b, align_c;
   bool f32_out;
+  bool bias;  // CUBLASLT_EPILOGUE_BIAS (the bias vector in the output's dtype)
   bool operator==(const GemmKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
 };
 struct GemmKeyHash {
@@ -103,6 +104,8 @@ struct GemmPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  bool found = true;  // false: cuBLASLt has no algorithm (asked with the bias epilogue only)
+  mutable std::mutex bias_mu;  // the bias pointer is the descriptor's: set and launched together
 };
 
 cudaDataType_t cuda_dtype(DType dt) {
@@ -128,6 +131,7 @@ struct LtProblem {
   LtOperand a, b;
   int64_t batch = 1, stride_a = 0, stride_b = 0;
   bool f32_out = false;  // 16-bit operands, an f32 result (linear's unrounded product)
+  const void* bias = nullptr;  // with it, D = A B + bias (a column of m values, D's dtype)
 };
 
 cublasLtMatrixLayout_t make_layout(const LtProblem& p, cudaDataType_t dt, int64_t rows, int64_t cols,
@@ -158,6 +162,17 @@ std::unique_ptr<GemmPlan> build_plan(const LtProblem& p, const GemmKey& key, Dev
                "matmul", "cublasLtMatmulDescSetAttribute", d);
   cublas_check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
                "matmul", "cublasLtMatmulDescSetAttribute", d);
+  if (key.bias) {
+    // The bias is added to the f32 accumulator before the one conversion to D's dtype.
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    cublas_check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                sizeof(epilogue)),
+                 "linear", "cublasLtMatmulDescSetAttribute", d);
+    const cudaDataType_t bias_dt = p.f32_out ? CUDA_R_32F : dt;
+    cublas_check(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_dt,
+                                                sizeof(bias_dt)),
+                 "linear", "cublasLtMatmulDescSetAttribute", d);
+  }
   plan->a = make_layout(p, dt, p.a.rows, p.a.cols, p.a.ld, p.stride_a, d);
   plan->b = make_layout(p, dt, p.b.rows, p.b.cols, p.b.ld, p.stride_b, d);
   plan->c = make_layout(p, p.f32_out ? CUDA_R_32F : dt, p.m, p.n, p.m, p.m * p.n, d);
@@ -176,6 +191,10 @@ std::unique_ptr<GemmPlan> build_plan(const LtProblem& p, const GemmKey& key, Dev
   const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(d), plan->desc, plan->a, plan->b,
                                                           plan->c, plan->c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
+  if (key.bias && (s != CUBLAS_STATUS_SUCCESS || found == 0)) {
+    plan->found = false;  // the caller adds the bias itself
+    return plan;
+  }
   cublas_check(s, "matmul", "cublasLtMatmulAlgoGetHeuristic", d);
   TS_CHECK(found > 0, "matmul: cuBLASLt has no algorithm for {} [{} x {} x {}], batch {}, transposes {}/{}",
            dtype_name(p.dtype), p.n, p.m, p.k, p.batch, p.b.trans, p.a.trans);
@@ -203,6 +222,7 @@ const GemmPlan& plan_for(const LtProblem& p, const void* a, const void* b, void*
   key.align_b = alignment_of(b);
   key.align_c = alignment_of(c);
   key.f32_out = p.f32_out;
+  key.bias = p.bias != nullptr;
   static std::mutex mu;
   static auto* plans = new std::unordered_map<GemmKey, std::unique_ptr<GemmPlan>, GemmKeyHash>();
   std::lock_guard<std::mutex> lock(mu);
@@ -211,17 +231,27 @@ const GemmPlan& plan_for(const LtProblem& p, const void* a, const void* b, void*
   return *it->second;
 }
 
-void run_gemm(const LtProblem& p, const void* a, const void* b, void* c, Device d) {
+// With p.bias: false (nothing launched) where cuBLASLt has no algorithm for the bias epilogue.
+bool run_gemm(const LtProblem& p, const void* a, const void* b, void* c, Device d) {
   const GemmPlan& plan = plan_for(p, a, b, c, d);
+  if (!plan.found) return false;
   const Workspace ws = lt_workspace(d);
   const double one_d = 1.0, zero_d = 0.0;
   const float one_f = 1.0f, zero_f = 0.0f;
   const bool f64 = p.dtype == DType::f64;
   const void* alpha = f64 ? static_cast<const void*>(&one_d) : &one_f;
   const void* beta = f64 ? static_cast<const void*>(&zero_d) : &zero_f;
+  std::unique_lock<std::mutex> lock(plan.bias_mu, std::defer_lock);
+  if (p.bias != nullptr) {
+    lock.lock();
+    cublas_check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                                sizeof(p.bias)),
+                 "linear", "cublasLtMatmulDescSetAttribute", d);
+  }
   cublas_check(cublasLtMatmul(cublaslt_handle(d), plan.desc, alpha, a, plan.a, b, plan.b, beta, c, plan.c, c,
                               plan.c, &plan.algo, ws.ptr, ws.bytes, compute_stream(d)),
                "matmul", "cublasLtMatmul", d);
+  return true;
 }
 
 // `t` broadcast to batch + its last two dims, as a view with stride 0 on expanded dims
@@ -347,14 +377,18 @@ TS_REGISTER_KERNEL(cuda, matmul, matmul_kernel);
 // (a synchronisation: the routing's counts decide the products' shapes).
 
 // out [r, c] (row-major, ld c) = A [r, k] (strides ars, acs) @ B [k, c] (strides brs, bcs).
-void gemm_2d(DType dt, const char* a, int64_t ars, int64_t acs, const char* b, int64_t brs, int64_t bcs,
-             char* out, int64_t r, int64_t c, int64_t k, Device d, bool f32_out = false) {
+// out [r, c] = a [r, k] @ b [k, c] (+ bias [c], when given and cuBLASLt has the epilogue for
+// it: returns false, nothing run, where it has not).
+bool gemm_2d(DType dt, const char* a, int64_t ars, int64_t acs, const char* b, int64_t brs, int64_t bcs,
+             char* out, int64_t r, int64_t c, int64_t k, Device d, bool f32_out = false,
+             const void* bias = nullptr) {
   LtOperand la, lb;
   TS_CHECK(lt_operand(r, k, ars, acs, la) && lt_operand(k, c, brs, bcs, lb),
            "grouped_matmul (CUDA): operands with strides ({}, {}) and ({}, {}) need a copy", ars, acs,
            brs, bcs);
-  const LtProblem p{dt, c, r, k, lb, la, 1, 0, 0, f32_out};
-  run_gemm(p, b, a, out, d);
+  LtProblem p{dt, c, r, k, lb, la, 1, 0, 0, f32_out};
+  p.bias = bias;
+  return run_gemm(p, b, a, out, d);
 }
 
 void grouped_matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs&) {
@@ -412,8 +446,11 @@ void grouped_matmul_backward_weight_kernel(std::span<const Tensor> in, std::span
 
 // ---- linear ------------------------------------------------------------------------------
 // The product x [rows, K] @ w^T through cuBLASLt (w [N, K] read with its strides: W^T is
-// column-major for a contiguous w), then one pass for the bias and the activation
-// (linear.cu) that writes y and, with an activation, the pre-activation output.
+// column-major for a contiguous w). With a bias (f32, f16, bf16), cuBLASLt's bias epilogue
+// adds it to the f32 accumulator and rounds once, writing y, or with an activation the
+// pre-activation, which one pass (linear.cu) then activates into y. Otherwise (f64, or no
+// algorithm with the epilogue) the GEMM writes an f32 buffer for 16-bit products, or the
+// output itself, and one pass adds the bias and activates, with the same single rounding.
 
 void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attrs& attrs) {
   const Tensor& y = out[0];
@@ -421,28 +458,49 @@ void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
   const Device d = y.device();
   DeviceGuard guard(d);
   Tensor x = in[0], w = in[1];
-  const Tensor b = in[2].defined() ? contiguous_cuda(in[2]) : Tensor();
+  Tensor b = in[2].defined() ? contiguous_cuda(in[2]) : Tensor();
   const int64_t K = x.shape().back(), N = w.shape()[0], rows = y.numel() / N;
   const int act = static_cast<int>(attrs.activation);
-  const bool epilogue = b.defined() || act != 0;
-  // The GEMM's output: with a bias or an activation, 16-bit products go to an f32 buffer (one
-  // rounding, after the bias, as on the CPU); f32/f64 ones to the output the pass rewrites.
-  const bool half = x.dtype() == DType::f16 || x.dtype() == DType::bf16;
-  const Tensor acc = epilogue && half ? Tensor::empty(y.shape(), DType::f32, d) : act != 0 ? out[1] : y;
-  if (K == 0) {
-    cuda_check(cudaMemsetAsync(acc.raw_data(), 0, static_cast<size_t>(acc.nbytes()), compute_stream(d)),
-               "linear (zero fill)", d);
-  } else {
-    int64_t rs = 0;
+  const Tensor& pre = act != 0 ? out[1] : y;  // what the GEMM (with its bias) writes
+  int64_t rs = 0;
+  if (K > 0) {
     LtOperand probe;
     if (!cpu::row_stride_of(x, rs) || !lt_operand(rows, K, rs, x.strides().back(), probe)) {
       x = contiguous_cuda(x);
       cpu::row_stride_of(x, rs);
     }
     if (!lt_operand(K, N, w.strides()[1], w.strides()[0], probe)) w = contiguous_cuda(w);
-    gemm_2d(x.dtype(), static_cast<const char*>(x.raw_data()), rs, x.strides().back(),
-            static_cast<const char*>(w.raw_data()), w.strides()[1], w.strides()[0],
-            static_cast<char*>(acc.raw_data()), rows, N, K, d, /*f32_out=*/acc.dtype() != x.dtype());
+  }
+  auto gemm = [&](const Tensor& into, const void* bias) {
+    return gemm_2d(x.dtype(), static_cast<const char*>(x.raw_data()), rs, x.strides().back(),
+                   static_cast<const char*>(w.raw_data()), w.strides()[1], w.strides()[0],
+                   static_cast<char*>(into.raw_data()), rows, N, K, d,
+                   /*f32_out=*/into.dtype() != x.dtype(), bias);
+  };
+  if (b.defined() && K > 0 && x.dtype() != DType::f64) {
+    if (reinterpret_cast<uintptr_t>(b.raw_data()) % 16 != 0) {  // a view into a larger buffer
+      Tensor aligned = Tensor::empty(b.shape(), b.dtype(), d);
+      copy_cuda(aligned, b);
+      b = aligned;
+    }
+    if (gemm(pre, b.raw_data())) {
+      if (act != 0) {
+        const DevTensor pd = dev_tensor(pre), yd = dev_tensor(y);
+        run_launch("linear", d, [&] { launch_act(pd, yd, rows * N, act, compute_stream(d)); });
+      }
+      return;
+    }
+  }
+  const bool epilogue = b.defined() || act != 0;
+  // With a bias or an activation, 16-bit products go to an f32 buffer (one rounding, after
+  // the bias, as on the CPU); f32/f64 ones to the output the pass rewrites.
+  const bool half = x.dtype() == DType::f16 || x.dtype() == DType::bf16;
+  const Tensor acc = epilogue && half ? Tensor::empty(y.shape(), DType::f32, d) : pre;
+  if (K == 0) {
+    cuda_check(cudaMemsetAsync(acc.raw_data(), 0, static_cast<size_t>(acc.nbytes()), compute_stream(d)),
+               "linear (zero fill)", d);
+  } else {
+    gemm(acc, nullptr);
   }
   if (epilogue) {
     const DevTensor ad = dev_tensor(acc), yd = dev_tensor(y);

@@ -141,9 +141,13 @@ typename L::Tensor attention(const L& layout, const P& param, const GptConfig& c
   // One product for q, k and v: the weight viewed [3, C, C] (a plan splits its middle dim:
   // each rank whole heads of q, k and v), the tokens as rows: [B*S, C] @ [3, C, C]^T ->
   // [3, B*S, C] (three GEMMs, and a weight gradient without per-batch partial products).
-  const T qkv = matmul(view(layout.column_input(x), {B * S, C}),
-                       transpose(view(param("attn.c_attn.weight"), {3, C, C}), 1, 2)) +
-                view(param("attn.c_attn.bias"), {3, 1, C});
+  const T product = matmul(view(layout.column_input(x), {B * S, C}),
+                           transpose(view(param("attn.c_attn.weight"), {3, C, C}), 1, 2));
+  // The bias in the product's dtype (16-bit under autocast, as linear casts its bias): the sum
+  // is one 16-bit add, not an f32 [3, B*S, C] copy of the product, its sum and a cast back
+  // (and their gradients).
+  const T bias = view(param("attn.c_attn.bias"), {3, 1, C});
+  const T qkv = product + (bias.dtype() == product.dtype() ? bias : cast(bias, product.dtype()));
   T merged;  // [B, S, C], the heads side by side
   if (!drop.active()) {
     // Fused, on the packed product: the [S, S] scores are never stored, qkv is never split
