@@ -145,14 +145,9 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
     std::atexit(report);
   }
   if (begin) {
-    cudaEvent_t e;
-    cudaEventCreate(&e);
-    cudaEventRecord(e, compute_stream(device));
-    p.open.push_back(e);
-    p.open_host.push_back(std::chrono::steady_clock::now());
     int shape = -1;
     double flops = 0;
-    if (p.shapes && p.open.size() == 1) {
+    if (p.shapes && p.open.empty()) {  // the key is built before the event: not timed
       std::string key(op_name(op));
       for (size_t i = 0; i < inputs.size() && i < 3; ++i) {
         if (!inputs[i].defined()) continue;
@@ -166,6 +161,11 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
       shape = it->second;
       flops = cpu::gemm_flops(op, inputs);
     }
+    cudaEvent_t e;
+    cudaEventCreate(&e);
+    cudaEventRecord(e, compute_stream(device));
+    p.open.push_back(e);
+    p.open_host.push_back(std::chrono::steady_clock::now());
     p.open_shape.push_back(shape);
     p.open_flops.push_back(flops);
     return;

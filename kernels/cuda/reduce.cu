@@ -2,7 +2,7 @@
 // accumulate in f64, integers in i64, var by Welford merged with Chan's formula, the first
 // maximum / first NaN wins).
 //
-// Three kernels, chosen from the shapes only, so results are bitwise reproducible:
+// Four kernels, chosen from the shapes only, so results are bitwise reproducible:
 //   - rows, a warp per output: each output's elements are one contiguous run (sum over the
 //     last dim), read with 16-byte vector loads, combined by warp shuffles;
 //   - rows, a block per output (long runs), optionally split into chunks across blocks whose

@@ -223,6 +223,10 @@ TEST_CASE("reductions over any dims match the CPU") {
       {{1 << 21}, {0}, false},           // one long row, split
       {{64, 48}, {1}, true},             // transposed view: reduced dim strided
       {{5, 1, 7}, {1}, false},           // reducing a size-1 dim only
+      {{3, 8, 130}, {0}, false},         // thin columns: 3 reduced (GPT's q/k/v sum)
+      {{16, 2, 33}, {0}, false},         // thin columns at the limit, 16
+      {{17, 40}, {0}, false},            // one past it: the block kernel
+      {{2, 5, 3, 40}, {0, 2}, false},    // thin, two reduced dims, an outer kept dim
   };
   for (const Case& c : cases) {
     for (DType dt : kFloats) {
@@ -261,6 +265,21 @@ TEST_CASE("reductions over any dims match the CPU") {
     }
     const Tensor b = gt(small_ints(c.shape, DType::i32, 19, 1), full({}, 0.0, DType::i32));
     check_close(sum(b.to(kGpu), c.dims), sum(b, c.dims), "sum bool");
+  }
+  // Thin columns step the reduced elements in order: an f64 sum over 3 is (x0 + x1) + x2.
+  {
+    const Tensor x = uniform({3, 1000}, DType::f64, 20) * 4.0 - 1.0;
+    const std::vector<double> v = x.to_vector<double>();
+    const std::vector<double> got = sum(x.to(kGpu), {0}).to(kCPU).to_vector<double>();
+    REQUIRE(got.size() == 1000);
+    int differ = 0;
+    for (size_t j = 0; j < 1000; ++j) {
+      double want = v[j];
+      want += v[1000 + j];
+      want += v[2000 + j];
+      differ += std::memcmp(&want, &got[j], sizeof(double)) != 0;
+    }
+    CHECK(differ == 0);
   }
   // NaN: max and argmax take the first NaN.
   const float nan = std::nanf("");
@@ -305,4 +324,35 @@ TEST_CASE("dropout keeps the same elements as the CPU, bit for bit") {
     CHECK(bytes_of(eq(dropout(x.to(kGpu).t(), 0.5, true, &gd2), full({}, 0.0, dt))) ==
           bytes_of(eq(dropout(x.t(), 0.5, true, &gc2), full({}, 0.0, dt))));
   }
+}
+
+TEST_CASE("sum_squares over many tensors: each tensor's sum folded in order, whatever is launched with it") {
+  // 100 tensors (more than one launch's 48), mixed dtypes, empty ones inside a launch's group,
+  // sizes around the 2^14-element block: the sum over the list is bitwise the in-order f64
+  // fold of each tensor's own sum_squares, and within 1e-12 of a long-double host sum.
+  const DType dts[] = {DType::f32, DType::bf16, DType::f64, DType::f16};
+  const int64_t sizes[] = {1, 16384, 0, 16385, 777, 50000, 3, 0, 40000, 16383};
+  std::vector<Tensor> xs;
+  long double host = 0;
+  for (int i = 0; i < 100; ++i) {
+    const Tensor x = uniform({sizes[i % 10] + (i / 10)}, dts[i % 4], 100 + i) * 2.0 - 1.0;
+    for (double v : x.to_vector<double>()) host += static_cast<long double>(v) * v;
+    xs.push_back(x.to(kGpu));
+  }
+  xs[47] = Tensor::empty({0}, DType::f32, kGpu);  // an empty tensor last in the first group
+  const double got = sum_squares(xs).to(kCPU).item<double>();
+  double fold = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double one = sum_squares({xs[i]}).to(kCPU).item<double>();
+    if (i == 0) fold = one;
+    else fold += one;
+  }
+  CHECK(std::memcmp(&got, &fold, sizeof(double)) == 0);
+  long double removed = 0;  // xs[47]'s values, replaced by the empty tensor
+  {
+    const Tensor x = uniform({sizes[7] + 4}, dts[3], 147) * 2.0 - 1.0;
+    for (double v : x.to_vector<double>()) removed += static_cast<long double>(v) * v;
+  }
+  const double want = static_cast<double>(host - removed);
+  CHECK(std::fabs(got - want) <= 1e-12 * want);
 }
