@@ -152,6 +152,25 @@ TEST_CASE("matmul on CUDA: larger 16-bit products and repeatable results") {
   }
 }
 
+TEST_CASE("matmul on CUDA: large 16-bit products with rows off 16-byte alignment") {
+  // GPT-2's 50257-wide head in small: 16-bit matrices whose leading dimension is not a
+  // multiple of 8 (cuBLASLt's slower kernels), in the forward's shapes (every matrix
+  // unaligned), the input gradient's (a transposed weight) and the weight gradient's (a
+  // transposed activation), against the CPU, and the same bits twice.
+  for (DType dt : {DType::bf16, DType::f16}) {
+    CAPTURE(dt);
+    const Tensor x = random({1024, 770}, dt, 31), w = random({770, 8195}, dt, 32);
+    check_matmul(x, w, plain, 1e-2);
+    const Tensor g = random({1024, 8195}, dt, 33), v = random({776, 8195}, dt, 34);
+    check_matmul(g, v, [](const Tensor& a, const Tensor& b) { return std::pair{a, b.t()}; }, 1e-2);
+    const Tensor h = random({1024, 776}, dt, 35);
+    check_matmul(h, g, [](const Tensor& a, const Tensor& b) { return std::pair{a.t(), b}; }, 1e-2);
+    const Tensor gx = x.to(kGpu), gw = w.to(kGpu);
+    const Tensor first = matmul(gx, gw);
+    CHECK(matmul(gx, gw).to(kCPU).to_vector<double>() == first.to(kCPU).to_vector<double>());
+  }
+}
+
 #ifdef TESSERA_CUDA
 TEST_CASE("matmul on CUDA with TF32 allowed stays within TF32's precision") {
   cuda_kernels::set_allow_tf32(true);
