@@ -43,9 +43,8 @@ struct Profile {
   bool shapes = false;                  // TESSERA_PROFILE_SHAPES
   std::vector<std::string> shape_keys;  // distinct "op [a]N bf16 x [b]T bf16" keys
   std::map<std::string, int> shape_index;
-  std::vector<double> open_flops;       // with the open stack: each call's GEMM FLOPs
-  std::vector<int> open_shape;
-  std::vector<double> shape_flops;      // per key, summed over its calls
+  std::vector<int> open_shape;         // with the open stack: each call's key (-1: none)
+  std::vector<double> shape_flops;      // per key, one call's GEMM FLOPs (the shapes decide)
   std::vector<cudaEvent_t> open;  // stack of begin events (ops call ops)
   std::vector<std::chrono::steady_clock::time_point> open_host;
   std::chrono::steady_clock::time_point first;
@@ -58,15 +57,15 @@ Profile& profile() {
 }
 
 // The calls by op and input shapes, the slowest 40.
-void report_shapes(const Profile& p, double total_device) {
+// record_ms: each record's device time.
+void report_shapes(const Profile& p, const std::vector<float>& record_ms, double total_device) {
   struct Sum { long calls = 0; double device_ms = 0; };
   std::vector<Sum> sums(p.shape_keys.size());
-  for (const Record& r : p.records) {
-    if (r.shape < 0) continue;
-    float ms = 0;
-    cudaEventElapsedTime(&ms, r.begin, r.end);
-    ++sums[r.shape].calls;
-    sums[r.shape].device_ms += ms;
+  for (size_t i = 0; i < p.records.size(); ++i) {
+    const int shape = p.records[i].shape;
+    if (shape < 0) continue;
+    ++sums[shape].calls;
+    sums[shape].device_ms += record_ms[i];
   }
   std::vector<int> order(sums.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
@@ -77,7 +76,7 @@ void report_shapes(const Profile& p, double total_device) {
                        "|---|---:|---:|---:|---:|---:|\n");
   for (size_t i = 0; i < order.size() && i < 40; ++i) {
     const Sum& s = sums[order[i]];
-    const double flops = p.shape_flops[order[i]];
+    const double flops = p.shape_flops[order[i]] * static_cast<double>(s.calls);
     std::fprintf(stderr, "| %s | %ld | %.2f | %.1f | %.1f | %s |\n", p.shape_keys[order[i]].c_str(),
                  s.calls, s.device_ms, 100.0 * s.device_ms / std::max(total_device, 1e-9),
                  1000.0 * s.device_ms / std::max(s.calls, 1L),
@@ -97,8 +96,10 @@ void report() {
   struct Sum { long calls = 0; double device_ms = 0, host_ms = 0; };
   std::map<std::string, Sum> by_op;
   double total_device = 0, total_host = 0;
-  for (const Record& r : p.records) {
-    float ms = 0;
+  std::vector<float> record_ms(p.records.size(), 0.0f);
+  for (size_t i = 0; i < p.records.size(); ++i) {
+    const Record& r = p.records[i];
+    float& ms = record_ms[i];
     cudaEventElapsedTime(&ms, r.begin, r.end);
     Sum& s = by_op[std::string(op_name(r.op))];
     ++s.calls;
@@ -119,7 +120,7 @@ void report() {
   }
   std::fprintf(stderr, "| total (top-level ops overlap nested ones) | | %.2f | | %.2f |\n",
                total_device, total_host);
-  if (p.shapes) report_shapes(p, total_device);
+  if (p.shapes) report_shapes(p, record_ms, total_device);
 }
 
 KernelObserver g_previous = nullptr;  // another backend's profile, if installed first
@@ -146,7 +147,6 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
   }
   if (begin) {
     int shape = -1;
-    double flops = 0;
     if (p.shapes && p.open.empty()) {  // the key is built before the event: not timed
       std::string key(op_name(op));
       for (size_t i = 0; i < inputs.size() && i < 3; ++i) {
@@ -156,10 +156,9 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
       const auto [it, added] = p.shape_index.try_emplace(key, static_cast<int>(p.shape_keys.size()));
       if (added) {
         p.shape_keys.push_back(key);
-        p.shape_flops.push_back(0);
+        p.shape_flops.push_back(cpu::gemm_flops(op, inputs));
       }
       shape = it->second;
-      flops = cpu::gemm_flops(op, inputs);
     }
     cudaEvent_t e;
     cudaEventCreate(&e);
@@ -167,7 +166,6 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
     p.open.push_back(e);
     p.open_host.push_back(std::chrono::steady_clock::now());
     p.open_shape.push_back(shape);
-    p.open_flops.push_back(flops);
     return;
   }
   if (p.open.empty()) return;
@@ -179,14 +177,10 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
   // Nested calls (a kernel that calls ops) are recorded; only top-level ones would avoid
   // double counting, so nested records are dropped.
   const bool top_level = p.open.size() == 1;
-  if (top_level) {
-    p.records.push_back({op, p.open.back(), e, host_us, p.open_shape.back()});
-    if (p.open_shape.back() >= 0) p.shape_flops[p.open_shape.back()] += p.open_flops.back();
-  }
+  if (top_level) p.records.push_back({op, p.open.back(), e, host_us, p.open_shape.back()});
   p.open.pop_back();
   p.open_host.pop_back();
   p.open_shape.pop_back();
-  p.open_flops.pop_back();
 }
 
 const bool kInstalled = [] {

@@ -389,20 +389,17 @@ void run_reduce(const DevTensor& out, const DevTensor& in, const ReduceLayout& l
       }
       break;
     }
-    case Kind::cols_thin: {
-      const int64_t kinner = l.ksizes[l.nkept - 1];
-      const int64_t nouter = l.nk / kinner;
-      const Offsets kouter = offsets_of(l.nkept - 1, l.ksizes, l.kstrides);
-      const Offsets red = offsets_of(l.nred, l.rsizes, l.rstrides);
-      const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(l.nk, 256), 132 * 32));
-      cols_thin_kernel<T, R><<<blocks, 256, 0, stream>>>(o, x, kouter, nouter, kinner, red, nr, r);
-      break;
-    }
+    case Kind::cols_thin:
     case Kind::cols: {
       const int64_t kinner = l.ksizes[l.nkept - 1];
       const int64_t nouter = l.nk / kinner;
       const Offsets kouter = offsets_of(l.nkept - 1, l.ksizes, l.kstrides);
       const Offsets red = offsets_of(l.nred, l.rsizes, l.rstrides);
+      if (p.kind == Kind::cols_thin) {
+        const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(l.nk, 256), 132 * 32));
+        cols_thin_kernel<T, R><<<blocks, 256, 0, stream>>>(o, x, kouter, nouter, kinner, red, nr, r);
+        break;
+      }
       const int64_t blocks = nouter * ceil_div(kinner, 32);
       const dim3 grid(static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30)), p.nchunks);
       const dim3 block(32, kColThreadsY);
