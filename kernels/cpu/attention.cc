@@ -7,10 +7,13 @@
 // place through their strides (PairRows), and every dtype's outputs are written through
 // theirs (OutRows). attention_qkv runs the same code on views: q, k and v are heads of the
 // packed [3, B, T, C] input, out the heads of [B, T, C], the gradients the heads of one
-// [3, B, T, C] tensor. The blocking is fixed by T alone. Unlike the
-// spec, a causal block multiplies the zero probabilities of its rows' future keys (up to 63
-// of them) with those keys' values, so a non-finite v_j (or dO_i) reaches rows i < j of its
-// block as NaN, where the spec leaves them finite.
+// [3, B, T, C] tensor. The blocking is fixed by T alone. A causal block's products skip
+// the work above the diagonal in whole GEMM register tiles (GemmBand, gemm.h), so only the
+// tiles the diagonal crosses compute masked entries. Unlike the spec, such a tile multiplies
+// the zero P or dS of a query i against a future key j (j - i below the GEMM's kMR: 6 with
+// AVX2, 12 with AVX-512, 4 in the scalar build) with that key's or query's values. So a
+// non-finite v_j or k_j reaches out_i or dq_i as NaN, and a non-finite dO_i or q_i reaches
+// dv_j or dk_j, where the spec leaves them finite.
 //
 //   forward:  s_ij = scale q_i . k_j (j <= i when causal), lse_i = logsumexp_j s_ij,
 //             out_i = sum_j exp(s_ij - lse_i) v_j
@@ -41,6 +44,22 @@ template <typename C>
 C dot(const C* a, const C* b, int64_t n) {
   C s = 0;
   for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// a . b in the GEMM's order and rounding: from 0, one fused multiply-add per term (a multiply
+// and an add where the build's GEMM has no FMA). So D_i = dO_i . O_i and the GEMM's
+// dP_ij = dO_i . v_j are the same bits when O_i = v_j (a row whose one visible key is j: a
+// causal first query), and dS_ij = P_ij (dP_ij - D_i) is exactly 0, as in exact arithmetic.
+inline float gemm_dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t d = 0; d < n; ++d) {
+#if defined(__FMA__)
+    s = std::fma(a[d], b[d], s);
+#else
+    s += a[d] * b[d];
+#endif
+  }
   return s;
 }
 
@@ -102,14 +121,35 @@ struct OutRows {
 // The keys rows [i0, i1) may see.
 int64_t keys_for(bool causal, int64_t i1, int64_t t) { return causal ? i1 : t; }
 
-// Row softmax in place over s [rows, ld] (columns [0, keys)), rows r at query i0 + r masked
-// to columns <= i0 + r when causal; writes the row's lse. Masked columns become exact zeros.
-void softmax_rows(float* s, int64_t rows, int64_t ld, int64_t keys, int64_t i0, bool causal, float* lse) {
+// A causal block's products from query i0 on (none without the mask): the scores and their
+// gradient are wanted on the band j <= i0 + r (kLowerC); P and dS are zero past it, so
+// products with them as A leave those terms out (kLowerA), and so do their transposes, zero
+// before it (kUpperA, r >= j - i0).
+struct Bands {
+  GemmBand c, a, at;
+  const GemmBand *lower_c = nullptr, *lower_a = nullptr, *upper_a = nullptr;
+  Bands(bool causal, int64_t i0)
+      : c{GemmBand::kLowerC, i0}, a{GemmBand::kLowerA, i0}, at{GemmBand::kUpperA, i0} {
+    if (causal) {
+      lower_c = &c;
+      lower_a = &a;
+      upper_a = &at;
+    }
+  }
+  Bands(const Bands&) = delete;
+};
+
+// Row softmax of scale * s in place over s [rows, ld] (columns [0, keys)), rows r at query
+// i0 + r masked to columns <= i0 + r when causal; writes the row's lse. Masked columns become
+// exact zeros. The scores are scaled first, each rounded once as the spec rounds them (an
+// exp of scale * s - max would fuse into one rounding and change the bits).
+void softmax_rows(float* s, int64_t rows, int64_t ld, int64_t keys, int64_t i0, bool causal,
+                  float scale, float* lse) {
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * ld;
     const int64_t n = causal ? std::min(keys, i0 + r + 1) : keys;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    for (int64_t j = 0; j < n; ++j) row[j] *= scale;
+    const float mx = extreme_of(row, n, /*largest=*/true);
     const float sum = exp_affine(row, row, n, 1.0f, mx);
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < n; ++j) row[j] *= inv;
@@ -137,17 +177,16 @@ void attention_forward_f32(const Forward& f, const Attrs& a) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t i0 = 0; i0 < t; i0 += kRows) {
         const int64_t rows = std::min(kRows, t - i0), keys = keys_for(a.causal, i0 + rows, t);
-        // s = scale (q k^T), the scale applied to each dot product as the spec does.
-        sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), s.data(), t);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* row = s.data() + r * t;
-          for (int64_t j = 0; j < keys; ++j) row[j] *= scale;
-        }
-        softmax_rows(s.data(), rows, t, keys, i0, a.causal, lp + p * t + i0);
+        const Bands band(a.causal, i0);
+        // s = q k^T; the softmax scales each dot product (rounded once) as the spec does.
+        sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), s.data(), t, false, nullptr, band.lower_c);
+        softmax_rows(s.data(), rows, t, keys, i0, a.causal, scale, lp + p * t + i0);
         if constexpr (std::is_same_v<T, float>) {
-          sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), op.row(p, i0), op.row_stride);
+          sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), op.row(p, i0), op.row_stride, false,
+                nullptr, band.lower_a);
         } else {
-          sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), o.data(), dh);
+          sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), o.data(), dh, false, nullptr,
+                band.lower_a);
           op.store_rows(p, i0, o.data(), rows, dh);
         }
       }
@@ -177,21 +216,24 @@ void attention_backward_f32(const Backward& b, const Attrs& a) {
       std::fill(dv.begin(), dv.end(), 0.0f);
       for (int64_t i0 = 0; i0 < t; i0 += kRows) {
         const int64_t rows = std::min(kRows, t - i0), keys = keys_for(a.causal, i0 + rows, t);
+        const Bands band(a.causal, i0);
         // P = exp(scale q k^T - lse), masked entries exact zeros.
-        sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), prob.data(), t);
+        sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), prob.data(), t, false, nullptr,
+              band.lower_c);
         for (int64_t r = 0; r < rows; ++r) {
           float* row = prob.data() + r * t;
           const int64_t n = a.causal ? std::min(keys, i0 + r + 1) : keys;
           const float li = lp[p * t + i0 + r];
           exp_affine(row, row, n, scale, li);
           std::fill(row + n, row + keys, 0.0f);
-          di[r] = dot(g.row(p, i0 + r), o.row(p, i0 + r), dh);
+          di[r] = gemm_dot(g.row(p, i0 + r), o.row(p, i0 + r), dh);
         }
         // dv[0, keys) += P^T dO.
         sgemm(keys, dh, rows, {prob.data(), 1, t}, g.rows(p, i0), dv.data(), dh,
-              /*accumulate=*/true);
+              /*accumulate=*/true, nullptr, band.upper_a);
         // dS = scale P (dO v^T - D).
-        sgemm(rows, keys, dh, g.rows(p, i0), v.cols(p, 0), ds.data(), t);
+        sgemm(rows, keys, dh, g.rows(p, i0), v.cols(p, 0), ds.data(), t, false, nullptr,
+              band.lower_c);
         for (int64_t r = 0; r < rows; ++r) {
           float* dsr = ds.data() + r * t;
           const float* pr = prob.data() + r * t;
@@ -201,12 +243,15 @@ void attention_backward_f32(const Backward& b, const Attrs& a) {
         }
         // dq = dS k; dk[0, keys) += dS^T q.
         if constexpr (std::is_same_v<T, float>) {
-          sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq_out.row(p, i0), dq_out.row_stride);
+          sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq_out.row(p, i0), dq_out.row_stride,
+                false, nullptr, band.lower_a);
         } else {
-          sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq.data(), dh);
+          sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq.data(), dh, false, nullptr,
+                band.lower_a);
           dq_out.store_rows(p, i0, dq.data(), rows, dh);
         }
-        sgemm(keys, dh, rows, {ds.data(), 1, t}, q.rows(p, i0), dk.data(), dh, /*accumulate=*/true);
+        sgemm(keys, dh, rows, {ds.data(), 1, t}, q.rows(p, i0), dk.data(), dh, /*accumulate=*/true,
+              nullptr, band.upper_a);
       }
       dk_out.store_rows(p, 0, dk.data(), t, dh);
       dv_out.store_rows(p, 0, dv.data(), t, dh);

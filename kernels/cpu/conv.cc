@@ -297,9 +297,10 @@ class Columns {
 // channels) into NCHW. bias may be null.
 template <typename T>
 void transpose_add_bias(const T* res, int64_t rows, int64_t cols, const T* bias, T* out) {
-  int64_t q0 = 0, o0 = 0;
+  int64_t o0 = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
+    int64_t q0 = 0;
     const int64_t full_q = rows / 16 * 16, full_o = cols / 16 * 16;
     for (; o0 < full_o; o0 += 16) {
       const __m512 b = bias ? _mm512_loadu_ps(bias + o0) : _mm512_setzero_ps();

@@ -187,41 +187,81 @@ inline void compute_tile(int64_t kc, const float* a, const float* b, float* c, i
 
 // ---- packing ------------------------------------------------------------------------------
 #if defined(__AVX512F__)
-// A sliver from a row-major A (unit column stride): kMR rows, each contiguous in k, become
-// kc columns of kMR. 16 k at a time through a 16x16 transpose (rows kMR.. are don't-care).
-// Returns how many k were packed; the caller finishes the rest.
-inline int64_t pack_a_sliver_rows(const float* src, int64_t rs, int64_t kc, float* dst) {
+// A sliver from a row-major A (unit column stride): rows <= kMR rows, each contiguous in k,
+// become kc columns of kMR (rows past `rows` zero). 16 k at a time through a 16x16
+// transpose (rows kMR.. are don't-care). Returns how many k were packed; the caller
+// finishes the rest.
+inline int64_t pack_a_sliver_rows(const float* src, int64_t rs, int64_t rows, int64_t kc, float* dst) {
   static_assert(kMR <= 16);
   constexpr __mmask16 kRowMask = (1u << kMR) - 1;
   int64_t p = 0;
   for (; p + 16 <= kc; p += 16) {
     __m512 r[16];
-    for (int i = 0; i < kMR; ++i) r[i] = _mm512_loadu_ps(src + i * rs + p);
-    for (int i = kMR; i < 16; ++i) r[i] = _mm512_setzero_ps();
+    // A fixed-length loop, so r stays in registers.
+    for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_ps(src + i * rs + p) : _mm512_setzero_ps();
     transpose16x16(r);
     for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(dst + (p + j) * kMR, kRowMask, r[j]);
   }
   return p;
 }
 
-// A B sliver from a column-major B (unit row stride, e.g. W^T): kNR columns, each contiguous
-// in k, become kc rows of kNR, 16 x 16 at a time. Returns how many k were packed.
-inline int64_t pack_b_sliver_cols(const float* src, int64_t cs, int64_t kc, float* dst) {
+// A B sliver from a column-major B (unit row stride, e.g. W^T): cols <= kNR columns, each
+// contiguous in k, become kc rows of kNR, 16 x 16 at a time; columns past `cols` are zero in
+// the 16-column chunks it writes, and the caller zeroes the chunks past those. Returns how
+// many k were packed.
+inline int64_t pack_b_sliver_cols(const float* src, int64_t cs, int64_t cols, int64_t kc, float* dst) {
   static_assert(kNR % 16 == 0);
   int64_t p = 0;
   for (; p + 16 <= kc; p += 16) {
-    for (int j0 = 0; j0 < kNR; j0 += 16) {
+    for (int j0 = 0; j0 < cols; j0 += 16) {  // the columns past: zeroed by the caller
       __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (j0 + i) * cs + p);
+      for (int i = 0; i < 16; ++i) {
+        r[i] = j0 + i < cols ? _mm512_loadu_ps(src + (j0 + i) * cs + p) : _mm512_setzero_ps();
+      }
       transpose16x16(r);
       for (int k = 0; k < 16; ++k) _mm512_store_ps(dst + (p + k) * kNR + j0, r[k]);
     }
   }
   return p;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same two through 8 x 8 transposes: a row-major A sliver 8 k at a time (rows kMR..7
+// are don't-care; a column's kMR = 6 values leave as 4 + 2), a column-major B sliver 8 k by
+// 8 columns at a time.
+inline int64_t pack_a_sliver_rows(const float* src, int64_t rs, int64_t rows, int64_t kc, float* dst) {
+  static_assert(kMR == 6);
+  int64_t p = 0;
+  for (; p + 8 <= kc; p += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = i < rows ? _mm256_loadu_ps(src + i * rs + p) : _mm256_setzero_ps();
+    transpose8x8(r);
+    for (int j = 0; j < 8; ++j) {
+      float* d = dst + (p + j) * kMR;
+      _mm_storeu_ps(d, _mm256_castps256_ps128(r[j]));
+      _mm_storel_pi(reinterpret_cast<__m64*>(d + 4), _mm256_extractf128_ps(r[j], 1));
+    }
+  }
+  return p;
+}
+
+inline int64_t pack_b_sliver_cols(const float* src, int64_t cs, int64_t cols, int64_t kc, float* dst) {
+  static_assert(kNR % 8 == 0);
+  int64_t p = 0;
+  for (; p + 8 <= kc; p += 8) {
+    for (int j0 = 0; j0 < cols; j0 += 8) {  // the columns past: zeroed by the caller
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        r[i] = j0 + i < cols ? _mm256_loadu_ps(src + (j0 + i) * cs + p) : _mm256_setzero_ps();
+      }
+      transpose8x8(r);
+      for (int k = 0; k < 8; ++k) _mm256_store_ps(dst + (p + k) * kNR + j0, r[k]);
+    }
+  }
+  return p;
+}
 #else
-inline int64_t pack_a_sliver_rows(const float*, int64_t, int64_t, float*) { return 0; }
-inline int64_t pack_b_sliver_cols(const float*, int64_t, int64_t, float*) { return 0; }
+inline int64_t pack_a_sliver_rows(const float*, int64_t, int64_t, int64_t, float*) { return 0; }
+inline int64_t pack_b_sliver_cols(const float*, int64_t, int64_t, int64_t, float*) { return 0; }
 #endif
 
 // Packs A[i0 : i0 + mb, p0 : p0 + kc] into slivers of kMR rows: sliver s is kc columns of
@@ -233,15 +273,16 @@ void pack_a(const StridedMatrix& a, int64_t i0, int64_t mb, int64_t p0, int64_t 
     const int64_t rows = std::min<int64_t>(kMR, mb - s * kMR);
     const float* src = a.data + (i0 + s * kMR) * rs + p0 * cs;
     float* d = dst + s * kc * kMR;
+    // An edge sliver's padding rows: zeroed once, not per k.
+    if (rows < kMR) std::fill(d, d + kc * kMR, 0.0f);
     int64_t p = 0;
-    if (rows == kMR && cs == 1) p = pack_a_sliver_rows(src, rs, kc, d);
-    if (rows == kMR && rs == 1) {
+    if (cs == 1) p = pack_a_sliver_rows(src, rs, rows, kc, d);
+    if (rs == 1 && rows == kMR) {
       // Column-major A (a transposed view): each column is kMR contiguous values.
       for (; p < kc; ++p) std::memcpy(d + p * kMR, src + p * cs, sizeof(float) * kMR);
     }
     for (; p < kc; ++p) {
       for (int64_t r = 0; r < rows; ++r) d[p * kMR + r] = src[r * rs + p * cs];
-      for (int64_t r = rows; r < kMR; ++r) d[p * kMR + r] = 0.0f;
     }
   }
 }
@@ -266,11 +307,12 @@ void pack_b(const StridedMatrix& b, int64_t p0, int64_t kc, int64_t j0, int64_t 
     const int64_t cols = std::min<int64_t>(kNR, nb - s * kNR);
     const float* src = b.data + p0 * rs + (j0 + s * kNR) * cs;
     float* d = dst + s * kc * kNR;
+    // An edge sliver's padding columns: zeroed once, not per k.
+    if (cols < kNR) std::fill(d, d + kc * kNR, 0.0f);
     int64_t p = 0;
-    if (cols == kNR && rs == 1) p = pack_b_sliver_cols(src, cs, kc, d);
+    if (rs == 1) p = pack_b_sliver_cols(src, cs, cols, kc, d);
     for (; p < kc; ++p) {
       for (int64_t j = 0; j < cols; ++j) d[p * kNR + j] = src[p * rs + j * cs];
-      for (int64_t j = cols; j < kNR; ++j) d[p * kNR + j] = 0.0f;
     }
   }
 }
@@ -314,7 +356,30 @@ struct Problem {
   bool accumulate;
   int64_t kc;  // K block: depends on k only (see balanced_block)
   const GemmEpilogue* epilogue;
+  const GemmBand* band;
 };
+
+// The part [lo, hi) of K block [pb, pb + kc) that rows [i, i + rows) need under the band.
+struct DepthRange {
+  int64_t lo, hi;
+};
+DepthRange band_depth(const GemmBand* band, int64_t i, int64_t rows, int64_t pb, int64_t kc) {
+  if (band == nullptr) return {0, kc};
+  if (band->kind == GemmBand::kLowerA) {
+    // The sliver's last row reaches furthest: p <= i + rows - 1 + offset.
+    return {0, std::clamp<int64_t>(i + rows + band->offset - pb, 0, kc)};
+  }
+  if (band->kind == GemmBand::kUpperA) {
+    // Its first row starts earliest: p >= i - offset.
+    return {std::clamp<int64_t>(i - band->offset - pb, 0, kc), kc};
+  }
+  return {0, kc};
+}
+
+// Whether the band leaves out the whole tile at rows [i, i + rows), columns from j.
+bool band_skips_tile(const GemmBand* band, int64_t i, int64_t rows, int64_t j) {
+  return band != nullptr && band->kind == GemmBand::kLowerC && j > i + rows - 1 + band->offset;
+}
 
 // The block size that splits `extent` into equal blocks of at most `max_block`, rounded up
 // to a multiple of `unit`: no thin remainder block. For K it is a function of k alone, so
@@ -345,9 +410,14 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
           const float* as = apack + ir * kc;
           float* crow = pr.c + (ib + ir) * pr.ldc + jb;
           const int64_t rows = std::min<int64_t>(kMR, mb - ir);
+          // Under a band only depths [lo, hi) of this block reach the sliver; an empty range
+          // still writes its zeros when it is the first block.
+          const DepthRange d = band_depth(pr.band, ib + ir, rows, pb, kc);
+          if (d.lo >= d.hi && accumulate) continue;
           for (int64_t jr = 0; jr < nb; jr += kNR) {
-            compute_tile(kc, as, bpack + jr * kc, crow + jr, pr.ldc, rows,
-                         std::min<int64_t>(kNR, nb - jr), accumulate);
+            if (band_skips_tile(pr.band, ib + ir, rows, jb + jr)) break;
+            compute_tile(d.hi - d.lo, as + d.lo * kMR, bpack + jr * kc + d.lo * kNR, crow + jr, pr.ldc,
+                         rows, std::min<int64_t>(kNR, nb - jr), accumulate);
           }
           if (last && pr.epilogue != nullptr) pr.epilogue->fn(pr.epilogue->ctx, ib + ir, rows, jb, nb);
         }
@@ -411,9 +481,12 @@ int64_t split_point(int64_t extent, int64_t tile, int parts, int i) {
 }  // namespace
 
 void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, float* c, int64_t ldc,
-           bool accumulate, const GemmEpilogue* epilogue) {
+           bool accumulate, const GemmEpilogue* epilogue, const GemmBand* band) {
   TS_CHECK(m >= 0 && n >= 0 && k >= 0, "sgemm: negative size m={} n={} k={}", m, n, k);
   TS_CHECK(ldc >= n, "sgemm: ldc={} is less than n={}", ldc, n);
+  TS_CHECK(band == nullptr || epilogue == nullptr,
+           "sgemm: a band (kind {}, offset {}) with an epilogue: the epilogue would see tiles the "
+           "band leaves out", band ? static_cast<int>(band->kind) : 0, band ? band->offset : 0);
   if (m == 0 || n == 0) return;
   if (k == 0) {
     if (!accumulate) {
@@ -424,7 +497,7 @@ void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, fl
     }
     return;
   }
-  const Problem pr{m, n, k, a, b, c, ldc, accumulate, balanced_block(k, kKC, 1), epilogue};
+  const Problem pr{m, n, k, a, b, c, ldc, accumulate, balanced_block(k, kKC, 1), epilogue, band};
   const Grid grid = choose_grid(pr, num_threads());
   const int parts = grid.tm * grid.tn;
   if (parts == 1) {

@@ -32,12 +32,30 @@ struct GemmEpilogue {
   const void* ctx;
 };
 
+// A triangular band in a product, as causal attention's products have (a block of query
+// rows starting at position `offset` against keys from 0). The GEMM then does only the work
+// the band needs, in whole register tiles and slivers; what it computes, it computes as
+// without the band, in the same order. So a wanted element keeps its bits, except where a
+// left-out zero term would have changed them: a -0 sum, or NaN from 0 x inf.
+//   kLowerC: only C(i, j) with j <= i + offset is wanted. Register tiles wholly above the
+//            band are not computed; an element above it holds either its product (a tile
+//            the band crosses is computed in full) or what it held before.
+//   kLowerA: A(i, p) == 0 for p > i + offset: those terms are left out of C(i, :).
+//   kUpperA: A(i, p) == 0 for p < i - offset: those terms are left out of C(i, :).
+struct GemmBand {
+  enum Kind { kLowerC, kLowerA, kUpperA };
+  Kind kind;
+  int64_t offset;
+};
+
 // C[m, n] (row-major, leading dimension ldc >= n) = A[m, k] * B[k, n]; with `accumulate`
 // (beta = 1) C += A * B instead. k == 0 gives C = 0 (or leaves C as is when accumulating).
 // Runs on num_threads() threads (kernels/cpu/parallel.h; 1 inside a part of a parallel job).
-// C must not overlap A or B. Throws tessera::Error on negative sizes or ldc < n.
+// C must not overlap A or B. Throws tessera::Error on negative sizes, ldc < n, or a band
+// together with an epilogue.
 void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, float* c, int64_t ldc,
-           bool accumulate = false, const GemmEpilogue* epilogue = nullptr);
+           bool accumulate = false, const GemmEpilogue* epilogue = nullptr,
+           const GemmBand* band = nullptr);
 
 // The micro-kernel compiled into this build, e.g. "avx512 12x32" (for benchmark reports).
 const char* sgemm_kernel_name();

@@ -3,6 +3,7 @@
 // a packet of 16 (AVX-512) or 8 (AVX2) lanes per step instead of one libm call per element.
 //
 //   const float sum = exp_affine(row, row, n, scale, lse);  // row[j] = exp(scale row[j] - lse)
+//   const float mx = extreme_of(row, n, /*largest=*/true);   // max_j row[j]
 //
 // Every element takes the same packet path, the run's tail through a zero-padded packet, so
 // an element's bits do not depend on where it lies in the run (nor on the thread count).
@@ -14,6 +15,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -56,6 +58,28 @@ inline float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
   float s = 0;
   for (int i = 0; i < kLanes; ++i) s += lanes[i];
   return s;
+}
+
+// The largest (largest == true) or smallest x[j] for j in [0, n), over packets (a max is
+// exact, so the order cannot change it, ties of +0 and -0 aside); -inf or +inf when n == 0.
+// With a NaN among the x[j] the result may or may not be NaN.
+inline float extreme_of(const float* x, int64_t n, bool largest) {
+  namespace ei = Eigen::internal;
+  using Packet = ei::packet_traits<float>::type;
+  constexpr int kLanes = ei::packet_traits<float>::size;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float m = largest ? -kInf : kInf;
+  int64_t j = 0;
+  if (n >= kLanes) {
+    Packet acc = ei::ploadu<Packet>(x);
+    for (j = kLanes; j + kLanes <= n; j += kLanes) {
+      const Packet v = ei::ploadu<Packet>(x + j);
+      acc = largest ? ei::pmax(acc, v) : ei::pmin(acc, v);
+    }
+    m = largest ? ei::predux_max(acc) : ei::predux_min(acc);
+  }
+  for (; j < n; ++j) m = largest ? std::max(m, x[j]) : std::min(m, x[j]);
+  return m;
 }
 
 }  // namespace tessera::cpu

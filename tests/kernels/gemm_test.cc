@@ -139,6 +139,9 @@ TEST_CASE("sgemm matches a f64 triple loop for all layouts, shapes and accumulat
     const std::vector<float> a = random_matrix(m, k, ++seed), b = random_matrix(k, n, ++seed);
     const std::vector<float> c0 = random_matrix(m, n, ++seed);
     const Reference ref = naive(a, b, m, n, k);
+    // Packing copies every layout into the same panels, so all eight give the same bits
+    // (the vector packers - transposes through registers - against the scalar gathers).
+    std::vector<float> first[2];
     for (int layout = 0; layout < 8; ++layout) {
       const bool ta = layout & 1, tb = layout & 2, strided = layout & 4;
       const Operand ao = lay_out(a, m, k, ta, strided), bo = lay_out(b, k, n, tb, strided);
@@ -163,6 +166,9 @@ TEST_CASE("sgemm matches a f64 triple loop for all layouts, shapes and accumulat
           for (int64_t j = n; j < ldc; ++j) gap_touched += c[i * ldc + j] != -7.0f;
         }
         CHECK(gap_touched == 0);
+        std::vector<float>& same = first[accumulate];
+        if (layout == 0) same = c;
+        CHECK(std::memcmp(c.data(), same.data(), sizeof(float) * c.size()) == 0);
       }
     }
   }
@@ -232,6 +238,95 @@ TEST_CASE("sgemm is bitwise identical for 1, 2, 3 and 4 threads") {
       CHECK(std::memcmp(in_omp.data(), first.data(), in_omp.size() * sizeof(float)) == 0);
     }
   }
+}
+
+TEST_CASE("sgemm under a causal band: the wanted elements' bits, the left-out tiles untouched") {
+  // The band's three kinds against the same product without it, on 1 and 2 threads, with
+  // offsets either side of 0, shapes off the register tile and past the K block (384). The
+  // operands are positive, so no sum is -0, and A is zero off its band for the A kinds (as
+  // attention's P and dS are), so the bits must be the band-free product's. Past 16 of
+  // those zeros (more than a register tile's rows) A holds NaN instead: the band must leave
+  // those terms out, or they would poison the row.
+  ThreadCountGuard guard;
+  using cpu::GemmBand;
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {64, 64, 32}, {64, 128, 32}, {37, 53, 71}, {130, 300, 400}, {7, 1000, 900}, {300, 40, 777}};
+  const std::vector<int64_t> offsets = {-9, 0, 5, 64, 700};
+  int64_t cases = 0, skipped_elements = 0, poisoned_terms = 0;
+  uint64_t seed = 500;
+  for (const std::array<int64_t, 3>& shape : shapes) {
+    const int64_t m = shape[0], n = shape[1], k = shape[2];
+    std::vector<float> a = random_matrix(m, k, ++seed), b = random_matrix(k, n, ++seed);
+    for (float& x : a) x = std::fabs(x);
+    for (float& x : b) x = std::fabs(x);
+    for (int64_t offset : offsets) {
+      for (GemmBand::Kind kind : {GemmBand::kLowerC, GemmBand::kLowerA, GemmBand::kUpperA}) {
+        // The A kinds: A zero off the band, NaN from 16 past it in the copy the band reads.
+        std::vector<float> banded_a = a, poisoned_a = a;
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t p = 0; p < k; ++p) {
+            const int64_t past = kind == GemmBand::kLowerA   ? p - (i + offset)
+                                 : kind == GemmBand::kUpperA ? (i - offset) - p
+                                                             : 0;
+            if (past > 0) banded_a[i * k + p] = poisoned_a[i * k + p] = 0.0f;
+            if (past > 16) {
+              poisoned_a[i * k + p] = NAN;
+              ++poisoned_terms;
+            }
+          }
+        }
+        for (bool accumulate : {false, true}) {
+          const std::vector<float> c0 = random_matrix(m, n, ++seed);
+          std::vector<float> plain = c0;
+          sgemm(m, n, k, {banded_a.data(), k, 1}, {b.data(), n, 1}, plain.data(), n, accumulate);
+          for (int threads : {1, 2}) {
+            cpu::set_num_threads(threads);
+            // -7 marks elements the band must leave as they were when not accumulating.
+            std::vector<float> c = accumulate ? c0 : std::vector<float>(m * n, -7.0f);
+            const GemmBand band{kind, offset};
+            sgemm(m, n, k, {poisoned_a.data(), k, 1}, {b.data(), n, 1}, c.data(), n, accumulate,
+                  nullptr, &band);
+            int64_t wrong = 0, untouched = 0;
+            for (int64_t i = 0; i < m; ++i) {
+              for (int64_t j = 0; j < n; ++j) {
+                const float got = c[i * n + j], want = plain[i * n + j];
+                const bool wanted = kind != GemmBand::kLowerC || j <= i + offset;
+                if (wanted) {
+                  wrong += std::memcmp(&got, &want, sizeof(float)) != 0;
+                } else if (std::memcmp(&got, &want, sizeof(float)) != 0) {
+                  // Not computed: as it was.
+                  const float before = accumulate ? c0[i * n + j] : -7.0f;
+                  wrong += std::memcmp(&got, &before, sizeof(float)) != 0;
+                  ++untouched;
+                }
+              }
+            }
+            CAPTURE(m);
+            CAPTURE(n);
+            CAPTURE(k);
+            CAPTURE(offset);
+            CAPTURE(static_cast<int>(kind));
+            CAPTURE(accumulate);
+            CAPTURE(threads);
+            CHECK(wrong == 0);
+            skipped_elements += untouched;
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  CHECK(cases == 6 * 5 * 3 * 2 * 2);
+  // The band did leave work out: tiles untouched, NaN terms not read.
+  CHECK(skipped_elements > 0);
+  CHECK(poisoned_terms > 0);
+  // A band with an epilogue is refused.
+  std::vector<float> buf(16, 1.0f);
+  const GemmBand band{GemmBand::kLowerC, 0};
+  const cpu::GemmEpilogue epilogue{[](const void*, int64_t, int64_t, int64_t, int64_t) {}, nullptr};
+  CHECK_THROWS_AS(sgemm(2, 2, 2, {buf.data(), 2, 1}, {buf.data(), 2, 1}, buf.data() + 8, 2, false,
+                        &epilogue, &band),
+                  Error);
 }
 
 TEST_CASE("matmul (f32) through the op API: batched, broadcast and transposed views") {

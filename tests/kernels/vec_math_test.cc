@@ -94,5 +94,37 @@ TEST_CASE("exp_affine: in place; zero, one, the ends and NaN as vec_math.h state
   CHECK(std::isnan(x[10]));
 }
 
+TEST_CASE("extreme_of: the max and min of a run against a scalar fold, every length to 70") {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> dist(-50.0f, 50.0f);
+  int64_t runs = 0;
+  for (int64_t n = 0; n <= 70; ++n) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& v : x) v = dist(gen);
+    // The extreme at every position in turn, so a lane or the tail holds it.
+    for (int64_t at = 0; at < std::max<int64_t>(n, 1); ++at) {
+      std::vector<float> y = x;
+      if (n > 0) y[at] = at % 2 ? 1e30f : -1e30f;
+      float mx = -std::numeric_limits<float>::infinity(), mn = std::numeric_limits<float>::infinity();
+      for (float v : y) {
+        mx = std::max(mx, v);
+        mn = std::min(mn, v);
+      }
+      CAPTURE(n);
+      CAPTURE(at);
+      CHECK(extreme_of(y.data(), n, true) == mx);
+      CHECK(extreme_of(y.data(), n, false) == mn);
+      ++runs;
+    }
+  }
+  CHECK(runs == 1 + 70 * 71 / 2);
+  // Infinities are values like any other.
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> z = {1, 2, 3, 4, 5, 6, 7, 8, 9, -inf, 11, 12, 13, 14, 15, 16, inf};
+  CHECK(extreme_of(z.data(), 17, true) == inf);
+  CHECK(extreme_of(z.data(), 17, false) == -inf);
+  CHECK(extreme_of(z.data(), 16, true) == 16.0f);
+}
+
 }  // namespace
 }  // namespace tessera::cpu
