@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "models/data/text.h"
@@ -85,17 +86,42 @@ TEST_CASE("the snippet's step equals the single-rank step") {
   opt.zero_grad();
   Gpt::loss(ref(whole.idx), whole.targets).backward();
   optim::clip_grad_norm(ref.parameters(), 1.0);
+  // AdamW's first step moves a weight by lr g / (|g| + eps) and the decay: near g = 0 that
+  // multiplies a change in g by up to lr eps / (|g| + eps)^2 (lr / eps at 0). The ranks' summed
+  // gradients differ from the one-rank ones by rounding (another reduction order), here taken
+  // as at most 1e-6 of the tensor's largest |g|; `slack` is what that can move the step, so the
+  // weights whose gradient is ~eps (tokens the data never holds) get the room their step needs,
+  // and every other weight keeps the plain 1e-5 bound.
+  std::vector<double> slack;
+  {
+    std::map<std::string, Tensor> grads;
+    for (const auto& [name, p] : ref.named_parameters()) grads[name] = p.grad();
+    for (const auto& [name, t] : ref.state_dict()) {
+      REQUIRE(grads.count(name) == 1);
+      const std::vector<double> g = grads[name].to_vector<double>();
+      double largest = 0;
+      for (double x : g) largest = std::max(largest, std::abs(x));
+      const double eps = 1e-8, dg = 1e-6 * largest;
+      for (double x : g) slack.push_back(lr * eps * dg / ((std::abs(x) + eps) * (std::abs(x) + eps)));
+    }
+  }
   opt.step();
   const std::vector<double> want = flat_params(ref.state_dict());
+  REQUIRE(slack.size() == want.size());
   parallel::run_threads(2, [&](parallel::CommPtr world) {
     Gpt model = make_model();
     const data::TextBatch b = windows().get(0, 8, 16, world->rank(), 2);
     std::vector<double> got;
     readme_step(model, world, b.idx, b.targets, &got);
     REQUIRE(got.size() == want.size());
+    int64_t with_slack = 0;
     for (size_t i = 0; i < got.size(); ++i) {
-      CHECK_MESSAGE(std::abs(got[i] - want[i]) <= 1e-5 * (1 + std::abs(want[i])), "param " << i);
+      const double plain = 1e-5 * (1 + std::abs(want[i]));
+      CHECK_MESSAGE(std::abs(got[i] - want[i]) <= plain + slack[i], "param " << i);
+      with_slack += std::abs(got[i] - want[i]) > plain;
     }
+    // Only a few weights need the slack (one on this machine's kernels, none on others).
+    CHECK(with_slack <= 8);
   });
 }
 
