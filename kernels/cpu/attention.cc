@@ -50,7 +50,8 @@ C dot(const C* a, const C* b, int64_t n) {
 // a . b in the GEMM's order and rounding: from 0, one fused multiply-add per term (a multiply
 // and an add where the build's GEMM has no FMA). So D_i = dO_i . O_i and the GEMM's
 // dP_ij = dO_i . v_j are the same bits when O_i = v_j (a row whose one visible key is j: a
-// causal first query), and dS_ij = P_ij (dP_ij - D_i) is exactly 0, as in exact arithmetic.
+// causal first query), and dS_ij = P_ij (dP_ij - D_i) is exactly 0, as in exact arithmetic
+// (for head sizes up to the GEMM's K block, 384: past it the GEMM adds blocks' partial sums).
 inline float gemm_dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
   for (int64_t d = 0; d < n; ++d) {

@@ -158,11 +158,13 @@ void observe(OpId op, Device device, bool begin, std::span<const Tensor> inputs)
         record = true;
       }
     }
-    Open o{op, now, internal::jobs_started(), record};
+    Open o{op, now, internal::jobs_started(), record, {}};
     if (record && p.shapes && is_gemm_op(op)) {
       o.shape = std::string(op_name(op)) + " ";
       for (size_t i = 0; i < inputs.size() && i < 2; ++i) {
-        if (inputs[i].defined()) o.shape += (i ? " x " : "") + operand_key(inputs[i]);
+        if (!inputs[i].defined()) continue;
+        if (i > 0) o.shape += " x ";
+        o.shape += operand_key(inputs[i]);
       }
       o.flops = gemm_flops(op, inputs);
     }
