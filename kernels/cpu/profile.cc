@@ -212,7 +212,10 @@ bool is_gemm_op(OpId op) {
 
 std::string operand_key(const Tensor& t) {
   std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? "," : "") + std::to_string(t.shape()[d]);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (d > 0) s += ",";
+    s += std::to_string(t.shape()[d]);
+  }
   s += "]";
   if (t.dim() >= 2) {
     const int64_t rs = t.strides()[t.dim() - 2], cs = t.strides()[t.dim() - 1];
