@@ -127,17 +127,13 @@ int64_t keys_for(bool causal, int64_t i1, int64_t t) { return causal ? i1 : t; }
 // products with them as A leave those terms out (kLowerA), and so do their transposes, zero
 // before it (kUpperA, r >= j - i0).
 struct Bands {
+  bool causal;
   GemmBand c, a, at;
-  const GemmBand *lower_c = nullptr, *lower_a = nullptr, *upper_a = nullptr;
   Bands(bool causal, int64_t i0)
-      : c{GemmBand::kLowerC, i0}, a{GemmBand::kLowerA, i0}, at{GemmBand::kUpperA, i0} {
-    if (causal) {
-      lower_c = &c;
-      lower_a = &a;
-      upper_a = &at;
-    }
-  }
-  Bands(const Bands&) = delete;
+      : causal(causal), c{GemmBand::kLowerC, i0}, a{GemmBand::kLowerA, i0}, at{GemmBand::kUpperA, i0} {}
+  const GemmBand* lower_c() const { return causal ? &c : nullptr; }
+  const GemmBand* lower_a() const { return causal ? &a : nullptr; }
+  const GemmBand* upper_a() const { return causal ? &at : nullptr; }
 };
 
 // Row softmax of scale * s in place over s [rows, ld] (columns [0, keys)), rows r at query
@@ -180,14 +176,14 @@ void attention_forward_f32(const Forward& f, const Attrs& a) {
         const int64_t rows = std::min(kRows, t - i0), keys = keys_for(a.causal, i0 + rows, t);
         const Bands band(a.causal, i0);
         // s = q k^T; the softmax scales each dot product (rounded once) as the spec does.
-        sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), s.data(), t, false, nullptr, band.lower_c);
+        sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), s.data(), t, false, nullptr, band.lower_c());
         softmax_rows(s.data(), rows, t, keys, i0, a.causal, scale, lp + p * t + i0);
         if constexpr (std::is_same_v<T, float>) {
           sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), op.row(p, i0), op.row_stride, false,
-                nullptr, band.lower_a);
+                nullptr, band.lower_a());
         } else {
           sgemm(rows, dh, keys, {s.data(), t, 1}, v.rows(p, 0), o.data(), dh, false, nullptr,
-                band.lower_a);
+                band.lower_a());
           op.store_rows(p, i0, o.data(), rows, dh);
         }
       }
@@ -220,7 +216,7 @@ void attention_backward_f32(const Backward& b, const Attrs& a) {
         const Bands band(a.causal, i0);
         // P = exp(scale q k^T - lse), masked entries exact zeros.
         sgemm(rows, keys, dh, q.rows(p, i0), k.cols(p, 0), prob.data(), t, false, nullptr,
-              band.lower_c);
+              band.lower_c());
         for (int64_t r = 0; r < rows; ++r) {
           float* row = prob.data() + r * t;
           const int64_t n = a.causal ? std::min(keys, i0 + r + 1) : keys;
@@ -231,10 +227,10 @@ void attention_backward_f32(const Backward& b, const Attrs& a) {
         }
         // dv[0, keys) += P^T dO.
         sgemm(keys, dh, rows, {prob.data(), 1, t}, g.rows(p, i0), dv.data(), dh,
-              /*accumulate=*/true, nullptr, band.upper_a);
+              /*accumulate=*/true, nullptr, band.upper_a());
         // dS = scale P (dO v^T - D).
         sgemm(rows, keys, dh, g.rows(p, i0), v.cols(p, 0), ds.data(), t, false, nullptr,
-              band.lower_c);
+              band.lower_c());
         for (int64_t r = 0; r < rows; ++r) {
           float* dsr = ds.data() + r * t;
           const float* pr = prob.data() + r * t;
@@ -245,14 +241,14 @@ void attention_backward_f32(const Backward& b, const Attrs& a) {
         // dq = dS k; dk[0, keys) += dS^T q.
         if constexpr (std::is_same_v<T, float>) {
           sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq_out.row(p, i0), dq_out.row_stride,
-                false, nullptr, band.lower_a);
+                false, nullptr, band.lower_a());
         } else {
           sgemm(rows, dh, keys, {ds.data(), t, 1}, k.rows(p, 0), dq.data(), dh, false, nullptr,
-                band.lower_a);
+                band.lower_a());
           dq_out.store_rows(p, i0, dq.data(), rows, dh);
         }
         sgemm(keys, dh, rows, {ds.data(), 1, t}, q.rows(p, i0), dk.data(), dh, /*accumulate=*/true,
-              nullptr, band.upper_a);
+              nullptr, band.upper_a());
       }
       dk_out.store_rows(p, 0, dk.data(), t, dh);
       dv_out.store_rows(p, 0, dv.data(), t, dh);
