@@ -53,6 +53,10 @@ struct Run {
   std::vector<double> aux;                     // experts: the attached losses per step
   std::vector<std::vector<double>> params;     // rank 0's final parameters
   std::vector<std::string> names;
+  // The f32 single-device AdamW run (train_reference): per parameter tensor, its own
+  // rounding, ||f32 run - f64 run|| / ||f64 run|| (zero-gradient elements out); empty
+  // otherwise. check_close's f32 bound per tensor is max(1e-5, 2 x this).
+  std::vector<double> rounding;
 };
 
 std::vector<std::vector<double>> values_of(const nn::Module& model);
@@ -61,17 +65,29 @@ struct Diff {
   double loss = 0;       // max over steps of |a - b| / max(1, |b|)
   double param_abs = 0;  // max |a - b| over every element
   double param_rel = 0;  // max over tensors of max |a - b| / max |b|
-  double param_norm = 0; // max over tensors of ||a - b|| / ||b|| (zero-gradient elements out)
+  // ||a - b|| / ||b|| (zero-gradient elements out) of the tensor nearest its f32 bound, and
+  // that bound: 1e-5, or 2 x want.rounding where that is larger.
+  double param_norm = 0;
+  double param_norm_bound = 1e-5;
   std::string worst_tensor;  // the tensor of param_norm
   double zero_grad_abs = 0;  // max |a - b| over the zero-gradient elements
 };
 
 Diff compare(const Task& task, const Run& got, const Run& want);
 
+// Per parameter tensor, ||a - b|| / ||b|| over the elements whose gradient is not exactly
+// zero (task.zero_gradient).
+std::vector<double> tensor_norm_rel(const Task& task, const Run& got, const Run& want);
+
 // Tolerances (doctest CHECKs, with a MESSAGE naming `label` and every figure). f64: every
 // element within 1e-10 of the single-rank run (summation order and the clipping norm's order
 // differ, ~1e-16 each; measured ~1e-13 after 20 steps). f32: the loss curve within 1e-5
-// relative and every parameter tensor within 1e-5 in norm (||a - b|| / ||b||). Element-wise
+// relative and every parameter tensor within 1e-5 in norm (||a - b|| / ||b||), or within
+// twice the single-device f32 run's own distance from the f64 run where that is larger
+// (Run::rounding): a run summing in another order is an equally valid rounding, so two runs
+// each that far from exact arithmetic can be up to twice it apart. (Measured: the MoE
+// GPT-mini's first-block expert tensors carry ~1.1e-5 of rounding after 20 steps; every other
+// tensor of the tasks less than 5e-6.) Element-wise
 // f32 is not a fair test of AdamW: its normalised step m / sqrt(v) turns a gradient that is
 // pure rounding noise (the attention key bias, exactly zero in exact arithmetic) into a full
 // lr-sized step whose sign depends on the summation order; those elements are reported and
