@@ -85,9 +85,10 @@ std::vector<double> tensor_norm_rel(const Task& task, const Run& got, const Run&
 // relative and every parameter tensor within 1e-5 in norm (||a - b|| / ||b||), or within
 // twice the single-device f32 run's own distance from the f64 run where that is larger
 // (Run::rounding): a run summing in another order is an equally valid rounding, so two runs
-// each that far from exact arithmetic can be up to twice it apart. (Measured: the MoE
-// GPT-mini's first-block expert tensors carry ~1.1e-5 of rounding after 20 steps; every other
-// tensor of the tasks less than 5e-6.) Element-wise
+// each that far from exact arithmetic can be up to twice it apart. (Measured on a Zen 3 AVX2
+// build: the MoE GPT-mini's first-block expert tensors carry 0.8-1.2e-5 of rounding after 20
+// steps; every other tensor of the three tasks less than 4e-6. train_reference checks that
+// none passes 1e-4.) Element-wise
 // f32 is not a fair test of AdamW: its normalised step m / sqrt(v) turns a gradient that is
 // pure rounding noise (the attention key bias, exactly zero in exact arithmetic) into a full
 // lr-sized step whose sign depends on the summation order; those elements are reported and
