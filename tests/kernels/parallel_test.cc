@@ -224,6 +224,36 @@ TEST_CASE("vectorised gelu backward: the same bits at any offset and on 1 or 2 t
   }
 }
 
+// Where u = sqrt(2/pi) (x + 0.044715 x^3) < -2, 1 + tanh(u) cancels, so the vectorised
+// tanh-form backward gives those lanes the scalar functor (as CUDA does): bitwise what a
+// strided run (the scalar loop) gives. Each 16-lane packet holds one such lane, at every
+// position in turn (x from -2.5 down to -6: u(-2.5) = -2.55), among lanes before the cut
+// (x in [-2, 3): u(-2) = -1.88), so a packet's scan that missed a lane would show.
+TEST_CASE("gelu backward (tanh form): past u = -2 the vectorised path gives the scalar functor's bits") {
+  constexpr int64_t kPackets = 64, n = 16 * kPackets;
+  std::vector<float> xs(n), gs(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t packet = i / 16, lane = i % 16;
+    xs[i] = lane == packet % 16 ? -2.5f - 3.5f * static_cast<float>(packet) / kPackets
+                                : -2.0f + 5.0f * static_cast<float>((i * 379) % n) / static_cast<float>(n);
+    gs[i] = 1.0f + 0.25f * static_cast<float>(i % 7);
+  }
+  const Tensor x = Tensor::from_vector<float>(xs, {n}), g = Tensor::from_vector<float>(gs, {n});
+  // The same values every other element of a [n, 2] buffer: a run of stride 2, the scalar loop.
+  const Tensor x2 = stack({x, x}, 1).select(1, 0), g2 = stack({g, g}, 1).select(1, 0);
+  REQUIRE(x2.strides()[0] == 2);
+  const std::vector<float> packed = gelu_backward(g, x, true).to_vector<float>();
+  const std::vector<float> scalar = gelu_backward(g2, x2, true).to_vector<float>();
+  int64_t tail = 0, tail_equal = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (xs[i] > -2.5f) continue;
+    ++tail;
+    tail_equal += std::memcmp(&packed[i], &scalar[i], sizeof(float)) == 0;
+  }
+  CHECK(tail == kPackets);
+  CHECK(tail_equal == tail);
+}
+
 // gelu's tanh-form backward at |x| where x^3 overflows f32 but x^2 does not: the derivative
 // is 1 (x > 0) or 0 (x < 0), on the vectorised path (a run of 40) and the scalar one (1).
 TEST_CASE("gelu backward (tanh form) is 1 or 0 for huge |x|, not NaN") {
