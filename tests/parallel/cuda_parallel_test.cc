@@ -3,9 +3,9 @@
 // NCCL refuses two ranks on one GPU). The shared collective checks on CUDA buffers; the
 // comm log against CPU buffers; DDP and ZeRO stages 1-3 on the MNIST MLP and GPT-mini
 // (dp 2 and 4) with parameters and batches on cuda:0 against the single-device CUDA run
-// (dp_harness.h's tolerances: f64 1e-10 element-wise, f32 1e-5 or twice the one-device f32
-// run's own rounding), after a triage case that
-// tells kernel thread-safety problems from communicator ones. Needs a GPU:
+// (dp_harness.h's tolerances: f64 1e-10 element-wise, f32 1e-5; ZeRO's f32 cases, against
+// train_reference, twice the one-device f32 run's own rounding where that is larger), after
+// a triage case that tells kernel thread-safety problems from communicator ones. Needs a GPU:
 //   bazel test --config=cuda --test_tag_filters=gpu //tests/parallel:cuda_parallel_test
 // Without --config=cuda this file compiles to an empty suite.
 #include <doctest/doctest.h>
