@@ -15,7 +15,6 @@
 #pragma once
 
 #include <Eigen/Core>
-#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -60,26 +59,15 @@ inline float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
   return s;
 }
 
-// The largest (largest == true) or smallest x[j] for j in [0, n), over packets (a max is
-// exact, so the order cannot change it, ties of +0 and -0 aside); -inf or +inf when n == 0.
-// With a NaN among the x[j] the result may or may not be NaN.
+// The largest (largest == true) or smallest x[j] for j in [0, n), through Eigen's vectorised
+// reduction as softmax.cc's rows (a max is exact, so the order cannot change it, ties of +0
+// and -0 aside); -inf or +inf when n == 0. With a NaN among the x[j] the result may or may
+// not be NaN.
 inline float extreme_of(const float* x, int64_t n, bool largest) {
-  namespace ei = Eigen::internal;
-  using Packet = ei::packet_traits<float>::type;
-  constexpr int kLanes = ei::packet_traits<float>::size;
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  float m = largest ? -kInf : kInf;
-  int64_t j = 0;
-  if (n >= kLanes) {
-    Packet acc = ei::ploadu<Packet>(x);
-    for (j = kLanes; j + kLanes <= n; j += kLanes) {
-      const Packet v = ei::ploadu<Packet>(x + j);
-      acc = largest ? ei::pmax(acc, v) : ei::pmin(acc, v);
-    }
-    m = largest ? ei::predux_max(acc) : ei::predux_min(acc);
-  }
-  for (; j < n; ++j) m = largest ? std::max(m, x[j]) : std::min(m, x[j]);
-  return m;
+  if (n <= 0) return largest ? -kInf : kInf;
+  const Eigen::Map<const Eigen::ArrayXf> row(x, n);
+  return largest ? row.maxCoeff() : row.minCoeff();
 }
 
 }  // namespace tessera::cpu
