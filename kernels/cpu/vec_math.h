@@ -5,10 +5,12 @@
 //   const float sum = exp_affine(row, row, n, scale, lse);  // row[j] = exp(scale row[j] - lse)
 //   const float mx = extreme_of(row, n, /*largest=*/true);   // max_j row[j]
 //
-// Every element takes the same packet path, the run's tail through a zero-padded packet, so
-// an element's bits do not depend on where it lies in the run (nor on the thread count).
-// Accuracy: within 1.3 ulps of the true exp (libm's expf: 0.5), through Eigen's generic
-// float form (two-constant range reduction) with AVX-512 and AVX2 (--config=portable) alike:
+// Every element takes the same packet path, the run's tail through a zero-padded packet
+// (a masked load and store where Eigen has them: AVX2, AVX-512), so an element's bits do not
+// depend on where it lies in the run (nor on the thread count).
+// Accuracy: within 1.3 ulps of the true exp (libm's expf: 0.5), with the bits of Eigen's
+// generic float form (two-constant range reduction; exp_in_range below, vec_math_test checks
+// the bits) with AVX-512 and AVX2 (--config=portable) alike:
 // Eigen's own AVX-512 form is off by up to 4.5 ulps, which showed in training (an 8-bit
 // AdamW run on tp drifted from one device's past its bound). Arguments below -87.33 (results
 // under FLT_MIN, subnormal) give 0, above 88.72 (past FLT_MAX) inf, and NaN stays NaN.
@@ -20,21 +22,53 @@
 
 namespace tessera::cpu {
 
-// y[j] = exp(a * x[j] - b) for j in [0, n) (x == y allowed); returns the sum of the y[j],
-// accumulated per lane and the lanes added in order.
-inline float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
+namespace vec_math_internal {
+
+// exp(x) for x in [-87.34, 88.73]: Eigen's generic pexp_float (Eigen 3.4,
+// GenericPacketMathFunctions.h) step for step - the same constants, range reduction and
+// polynomial, so the same bits - less what exp_affine does not need. Its clamp and final
+// max(result, x) change nothing in that range (exp(x) > x), and its general ldexp (four
+// factors, for any exponent) becomes two: m lies in [-126, 128], so 2^(m >> 1) and
+// 2^(m - (m >> 1)) are both normal, y * 2^(m >> 1) is exact, and the one rounding is the
+// last product's, as in Eigen's. Outside that range the result is garbage that exp_affine
+// replaces (0 or inf); NaN gives NaN (every step propagates it).
+template <typename Packet>
+Packet exp_in_range(const Packet& x) {
   namespace ei = Eigen::internal;
-  using Packet = ei::packet_traits<float>::type;
-  constexpr int kLanes = ei::packet_traits<float>::size;
+  using PacketI = typename ei::unpacket_traits<Packet>::integer_packet;
+  const Packet m = ei::pfloor(ei::pmadd(x, ei::pset1<Packet>(1.44269504088896341f), ei::pset1<Packet>(0.5f)));
+  Packet r = ei::pmadd(m, ei::pset1<Packet>(-0.693359375f), x);
+  r = ei::pmadd(m, ei::pset1<Packet>(2.12194440e-4f), r);
+  const Packet r2 = ei::pmul(r, r);
+  const Packet r3 = ei::pmul(r2, r);
+  Packet y = ei::pmadd(ei::pset1<Packet>(1.9875691500E-4f), r, ei::pset1<Packet>(1.3981999507E-3f));
+  Packet y1 = ei::pmadd(ei::pset1<Packet>(4.1665795894E-2f), r, ei::pset1<Packet>(1.6666665459E-1f));
+  const Packet y2 = ei::padd(r, ei::pset1<Packet>(1.0f));
+  y = ei::pmadd(y, r, ei::pset1<Packet>(8.3334519073E-3f));
+  y1 = ei::pmadd(y1, r, ei::pset1<Packet>(5.0000001201E-1f));
+  y = ei::pmadd(y, r3, y1);
+  y = ei::pmadd(y, r2, y2);
+  const PacketI e = ei::pcast<Packet, PacketI>(m);
+  const PacketI half = ei::parithmetic_shift_right<1>(e);
+  const PacketI bias = ei::pset1<PacketI>(127);
+  const Packet s1 = ei::preinterpret<Packet>(ei::plogical_shift_left<23>(ei::padd(half, bias)));
+  const Packet s2 = ei::preinterpret<Packet>(ei::plogical_shift_left<23>(ei::padd(ei::psub(e, half), bias)));
+  return ei::pmul(ei::pmul(y, s1), s2);
+}
+
+template <typename Packet>
+float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
+  namespace ei = Eigen::internal;
+  constexpr int kLanes = ei::unpacket_traits<Packet>::size;
   const Packet pa = ei::pset1<Packet>(a), pb = ei::pset1<Packet>(b);
-  // The form clamps its argument to [-88.72, 88.72] (exp(-inf) would be 3e-39): the ends
-  // are pinned to 0 and inf.
+  // Below -87.33 the result would be subnormal, above 88.72 past FLT_MAX: pinned to 0 and
+  // inf.
   const Packet lo = ei::pset1<Packet>(-87.33654f), hi = ei::pset1<Packet>(88.72283f);
   const Packet zero = ei::pset1<Packet>(0.0f);
   const Packet inf = ei::pset1<Packet>(std::numeric_limits<float>::infinity());
   const auto exp_of = [&](const Packet& v) {
     const Packet arg = ei::psub(ei::pmul(pa, v), pb);
-    const Packet e = ei::pexp_float(arg);
+    const Packet e = vec_math_internal::exp_in_range(arg);
     return ei::pselect(ei::pcmp_lt(hi, arg), inf, ei::pselect(ei::pcmp_lt(arg, lo), zero, e));
   };
   Packet acc = ei::pset1<Packet>(0.0f);
@@ -44,19 +78,40 @@ inline float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
     ei::pstoreu(y + j, e);
     acc = ei::padd(acc, e);
   }
-  alignas(64) float lanes[kLanes];
   if (j < n) {
-    const int64_t m = n - j;
-    for (int64_t i = 0; i < kLanes; ++i) lanes[i] = i < m ? x[j + i] : 0.0f;
-    ei::pstore(lanes, exp_of(ei::pload<Packet>(lanes)));
-    for (int64_t i = m; i < kLanes; ++i) lanes[i] = 0.0f;  // the padding adds nothing
-    for (int64_t i = 0; i < m; ++i) y[j + i] = lanes[i];
-    acc = ei::padd(acc, ei::pload<Packet>(lanes));
+    const int m = static_cast<int>(n - j);
+    if constexpr (ei::unpacket_traits<Packet>::masked_load_available &&
+                  ei::unpacket_traits<Packet>::masked_store_available) {
+      using Mask = typename ei::unpacket_traits<Packet>::mask_t;
+      const Mask mask = static_cast<Mask>((1u << m) - 1u);
+      const Packet e = exp_of(ei::ploadu<Packet>(x + j, mask));
+      ei::pstoreu(y + j, e, mask);
+      // The padding lanes' exp(-b) is left out of the sum.
+      const Packet valid = ei::pcmp_lt(ei::plset<Packet>(0.0f), ei::pset1<Packet>(static_cast<float>(m)));
+      acc = ei::padd(acc, ei::pand(e, valid));
+    } else {
+      alignas(64) float lanes[kLanes];
+      for (int i = 0; i < kLanes; ++i) lanes[i] = i < m ? x[j + i] : 0.0f;
+      ei::pstore(lanes, exp_of(ei::pload<Packet>(lanes)));
+      for (int i = m; i < kLanes; ++i) lanes[i] = 0.0f;  // the padding adds nothing
+      for (int i = 0; i < m; ++i) y[j + i] = lanes[i];
+      acc = ei::padd(acc, ei::pload<Packet>(lanes));
+    }
   }
+  alignas(64) float lanes[kLanes];
   ei::pstore(lanes, acc);
   float s = 0;
   for (int i = 0; i < kLanes; ++i) s += lanes[i];
   return s;
+}
+
+}  // namespace vec_math_internal
+
+// y[j] = exp(a * x[j] - b) for j in [0, n) (x == y allowed); returns the sum of the y[j],
+// accumulated per lane and the lanes added in order. The run's tail is one masked packet
+// (its padding lanes read as 0 and add 0).
+inline float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
+  return vec_math_internal::exp_affine<Eigen::internal::packet_traits<float>::type>(x, y, n, a, b);
 }
 
 // The largest (largest == true) or smallest x[j] for j in [0, n), through Eigen's vectorised

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -65,6 +66,21 @@ OpSweep attention_sweep() {
     const Tensor out = attention(make_tensor(q, DType::f64), make_tensor(q, DType::f64),
                                  make_tensor(v, DType::f64), true);
     expect_close("attention causal row 0", out.slice(2, 0, 1), NdArray::of({1, 1, 1, 2}, {5, -6}), 0);
+    // On the CPU's f32 path a causal first query's dq is exactly 0: its one score has P = 1,
+    // out_0 = v_0, and D_0 = dO_0 . out_0 is summed in the GEMM's order, so it equals the
+    // GEMM's dP_00 = dO_0 . v_0 and dS_00 = 0 (attention.cc). D = 40 spans 40 terms.
+    {
+      constexpr int64_t B = 2, H = 3, T = 70, D = 40;
+      const Tensor q = randn({B, H, T, D}), k = randn({B, H, T, D}), v = randn({B, H, T, D});
+      const std::vector<Tensor> fwd = call(OpId::attention, {q, k, v}, op_attrs::attention(true, 0.0));
+      const std::vector<Tensor> g =
+          attention_backward(randn({B, H, T, D}), q, k, v, fwd[0], fwd[1], true, 0.0);
+      const std::vector<float> dq0 = g[0].slice(2, 0, 1).contiguous().to_vector<float>();
+      CHECK(dq0.size() == static_cast<size_t>(B * H * D));
+      CHECK(std::all_of(dq0.begin(), dq0.end(), [](float x) { return x == 0.0f; }));
+      const std::vector<float> dq1 = g[0].slice(2, 1, 2).contiguous().to_vector<float>();
+      CHECK(std::any_of(dq1.begin(), dq1.end(), [](float x) { return x != 0.0f; }));
+    }
     // GPT's heads: q, k and v as [B, H, T, D] views of one [B, T, 3, H, D] product, the last
     // dim contiguous and the others strided, k and v at offsets. The CPU kernel reads such
     // views in place; forward and backward give the contiguous copies' bits, for T across
