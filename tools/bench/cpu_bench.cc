@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,7 @@
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec_math.h"
 #include "models/common/flags.h"
 #include "tensor/ops.h"
 #include "tools/bench/timing.h"
@@ -197,6 +199,23 @@ void bench_attention(const Options& opts, std::vector<Result>& results) {
     tessera::NoGradGuard no_grad;
     add("attention_causal_fwd_b16h4t128d32", 2 * product,
         [&] { consume(tessera::attention(q, k, v, /*causal=*/true)); });
+  }
+  // The exps of one causal forward on one thread (the kernel runs them per pair on each
+  // thread): exp(scale s - m) over every head's rows, row i of length i + 1, in G exp/s.
+  {
+    std::vector<float> s(T * T), e(T * T);
+    std::mt19937 gen(5);
+    std::normal_distribution<float> normal(-2.0f, 1.0f);
+    for (float& x : s) x = normal(gen);
+    const double exps = double(B * H) * T * (T + 1) / 2;
+    const double ms = median_ms(opts, [&] {
+      float total = 0.0f;
+      for (int64_t p = 0; p < B * H; ++p) {
+        for (int64_t i = 0; i < T; ++i) total += tessera::cpu::exp_affine(&s[i * T], &e[i * T], i + 1, 0.18f, 0.5f);
+      }
+      sink += total;
+    });
+    results.push_back({"exp_causal_rows_b16h4t128", "Gexp/s", exps / (ms * 1e6), ms, opts.reps});
   }
   const Tensor qg = q.detach().requires_grad_(), kg = k.detach().requires_grad_();
   const Tensor vg = v.detach().requires_grad_();
