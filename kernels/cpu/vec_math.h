@@ -6,8 +6,8 @@
 //   const float mx = extreme_of(row, n, /*largest=*/true);   // max_j row[j]
 //
 // Every element takes the same packet path, the run's tail through a zero-padded packet
-// (a masked load and store where Eigen has them: AVX2, AVX-512), so an element's bits do not
-// depend on where it lies in the run (nor on the thread count).
+// (a masked load and store where Eigen has them: AVX and AVX-512 builds), so an element's
+// bits do not depend on where it lies in the run (nor on the thread count).
 // Accuracy: within 1.3 ulps of the true exp (libm's expf: 0.5), with the bits of Eigen's
 // generic float form (two-constant range reduction; exp_in_range below, vec_math_test checks
 // the bits) with AVX-512 and AVX2 (--config=portable) alike:
@@ -24,7 +24,7 @@ namespace tessera::cpu {
 
 namespace vec_math_internal {
 
-// exp(x) for x in [-87.34, 88.73]: Eigen's generic pexp_float (Eigen 3.4,
+// exp(x) for x in [-87.33654, 88.72283]: Eigen's generic pexp_float (Eigen 3.4,
 // GenericPacketMathFunctions.h) step for step - the same constants, range reduction and
 // polynomial, so the same bits - less what exp_affine does not need. Its clamp and final
 // max(result, x) change nothing in that range (exp(x) > x), and its general ldexp (four
@@ -68,7 +68,12 @@ float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
   const Packet inf = ei::pset1<Packet>(std::numeric_limits<float>::infinity());
   const auto exp_of = [&](const Packet& v) {
     const Packet arg = ei::psub(ei::pmul(pa, v), pb);
-    const Packet e = vec_math_internal::exp_in_range(arg);
+    Packet e;
+    if constexpr (kLanes == 1) {
+      e = ei::pexp_float(arg);  // a build without SIMD (EIGEN_DONT_VECTORIZE): no integer packet
+    } else {
+      e = vec_math_internal::exp_in_range(arg);
+    }
     return ei::pselect(ei::pcmp_lt(hi, arg), inf, ei::pselect(ei::pcmp_lt(arg, lo), zero, e));
   };
   Packet acc = ei::pset1<Packet>(0.0f);
@@ -108,8 +113,9 @@ float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
 }  // namespace vec_math_internal
 
 // y[j] = exp(a * x[j] - b) for j in [0, n) (x == y allowed); returns the sum of the y[j],
-// accumulated per lane and the lanes added in order. The run's tail is one masked packet
-// (its padding lanes read as 0 and add 0).
+// accumulated per lane and the lanes added in order. The run's tail is one packet (masked
+// where the packet type allows, else through a stack copy), its padding lanes read as 0
+// and adding 0.
 inline float exp_affine(const float* x, float* y, int64_t n, float a, float b) {
   return vec_math_internal::exp_affine<Eigen::internal::packet_traits<float>::type>(x, y, n, a, b);
 }

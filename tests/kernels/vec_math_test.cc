@@ -98,8 +98,8 @@ TEST_CASE("exp_affine: in place; zero, one, the ends and NaN as vec_math.h state
 TEST_CASE("exp_affine: the bits of Eigen's generic pexp_float over the whole range") {
   // vec_math.h's exp is Eigen's generic form with a shorter ldexp; every float in
   // [-87.33654, 88.72283] must keep Eigen's bits. One bit pattern in 1,021 of each sign
-  // (every exponent, many mantissas), the range's ends and the lanes where 2^m needs both
-  // of its factors (m = 128 at the top, -126 at the bottom).
+  // (every exponent, many mantissas), the range's ends, the top where 2^m needs both of its
+  // factors (m = 128: x above 88.37) and the bottom's m = -126.
   namespace ei = Eigen::internal;
   using Packet = ei::packet_traits<float>::type;
   constexpr int kLanes = ei::packet_traits<float>::size;

@@ -80,6 +80,21 @@ OpSweep attention_sweep() {
       CHECK(std::all_of(dq0.begin(), dq0.end(), [](float x) { return x == 0.0f; }));
       const std::vector<float> dq1 = g[0].slice(2, 1, 2).contiguous().to_vector<float>();
       CHECK(std::any_of(dq1.begin(), dq1.end(), [](float x) { return x != 0.0f; }));
+      // The same for every query when each row's softmax is exactly one-hot: q_i = 1000 e_0
+      // and k_j[0] = j make the scores 158 apart (scale 1/sqrt(40)), so the earlier keys'
+      // P underflow to exact zeros, out_i = v_i and dq_i = 0 in every row of both blocks
+      // (each of the eight interleaved chains of D_i, and the rows past them).
+      Tensor q1 = zeros({B, H, T, D}), k1 = randn({B, H, T, D});
+      q1.slice(3, 0, 1).copy_(full({B, H, T, 1}, 1000.0));
+      k1.slice(3, 0, 1).copy_(arange(0, T).view({1, 1, T, 1}).expand({B, H, T, 1}));
+      const std::vector<Tensor> fwd1 = call(OpId::attention, {q1, k1, v}, op_attrs::attention(true, 0.0));
+      const std::vector<Tensor> g1 =
+          attention_backward(randn({B, H, T, D}), q1, k1, v, fwd1[0], fwd1[1], true, 0.0);
+      const std::vector<float> dq = g1[0].contiguous().to_vector<float>();
+      CHECK(dq.size() == static_cast<size_t>(B * H * T * D));
+      CHECK(std::all_of(dq.begin(), dq.end(), [](float x) { return x == 0.0f; }));
+      const std::vector<float> dv = g1[2].contiguous().to_vector<float>();
+      CHECK(std::any_of(dv.begin(), dv.end(), [](float x) { return x != 0.0f; }));
     }
     // GPT's heads: q, k and v as [B, H, T, D] views of one [B, T, 3, H, D] product, the last
     // dim contiguous and the others strided, k and v at offsets. The CPU kernel reads such
