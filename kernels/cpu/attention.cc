@@ -52,15 +52,16 @@ C dot(const C* a, const C* b, int64_t n) {
 // dP_ij = dO_i . v_j are the same bits when O_i = v_j (a row whose one visible key is j: a
 // causal first query), and dS_ij = P_ij (dP_ij - D_i) is exactly 0, as in exact arithmetic
 // (for head sizes up to the GEMM's K block, 384: past it the GEMM adds blocks' partial sums).
+inline float gemm_term(float a, float b, float s) {
+#if defined(__FMA__)
+  return std::fma(a, b, s);
+#else
+  return s + a * b;
+#endif
+}
 inline float gemm_dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
-  for (int64_t d = 0; d < n; ++d) {
-#if defined(__FMA__)
-    s = std::fma(a[d], b[d], s);
-#else
-    s += a[d] * b[d];
-#endif
-  }
+  for (int64_t d = 0; d < n; ++d) s = gemm_term(a[d], b[d], s);
   return s;
 }
 
@@ -77,13 +78,7 @@ void gemm_dots(const float* a, int64_t as, const float* b, int64_t bs, int64_t r
     const float* br = b + r * bs;
     float s[kChains] = {};
     for (int64_t d = 0; d < n; ++d) {
-      for (int u = 0; u < kChains; ++u) {
-#if defined(__FMA__)
-        s[u] = std::fma(ar[u * as + d], br[u * bs + d], s[u]);
-#else
-        s[u] += ar[u * as + d] * br[u * bs + d];
-#endif
-      }
+      for (int u = 0; u < kChains; ++u) s[u] = gemm_term(ar[u * as + d], br[u * bs + d], s[u]);
     }
     for (int u = 0; u < kChains; ++u) di[r + u] = s[u];
   }

@@ -121,17 +121,20 @@ std::vector<std::vector<double>> values_of(const nn::Module& model) {
 }
 
 
-std::vector<double> tensor_norm_rel(const Task& task, const Run& got, const Run& want) {
-  REQUIRE(got.params.size() == want.params.size());
+std::vector<double> tensor_norm_rel(const Task& task, const std::vector<std::string>& names,
+                                    const std::vector<std::vector<double>>& got,
+                                    const std::vector<std::vector<double>>& want) {
+  REQUIRE(got.size() == want.size());
+  REQUIRE(names.size() == want.size());
   std::vector<double> out;
-  for (size_t t = 0; t < want.params.size(); ++t) {
-    REQUIRE(got.params[t].size() == want.params[t].size());
+  for (size_t t = 0; t < want.size(); ++t) {
+    REQUIRE(got[t].size() == want[t].size());
     double err2 = 0, norm2 = 0;
-    for (size_t i = 0; i < want.params[t].size(); ++i) {
-      if (task.zero_gradient(want.names[t], i)) continue;
-      const double e = got.params[t][i] - want.params[t][i];
+    for (size_t i = 0; i < want[t].size(); ++i) {
+      if (task.zero_gradient(names[t], i)) continue;
+      const double e = got[t][i] - want[t][i];
       err2 += e * e;
-      norm2 += want.params[t][i] * want.params[t][i];
+      norm2 += want[t][i] * want[t][i];
     }
     out.push_back(std::sqrt(err2 / std::max(norm2, 1e-300)));
   }
@@ -149,14 +152,9 @@ Diff compare(const Task& task, const Run& got, const Run& want) {
   for (const std::vector<double>& p : got.params) {
     for (double v : p) d.finite = d.finite && std::isfinite(v);
   }
-  const std::vector<double> norm_rel = tensor_norm_rel(task, got, want);
-  std::vector<double> to_exact;
-  if (!want.exact.empty()) {
-    Run exact;
-    exact.params = want.exact;
-    exact.names = want.names;
-    to_exact = tensor_norm_rel(task, got, exact);
-  }
+  const std::vector<double> norm_rel = tensor_norm_rel(task, want.names, got.params, want.params);
+  const std::vector<double> to_exact =
+      want.exact.empty() ? std::vector<double>() : tensor_norm_rel(task, want.names, got.params, want.exact);
   for (size_t t = 0; t < want.params.size(); ++t) {
     double scale = 0, worst = 0;
     for (size_t i = 0; i < want.params[t].size(); ++i) {
@@ -262,7 +260,7 @@ Run train_reference(const Task& task, DType dtype, Opt which) {
   // 1.17e-5), so no bound passes 6e-5.
   if (dtype == DType::f32 && which == Opt::adamw) {
     const Run exact = train_reference(task, DType::f64, which);
-    run.rounding = tensor_norm_rel(task, run, exact);
+    run.rounding = tensor_norm_rel(task, run.names, run.params, exact.params);
     run.exact = exact.params;
     for (size_t t = 0; t < run.rounding.size(); ++t) {
       CHECK_MESSAGE(run.rounding[t] <= 3e-5,

@@ -83,9 +83,11 @@ struct Diff {
 
 Diff compare(const Task& task, const Run& got, const Run& want);
 
-// Per parameter tensor, ||a - b|| / ||b|| over the elements whose gradient is not exactly
-// zero (task.zero_gradient).
-std::vector<double> tensor_norm_rel(const Task& task, const Run& got, const Run& want);
+// Per parameter tensor (`names`), ||got - want|| / ||want|| over the elements whose gradient
+// is not exactly zero (task.zero_gradient).
+std::vector<double> tensor_norm_rel(const Task& task, const std::vector<std::string>& names,
+                                    const std::vector<std::vector<double>>& got,
+                                    const std::vector<std::vector<double>>& want);
 
 // Tolerances (doctest CHECKs, with a MESSAGE naming `label` and every figure). f64: every
 // element within 1e-10 of the single-rank run (summation order and the clipping norm's order
