@@ -13,8 +13,9 @@
 // The micro-kernel holds a kMR x kNR tile of C in registers: per k it loads kNR/16 vectors of
 // the packed B row and broadcasts kMR values of the packed A column (an outer product).
 // Packing makes both streams contiguous and aligned whatever the operands' strides, which is
-// why transposed views need no copy. Edge tiles are computed in full from zero-padded
-// panels into a scratch tile, and only the valid part is written to C.
+// why transposed views need no copy (an AVX2 build reads a row-major A in place instead: see
+// kInPlaceA). Edge tiles are computed in full from zero-padded panels into a scratch tile,
+// and only the valid part is written to C.
 //
 // Determinism: every element of C is accumulated as  c = 0; for k in block: c = fma(a, b, c)
 // per K block (a separate multiply and add in the scalar fallback), and the blocks are added
@@ -25,6 +26,7 @@
 #include "kernels/cpu/simd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -65,6 +67,23 @@ constexpr int64_t kKC = 384;
 constexpr int64_t kNB = 768;
 constexpr int64_t kMB = 3072;
 static_assert(kNB % kNR == 0 && kMB % kMR == 0);
+
+// Whether the micro-kernel reads a row-major A (unit column stride) where it lies, through
+// one pointer per row of the sliver, instead of from a packed sliver. The kernel does the
+// same FMAs in the same order on the same values either way, so the bits do not change;
+// what is saved is the pack, an 8 x 8 transpose of every A element per column of the thread
+// grid. GPT-mini's products have K and N of 128..512, so a packed A element serves only
+// N / 16 micro-kernel calls, and those packs took 4.6% of its step on Zen 3 (BENCHMARKS.md).
+// The AVX2 kernel has the registers for six row pointers; the AVX-512 kernel's twelve would
+// spill, so it packs. B stays packed: read in place, a sliver's kc rows lie a row stride
+// apart (2 KiB for N = 512), so they fall in a few L1 sets and evict each other; GPT-mini's
+// products with a row-major B ran 5-27% slower that way.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr bool kInPlaceA = true;
+#else
+constexpr bool kInPlaceA = false;
+#endif
+std::atomic<bool> g_a_in_place{true};  // internal::set_sgemm_a_in_place
 
 // Below this many multiply-adds per thread, waking another thread costs more than it saves.
 constexpr int64_t kMinWorkPerThread = int64_t{1} << 18;
@@ -113,24 +132,32 @@ inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __r
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c,
-                         int64_t ldc, bool accumulate) {
+// With `a_rows` set, A is read where it lies (see kInPlaceA): row r's value at depth p is
+// a_rows[r][p]. Otherwise `a` is a packed sliver.
+template <bool kRowsA>
+inline void micro_kernel_avx2(int64_t kc, const float* __restrict a, const float* const* a_rows,
+                              const float* __restrict b, float* c, int64_t ldc, bool accumulate) {
   __m256 c0[kMR], c1[kMR];
 #pragma GCC unroll 6
   for (int r = 0; r < kMR; ++r) {
     c0[r] = _mm256_setzero_ps();
     c1[r] = _mm256_setzero_ps();
   }
+  const float* ar[kMR];
+  if constexpr (kRowsA) {
+#pragma GCC unroll 6
+    for (int r = 0; r < kMR; ++r) ar[r] = a_rows[r];
+  }
 #pragma GCC unroll 4
   for (int64_t p = 0; p < kc; ++p) {
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < kMR; ++r) {
-      const __m256 ar = _mm256_broadcast_ss(a + r);
-      c0[r] = _mm256_fmadd_ps(ar, b0, c0[r]);
-      c1[r] = _mm256_fmadd_ps(ar, b1, c1[r]);
+      const __m256 av = _mm256_broadcast_ss(kRowsA ? ar[r] + p : a + r);
+      c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
     }
-    a += kMR;
+    if constexpr (!kRowsA) a += kMR;
     b += kNR;
   }
 #pragma GCC unroll 6
@@ -143,6 +170,11 @@ inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __r
     _mm256_storeu_ps(cr, c0[r]);
     _mm256_storeu_ps(cr + 8, c1[r]);
   }
+}
+
+inline void micro_kernel(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+                         bool accumulate) {
+  micro_kernel_avx2<false>(kc, a, nullptr, b, c, ldc, accumulate);
 }
 #else
 inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c,
@@ -165,15 +197,22 @@ inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __r
 
 // One tile of C: the micro-kernel straight into C when the tile is full, else into a
 // scratch tile of which the valid rows x cols are copied (the same additions, so edge
-// elements round exactly like interior ones).
-inline void compute_tile(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
-                         int64_t rows, int64_t cols, bool accumulate) {
+// elements round exactly like interior ones). A is the packed sliver `a`, or with `a_rows`
+// set (kInPlaceA) one pointer per sliver row, each at the tile's first depth.
+inline void compute_tile(int64_t kc, const float* a, const float* const* a_rows, const float* b,
+                         float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
+  const auto kernel = [&](float* dst, int64_t ld, bool acc) {
+    if constexpr (kInPlaceA) {
+      if (a_rows != nullptr) return micro_kernel_avx2<true>(kc, nullptr, a_rows, b, dst, ld, acc);
+    }
+    micro_kernel(kc, a, b, dst, ld, acc);
+  };
   if (rows == kMR && cols == kNR) {
-    micro_kernel(kc, a, b, c, ldc, accumulate);
+    kernel(c, ldc, accumulate);
     return;
   }
   alignas(64) float tile[kMR * kNR];
-  micro_kernel(kc, a, b, tile, kNR, false);
+  kernel(tile, kNR, false);
   for (int64_t r = 0; r < rows; ++r) {
     float* cr = c + r * ldc;
     const float* tr = tile + r * kNR;
@@ -394,7 +433,9 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
   if (i0 >= i1 || j0 >= j1) return;
   const int64_t mb_max = balanced_block(i1 - i0, kMB, kMR);
   const int64_t nb_max = balanced_block(j1 - j0, kNB, kNR);
-  float* apack = a_buffer().get(mb_max * pr.kc);
+  const bool a_in_place =
+      kInPlaceA && pr.a.col_stride == 1 && g_a_in_place.load(std::memory_order_relaxed);
+  float* apack = a_in_place ? nullptr : a_buffer().get(mb_max * pr.kc);
   float* bpack = b_buffer().get(nb_max * pr.kc);
   for (int64_t ib = i0; ib < i1; ib += mb_max) {
     const int64_t mb = std::min(mb_max, i1 - ib);
@@ -402,22 +443,33 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
       const int64_t kc = std::min(pr.kc, pr.k - pb);
       const bool accumulate = pr.accumulate || pb > 0;
       const bool last = pb + kc >= pr.k;
-      pack_a(pr.a, ib, mb, pb, kc, apack);
+      if (!a_in_place) pack_a(pr.a, ib, mb, pb, kc, apack);
       for (int64_t jb = j0; jb < j1; jb += nb_max) {
         const int64_t nb = std::min(nb_max, j1 - jb);
         pack_b(pr.b, pb, kc, jb, nb, bpack);
         for (int64_t ir = 0; ir < mb; ir += kMR) {
-          const float* as = apack + ir * kc;
+          const float* as = a_in_place ? nullptr : apack + ir * kc;
           float* crow = pr.c + (ib + ir) * pr.ldc + jb;
           const int64_t rows = std::min<int64_t>(kMR, mb - ir);
           // Under a band only depths [lo, hi) of this block reach the sliver; an empty range
           // still writes its zeros when it is the first block.
           const DepthRange d = band_depth(pr.band, ib + ir, rows, pb, kc);
           if (d.lo >= d.hi && accumulate) continue;
+          // In place: the sliver's rows from depth pb + d.lo; rows past the edge repeat the
+          // last one (their results are never stored).
+          const float* a_rows[kMR];
+          if (a_in_place) {
+            for (int64_t r = 0; r < kMR; ++r) {
+              const int64_t row = ib + ir + std::min(r, rows - 1);
+              a_rows[r] = pr.a.data + row * pr.a.row_stride + pb + d.lo;
+            }
+          }
+          const float* a_sliver = a_in_place ? nullptr : as + d.lo * kMR;
           for (int64_t jr = 0; jr < nb; jr += kNR) {
             if (band_skips_tile(pr.band, ib + ir, rows, jb + jr)) break;
-            compute_tile(d.hi - d.lo, as + d.lo * kMR, bpack + jr * kc + d.lo * kNR, crow + jr, pr.ldc,
-                         rows, std::min<int64_t>(kNR, nb - jr), accumulate);
+            compute_tile(d.hi - d.lo, a_sliver, a_in_place ? a_rows : nullptr,
+                         bpack + jr * kc + d.lo * kNR, crow + jr, pr.ldc, rows,
+                         std::min<int64_t>(kNR, nb - jr), accumulate);
           }
           if (last && pr.epilogue != nullptr) pr.epilogue->fn(pr.epilogue->ctx, ib + ir, rows, jb, nb);
         }
@@ -514,5 +566,9 @@ void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, fl
 }
 
 const char* sgemm_kernel_name() { return kKernelName; }
+
+namespace internal {
+bool set_sgemm_a_in_place(bool enabled) { return g_a_in_place.exchange(enabled); }
+}  // namespace internal
 
 }  // namespace tessera::cpu

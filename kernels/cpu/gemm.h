@@ -60,4 +60,12 @@ void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, fl
 // The micro-kernel compiled into this build, e.g. "avx512 12x32" (for benchmark reports).
 const char* sgemm_kernel_name();
 
+namespace internal {
+// Whether an AVX2 build's sgemm reads a row-major A in place (true, the default) or packs it
+// as it packs every other layout (the bits are the same either way): for the tests and the
+// benchmark that compare the two. Process-wide; returns the previous setting. Builds whose
+// kernel always packs ignore it.
+bool set_sgemm_a_in_place(bool enabled);
+}  // namespace internal
+
 }  // namespace tessera::cpu

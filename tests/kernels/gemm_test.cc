@@ -140,7 +140,8 @@ TEST_CASE("sgemm matches a f64 triple loop for all layouts, shapes and accumulat
     const std::vector<float> c0 = random_matrix(m, n, ++seed);
     const Reference ref = naive(a, b, m, n, k);
     // Packing copies every layout into the same panels, so all eight give the same bits
-    // (the vector packers - transposes through registers - against the scalar gathers).
+    // (the vector packers - transposes through registers - against the scalar gathers; on
+    // AVX2 a row-major A is read in place instead, against the packed transposed one).
     std::vector<float> first[2];
     for (int layout = 0; layout < 8; ++layout) {
       const bool ta = layout & 1, tb = layout & 2, strided = layout & 4;
@@ -327,6 +328,61 @@ TEST_CASE("sgemm under a causal band: the wanted elements' bits, the left-out ti
   CHECK_THROWS_AS(sgemm(2, 2, 2, {buf.data(), 2, 1}, {buf.data(), 2, 1}, buf.data() + 8, 2, false,
                         &epilogue, &band),
                   Error);
+}
+
+TEST_CASE("sgemm reads a row-major A in place with the packed path's bits") {
+  // An AVX2 build's kernel reads a row-major A where it lies (kInPlaceA in gemm.cc); the
+  // same product with the A pack forced (internal::set_sgemm_a_in_place(false)) must give
+  // the same bits: shapes off the register tile (edge slivers repeat their last row
+  // pointer) and past the K block, a row stride with a gap, accumulate, 1 and 2 threads, and
+  // the three bands (which start each sliver's rows at a depth of their own). Builds whose
+  // kernel always packs run both settings through the same path.
+  ThreadCountGuard guard;
+  using cpu::GemmBand;
+  struct Restore {
+    ~Restore() { cpu::internal::set_sgemm_a_in_place(true); }
+  } restore;
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {1, 16, 5}, {5, 17, 33}, {6, 16, 384}, {13, 40, 385}, {130, 300, 400}, {301, 64, 800}};
+  int64_t cases = 0;
+  uint64_t seed = 900;
+  for (const std::array<int64_t, 3>& shape : shapes) {
+    const int64_t m = shape[0], n = shape[1], k = shape[2], lda = k + 5;
+    std::vector<float> a(m * lda, NAN);  // the gap holds NaN: reading it poisons a row
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t p = 0; p < k; ++p) a[i * lda + p] = std::fabs(value_at(seed, i * k + p));
+    }
+    std::vector<float> b = random_matrix(k, n, ++seed);
+    for (float& x : b) x = std::fabs(x);
+    const std::vector<float> c0 = random_matrix(m, n, ++seed);
+    for (int band_kind = -1; band_kind < 3; ++band_kind) {
+      const GemmBand band{static_cast<GemmBand::Kind>(std::max(band_kind, 0)), 3};
+      for (bool accumulate : {false, true}) {
+        for (int threads : {1, 2}) {
+          cpu::set_num_threads(threads);
+          std::vector<float> c[2];
+          for (int in_place = 0; in_place < 2; ++in_place) {
+            cpu::internal::set_sgemm_a_in_place(in_place == 1);
+            c[in_place] = accumulate ? c0 : std::vector<float>(m * n, -7.0f);
+            sgemm(m, n, k, {a.data(), lda, 1}, {b.data(), n, 1}, c[in_place].data(), n, accumulate,
+                  nullptr, band_kind < 0 ? nullptr : &band);
+          }
+          int64_t nan = 0;
+          for (float x : c[1]) nan += std::isnan(x);
+          CAPTURE(m);
+          CAPTURE(n);
+          CAPTURE(k);
+          CAPTURE(band_kind);
+          CAPTURE(accumulate);
+          CAPTURE(threads);
+          CHECK(nan == 0);
+          CHECK(std::memcmp(c[0].data(), c[1].data(), sizeof(float) * c[0].size()) == 0);
+          ++cases;
+        }
+      }
+    }
+  }
+  CHECK(cases == 6 * 4 * 2 * 2);
 }
 
 TEST_CASE("matmul (f32) through the op API: batched, broadcast and transposed views") {
