@@ -3,7 +3,7 @@
 // Loop nest (per thread, over its own rectangle of C):
 //   for ib in rows, step kMB:            A panel  (mb x kc, packed, lives in L3)
 //     for pb in K, step kc:              the K blocking: a function of K alone
-//       pack A[ib.., pb..]
+//       pack A[ib.., pb..]               (AVX2, row-major A: read in place, see kInPlaceA)
 //       for jb in cols, step kNB:        B block  (kc x nb, packed, lives in L2)
 //         pack B[pb.., jb..]
 //         for ir in mb, step kMR:        A sliver (kMR x kc), reused for the whole block
@@ -14,8 +14,9 @@
 // the packed B row and broadcasts kMR values of the packed A column (an outer product).
 // Packing makes both streams contiguous and aligned whatever the operands' strides, which is
 // why transposed views need no copy (an AVX2 build reads a row-major A in place instead: see
-// kInPlaceA). Edge tiles are computed in full from zero-padded panels into a scratch tile,
-// and only the valid part is written to C.
+// kInPlaceA). Edge tiles are computed in full from zero-padded panels (in place, an edge
+// sliver's missing rows repeat its last row) into a scratch tile, and only the valid part is
+// written to C.
 //
 // Determinism: every element of C is accumulated as  c = 0; for k in block: c = fma(a, b, c)
 // per K block (a separate multiply and add in the scalar fallback), and the blocks are added
@@ -73,11 +74,12 @@ static_assert(kNB % kNR == 0 && kMB % kMR == 0);
 // same FMAs in the same order on the same values either way, so the bits do not change;
 // what is saved is the pack, an 8 x 8 transpose of every A element per column of the thread
 // grid. GPT-mini's products have K and N of 128..512, so a packed A element serves only
-// N / 16 micro-kernel calls, and those packs took 4.6% of its step on Zen 3 (BENCHMARKS.md).
-// The AVX2 kernel has the registers for six row pointers; the AVX-512 kernel's twelve would
-// spill, so it packs. B stays packed: read in place, a sliver's kc rows lie a row stride
-// apart (2 KiB for N = 512), so they fall in a few L1 sets and evict each other; GPT-mini's
-// products with a row-major B ran 5-27% slower that way.
+// N / 16 micro-kernel calls, and those packs took 4.6% of its step's samples on Zen 3
+// (BENCHMARKS.md, ninth CPU section). The AVX2 kernel has the registers for six row
+// pointers; the AVX-512 kernel's twelve would spill, so it packs. B stays packed: read in
+// place, a sliver's kc rows lie a row stride apart (2 KiB for N = 512), so they fall in a
+// few L1 sets and evict each other; GPT-mini's products with a row-major B ran 5-27% slower
+// that way (the same section).
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr bool kInPlaceA = true;
 #else
@@ -92,7 +94,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- micro-kernels -------------------------------------------------------------------------
 // c[kMR x kNR] (row stride ldc) = or += sum_p a[p * kMR + r] * b[p * kNR + j] over p < kc.
-// `a` and `b` are packed slivers; `b` is 64-byte aligned.
+// `a` and `b` are packed slivers (the AVX2 kernel can also read A in place); `b` is 64-byte
+// aligned.
 
 #if defined(__AVX512F__)
 inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c,
@@ -202,9 +205,13 @@ inline void micro_kernel(int64_t kc, const float* __restrict a, const float* __r
 inline void compute_tile(int64_t kc, const float* a, const float* const* a_rows, const float* b,
                          float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
   const auto kernel = [&](float* dst, int64_t ld, bool acc) {
-    if constexpr (kInPlaceA) {
-      if (a_rows != nullptr) return micro_kernel_avx2<true>(kc, nullptr, a_rows, b, dst, ld, acc);
-    }
+    // (#if, not if constexpr: outside a template a discarded branch must still compile, and
+    // micro_kernel_avx2 exists only in AVX2 builds.)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (a_rows != nullptr) return micro_kernel_avx2<true>(kc, nullptr, a_rows, b, dst, ld, acc);
+#else
+    (void)a_rows;  // always null here: kInPlaceA is false
+#endif
     micro_kernel(kc, a, b, dst, ld, acc);
   };
   if (rows == kMR && cols == kNR) {
@@ -480,18 +487,21 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
 
 // ---- threads ------------------------------------------------------------------------------
 // Threads tile C as a tm x tn grid of rectangles (whole kMR x kNR tiles each) and run
-// independently: no barrier, no shared buffer. A thread packs the A rows and B columns of
-// its own rectangle, so splitting N repacks A in every column of the grid and splitting M
-// repacks B; the grid is chosen by a cost model of the busiest thread.
+// independently: no barrier, no shared buffer. A thread packs (or, in place, reads) the A
+// rows and packs the B columns of its own rectangle, so splitting N repeats A's in every
+// column of the grid and splitting M repacks B; the grid is chosen by a cost model of the
+// busiest thread.
 struct Grid {
   int tm = 1, tn = 1;
 };
 
 // Cost of packing one element, in multiply-adds (one 16-lane FMA per cycle, so 16 of them
 // per cycle of packing). A copy along the panel's rows is cheapest, a transpose through
-// registers next, a scalar gather (any other stride) dearest.
+// registers next, a scalar gather (any other stride) dearest. An A read in place is counted
+// as a copy: its values still come through the caches once per column of the grid.
 double pack_cost(const StridedMatrix& x, bool is_a) {
-  const bool copy = is_a ? x.row_stride == 1 : x.col_stride == 1;
+  const bool in_place = is_a && kInPlaceA && x.col_stride == 1;
+  const bool copy = is_a ? x.row_stride == 1 || in_place : x.col_stride == 1;
   const bool transpose = is_a ? x.col_stride == 1 : x.row_stride == 1;
   return copy ? 4.0 : transpose ? 8.0 : 24.0;
 }

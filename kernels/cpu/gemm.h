@@ -63,8 +63,9 @@ const char* sgemm_kernel_name();
 namespace internal {
 // Whether an AVX2 build's sgemm reads a row-major A in place (true, the default) or packs it
 // as it packs every other layout (the bits are the same either way): for the tests and the
-// benchmark that compare the two. Process-wide; returns the previous setting. Builds whose
-// kernel always packs ignore it.
+// benchmark that compare the two. Process-wide (a call running meanwhile may use either
+// setting, rectangle by rectangle: the same bits); returns the previous setting. Builds
+// whose kernel always packs ignore it.
 bool set_sgemm_a_in_place(bool enabled);
 }  // namespace internal
 

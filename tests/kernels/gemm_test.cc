@@ -17,6 +17,7 @@
 #include <doctest/doctest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -335,12 +336,14 @@ TEST_CASE("sgemm reads a row-major A in place with the packed path's bits") {
   // same product with the A pack forced (internal::set_sgemm_a_in_place(false)) must give
   // the same bits: shapes off the register tile (edge slivers repeat their last row
   // pointer) and past the K block, a row stride with a gap, accumulate, 1 and 2 threads, and
-  // the three bands (which start each sliver's rows at a depth of their own). Builds whose
-  // kernel always packs run both settings through the same path.
+  // the three bands (kUpperA starts a sliver's rows past depth 0 of a block, kLowerA stops
+  // them early, kLowerC skips tiles). Builds whose kernel always packs run both settings
+  // through the same path.
   ThreadCountGuard guard;
   using cpu::GemmBand;
   struct Restore {
-    ~Restore() { cpu::internal::set_sgemm_a_in_place(true); }
+    bool saved = cpu::internal::set_sgemm_a_in_place(true);
+    ~Restore() { cpu::internal::set_sgemm_a_in_place(saved); }
   } restore;
   const std::vector<std::array<int64_t, 3>> shapes = {
       {1, 16, 5}, {5, 17, 33}, {6, 16, 384}, {13, 40, 385}, {130, 300, 400}, {301, 64, 800}};

@@ -136,54 +136,65 @@ void bench_gemm(const Options& opts, std::vector<Result>& out) {
   }
 }
 
-// GPT-mini's products (as in bench_gemm) with A read in place against A packed
-// (kernels/cpu/gemm.h, internal::set_sgemm_a_in_place): the two settings alternate within
-// each repetition, first one then the other, so both see the same machine; the weight
-// gradients' A is column-major (always packed) and serves as the control. Rows: the rate in
-// place, packed, and in-place / packed.
-void bench_gemm_in_place(const Options& opts, std::vector<Result>& out) {
+// A read in place against A packed (kernels/cpu/gemm.h, internal::set_sgemm_a_in_place) on
+// one model's Linear products (rows = B*T, W stored [out, in]), each named by its forward's
+// rows x in x out: the forward x W^T and the input gradient dy W (a row-major A, read in
+// place on AVX2) and the weight gradient dy^T x (a column-major A, always packed: the
+// control). Each repetition times both settings back to back, the first one alternating,
+// so both see the same machine. Rows: the rate in place, packed, and the median over the
+// repetitions of packed time / in-place time (> 1: in place is faster).
+void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t rows,
+                         const std::vector<std::array<int64_t, 2>>& linears) {
   struct Product {
     std::string name;
     Tensor a, b;
     double flops;
   };
   std::vector<Product> products;
-  for (const auto& [m, k, n] : {std::array<int64_t, 3>{2048, 128, 128}, {2048, 128, 512},
-                                {2048, 512, 128}, {2048, 128, 384}}) {
-    const Tensor x = tessera::randn({m, k}), w = tessera::randn({n, k}), dy = tessera::randn({m, n});
-    const std::string shape = std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n);
-    const double flops = 2.0 * m * k * n;
+  for (const auto& [k, n] : linears) {
+    const Tensor x = tessera::randn({rows, k}), w = tessera::randn({n, k});
+    const Tensor dy = tessera::randn({rows, n});
+    const std::string shape =
+        std::to_string(rows) + "x" + std::to_string(k) + "x" + std::to_string(n);
+    const double flops = 2.0 * rows * k * n;
     products.push_back({"fwd_" + shape, x, tessera::transpose(w, 0, 1), flops});  // x W^T
     products.push_back({"dx_" + shape, dy, w, flops});                            // dy W
     products.push_back({"dw_" + shape, tessera::transpose(dy, 0, 1), x, flops});  // dy^T x
   }
+  const bool saved = tessera::cpu::internal::set_sgemm_a_in_place(true);
   for (const Product& p : products) {
     const auto call = [&] { consume(tessera::matmul(p.a, p.b)); };
-    for (int i = 0; i < opts.warmup; ++i) call();
+    for (int mode = 0; mode < 2; ++mode) {  // warm both: the pack buffers, the caches
+      tessera::cpu::internal::set_sgemm_a_in_place(mode == 0);
+      for (int i = 0; i < opts.warmup; ++i) call();
+    }
     const double t0 = tessera::bench::now_ms();
     call();
-    const int inner = std::max(1, static_cast<int>(opts.min_ms / std::max(tessera::bench::now_ms() - t0, 1e-3)));
-    std::vector<double> times[2];  // [0]: in place, [1]: packed
+    const double once = std::max(tessera::bench::now_ms() - t0, 1e-3);
+    const int inner = std::max(1, static_cast<int>(opts.min_ms / once));
+    std::vector<double> times[2], ratios;  // times[0]: in place, [1]: packed
     for (int r = 0; r < opts.reps; ++r) {
       for (int which = 0; which < 2; ++which) {
         const int mode = (which + r) % 2;
-        const bool previous = tessera::cpu::internal::set_sgemm_a_in_place(mode == 0);
+        tessera::cpu::internal::set_sgemm_a_in_place(mode == 0);
         const double start = tessera::bench::now_ms();
         for (int i = 0; i < inner; ++i) call();
         times[mode].push_back((tessera::bench::now_ms() - start) / inner);
-        tessera::cpu::internal::set_sgemm_a_in_place(previous);
       }
+      ratios.push_back(times[1].back() / times[0].back());
     }
-    double med[2];
-    for (int mode = 0; mode < 2; ++mode) {
-      std::sort(times[mode].begin(), times[mode].end());
-      const size_t n = times[mode].size();
-      med[mode] = n % 2 ? times[mode][n / 2] : 0.5 * (times[mode][n / 2 - 1] + times[mode][n / 2]);
-    }
-    out.push_back({p.name + "_in_place", "GFLOP/s", p.flops / (med[0] * 1e6), med[0], opts.reps});
-    out.push_back({p.name + "_packed", "GFLOP/s", p.flops / (med[1] * 1e6), med[1], opts.reps});
-    out.push_back({p.name + "_ratio", "x", med[1] / med[0], med[0], opts.reps});
+    const auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      const size_t n = v.size();
+      return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    };
+    const double in_place = median(times[0]), packed = median(times[1]);
+    out.push_back(
+        {p.name + "_in_place", "GFLOP/s", p.flops / (in_place * 1e6), in_place, opts.reps});
+    out.push_back({p.name + "_packed", "GFLOP/s", p.flops / (packed * 1e6), packed, opts.reps});
+    out.push_back({p.name + "_ratio", "x", median(ratios), 0.0, opts.reps});
   }
+  tessera::cpu::internal::set_sgemm_a_in_place(saved);
 }
 
 // GPT-2 124M's products at batch 4 x 64 (256 rows, width 768, MLP 3,072, vocabulary 50,257;
@@ -359,7 +370,7 @@ Options parse(int argc, char** argv) {
   f.bind("json", o.json_path, "also write the results here as JSON");
   f.bind("only", o.only,
          "gemm, memory, attention or linear (empty: all); gemm_gpt2: GPT-2 124M's products; "
-         "gemm_in_place: GPT-mini's products with A in place against packed");
+         "gemm_in_place(_gpt2): GPT-mini's (GPT-2's) products, A in place against packed");
   f.parse(argc, argv);
   TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
            "cpu_bench: --threads and --reps must be >= 1, --warmup >= 0");
@@ -383,7 +394,15 @@ int main(int argc, char** argv) {
     bench_gemm(opts, results);
   }
   if (opts.only == "gemm_gpt2") bench_gemm_gpt2(opts, results);
-  if (opts.only == "gemm_in_place") bench_gemm_in_place(opts, results);
+  // GPT-mini's Linears (q, k, v fused; the MLP; the tied head) and GPT-2 124M's.
+  if (opts.only == "gemm_in_place") {
+    bench_gemm_in_place(opts, results, 2048,
+                        {{128, 128}, {128, 384}, {128, 512}, {512, 128}, {128, 256}});
+  }
+  if (opts.only == "gemm_in_place_gpt2") {
+    bench_gemm_in_place(opts, results, 256,
+                        {{768, 768}, {768, 2304}, {768, 3072}, {3072, 768}, {768, 50257}});
+  }
   if (opts.only.empty() || opts.only == "memory") bench_memory(opts, results);
   if (opts.only.empty() || opts.only == "attention") bench_attention(opts, results);
   if (opts.only.empty() || opts.only == "linear") bench_linear(opts, results);
@@ -393,8 +412,8 @@ int main(int argc, char** argv) {
       opts.threads, opts.reps, opts.warmup, tessera::cpu::sgemm_kernel_name());
   std::printf("%-28s %12s %12s\n", "operation", "rate", "median ms");
   for (const Result& r : results) {
-    std::printf(r.unit == "x" ? "%-28s %8.3f %-7s %9.3f\n" : "%-28s %8.1f %-7s %9.3f\n", r.name.c_str(),
-                r.value, r.unit.c_str(), r.median_ms);
+    const char* format = r.unit == "x" ? "%-28s %8.3f %-7s %9.3f\n" : "%-28s %8.1f %-7s %9.3f\n";
+    std::printf(format, r.name.c_str(), r.value, r.unit.c_str(), r.median_ms);
   }
   if (!opts.json_path.empty()) write_json(opts, results);
   return sink == 12345.0f ? 1 : 0;  // reads sink so the work stays observable
