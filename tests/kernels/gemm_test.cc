@@ -1,7 +1,8 @@
 // sgemm (kernels/cpu/gemm.h) against a plain f64 triple loop: many shapes (1x1x1, primes,
 // tall and skinny, K = 1, sizes either side of the register tile and cache blocks), all four
 // transpose combinations, strided operands, accumulate on and off; bitwise determinism across
-// thread counts; and matmul through the op API (batched, broadcast, transposed views).
+// thread counts; a row-major A read in place against packed, bit for bit; and matmul through
+// the op API (batched, broadcast, transposed views).
 //
 // Tolerance. Each element is a K-term f32 dot product. A product passes through at most
 // kc roundings inside its K block (one per fused multiply-add), then one per K block added
