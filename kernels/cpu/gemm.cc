@@ -455,7 +455,6 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
         const int64_t nb = std::min(nb_max, j1 - jb);
         pack_b(pr.b, pb, kc, jb, nb, bpack);
         for (int64_t ir = 0; ir < mb; ir += kMR) {
-          const float* as = a_in_place ? nullptr : apack + ir * kc;
           float* crow = pr.c + (ib + ir) * pr.ldc + jb;
           const int64_t rows = std::min<int64_t>(kMR, mb - ir);
           // Under a band only depths [lo, hi) of this block reach the sliver; an empty range
@@ -471,7 +470,7 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
               a_rows[r] = pr.a.data + row * pr.a.row_stride + pb + d.lo;
             }
           }
-          const float* a_sliver = a_in_place ? nullptr : as + d.lo * kMR;
+          const float* a_sliver = a_in_place ? nullptr : apack + ir * kc + d.lo * kMR;
           for (int64_t jr = 0; jr < nb; jr += kNR) {
             if (band_skips_tile(pr.band, ib + ir, rows, jb + jr)) break;
             compute_tile(d.hi - d.lo, a_sliver, a_in_place ? a_rows : nullptr,

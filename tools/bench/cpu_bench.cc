@@ -168,10 +168,8 @@ void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t 
       tessera::cpu::internal::set_sgemm_a_in_place(mode == 0);
       for (int i = 0; i < opts.warmup; ++i) call();
     }
-    const double t0 = tessera::bench::now_ms();
-    call();
-    const double once = std::max(tessera::bench::now_ms() - t0, 1e-3);
-    const int inner = std::max(1, static_cast<int>(opts.min_ms / once));
+    const int inner = tessera::bench::calls_per_repetition(
+        tessera::bench::Timing{opts.reps, opts.warmup, opts.min_ms, false}, call);
     std::vector<double> times[2], ratios;  // times[0]: in place, [1]: packed
     for (int r = 0; r < opts.reps; ++r) {
       for (int which = 0; which < 2; ++which) {
@@ -183,11 +181,7 @@ void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t 
       }
       ratios.push_back(times[1].back() / times[0].back());
     }
-    const auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      const size_t n = v.size();
-      return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-    };
+    using tessera::bench::median;
     const double in_place = median(times[0]), packed = median(times[1]);
     out.push_back(
         {p.name + "_in_place", "GFLOP/s", p.flops / (in_place * 1e6), in_place, opts.reps});

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "tensor/tensor.h"
@@ -36,23 +37,33 @@ inline double now_ms(bool cpu_time = false) {
   return std::chrono::duration<double, std::milli>(clock::now().time_since_epoch()).count();
 }
 
-// Median time (ms) of one call of `op`, over t.reps repetitions after t.warmup calls.
-inline double median_ms(const Timing& t, const std::function<void()>& op) {
-  for (int i = 0; i < t.warmup; ++i) op();
-  // Calls per repetition: enough to take min_ms, judged from one more call.
+// The median of `values` (the mean of the middle two for an even count; 0 for none).
+inline double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+// Calls of `op` per repetition: enough to take t.min_ms, judged from one call.
+inline int calls_per_repetition(const Timing& t, const std::function<void()>& op) {
   const double t0 = now_ms(t.cpu_time);
   op();
   const double once = std::max(now_ms(t.cpu_time) - t0, 1e-3);
-  const int inner = std::max(1, static_cast<int>(t.min_ms / once));
+  return std::max(1, static_cast<int>(t.min_ms / once));
+}
+
+// Median time (ms) of one call of `op`, over t.reps repetitions after t.warmup calls.
+inline double median_ms(const Timing& t, const std::function<void()>& op) {
+  for (int i = 0; i < t.warmup; ++i) op();
+  const int inner = calls_per_repetition(t, op);
   std::vector<double> times;
   for (int r = 0; r < t.reps; ++r) {
     const double start = now_ms(t.cpu_time);
     for (int i = 0; i < inner; ++i) op();
     times.push_back((now_ms(t.cpu_time) - start) / inner);
   }
-  std::sort(times.begin(), times.end());
-  const size_t n = times.size();
-  return n % 2 ? times[n / 2] : 0.5 * (times[n / 2 - 1] + times[n / 2]);
+  return median(std::move(times));
 }
 
 // Keeps results alive so the compiler cannot drop an operation; main() returns a value
