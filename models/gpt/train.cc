@@ -34,9 +34,8 @@
 #include "models/gpt/checkpoints.h"
 #include "models/gpt/data.h"
 #include "models/gpt/moe_step.h"
-#include "models/gpt/parallel3d.h"
 #include "models/gpt/run_checks.h"
-#include "tensor/allocator.h"
+#include "models/gpt/train_steps.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/random.h"
@@ -62,6 +61,15 @@ class ModeGuard {
 // The device the model's parameters are on (every model here has parameters).
 Device device_of(const nn::Module& model) { return model.parameters().front().device(); }
 
+// This rank's tensor-memory high-water mark: its MemoryScope's (the threads backend's ranks
+// have one), else the process's (whose peak train_gpt resets when the run starts).
+int64_t rank_memory_peak() {
+  const MemoryTracker* t = MemoryScope::current();
+  return t != nullptr ? t->peak() : process_memory().peak();
+}
+
+}  // namespace
+
 // The mean loss over the first `max_batches` (0: all) validation batches, on the model's
 // device; all batches have one shape, so the mean of their means is the mean over every
 // scored token.
@@ -86,7 +94,7 @@ double evaluate(Gpt& model, const GptData& batches, int64_t max_batches, DType l
 // sample (`collective`: with --ep every forward exchanges rows with the other ranks) rethrows
 // instead: a rank that stopped sampling alone would leave its peers waiting in an exchange.
 void sample_into(GptResult& result, Gpt& model, const GptTrainConfig& config, DType low,
-                 const std::function<void(const std::string&)>& say, bool collective = false) {
+                 const std::function<void(const std::string&)>& say, bool collective) {
   SampleOptions so;
   so.length = config.sample_length;
   so.temperature = config.temperature;
@@ -109,14 +117,6 @@ void sample_into(GptResult& result, Gpt& model, const GptTrainConfig& config, DT
                   config.top_k, config.seed, prompt, result.sample));
 }
 
-// This rank's tensor-memory high-water mark: its MemoryScope's (the threads backend's ranks
-// have one), else the process's (whose peak train_gpt resets when the run starts).
-int64_t rank_memory_peak() {
-  const MemoryTracker* t = MemoryScope::current();
-  return t != nullptr ? t->peak() : process_memory().peak();
-}
-
-}  // namespace
 
 GptConfig GptTrainConfig::model_config() const {
   GptConfig m;
@@ -218,16 +218,75 @@ std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& o
   return out;
 }
 
-namespace {
-
-// clip_grad_norm's max_norm that never clips (it must be finite): a norm without clipping.
-constexpr double kNoClip = std::numeric_limits<double>::max();
-
 // The optimizer in the run's first line ("AdamW8bit", "Adafactor (hf)").
 std::string optimizer_label(const optim::Optimizer& opt, const GptTrainConfig& c) {
   if (opt.kind() != "Adafactor") return opt.kind();
   return fmt::format("Adafactor ({})", c.adafactor_mode);
 }
+
+// What the loop takes from the configuration, the same for every layout.
+models::LoopOptions loop_options(const GptTrainConfig& config, int64_t start, bool verbose) {
+  const auto schedule = std::make_shared<optim::WarmupCosineLr>(
+      config.lr, std::min(config.warmup, config.steps / 2), config.steps,
+      config.lr * config.min_lr_ratio);
+  models::LoopOptions o;
+  o.program = "gpt";
+  o.start_step = start;
+  o.stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps) : config.steps;
+  TS_CHECK(o.start_step < o.stop_at,
+           "gpt: --resume={} is at step {}, at or past the end of this run (--steps {}, "
+           "--max_steps {}): nothing to train; raise --max_steps or --steps",
+           config.resume, o.start_step, config.steps, config.max_steps);
+  o.lr = [schedule](int64_t step) { return schedule->lr(step); };
+  o.accum = config.accum;
+  // Recomputation is there to hold less across the backward: not every weight's cast too.
+  o.share_casts = config.recompute == "none";
+  o.clip = config.clip;
+  o.skip_nonfinite = config.nonfinite == "skip";
+  o.log_every = config.log_every;
+  o.val_every = config.val_every;
+  o.save = config.save;
+  o.save_every = config.save_every;
+  o.verbose = verbose;
+  return o;
+}
+
+// After the loop, for every layout: the final validation (collective), the result's
+// fields from the loop, and the summary (`detail()` follows the tokens/s).
+void finish_run(GptResult& result, const GptTrainConfig& config, models::Replica& replica,
+                const models::LoopResult& loop, const models::StepMeter& meter,
+                models::MetricsWriter& metrics, Device device,
+                const std::function<std::string()>& detail, bool verbose,
+                const std::function<void(const std::string&)>& say) {
+  result.val_loss = replica.evaluate(loop.step);
+  metrics.write({{"step", loop.step}, {"val_loss", result.val_loss}});
+  result.val_losses = loop.val_losses;
+  result.val_losses.emplace_back(loop.step, result.val_loss);
+  result.losses = loop.losses;
+  result.train_loss = loop.train_loss;
+  result.nonfinite_skipped = loop.nonfinite_skipped;
+  result.steps = loop.step;
+  result.tokens_per_s = meter.rate();
+  if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
+  result.peak_host_bytes = rank_memory_peak();
+  if (!verbose) return;
+  say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
+                  "tokens/s{}",
+                  result.val_loss, result.train_loss, loop.step, result.tokens_per_s, detail()));
+  if (!device.is_cpu()) {
+    say(fmt::format("{}: peak allocated {:.1f} MiB", device,
+                    static_cast<double>(result.peak_device_bytes) / (1 << 20)));
+  } else {
+    say(fmt::format("tensor memory: peak {} on rank 0 (predicted {})",
+                    models::format_bytes(static_cast<double>(result.peak_host_bytes)),
+                    models::format_bytes(estimate_gpt_memory(config, 1).per_rank())));
+  }
+}
+
+namespace {
+
+// clip_grad_norm's max_norm that never clips (it must be finite): a norm without clipping.
+constexpr double kNoClip = std::numeric_limits<double>::max();
 
 // One rank of a single-device, data-parallel or ZeRO run (comm null: one rank, no wrapper),
 // as the training loop (models/common/train_loop.h) drives it.
@@ -617,65 +676,6 @@ class GptReplica final : public models::Replica {
   uint64_t step_rng_offset_ = 0;  // the generator's offset when this step began
 };
 
-// What the loop takes from the configuration, the same for every layout.
-models::LoopOptions loop_options(const GptTrainConfig& config, int64_t start, bool verbose) {
-  const auto schedule = std::make_shared<optim::WarmupCosineLr>(
-      config.lr, std::min(config.warmup, config.steps / 2), config.steps,
-      config.lr * config.min_lr_ratio);
-  models::LoopOptions o;
-  o.program = "gpt";
-  o.start_step = start;
-  o.stop_at = config.max_steps > 0 ? std::min(config.max_steps, config.steps) : config.steps;
-  TS_CHECK(o.start_step < o.stop_at,
-           "gpt: --resume={} is at step {}, at or past the end of this run (--steps {}, "
-           "--max_steps {}): nothing to train; raise --max_steps or --steps",
-           config.resume, o.start_step, config.steps, config.max_steps);
-  o.lr = [schedule](int64_t step) { return schedule->lr(step); };
-  o.accum = config.accum;
-  // Recomputation is there to hold less across the backward: not every weight's cast too.
-  o.share_casts = config.recompute == "none";
-  o.clip = config.clip;
-  o.skip_nonfinite = config.nonfinite == "skip";
-  o.log_every = config.log_every;
-  o.val_every = config.val_every;
-  o.save = config.save;
-  o.save_every = config.save_every;
-  o.verbose = verbose;
-  return o;
-}
-
-// After the loop, for every layout: the final validation (collective), the result's
-// fields from the loop, and the summary (`detail()` follows the tokens/s).
-void finish_run(GptResult& result, const GptTrainConfig& config, models::Replica& replica,
-                const models::LoopResult& loop, const models::StepMeter& meter,
-                models::MetricsWriter& metrics, Device device,
-                const std::function<std::string()>& detail, bool verbose,
-                const std::function<void(const std::string&)>& say) {
-  result.val_loss = replica.evaluate(loop.step);
-  metrics.write({{"step", loop.step}, {"val_loss", result.val_loss}});
-  result.val_losses = loop.val_losses;
-  result.val_losses.emplace_back(loop.step, result.val_loss);
-  result.losses = loop.losses;
-  result.train_loss = loop.train_loss;
-  result.nonfinite_skipped = loop.nonfinite_skipped;
-  result.steps = loop.step;
-  result.tokens_per_s = meter.rate();
-  if (!device.is_cpu()) result.peak_device_bytes = allocator_for(device).stats().peak_bytes;
-  result.peak_host_bytes = rank_memory_peak();
-  if (!verbose) return;
-  say(fmt::format("final val loss {:.4f} (train {:.4f}) after {} steps; {:.0f} training "
-                  "tokens/s{}",
-                  result.val_loss, result.train_loss, loop.step, result.tokens_per_s, detail()));
-  if (!device.is_cpu()) {
-    say(fmt::format("{}: peak allocated {:.1f} MiB", device,
-                    static_cast<double>(result.peak_device_bytes) / (1 << 20)));
-  } else {
-    say(fmt::format("tensor memory: peak {} on rank 0 (predicted {})",
-                    models::format_bytes(static_cast<double>(result.peak_host_bytes)),
-                    models::format_bytes(estimate_gpt_memory(config, 1).per_rank())));
-  }
-}
-
 // One rank's training (comm null: the plain single-process loop, no wrapper).
 GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm) {
   const bool lead = comm == nullptr || comm->rank() == 0;  // prints, writes files
@@ -755,242 +755,7 @@ GptResult train_rank(const GptTrainConfig& config, parallel::Communicator* comm)
   }
   return result;
 }
-
-// One rank of a pipeline / tensor-parallel run (Gpt3d), whose step runs its micro-batches
-// by the pipeline schedule and updates (and clips) inside. Validation and the sample use
-// the full parameters, gathered into a single-device model on rank 0.
-class Gpt3dReplica final : public models::Replica {
- public:
-  Gpt3dReplica(const GptTrainConfig& config, parallel::CommPtr world,
-               const std::function<void(const std::string&)>& say)
-      : c_(config), world_(std::move(world)), say_(say), batches_(config),
-        model_((manual_seed(static_cast<uint64_t>(config.seed)), config.model_config())),
-        after_init_(default_generator().offset()),
-        hook_(models::make_comm_hook("gpt", config.compress, static_cast<uint64_t>(config.seed))),
-        g_(model_, world_, with_hook(gpt3d_options(config), hook_)),
-        eval_model_(config.model_config()) {
-    // The generator continues from where one device's is after building its model (dropout
-    // draws from there); building the evaluation model drew more.
-    default_generator().set_state(default_generator().seed(), after_init_);
-  }
-
-  Gpt& eval_model() { return eval_model_; }
-  std::string describe() const { return g_.describe(); }
-  // --compress: rank 0's last round, elements sent over an exact reduction's (1: none).
-  double compress_ratio() const {
-    if (!hook_) return 1.0;
-    const parallel::CommHook::Traffic t = hook_->last_round();
-    return t.uncompressed > 0 ? static_cast<double>(t.sent) / static_cast<double>(t.uncompressed)
-                              : 1.0;
-  }
-  std::string line_suffix() const override {
-    return (hook_ ? models::hook_traffic(*hook_) : "") + g_.moe().line();
-  }
-  void annotate(nlohmann::json& record) const override { g_.moe().annotate(record); }
-  const MoeStep& moe() const { return g_.moe(); }
-  std::string optimizer_kind() const { return optimizer_label(g_.optimizer(), c_); }
-  const optim::Optimizer& optimizer() const { return g_.optimizer(); }
-  int64_t skipped_steps() const { return g_.skipped_steps(); }
-  // The single-device model's (this rank's model keeps its experts only under --ep).
-  int64_t num_parameters() const { return c_.model_config().num_parameters(); }
-
-  // The step a --resume continues from (0 without one): any layout's checkpoint loads.
-  int64_t resume() {
-    if (c_.resume.empty()) return 0;
-    if (models::is_sharded_checkpoint(c_.resume)) {
-      // Each rank reads the regions of its own shards, from the files that hold them.
-      models::ShardedCheckpointReader reader(c_.resume);
-      Gpt3d::BlockSource source;
-      source.whole = [&](const std::string& key) { return reader.read(key); };
-      source.keys = [&](const std::string& prefix) { return reader.keys(prefix); };
-      source.region = [&](const std::string& key, const Shape& global,
-                          const std::vector<int64_t>& starts, const Shape& shape) {
-        // Written in the plan's shape by a 3-D run: read the region; in the single-device
-        // shape by another layout: that tensor whole, then the region.
-        if (reader.global_shape(key) == global) return reader.read(key, starts, shape);
-        return region_of(reader.read(key), key, global, starts, shape);
-      };
-      g_.read_blocks(source);
-      optim::Optimizer::StateDict comm;  // each rank's gradient compression state, whole
-      for (const std::string& key : reader.keys("comm.")) comm[key] = reader.read(key);
-      models::load_world_hook_state("gpt", hook_.get(), world_->rank(), comm, layout(),
-                                    kLayoutFlags);
-      return resumed(c_, sharded_state(reader, g_.scaler()), world_->rank() == 0, say_);
-    }
-    const models::TrainingState s = models::load_checkpoint(
-        c_.resume,
-        [&](const nn::StateDict& weights, const optim::Optimizer::StateDict& saved) {
-          optim::Optimizer::StateDict state = saved;  // this rank's compression state out
-          models::load_world_hook_state("gpt", hook_.get(), world_->rank(), state, layout(),
-                                        kLayoutFlags);
-          g_.load_state_dicts(weights, state);
-        },
-        g_.scaler());
-    return resumed(c_, s, world_->rank() == 0, say_);
-  }
-
-  void zero_grad(int64_t /*step*/, double lr) override { lr_ = lr; }
-  // The whole step's micro-batches and accumulation runs at once (the loop's accum is 1).
-  Tensor forward_backward(int64_t step, int /*micro*/) override {
-    const data::TextBatch batch = batches_.train(step);
-    AutocastGuard amp(models::precision_dtype(c_.precision, "gpt"));
-    return Tensor::from_vector<double>({g_.forward_backward(batch.idx, batch.targets, lr_)}, {1});
-  }
-  std::optional<double> grad_norm(double max_norm) override {
-    return g_.unscale_and_clip(max_norm);
-  }
-  void step(bool skip) override { g_.update(skip); }
-  parallel::Communicator* group() override { return world_.get(); }
-  bool loss_is_global() const override { return true; }
-
-  // Collective: every rank gathers; rank 0 writes the single-device layout. Sharded: the
-  // writing ranks each write their own shards (no rank gathers the model).
-  void save(int64_t step) override {
-    if (c_.save_sharded) {
-      save_sharded(c_, world_.get(), step, g_.scaler(), [&](models::ShardedCheckpointWriter& w) {
-        g_.write_blocks([&](const std::string& key, const Tensor& block, const Shape& global,
-                            const std::vector<int64_t>& starts) { w.add(key, block, global, starts); });
-        if (hook_) {  // each rank its own compression state, whole
-          for (const auto& [key, t] : models::own_hook_state(*hook_, world_->rank(), layout())) {
-            w.add(key, t, t.shape(), std::vector<int64_t>(static_cast<size_t>(t.dim()), 0));
-          }
-        }
-      });
-      return;
-    }
-    auto [weights, state] = g_.state_dicts();
-    if (hook_) state.merge(models::world_hook_state(*hook_, *world_, layout()));  // collective
-    if (world_->rank() == 0) {
-      models::save_checkpoint(c_.save, weights, state, g_.scaler(), training_state(c_, step));
-    }
-    world_->barrier();  // nobody reads the files before they exist
-  }
-  // Collective: every rank gathers; rank 0 evaluates (the others return 0).
-  double evaluate(int64_t /*step*/) override {
-    const std::map<std::string, Tensor> full = g_.full_parameters();
-    if (world_->rank() != 0) return 0.0;
-    eval_model_.load_state_dict(nn::StateDict(full.begin(), full.end()));
-    return gpt::evaluate(eval_model_, batches_, c_.val_batches, DType::f32);
-  }
-
-  // What a compression state is per rank for: the layout's pp, dp, tp and ZeRO stage.
-  std::vector<int64_t> layout() const { return {c_.pp, c_.dp, c_.tp, c_.zero}; }
-  static constexpr const char* kLayoutFlags = "--pp, --dp, --tp, --zero";
-
- private:
-  static Gpt3dOptions with_hook(Gpt3dOptions o, std::shared_ptr<parallel::CommHook> hook) {
-    o.comm_hook = std::move(hook);
-    return o;
-  }
-
-  const GptTrainConfig& c_;
-  parallel::CommPtr world_;
-  const std::function<void(const std::string&)>& say_;
-  const GptData batches_;
-  Gpt model_;
-  uint64_t after_init_;
-  std::shared_ptr<parallel::CommHook> hook_;  // --compress (null: none)
-  Gpt3d g_;
-  Gpt eval_model_;
-  double lr_ = 0.0;
-};
-
-GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
-  config.model_config().validate();
-  const bool lead = world->rank() == 0, verbose = config.verbose && lead;
-  models::Progress progress;
-  auto say = std::function<void(const std::string&)>([&](const std::string& line) {
-    if (verbose) progress.print(line);
-  });
-  Gpt3dReplica replica(config, world, say);
-  say(fmt::format("gpt: {} layers, {} heads, width {}, context {} ({} parameters); batch {}, {} "
-                  "steps, {} lr {}; {} ({} backend)",
-                  config.layers, config.heads, config.width, config.context,
-                  replica.num_parameters(), config.batch, config.steps, replica.optimizer_kind(),
-                  config.lr,
-                  replica.describe(), world->backend()));
-  models::MetricsWriter metrics;
-  if (!config.metrics.empty() && lead) {
-    metrics = models::MetricsWriter(config.metrics, !config.resume.empty());
-  }
-  models::LoopOptions o = loop_options(config, replica.resume(), verbose);
-  o.fault_rank = world->rank();
-  o.accum = 1;  // accumulation and the pipeline's micro-batches are inside its step
-  o.divergence_advice = "Lower --lr or keep --clip on";
-  // Tokens per second over every step (the pipeline's warm-up is part of its cost).
-  models::StepMeter meter(static_cast<double>(config.batch * config.context), "tokens");
-  const autograd::SavedCompressionGuard saved_compression(
-      {.mode = autograd::parse_saved_compression(config.act_compress, "gpt: --act_compress")});
-  const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
-
-  GptResult result;
-  result.skipped_steps = replica.skipped_steps();
-  result.compress_ratio = replica.compress_ratio();
-  result.moe_stats = replica.moe().layers();
-  result.moe_loss = replica.moe().loss();
-  // This rank's optimizer state over its shards (a stage's parameters, cut by tp and ZeRO),
-  // per element it steps, beside the formula's figure for the whole model.
-  const optim::Optimizer& opt = replica.optimizer();
-  int64_t stepped = 0;
-  for (const optim::ParamGroup& g : opt.param_groups()) {
-    for (const Tensor& t : g.params) stepped += t.numel();
-  }
-  result.optimizer_state_bytes = opt.state_bytes();
-  result.optimizer_state_formula = models::optimizer_state_formula_bytes(
-      config.optimizer_choice(), replica.eval_model().named_parameters(),
-      /*master=*/false);  // (the stages keep f32 parameters and autocast)
-  finish_run(result, config, replica, loop, meter, metrics, kCPU, [&] {
-    return fmt::format("; {} state {} on rank {} ({:.3g} bytes per parameter of its shards; "
-                       "formula {:.3g} for the whole model)",
-                       replica.optimizer_kind(),
-                       models::format_bytes(static_cast<double>(result.optimizer_state_bytes)),
-                       world->rank(),
-                       static_cast<double>(result.optimizer_state_bytes) /
-                           static_cast<double>(std::max<int64_t>(stepped, 1)),
-                       result.optimizer_state_formula /
-                           static_cast<double>(replica.num_parameters()));
-  }, verbose, say);
-  if (config.sample_length > 0 && lead && !config.synthetic_data) {
-    sample_into(result, replica.eval_model(), config, DType::f32, say);
-  }
-  return result;
-}
-
 }  // namespace
-
-Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
-  Gpt3dOptions o;
-  o.pp = c.pp;
-  o.dp = c.dp;
-  o.tp = c.tp;
-  o.zero = c.zero;
-  o.schedule = c.schedule;
-  o.chunks = c.chunks;
-  o.microbatches = c.microbatches;
-  o.accum = c.accum;
-  o.recompute = c.recompute == "full";
-  if (c.precision == "f16") o.loss_scale = c.loss_scale;
-  o.sequence_parallel = c.sp;
-  o.ep = c.ep;
-  o.clip = c.clip;
-  o.lr = c.lr;
-  o.weight_decay = c.weight_decay;
-  o.beta1 = c.beta1;
-  o.beta2 = c.beta2;
-  o.block_shards = models::optimizer_shard_block(c.optimizer);
-  o.row_shards = models::optimizer_needs_row_shards(c.optimizer);
-  o.make_optimizer = [choice = c.optimizer_choice(), compress = c.compress, lr = c.lr,
-                      betas = std::pair(c.beta1, c.beta2), wd = c.weight_decay, steps = c.steps](
-                         std::vector<optim::ParamGroup> groups, parallel::Communicator& dp,
-                         std::shared_ptr<parallel::CommHook> hook) {
-    if (compress.name == "onebit_adam") {  // 1-bit Adam in AdamW's place, with its hook
-      return models::make_onebit_adam(compress, std::move(groups), dp, std::move(hook), lr,
-                                      betas, wd, steps);
-    }
-    return models::make_optimizer("gpt", choice, std::move(groups));
-  };
-  return o;
-}
 
 GptResult train_gpt(const GptTrainConfig& config) {
   validate_train_config(config);
