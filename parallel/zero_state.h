@@ -34,8 +34,9 @@ inline bool same_view(const Tensor& a, const Tensor& b) {
 using zero_internal::kName;
 using zero_internal::same_view;
 
-// Offload (zero_offload.cc): checked, then set up a segment at a time at construction; a unit's gather takes the shard of
-// segment s onto the device (params offloaded: from the host copy) and drops it after;
+// Offload (zero_offload.cc; the check and set-up in zero_offload_setup.cc): checked, then
+// set up a segment at a time at construction; a unit's gather takes the shard of segment s
+// onto the device (params offloaded: from the host copy) and drops it after;
 // read_ahead starts the swap-file reads of the units gathered after u; take_grad moves
 // segment s's reduced gradient to the host copy's .grad; step runs the optimizer on the
 // host copies; set_shard writes new shard values (checkpoint loads); page_all brings every
@@ -107,7 +108,7 @@ struct ZeroDataParallel::State {
   bool sync = true;
   int64_t numel = 0;
 
-  struct Offload;  // zero_offload.cc
+  struct Offload;  // zero_offload_state.h
   std::shared_ptr<Offload> offload;  // ZeroOptions::offload in use
 
   int root() const { return static_cast<int>(units.size()) - 1; }
