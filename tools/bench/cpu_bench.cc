@@ -59,8 +59,11 @@ double median_ms(const Options& opts, const std::function<void()>& op) {
   return tessera::bench::median_ms(tessera::bench::Timing{opts.reps, opts.warmup, opts.min_ms, false}, op);
 }
 
-// The machine's f32 FMA peak, the ceiling for matmul: per thread, 24 independent
-// multiply-add chains in registers (enough to hide the FMA latency), no memory traffic.
+// The machine's f32 FMA peak, the ceiling for matmul: per thread, independent multiply-add
+// chains in registers (enough to hide the FMA latency: two pipes x 4-5 cycles), no memory
+// traffic. 24 with AVX-512's 32 registers; 12 with AVX2's 16 (24 left 10 chains spilled to
+// the stack, each FMA then a load and a store: Zen 3 read 104 GFLOP/s on 2 cores, under
+// the GEMMs' 187).
 // Returns the FLOPs one thread performs for `iters`; adds the results to *checksum.
 double fma_chains(int64_t iters, float* checksum) {
 #if defined(__AVX512F__)
@@ -82,7 +85,7 @@ double fma_chains(int64_t iters, float* checksum) {
   auto splat = [](float x) { return x; };
   auto first = [](V v) { return v; };
 #endif
-  constexpr int kChains = 24;
+  constexpr int kChains = kLanes == 16 ? 24 : 12;
   V acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = splat(0.001f * i);
   const V mul = splat(0.9999f), add = splat(1e-4f);
