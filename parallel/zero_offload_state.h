@@ -3,6 +3,9 @@
 // updates of the file tier, the byte counts ZeroOffloadReport shows) and the few paging
 // helpers zero_offload.cc defines that zero_offload_setup.cc uses too. Everything else of the
 // paging stays in zero_offload.cc's anonymous namespace.
+//
+//   Offload& o = *st.offload;  // st: ZeroDataParallel::State, offload set up (offload_check)
+//   Writes w = write_out(st, s, optimizer);  // segment s's pages on their way to the file
 #pragma once
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include "parallel/zero_state.h"
 
 namespace tessera::parallel {
+namespace zero_offload_internal {
 
 // Pages of one segment on their way to or from the swap file, outside the update's own two
 // (OffloadOptions::window): the tensors are held so their buffers outlive the requests.
@@ -35,6 +39,11 @@ struct Writes {
   std::vector<SwapFile::Request> requests;
   std::vector<Tensor> targets;
 };
+
+}  // namespace zero_offload_internal
+
+using zero_offload_internal::Paging;
+using zero_offload_internal::Writes;
 
 struct ZeroDataParallel::State::Offload {
   bool param_file = false;  // the host copies of the parameters live in the swap file

@@ -1,7 +1,8 @@
-// Checkpoints of a GPT run, shared by every layout's replica (models/gpt/train.cc): the
-// training state saved beside the weights, what a resume restores, and sharded checkpoints
-// (models/common/sharded_checkpoint.h) in the single-device keys the 3-D writer uses too
-// ("model/<param>", "optim/<param>/<field>", "optim/hparam.<name>", "scaler/<key>").
+// Checkpoints of a GPT run, shared by every layout's replica (models/gpt/train.cc and
+// train_3d.cc): the training state saved beside the weights, what a resume restores, and
+// sharded checkpoints (models/common/sharded_checkpoint.h) in the single-device keys the
+// 3-D writer uses too ("model/<param>", "optim/<param>/<field>", "optim/hparam.<name>",
+// "scaler/<key>").
 #pragma once
 
 #include <cstdint>

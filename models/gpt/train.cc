@@ -1,3 +1,7 @@
+// train_gpt (models/gpt/train.h) and one rank of a single-device, data-parallel or ZeRO run
+// (GptReplica, train_rank), with what every layout shares (train_internal.h): validation,
+// the closing sample, the loop's options, the run's summary. Pipeline and tensor-parallel
+// runs are train_3d.cc's.
 #include "models/gpt/train.h"
 
 #include <fmt/format.h>
@@ -35,7 +39,7 @@
 #include "models/gpt/data.h"
 #include "models/gpt/moe_step.h"
 #include "models/gpt/run_checks.h"
-#include "models/gpt/train_steps.h"
+#include "models/gpt/train_internal.h"
 #include "tensor/autocast.h"
 #include "tensor/grad_mode.h"
 #include "tensor/random.h"
@@ -69,6 +73,8 @@ int64_t rank_memory_peak() {
 }
 
 }  // namespace
+
+namespace train_internal {
 
 // The mean loss over the first `max_batches` (0: all) validation batches, on the model's
 // device; all batches have one shape, so the mean of their means is the mean over every
@@ -117,6 +123,7 @@ void sample_into(GptResult& result, Gpt& model, const GptTrainConfig& config, DT
                   config.top_k, config.seed, prompt, result.sample));
 }
 
+}  // namespace train_internal
 
 GptConfig GptTrainConfig::model_config() const {
   GptConfig m;
@@ -218,6 +225,8 @@ std::string sample(Gpt& model, const std::string& prompt, const SampleOptions& o
   return out;
 }
 
+namespace train_internal {
+
 // The optimizer in the run's first line ("AdamW8bit", "Adafactor (hf)").
 std::string optimizer_label(const optim::Optimizer& opt, const GptTrainConfig& c) {
   if (opt.kind() != "Adafactor") return opt.kind();
@@ -282,6 +291,8 @@ void finish_run(GptResult& result, const GptTrainConfig& config, models::Replica
                     models::format_bytes(estimate_gpt_memory(config, 1).per_rank())));
   }
 }
+
+}  // namespace train_internal
 
 namespace {
 
@@ -540,7 +551,7 @@ class GptReplica final : public models::Replica {
 
   double evaluate(int64_t /*step*/) override {
     const nn::MoeDispatchScope experts_where(moe_.dispatch());  // (every rank evaluates)
-    return gpt::evaluate(*model_, batches_, c_.val_batches, low_);
+    return train_internal::evaluate(*model_, batches_, c_.val_batches, low_);
   }
 
   const MoeStep& moe() const { return moe_; }

@@ -2,7 +2,7 @@
 // beside them): Gpt3dReplica drives Gpt3d (models/gpt/parallel3d.h) through the one training
 // loop (models/common/train_loop.h), and gpt3d_options maps the run's flags onto Gpt3d's.
 // Kept apart from train.cc (single device, data parallel, ZeRO) for the file's size; both
-// share train_steps.h.
+// share train_internal.h.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -27,13 +27,12 @@
 #include "models/gpt/data.h"
 #include "models/gpt/moe_step.h"
 #include "models/gpt/parallel3d.h"
-#include "models/gpt/train_steps.h"
+#include "models/gpt/train_internal.h"
 #include "tensor/autocast.h"
 #include "tensor/random.h"
 
 namespace tessera::gpt {
 namespace {
-
 
 // One rank of a pipeline / tensor-parallel run (Gpt3d), whose step runs its micro-batches
 // by the pipeline schedule and updates (and clips) inside. Validation and the sample use
@@ -149,7 +148,7 @@ class Gpt3dReplica final : public models::Replica {
     const std::map<std::string, Tensor> full = g_.full_parameters();
     if (world_->rank() != 0) return 0.0;
     eval_model_.load_state_dict(nn::StateDict(full.begin(), full.end()));
-    return gpt::evaluate(eval_model_, batches_, c_.val_batches, DType::f32);
+    return train_internal::evaluate(eval_model_, batches_, c_.val_batches, DType::f32);
   }
 
   // What a compression state is per rank for: the layout's pp, dp, tp and ZeRO stage.
@@ -175,6 +174,8 @@ class Gpt3dReplica final : public models::Replica {
 };
 
 }  // namespace
+
+namespace train_internal {
 
 GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   config.model_config().validate();
@@ -237,6 +238,8 @@ GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world) {
   return result;
 }
 
+}  // namespace train_internal
+
 Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
   Gpt3dOptions o;
   o.pp = c.pp;
@@ -270,4 +273,5 @@ Gpt3dOptions gpt3d_options(const GptTrainConfig& c) {
   };
   return o;
 }
+
 }  // namespace tessera::gpt

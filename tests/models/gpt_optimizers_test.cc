@@ -17,8 +17,6 @@
 #include "models/gpt/pipeline.h"
 #include "models/gpt/train.h"
 #include "tensor/ops.h"
-#include "tensor/error.h"
-#include "tensor/random.h"
 #include "tests/models/gpt_test_configs.h"
 #include "tests/testing.h"
 

@@ -1,6 +1,7 @@
-// The small GPT runs the model tests share: tiny() (one layer, width 32, 60 steps on the
-// fortunes corpus, validation and a sample) and short_run(steps) (the same model for
-// comparing layouts: no sample, validation at the end only, one kernel thread per rank).
+// The small GPT runs gpt_train_test and gpt_optimizers_test share: tiny() (one layer, width
+// 32, 60 steps on the fortunes corpus, validation and a sample) and short_run(steps) (the
+// same model for comparing layouts: no sample, validation at the end only, one kernel
+// thread per rank).
 //
 //   GptTrainConfig c = short_run(8);
 //   c.dp = 2;
@@ -32,7 +33,7 @@ inline GptTrainConfig tiny() {
 }
 
 // tiny() for comparing layouts: `steps` steps, validation only at the end (2 batches), no
-// sample, one OpenMP thread per rank.
+// sample, one kernel thread per rank.
 inline GptTrainConfig short_run(int64_t steps) {
   GptTrainConfig c = tiny();
   c.steps = steps;

@@ -61,31 +61,30 @@ double median_ms(const Options& opts, const std::function<void()>& op) {
 
 // The machine's f32 FMA peak, the ceiling for matmul: per thread, independent multiply-add
 // chains in registers (enough to hide the FMA latency: two pipes x 4-5 cycles), no memory
-// traffic. 24 with AVX-512's 32 registers; 12 with AVX2's 16 (24 left 10 chains spilled to
-// the stack, each FMA then a load and a store: Zen 3 read 104 GFLOP/s on 2 cores, under
-// the GEMMs' 187).
+// traffic. 24 with AVX-512's 32 registers; 12 with AVX2's 16 and in the scalar build (24
+// left 10 chains spilled to the stack, each FMA then a load and a store: Zen 3 read 104
+// GFLOP/s on 2 cores, under the GEMMs' 187).
 // Returns the FLOPs one thread performs for `iters`; adds the results to *checksum.
 double fma_chains(int64_t iters, float* checksum) {
 #if defined(__AVX512F__)
   using V = __m512;
-  constexpr int kLanes = 16;
+  constexpr int kLanes = 16, kChains = 24;  // of 32 registers
   auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
   auto splat = [](float x) { return _mm512_set1_ps(x); };
   auto first = [](V v) { return _mm512_cvtss_f32(v); };
 #elif defined(__AVX2__) && defined(__FMA__)
   using V = __m256;
-  constexpr int kLanes = 8;
+  constexpr int kLanes = 8, kChains = 12;  // of 16 registers
   auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
   auto splat = [](float x) { return _mm256_set1_ps(x); };
   auto first = [](V v) { return _mm256_cvtss_f32(v); };
 #else
   using V = float;
-  constexpr int kLanes = 1;
+  constexpr int kLanes = 1, kChains = 12;  // of 16 xmm registers
   auto fma = [](V a, V b, V c) { return a * b + c; };
   auto splat = [](float x) { return x; };
   auto first = [](V v) { return v; };
 #endif
-  constexpr int kChains = kLanes == 16 ? 24 : 12;
   V acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = splat(0.001f * i);
   const V mul = splat(0.9999f), add = splat(1e-4f);

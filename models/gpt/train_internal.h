@@ -1,6 +1,8 @@
-// What every layout's training in models/gpt shares (train.cc: single device, data parallel,
-// ZeRO; train_3d.cc: pipeline and tensor parallel): validation, the closing sample, the
-// loop's options and the run's closing summary. Private to the train library.
+// What the training of every layout in models/gpt shares, private to the train library:
+// train.cc (single device, data parallel, ZeRO) defines the validation, the closing sample,
+// the loop's options and the run's summary, which train_3d.cc (pipeline and tensor
+// parallel) uses too, and train_3d.cc defines train_rank_3d, which train_gpt calls. In
+// namespace train_internal, so their plain names never clash with a public gpt:: function.
 //
 //   models::LoopOptions o = loop_options(config, replica.resume(), verbose);
 //   const models::LoopResult loop = models::run_loop(replica, o, meter, progress, metrics);
@@ -20,6 +22,7 @@
 #include "parallel/comm/communicator.h"
 
 namespace tessera::gpt {
+namespace train_internal {
 
 // The mean loss over the first `max_batches` (0: all) validation batches, on the model's
 // device, in eval mode under autocast to `low`.
@@ -46,5 +49,14 @@ void finish_run(GptResult& result, const GptTrainConfig& config, models::Replica
 
 // One rank of a pipeline / tensor-parallel run (train_3d.cc).
 GptResult train_rank_3d(const GptTrainConfig& config, parallel::CommPtr world);
+
+}  // namespace train_internal
+
+using train_internal::evaluate;
+using train_internal::finish_run;
+using train_internal::loop_options;
+using train_internal::optimizer_label;
+using train_internal::sample_into;
+using train_internal::train_rank_3d;
 
 }  // namespace tessera::gpt
