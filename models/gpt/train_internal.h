@@ -1,7 +1,7 @@
 // What the training of every layout in models/gpt shares, private to the train library:
-// train.cc (single device, data parallel, ZeRO) defines the validation, the closing sample,
-// the loop's options and the run's summary, which train_3d.cc (pipeline and tensor
-// parallel) uses too, and train_3d.cc defines train_rank_3d, which train_gpt calls. In
+// the validation loss and the closing sample (inference.cc), the loop's options and the
+// run's summary (train.cc: single device, data parallel, ZeRO), which train_3d.cc (pipeline
+// and tensor parallel) uses too, and train_rank_3d (train_3d.cc), which train_gpt calls. In
 // namespace train_internal, so their plain names never clash with a public gpt:: function.
 //
 //   models::LoopOptions o = loop_options(config, replica.resume(), verbose);
