@@ -17,4 +17,11 @@ void launch_copy(const DevTensor& dst, const DevTensor& src, cudaStream_t stream
 // contiguous dst.
 void launch_fill(const DevTensor& dst, uint64_t bits, cudaStream_t stream);
 
+// A column-major matrix of 2-byte elements given another leading dimension: for c < cols and
+// r < rows, dst[c * ld_dst + r] = src[c * ld_src + r] (the same bits; elements between rows
+// and a leading dimension are not touched). matmul stages 16-bit operands whose leading
+// dimension is not a multiple of 8 through it (kernels/cuda/matmul.cc).
+void launch_repitch16(void* dst, int64_t ld_dst, const void* src, int64_t ld_src, int64_t rows, int64_t cols,
+                      cudaStream_t stream);
+
 }  // namespace tessera::cuda_kernels

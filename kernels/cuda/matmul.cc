@@ -12,9 +12,13 @@
 // are handled by looping over the outer batch dims or, past a few calls, by copying.
 //
 // The algorithm is cuBLASLt's first heuristic choice, cached with its descriptors per
-// (shape, strides, dtype, transposes, pointer alignment); the workspace is blas.h's.
+// (shape, strides, dtype, transposes, pointer alignment); the workspace is blas.h's. Large
+// 16-bit products whose matrices are off 16-byte alignment (GPT-2's 50257-wide head) run on
+// aligned copies of them (run_staged, below).
+#include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -23,6 +27,7 @@
 
 #include "kernels/cpu/util.h"
 #include "kernels/cuda/blas.h"
+#include "kernels/cuda/copy_kernels.cuh"
 #include "kernels/cuda/linear.cuh"
 #include "kernels/cuda/runtime.h"
 #include "tensor/op.h"
@@ -83,7 +88,7 @@ int alignment_of(const void* p) {
 struct GemmKey {
   int device, dtype, compute;
   bool ta, tb;
-  int64_t m, n, k, lda, ldb, batch, sa, sb;
+  int64_t m, n, k, lda, ldb, ldc, batch, sa, sb;
   int align_a, align_b, align_c;
   bool f32_out;
   bool bias;  // CUBLASLT_EPILOGUE_BIAS (the bias vector in the output's dtype)
@@ -132,6 +137,7 @@ struct LtProblem {
   int64_t batch = 1, stride_a = 0, stride_b = 0;
   bool f32_out = false;  // 16-bit operands, an f32 result (linear's unrounded product)
   const void* bias = nullptr;  // with it, D = A B + bias (a column of m values, D's dtype)
+  int64_t ldc = 0;             // D's leading dimension; 0: m (D contiguous)
 };
 
 cublasLtMatrixLayout_t make_layout(const LtProblem& p, cudaDataType_t dt, int64_t rows, int64_t cols,
@@ -175,7 +181,8 @@ std::unique_ptr<GemmPlan> build_plan(const LtProblem& p, const GemmKey& key, Dev
   }
   plan->a = make_layout(p, dt, p.a.rows, p.a.cols, p.a.ld, p.stride_a, d);
   plan->b = make_layout(p, dt, p.b.rows, p.b.cols, p.b.ld, p.stride_b, d);
-  plan->c = make_layout(p, p.f32_out ? CUDA_R_32F : dt, p.m, p.n, p.m, p.m * p.n, d);
+  const int64_t ldc = p.ldc > 0 ? p.ldc : p.m;
+  plan->c = make_layout(p, p.f32_out ? CUDA_R_32F : dt, p.m, p.n, ldc, ldc * p.n, d);
 
   cublasLtMatmulPreference_t pref = nullptr;
   cublas_check(cublasLtMatmulPreferenceCreate(&pref), "matmul", "cublasLtMatmulPreferenceCreate", d);
@@ -215,6 +222,7 @@ const GemmPlan& plan_for(const LtProblem& p, const void* a, const void* b, void*
   key.k = p.k;
   key.lda = p.a.ld;
   key.ldb = p.b.ld;
+  key.ldc = p.ldc > 0 ? p.ldc : p.m;
   key.batch = p.batch;
   key.sa = p.stride_a;
   key.sb = p.stride_b;
@@ -285,6 +293,81 @@ int64_t outer_offset(const Shape& batch, const Strides& s, size_t split, int64_t
 // More separate GEMM calls than this over the outer batch dims and the operands that do not
 // collapse to one batch stride are copied instead.
 constexpr int64_t kMaxOuterCalls = 16;
+
+// ---- 16-bit products with unaligned leading dimensions ---------------------------------------
+// cuBLASLt's fast Hopper kernels (TMA loads and stores) need every matrix's leading dimension
+// and pointer 16-byte aligned; a 16-bit matrix whose row holds a number of elements that is
+// not a multiple of 8 (GPT-2's 50,257-wide logits and their gradient) gets the older kernels:
+// the LM head's three GEMMs ran at 120-152 TFLOP/s on an H200 against 701-848 with 50,304
+// rows (BENCHMARKS.md, 2026-11-27). A large enough product therefore runs on staged copies:
+// each unaligned operand copied to a buffer whose leading dimension is rounded up to 8
+// (launch_repitch16), the product written to such a buffer and copied back. The values are
+// the same; the algorithm (so the last bits) is the one cuBLASLt picks for aligned matrices.
+// Staged when the product has at least kStageMinFlops, and kStageFlopsPerByte FLOPs for each
+// byte the copies move (read + write). At the rates above a FLOP costs ~6.3 fs less aligned,
+// and a byte copied at ~2.5 TB/s ~0.4 ps: even at ~63 FLOPs per byte; 128 leaves 2x margin.
+// Those figures are estimates, not yet measured with this kernel: an earlier try through
+// cudaMemcpy2DAsync was slower overall (its pitched copies, BENCHMARKS.md). GPT-2's head
+// has ~380 FLOPs per copied byte in each of its three GEMMs. TESSERA_CUDA_STAGE_UNALIGNED=0
+// (or set_stage_unaligned_gemms(false)) turns staging off.
+constexpr double kStageMinFlops = 1e9;
+constexpr double kStageFlopsPerByte = 128;
+
+std::atomic<int>& stage_flag() {
+  static std::atomic<int> flag{[] {
+    const char* v = std::getenv("TESSERA_CUDA_STAGE_UNALIGNED");
+    return v != nullptr && std::strcmp(v, "0") == 0 ? 0 : 1;
+  }()};
+  return flag;
+}
+
+std::atomic<int64_t> g_staged{0};  // staged_gemm_count()
+
+bool misaligned16(int64_t ld, const void* ptr) {
+  return (ld * 2) % 16 != 0 || reinterpret_cast<uintptr_t>(ptr) % 16 != 0;
+}
+
+int64_t round_up8(int64_t x) { return (x + 7) / 8 * 8; }
+
+// Runs p (one GEMM: batch 1, no bias, D in the operands' 16-bit dtype) on staged copies if
+// it is worth it (above); false when not staged (nothing run). a_ptr / b_ptr are cuBLASLt's
+// A and B (our b and a), c_ptr D with leading dimension p.m.
+bool run_staged(LtProblem p, const void* a_ptr, const void* b_ptr, void* c_ptr, Device d) {
+  const bool half = p.dtype == DType::f16 || p.dtype == DType::bf16;
+  if (!half || p.batch != 1 || p.f32_out || p.bias != nullptr || stage_flag().load() == 0) return false;
+  const bool sa = misaligned16(p.a.ld, a_ptr), sb = misaligned16(p.b.ld, b_ptr), sc = misaligned16(p.m, c_ptr);
+  if (!sa && !sb && !sc) return false;
+  const double flops = 2.0 * static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k);
+  double bytes = 0;  // read + write by the copies
+  if (sa) bytes += 4.0 * static_cast<double>(p.a.rows) * static_cast<double>(p.a.cols);
+  if (sb) bytes += 4.0 * static_cast<double>(p.b.rows) * static_cast<double>(p.b.cols);
+  if (sc) bytes += 4.0 * static_cast<double>(p.m) * static_cast<double>(p.n);
+  if (flops < kStageMinFlops || flops < kStageFlopsPerByte * bytes) return false;
+  const cudaStream_t stream = compute_stream(d);
+  // Each buffer lives until the end of this call: freed, the caching allocator hands it out
+  // again only to work queued after the GEMM on the same stream.
+  auto stage = [&](LtOperand& op, const void*& ptr) {
+    const int64_t ld = round_up8(op.rows);
+    Tensor buf = Tensor::empty({ld * op.cols}, p.dtype, d);
+    launch_repitch16(buf.raw_data(), ld, ptr, op.ld, op.rows, op.cols, stream);
+    op.ld = ld;
+    ptr = buf.raw_data();
+    return buf;
+  };
+  Tensor a_buf, b_buf, c_buf;
+  if (sa) a_buf = stage(p.a, a_ptr);
+  if (sb) b_buf = stage(p.b, b_ptr);
+  void* out = c_ptr;
+  if (sc) {
+    p.ldc = round_up8(p.m);
+    c_buf = Tensor::empty({p.ldc * p.n}, p.dtype, d);
+    out = c_buf.raw_data();
+  }
+  run_gemm(p, a_ptr, b_ptr, out, d);
+  if (sc) launch_repitch16(c_ptr, p.m, out, p.ldc, p.m, p.n, stream);
+  g_staged.fetch_add(1);
+  return true;
+}
 
 void matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out_span, const Attrs&) {
   const Tensor& o = out_span[0];
@@ -363,6 +446,7 @@ void matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out_span, const
   const char* ap = static_cast<const char*>(a.raw_data());
   const char* bp = static_cast<const char*>(b.raw_data());
   char* op = static_cast<char*>(o.raw_data());
+  if (split == 0 && run_staged(p, bp, ap, op, d)) return;
   for_each_outer(batch, split, [&](int64_t outer) {
     run_gemm(p, bp + outer_offset(batch, sb, split, outer) * es, ap + outer_offset(batch, sa, split, outer) * es,
              op + outer * inner_batch * m * n * es, d);
@@ -531,4 +615,10 @@ TS_REGISTER_KERNEL(cuda, linear, linear_kernel);
 TS_REGISTER_KERNEL(cuda, linear_act_backward, linear_act_backward_kernel);
 
 }  // namespace
+}  // namespace tessera::cuda_kernels
+
+namespace tessera::cuda_kernels {
+void set_stage_unaligned_gemms(bool on) { stage_flag().store(on ? 1 : 0); }
+bool stage_unaligned_gemms() { return stage_flag().load() != 0; }
+int64_t staged_gemm_count() { return g_staged.load(); }
 }  // namespace tessera::cuda_kernels

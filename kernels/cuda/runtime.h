@@ -80,4 +80,12 @@ void copy_cuda(const Tensor& dst, const Tensor& src);
 void set_allow_tf32(bool allow);
 bool allow_tf32();
 
+// Whether large 16-bit matmuls whose matrices are not 16-byte aligned (a leading dimension
+// not a multiple of 8) run on aligned staged copies (kernels/cuda/matmul.cc): on unless set
+// off (or the environment variable TESSERA_CUDA_STAGE_UNALIGNED=0).
+void set_stage_unaligned_gemms(bool on);
+bool stage_unaligned_gemms();
+// How many matmuls have run staged so far in this process (tests assert the path ran).
+int64_t staged_gemm_count();
+
 }  // namespace tessera::cuda_kernels

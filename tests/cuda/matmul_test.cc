@@ -172,6 +172,39 @@ TEST_CASE("matmul on CUDA: large 16-bit products with rows off 16-byte alignment
 }
 
 #ifdef TESSERA_CUDA
+TEST_CASE("matmul on CUDA: unaligned 16-bit products staged through aligned copies and not") {
+  // The three head-like products of the case above, each with at least 128 FLOPs per byte
+  // its staged copies move, so each runs on aligned copies (kernels/cuda/matmul.cc) when
+  // staging is on and on the matrices as they lie when it is off: both against the CPU, and
+  // the staged count rises by exactly one per product only while it is on. The first
+  // product's left operand is also a view one column into its base (a pointer 2 bytes off
+  // 16-byte alignment).
+  const auto first_cols = [](const Tensor& a, const Tensor& b) { return std::pair{a.narrow(1, 1, 770), b}; };
+  const auto b_t = [](const Tensor& a, const Tensor& b) { return std::pair{a, b.t()}; };
+  const auto a_t = [](const Tensor& a, const Tensor& b) { return std::pair{a.t(), b}; };
+  for (bool on : {true, false}) {
+    cuda_kernels::set_stage_unaligned_gemms(on);
+    for (DType dt : {DType::bf16, DType::f16}) {
+      CAPTURE(on);
+      CAPTURE(dt);
+      const int64_t before = cuda_kernels::staged_gemm_count();
+      const Tensor x = random({1024, 771}, dt, 41), w = random({770, 8195}, dt, 42);
+      check_matmul(x, w, first_cols, 1e-2);
+      const Tensor g = random({1024, 8195}, dt, 43), v = random({776, 8195}, dt, 44);
+      check_matmul(g, v, b_t, 1e-2);
+      const Tensor h = random({1024, 776}, dt, 45);
+      check_matmul(h, g, a_t, 1e-2);
+      CHECK(cuda_kernels::staged_gemm_count() - before == (on ? 3 : 0));
+    }
+  }
+  cuda_kernels::set_stage_unaligned_gemms(true);
+  // A product below both thresholds (K = 8: ~4 FLOPs per byte its copies would move, 5e8
+  // FLOPs) runs unstaged.
+  const int64_t before = cuda_kernels::staged_gemm_count();
+  check_matmul(random({4096, 8}, DType::bf16, 46), random({8, 8195}, DType::bf16, 47), plain, 1e-2);
+  CHECK(cuda_kernels::staged_gemm_count() == before);
+}
+
 TEST_CASE("matmul on CUDA with TF32 allowed stays within TF32's precision") {
   cuda_kernels::set_allow_tf32(true);
   const Tensor a = random({64, 256}, DType::f32, 31), b = random({256, 48}, DType::f32, 32);

@@ -2,7 +2,9 @@
 // events on the compute stream (warm-up calls, then the median of --reps timed calls; inputs
 // rotated over enough copies, or large enough, to defeat the 50 MB L2):
 //   copy        cudaMemcpyAsync device-to-device (the bandwidth ceiling; read + write bytes)
-//   matmul      f32 (TF32 off / on), bf16, f16 at 4096^3, 8192^3 and GPT-2 124M's shapes
+//   matmul      f32 (TF32 off / on), bf16, f16 at 4096^3, 8192^3 and GPT-2 124M's shapes;
+//               the LM head's three bf16 products (50,257-wide rows, off 16-byte alignment)
+//               staged through aligned copies and not (kernels/cuda/matmul.cc)
 //   elementwise add of two 256 MiB f32 tensors, gelu, bf16 add, clone
 //   adamw       optim::AdamW::step over GPT-2 124M's 148 parameter tensors (28 B/param), and
 //               optim::AdamW8bit::step (16 + 16/256 B/param from 4096 elements, 28 below),
@@ -178,6 +180,29 @@ class Bench {
           r.tflops = 2.0 * as[0] * as[1] * bs[1] / (r.ms * 1e9);
         });
         cuda_kernels::set_allow_tf32(false);
+      }
+    }
+    // GPT-2's head (vocab 50257, B8 T1024): logits = x W^T, their gradient's dX = dL W and
+    // dW = dL^T x, every 50257-wide matrix 2 bytes off 16-byte alignment per row. Each with
+    // the unaligned matrices staged through aligned copies (the default) and read as they lie.
+    const int64_t rows = 8192, C = 768, V = 50257;
+    Tensor x = random_on({rows, C}, DType::bf16, o_.device), w = random_on({V, C}, DType::bf16, o_.device, 0.05);
+    Tensor dl = random_on({rows, V}, DType::bf16, o_.device, 0.05);
+    const struct {
+      const char* name;
+      std::function<void()> fn;
+    } head[] = {{"head x W^T [8192,768]x[768,50257]", [&] { (void)matmul(x, w.t()); }},
+                {"head dX [8192,50257]x[50257,768]", [&] { (void)matmul(dl, w); }},
+                {"head dW [50257,8192]x[8192,768]", [&] { (void)matmul(dl.t(), x); }}};
+    for (const auto& h : head) {
+      for (bool staged : {true, false}) {
+        run("matmul", std::string(h.name) + (staged ? ", staged" : ", unstaged"), "", "bf16", [&](Row& r) {
+          cuda_kernels::set_stage_unaligned_gemms(staged);
+          r.ms = median_ms(o_, [&](int) { h.fn(); });
+          r.tflops = 2.0 * rows * C * V / (r.ms * 1e9);
+          r.note = staged ? "copies included" : "";
+        });
+        cuda_kernels::set_stage_unaligned_gemms(true);
       }
     }
   }

@@ -10,11 +10,15 @@
 # optionally $BUNDLE/data/fashion-mnist. Without Fashion-MNIST files, random images in IDX
 # format are written to $TMPDIR and used by both frameworks (throughput only; accuracy is
 # meaningless).
-# $OUT (a temporary directory if unset) receives eight files: summary.md, run.log, the four
-# programs' logs (gpu_bench, tessera_gpt2, tessera_mnist, torch) and the op rows as JSON lines
-# (tessera_ops.jsonl, torch.jsonl); training metrics and random data stay in a scratch dir.
+# $OUT (a temporary directory if unset) receives nine files: summary.md, run.log, the five
+# runs' logs (gpu_bench, tessera_gpt2, tessera_gpt2_unstaged, tessera_mnist, torch) and the
+# op rows as JSON lines (tessera_ops.jsonl, torch.jsonl); training metrics and random data
+# stay in a scratch dir.
 # Knobs: GPT_STEPS (50), GPT_SKIP (10 warm-up steps left out of tokens/s), GPT_BATCH (8),
-# MNIST_EPOCHS (2), PYTHON (python3), SKIP_TORCH=1, TORCH_ARGS (e.g. --no_compile).
+# MNIST_EPOCHS (2), PYTHON (python3), SKIP_TORCH=1, TORCH_ARGS (e.g. --no_compile),
+# STAGE_AB=0 (skip GPT-2's second run, with TESSERA_CUDA_STAGE_UNALIGNED=0: its LM head's
+# unaligned 50257-wide products read where they lie instead of through aligned copies; its
+# log is tessera_gpt2_unstaged.log).
 set -uo pipefail  # not -e: one failing part must not lose the others' results
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -93,6 +97,14 @@ run tessera_gpt2 150 "$BIN/gpt" --device=cuda --precision=bf16 --layers=12 --hea
   --steps="$GPT_STEPS" --warmup=10 --lr=6e-4 --timing_skip="$GPT_SKIP" --val_every=0 \
   --val_batches=1 --sample=0 --log_every=10 --metrics="$WORK/tessera_gpt.jsonl"
 
+# 2b. The same with the head's unaligned products unstaged (kernels/cuda/matmul.cc): the A/B.
+if [ "${STAGE_AB:-1}" != 0 ]; then
+  TESSERA_CUDA_STAGE_UNALIGNED=0 run tessera_gpt2_unstaged 150 "$BIN/gpt" --device=cuda \
+    --precision=bf16 --layers=12 --heads=12 --width=768 --context=1024 --vocab=50257 \
+    --synthetic_data --batch="$GPT_BATCH" --steps="$GPT_STEPS" --warmup=10 --lr=6e-4 \
+    --timing_skip="$GPT_SKIP" --val_every=0 --val_batches=1 --sample=0 --log_every=10
+fi
+
 # 3. The MNIST CNN on the GPU (f32, TF32 off), two epochs: the last one's samples/s.
 run tessera_mnist 90 "$BIN/mnist" --device=cuda --model=cnn --epochs="$MNIST_EPOCHS" \
   --data="$MNIST_DATA" --metrics="$WORK/tessera_mnist.jsonl"
@@ -147,15 +159,19 @@ N, L, T, C, peak = 124439808, 12, 1024, 768, 989e12  # GPT-2 124M; H100 SXM dens
 flops_per_token = 6 * N + 12 * L * T * C
 print("\n| model | framework | tokens/s or samples/s | MFU | note |")
 print("|---|---|---:|---:|---|")
-m = re.search(r"([0-9.]+) training tokens/s", text("tessera_gpt2.log"))
-if m:
-    tps = float(m.group(1))
-    mem = re.search(r"peak allocated ([0-9.]+) MiB", text("tessera_gpt2.log"))
-    print(f"| GPT-2 124M bf16, B{batch} T{T} | Tessera | {tps:,.0f} | "
-          f"{100 * flops_per_token * tps / peak:.1f}% | steps after the first {skip}"
-          f"{', peak ' + mem.group(1) + ' MiB' if mem else ''} |")
-else:
-    print("| GPT-2 124M bf16 | Tessera | failed | | see tessera_gpt2.log |")
+for log, label in (("tessera_gpt2.log", "Tessera"),
+                   ("tessera_gpt2_unstaged.log", "Tessera, head products unstaged")):
+    if log != "tessera_gpt2.log" and not text(log):
+        continue  # STAGE_AB=0
+    m = re.search(r"([0-9.]+) training tokens/s", text(log))
+    if m:
+        tps = float(m.group(1))
+        mem = re.search(r"peak allocated ([0-9.]+) MiB", text(log))
+        print(f"| GPT-2 124M bf16, B{batch} T{T} | {label} | {tps:,.0f} | "
+              f"{100 * flops_per_token * tps / peak:.1f}% | steps after the first {skip}"
+              f"{', peak ' + mem.group(1) + ' MiB' if mem else ''} |")
+    else:
+        print(f"| GPT-2 124M bf16 | {label} | failed | | see {log} |")
 for r in theirs_rows:
     if r["group"] == "gpt2" and "tokens_per_s" in r:
         print(f"| GPT-2 124M bf16, B{batch} T{T} | PyTorch {r['op'].split(', ')[-1]} | "
