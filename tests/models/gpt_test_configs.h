@@ -1,7 +1,7 @@
-// The small GPT runs gpt_train_test and gpt_optimizers_test share: tiny() (one layer, width
-// 32, 60 steps on the fortunes corpus, validation and a sample) and short_run(steps) (the
-// same model for comparing layouts: no sample, validation at the end only, one kernel
-// thread per rank).
+// The small GPT runs gpt_train_test, gpt_optimizers_test and gpt_activation_memory_test
+// share (the testonly library :gpt_test_configs): tiny() (one layer, width 32, 60 steps on
+// the fortunes corpus, validation and a sample) and short_run(steps) (the same model for
+// comparing layouts: no sample, validation at the end only, one kernel thread per rank).
 //
 //   GptTrainConfig c = short_run(8);
 //   c.dp = 2;
