@@ -33,38 +33,30 @@ __global__ void fill_kernel(Word* dst, Word value, int64_t n) {
   }
 }
 
-// Each thread moves 8 consecutive elements of one column: one 16-byte access on a side whose
-// address is 16-byte aligned (the staged copy's side: its leading dimension is a multiple
-// of 8), 8 two-byte ones on the other (an unaligned column starts anywhere). Grid-stride
-// loops over the column's 8-element groups (x) and the columns (y).
+// Consecutive lanes move consecutive elements of a column, on both sides: every warp access
+// is 64 contiguous bytes, whichever side is off 16-byte alignment (a thread moving 8
+// neighbours would touch 16 partial sectors per store on the unaligned side). Each thread
+// loads kRepitchUnroll elements, a block apart, before storing them (loads in flight).
+// Grid-stride loops over a column's chunks (x) and the columns (y).
+constexpr int kRepitchUnroll = 8;
+
 __global__ void repitch16_kernel(uint16_t* __restrict__ dst, int64_t ldd, const uint16_t* __restrict__ src,
                                  int64_t lds, int64_t rows, int64_t cols) {
-  const int64_t groups = (rows + 7) / 8;
+  const int64_t chunk = static_cast<int64_t>(blockDim.x) * kRepitchUnroll;
   for (int64_t c = blockIdx.y; c < cols; c += gridDim.y) {
     const uint16_t* s = src + c * lds;
     uint16_t* d = dst + c * ldd;
-    for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
-         g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      const int64_t r0 = g * 8;
-      if (r0 + 8 > rows) {
-        for (int64_t r = r0; r < rows; ++r) d[r] = s[r];
-        continue;
-      }
-      union {
-        uint4 v;
-        uint16_t e[8];
-      } u;
-      if (reinterpret_cast<uintptr_t>(s + r0) % 16 == 0) {
-        u.v = *reinterpret_cast<const uint4*>(s + r0);
-      } else {
+    for (int64_t base = blockIdx.x * chunk + threadIdx.x; base < rows; base += gridDim.x * chunk) {
+      uint16_t v[kRepitchUnroll];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) u.e[e] = s[r0 + e];
+      for (int u = 0; u < kRepitchUnroll; ++u) {
+        const int64_t r = base + static_cast<int64_t>(u) * blockDim.x;
+        if (r < rows) v[u] = s[r];
       }
-      if (reinterpret_cast<uintptr_t>(d + r0) % 16 == 0) {
-        *reinterpret_cast<uint4*>(d + r0) = u.v;
-      } else {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) d[r0 + e] = u.e[e];
+      for (int u = 0; u < kRepitchUnroll; ++u) {
+        const int64_t r = base + static_cast<int64_t>(u) * blockDim.x;
+        if (r < rows) d[r] = v[u];
       }
     }
   }
@@ -120,9 +112,9 @@ void launch_fill(const DevTensor& dst, uint64_t bits, cudaStream_t stream) {
 void launch_repitch16(void* dst, int64_t ld_dst, const void* src, int64_t ld_src, int64_t rows, int64_t cols,
                       cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  const int64_t groups = (rows + 7) / 8;
   const int threads = 256;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((groups + threads - 1) / threads, 1024)),
+  const int64_t chunk = threads * kRepitchUnroll;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((rows + chunk - 1) / chunk, 1024)),
                   static_cast<unsigned>(std::min<int64_t>(cols, 65535)));
   repitch16_kernel<<<grid, threads, 0, stream>>>(static_cast<uint16_t*>(dst), ld_dst,
                                                  static_cast<const uint16_t*>(src), ld_src, rows, cols);

@@ -308,8 +308,9 @@ constexpr int64_t kMaxOuterCalls = 16;
 // and a byte copied at ~2.5 TB/s ~0.4 ps: even at ~63 FLOPs per byte; 128 leaves 2x margin.
 // Those figures are estimates, not yet measured with this kernel: an earlier try through
 // cudaMemcpy2DAsync was slower overall (its pitched copies, BENCHMARKS.md). GPT-2's head
-// has ~380 FLOPs per copied byte in each of its three GEMMs. TESSERA_CUDA_STAGE_UNALIGNED=0
-// (or set_stage_unaligned_gemms(false)) turns staging off.
+// has ~350 FLOPs per copied byte in each of its three GEMMs under autocast (the logits or
+// their gradient, and the bf16 cast of the tied weight's transpose, [768, 50257]).
+// TESSERA_CUDA_STAGE_UNALIGNED=0 (or set_stage_unaligned_gemms(false)) turns staging off.
 constexpr double kStageMinFlops = 1e9;
 constexpr double kStageFlopsPerByte = 128;
 
@@ -349,7 +350,8 @@ bool run_staged(LtProblem p, const void* a_ptr, const void* b_ptr, void* c_ptr, 
   auto stage = [&](LtOperand& op, const void*& ptr) {
     const int64_t ld = round_up8(op.rows);
     Tensor buf = Tensor::empty({ld * op.cols}, p.dtype, d);
-    launch_repitch16(buf.raw_data(), ld, ptr, op.ld, op.rows, op.cols, stream);
+    run_launch("matmul", d,
+               [&] { launch_repitch16(buf.raw_data(), ld, ptr, op.ld, op.rows, op.cols, stream); });
     op.ld = ld;
     ptr = buf.raw_data();
     return buf;
@@ -364,7 +366,7 @@ bool run_staged(LtProblem p, const void* a_ptr, const void* b_ptr, void* c_ptr, 
     out = c_buf.raw_data();
   }
   run_gemm(p, a_ptr, b_ptr, out, d);
-  if (sc) launch_repitch16(c_ptr, p.m, out, p.ldc, p.m, p.n, stream);
+  if (sc) run_launch("matmul", d, [&] { launch_repitch16(c_ptr, p.m, out, p.ldc, p.m, p.n, stream); });
   g_staged.fetch_add(1);
   return true;
 }
