@@ -154,9 +154,10 @@ TEST_CASE("matmul on CUDA: larger 16-bit products and repeatable results") {
 
 TEST_CASE("matmul on CUDA: large 16-bit products with rows off 16-byte alignment") {
   // GPT-2's 50257-wide head in small: 16-bit matrices whose leading dimension is not a
-  // multiple of 8 (cuBLASLt's slower kernels), in the forward's shapes (every matrix
-  // unaligned), the input gradient's (a transposed weight) and the weight gradient's (a
-  // transposed activation), against the CPU, and the same bits twice.
+  // multiple of 8 (cuBLASLt's slower kernels; staged through aligned copies by default, and
+  // the next case runs both ways), in the forward's shapes (every matrix unaligned), the
+  // input gradient's (a transposed weight) and the weight gradient's (a transposed
+  // activation), against the CPU, and the same bits twice.
   for (DType dt : {DType::bf16, DType::f16}) {
     CAPTURE(dt);
     const Tensor x = random({1024, 770}, dt, 31), w = random({770, 8195}, dt, 32);
