@@ -324,9 +324,7 @@ std::atomic<int>& stage_flag() {
 
 std::atomic<int64_t> g_staged{0};  // staged_gemm_count()
 
-bool misaligned16(int64_t ld, const void* ptr) {
-  return (ld * 2) % 16 != 0 || reinterpret_cast<uintptr_t>(ptr) % 16 != 0;
-}
+bool misaligned16(int64_t ld, const void* ptr) { return (ld * 2) % 16 != 0 || alignment_of(ptr) < 16; }
 
 int64_t round_up8(int64_t x) { return (x + 7) / 8 * 8; }
 
