@@ -1,8 +1,8 @@
 // Device-side helpers shared by every .cu file of the CUDA backend: element types, dtype
-// dispatch, index arithmetic for strided/broadcast operands, grid sizing, launch checks.
+// dispatch, 16-byte vectors, grid sizing, launch checks (the strided index arithmetic is
+// kernels/cuda/strided_index.h, which the CPU tests check too).
 //
 //   TS_CUDA_DISPATCH_ALL(x.dtype, "exp", [&] { using T = scalar_t; ... });
-//   OffsetCalc<2> oc(out, {a, b});  // inside a kernel: auto off = oc.get(i); off[0], off[1]
 //
 // 16-bit floats are stored as __half / __nv_bfloat16 (the same bits as Tessera's Half and
 // BFloat16) and computed in f32 (acc_type), rounding to nearest even once per result, as
@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/dev_tensor.h"
+#include "kernels/cuda/strided_index.h"
 
 namespace tessera::cuda_kernels {
 
@@ -118,37 +119,8 @@ inline int grid_for(int64_t n, int threads = 256, int max_blocks = 132 * 32) {
   return static_cast<int>(b);
 }
 
-// Offsets of N operands for the linear index of an output element (row-major over `shape`),
-// each operand with its own element strides (0 on broadcast dims).
-template <int N>
-struct OffsetCalc {
-  int ndim = 0;
-  int64_t sizes[kMaxDims] = {};
-  int64_t strides[N][kMaxDims] = {};
-
-  OffsetCalc() = default;
-  // `shape` is the output's; ops[k] must have been broadcast to it (strides 0 where expanded).
-  OffsetCalc(const DevTensor& shape, const DevTensor* const* ops) {
-    ndim = shape.ndim;
-    for (int d = 0; d < ndim; ++d) {
-      sizes[d] = shape.sizes[d];
-      for (int k = 0; k < N; ++k) strides[k][d] = ops[k]->strides[d];
-    }
-  }
-  struct Offsets { int64_t v[N]; __device__ int64_t operator[](int k) const { return v[k]; } };
-  __device__ __forceinline__ Offsets get(int64_t linear) const {
-    Offsets o;
-#pragma unroll
-    for (int k = 0; k < N; ++k) o.v[k] = 0;
-    for (int d = ndim - 1; d >= 0; --d) {
-      const int64_t c = linear % sizes[d];
-      linear /= sizes[d];
-#pragma unroll
-      for (int k = 0; k < N; ++k) o.v[k] += c * strides[k][d];
-    }
-    return o;
-  }
-};
+// 16 bytes (or fewer) of consecutive elements, for vector loads and stores.
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
 
 template <typename T> __host__ __device__ __forceinline__ T* typed(const DevTensor& t) {
   return static_cast<T*>(t.data);

@@ -1,5 +1,9 @@
-// Strided copies with dtype conversion, and fills.
+// Strided copies with dtype conversion, and fills. launch_copy takes the path plan_copy
+// (strided_index.h) chooses from the layouts: one cudaMemcpyAsync, a flat conversion, 16-byte
+// vectors along a contiguous innermost dim, or one coalesced 32-bit index computation per
+// element.
 #include <algorithm>
+#include <string>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/copy_kernels.cuh"
@@ -7,12 +11,30 @@
 namespace tessera::cuda_kernels {
 namespace {
 
+// Any strides: one index computation per element (dims coalesced on the host).
 template <typename D, typename S>
-__global__ void copy_kernel(D* dst, const S* src, OffsetCalc<2> oc, int64_t n) {
+__global__ void __launch_bounds__(256) copy_strided_kernel(D* dst, const S* src, Strided<2> s, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const auto o = oc.get(i);
+    int64_t o[2];
+    s.offsets(i, o);
     dst[o[0]] = convert<D>(src[o[1]]);
+  }
+}
+
+// The innermost coalesced dim contiguous on both sides and a multiple of V: V elements per
+// index computation, one vector load and one vector store (plan_copy checked the alignment).
+template <int V, typename D, typename S>
+__global__ void __launch_bounds__(256) copy_vector_kernel(D* dst, const S* src, Strided<2> s, int64_t nv) {
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < nv;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t o[2];
+    s.offsets(v * V, o);
+    const Vec<S, V> in = *reinterpret_cast<const Vec<S, V>*>(src + o[1]);
+    Vec<D, V> out;
+#pragma unroll
+    for (int j = 0; j < V; ++j) out.v[j] = convert<D>(in.v[j]);
+    *reinterpret_cast<Vec<D, V>*>(dst + o[0]) = out;
   }
 }
 
@@ -62,35 +84,35 @@ __global__ void repitch16_kernel(uint16_t* __restrict__ dst, int64_t ldd, const 
   }
 }
 
-bool same_strides(const DevTensor& a, const DevTensor& b) {
-  for (int d = 0; d < a.ndim; ++d) {
-    if (a.sizes[d] != 1 && a.strides[d] != b.strides[d]) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 void launch_copy(const DevTensor& dst, const DevTensor& src, cudaStream_t stream) {
   const int64_t n = dst.numel;
   if (n == 0) return;
-  if (dst.dtype == src.dtype && dst.contiguous() && src.contiguous()) {
+  const CopyPlan plan = plan_copy(dst, src);
+  if (plan.path == CopyPath::memcpy) {
     const cudaError_t e = cudaMemcpyAsync(dst.data, src.data, n * dev_dtype_size(dst.dtype),
                                           cudaMemcpyDeviceToDevice, stream);
     if (e != cudaSuccess) throw CudaLaunchError(std::string("copy: ") + cudaGetErrorString(e));
     return;
   }
-  const bool flat = dst.contiguous() && src.contiguous() && same_strides(dst, src);
   TS_CUDA_DISPATCH_STORAGE(dst.dtype, "copy", [&] {
     using D = scalar_t;
     TS_CUDA_DISPATCH_STORAGE(src.dtype, "copy", [&] {
       using S = scalar_t;
-      if (flat) {
-        convert_kernel<D, S><<<grid_for(n), 256, 0, stream>>>(typed<D>(dst), typed<S>(src), n);
+      constexpr int V = 16 / static_cast<int>(sizeof(D) > sizeof(S) ? sizeof(D) : sizeof(S));
+      D* d = typed<D>(dst);
+      const S* s = typed<S>(src);
+      if (plan.path == CopyPath::flat) {
+        convert_kernel<D, S><<<grid_for(n), 256, 0, stream>>>(d, s, n);
+      } else if (plan.path == CopyPath::vector) {
+        if (plan.vec != V) throw CudaLaunchError("copy: vector width " + std::to_string(plan.vec) +
+                                                 " planned, the dtypes give " + std::to_string(V));
+        if constexpr (V > 1) {
+          copy_vector_kernel<V, D, S><<<grid_for(n / V), 256, 0, stream>>>(d, s, plan.space, n / V);
+        }
       } else {
-        const DevTensor* ops[2] = {&dst, &src};
-        copy_kernel<D, S><<<grid_for(n), 256, 0, stream>>>(typed<D>(dst), typed<S>(src),
-                                                            OffsetCalc<2>(dst, ops), n);
+        copy_strided_kernel<D, S><<<grid_for(n), 256, 0, stream>>>(d, s, plan.space, n);
       }
     });
   });

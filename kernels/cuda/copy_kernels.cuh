@@ -10,7 +10,8 @@
 namespace tessera::cuda_kernels {
 
 // dst <- src elementwise (src already broadcast to dst's shape), converting dtypes as the
-// CPU's copy does. Contiguous same-dtype copies are one cudaMemcpyAsync.
+// CPU's copy does, on the path plan_copy (strided_index.h) chooses: contiguous same-dtype
+// copies are one cudaMemcpyAsync.
 void launch_copy(const DevTensor& dst, const DevTensor& src, cudaStream_t stream);
 
 // Writes the element whose bytes are `bits` (dtype-sized, little end) to every element of a

@@ -47,7 +47,6 @@ template <typename T> struct Arg {
   int mode;
 };
 
-template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
 
 // Scalars (host values and one-element device tensors) are read once per thread.
 template <typename T> __device__ __forceinline__ int resolve(Arg<T>& a) {
@@ -90,36 +89,6 @@ __global__ void __launch_bounds__(256) ew_flat_kernel(Out* out, int64_t n, bool 
   }
   for (int64_t i = done + tid; i < n; i += stride) out[i] = f(load_one(a, i)...);
 }
-
-// Coalesced iteration space: the output's shape with each input's element strides.
-template <int N> struct Strided {
-  int ndim = 0;
-  bool small = true;  // every index fits 32 bits: cheaper division
-  int64_t sizes[kMaxDims] = {};
-  int64_t strides[N][kMaxDims] = {};
-
-  __device__ __forceinline__ void offsets(int64_t i, int64_t (&o)[N]) const {
-#pragma unroll
-    for (int k = 0; k < N; ++k) o[k] = 0;
-    if (small) {
-      uint32_t li = static_cast<uint32_t>(i);
-      for (int d = ndim - 1; d >= 0; --d) {
-        const uint32_t s = static_cast<uint32_t>(sizes[d]);
-        const uint32_t q = li / s, c = li - q * s;
-        li = q;
-#pragma unroll
-        for (int k = 0; k < N; ++k) o[k] += static_cast<int64_t>(c) * strides[k][d];
-      }
-    } else {
-      for (int d = ndim - 1; d >= 0; --d) {
-        const int64_t q = i / sizes[d], c = i - q * sizes[d];
-        i = q;
-#pragma unroll
-        for (int k = 0; k < N; ++k) o[k] += c * strides[k][d];
-      }
-    }
-  }
-};
 
 template <typename Out, typename F, size_t... K, typename... In>
 __device__ __forceinline__ Out apply_at(const F& f, const int64_t* off, std::index_sequence<K...>,
@@ -186,30 +155,13 @@ template <typename T> Arg<T> make_arg(const EwOperand& op) {
 
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// Drops size-1 dims and merges neighbours contiguous for every operand (the output is
-// contiguous, so only the inputs can stop a merge).
+// The output's shape with each input's element strides, coalesced (strided_index.h; the
+// output is contiguous, so only the inputs can stop a merge).
 template <int N>
 Strided<N> coalesce(const DevTensor& out, const std::array<EwOperand, N>& ops) {
-  Strided<N> s;
-  for (int d = 0; d < out.ndim; ++d) {
-    const int64_t size = out.sizes[d];
-    if (size == 1) continue;
-    bool merge = s.ndim > 0;
-    for (int k = 0; merge && k < N; ++k) {
-      const int64_t st = ops[k].mode == kEwTensor ? ops[k].t.strides[d] : 0;
-      merge = s.strides[k][s.ndim - 1] == st * size;
-    }
-    if (merge) {
-      s.sizes[s.ndim - 1] *= size;
-      for (int k = 0; k < N; ++k) s.strides[k][s.ndim - 1] = ops[k].mode == kEwTensor ? ops[k].t.strides[d] : 0;
-    } else {
-      s.sizes[s.ndim] = size;
-      for (int k = 0; k < N; ++k) s.strides[k][s.ndim] = ops[k].mode == kEwTensor ? ops[k].t.strides[d] : 0;
-      ++s.ndim;
-    }
-  }
-  s.small = out.numel <= static_cast<int64_t>(UINT32_MAX);
-  return s;
+  const int64_t* strides[N];
+  for (int k = 0; k < N; ++k) strides[k] = ops[k].mode == kEwTensor ? ops[k].t.strides : nullptr;
+  return coalesce_dims<N>(out.ndim, out.sizes, strides);
 }
 
 template <typename Out, typename F, typename... In, size_t... K>

@@ -17,8 +17,6 @@
 namespace tessera::cuda_kernels {
 namespace {
 
-template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
-
 __device__ __forceinline__ int64_t load_index(const void* p, bool i64, int64_t i) {
   return i64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }

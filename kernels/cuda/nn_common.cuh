@@ -33,7 +33,6 @@ __device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(
 
 template <typename T> using stats_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-template <typename T, int N> struct alignas(sizeof(T) * N) Vec { T v[N]; };
 template <typename T> inline constexpr int kVec = 16 / static_cast<int>(sizeof(T));
 
 template <typename A> __device__ __forceinline__ A warp_sum(A v) {

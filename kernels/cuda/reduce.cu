@@ -182,8 +182,6 @@ struct Offsets {
   }
 };
 
-template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
-
 // Steps s over p[t], p[t + nt], ... below n (element index idx0 + j), with 16-byte loads
 // after peeling the elements before the first aligned address.
 template <typename T, typename R>

@@ -5,7 +5,8 @@
 //   matmul      f32 (TF32 off / on), bf16, f16 at 4096^3, 8192^3 and GPT-2 124M's shapes;
 //               the LM head's three bf16 products (50,257-wide rows, off 16-byte alignment)
 //               staged through aligned copies and not (kernels/cuda/matmul.cc)
-//   elementwise add of two 256 MiB f32 tensors, gelu, bf16 add, clone
+//   elementwise add of two 256 MiB f32 tensors, gelu, bf16 add, clone; copies that are not
+//               one memcpy (heads permute, qkv column slice, transpose, f32 -> bf16 cast)
 //   adamw       optim::AdamW::step over GPT-2 124M's 148 parameter tensors (28 B/param), and
 //               optim::AdamW8bit::step (16 + 16/256 B/param from 4096 elements, 28 below),
 //               optim::Adafactor::step (hf defaults: the fused passes, 24 B/param)
@@ -246,6 +247,38 @@ class Bench {
     {
       Tensor a = random_on({n}, DType::bf16, o_.device), b = random_on({n}, DType::bf16, o_.device);
       bytes_row("add(a, b)", DType::bf16, 3, [&] { return [&](int) { (void)add(a, b); }; });
+    }
+    strided_copies();
+  }
+
+  // Copies of GPT-2's shapes (B8 T1024 C768) that are not one memcpy: GB/s counts the bytes
+  // read and written once. The paths are plan_copy's (kernels/cuda/strided_index.h).
+  void strided_copies() {
+    const int64_t B = 8, T = 1024, H = 12, D = 64, C = H * D;
+    auto copy_row = [&](const std::string& name, const std::string& shape, DType dt, const Tensor& src,
+                        DType out_dt, const char* path) {
+      run("copy", name, shape, std::string(dtype_name(dt)), [&](Row& r) {
+        r.ms = median_ms(o_, [&](int) { (void)(out_dt == dt ? src.contiguous() : cast(src, out_dt)); });
+        const double bytes = static_cast<double>(src.numel()) * (dtype_size(dt) + dtype_size(out_dt));
+        r.gbps = bytes / (r.ms * 1e6);
+        r.note = ceiling_gbps_ > 0 ? fmt::format("{:.0f}% of copy, {} path", 100 * r.gbps / ceiling_gbps_, path)
+                                   : fmt::format("{} path", path);
+      });
+    };
+    {
+      Tensor x = random_on({B, T, H, D}, DType::bf16, o_.device);
+      copy_row("heads [B,T,H,D] -> [B,H,T,D]", "8x1024x12x64", DType::bf16, x.permute({0, 2, 1, 3}),
+               DType::bf16, "vector");
+    }
+    {
+      Tensor x = random_on({B, T, 3 * C}, DType::bf16, o_.device);
+      copy_row("qkv columns [B,T,3C] -> [B,T,C]", "8x1024x2304", DType::bf16, x.slice(2, C, 2 * C), DType::bf16,
+               "vector");
+    }
+    {
+      Tensor x = random_on({B * T, C}, DType::f32, o_.device);
+      copy_row("transpose [BT,C] -> [C,BT]", "8192x768", DType::f32, x.transpose(0, 1), DType::f32, "strided");
+      copy_row("cast f32 -> bf16", "8192x768", DType::f32, x, DType::bf16, "vector");
     }
   }
 

@@ -5,7 +5,8 @@ ceilings, op shapes and models on the same GPU, timed the same way.
   matmul       torch.matmul TFLOP/s: f32 (TF32 off / on), bf16, f16 at 4096^3, 8192^3 and
                GPT-2 124M's shapes ([8192,768]x[768,2304], [8192,768]x[768,3072],
                [8192,3072]x[3072,768], [8192,768]x[768,50257])
-  elementwise  add of two 256 MiB f32 tensors, gelu (tanh), clone, bf16 add (GB/s)
+  elementwise  add of two 256 MiB f32 tensors, gelu (tanh), clone, bf16 add (GB/s); copies
+               that are not one memcpy (heads permute, qkv slice, transpose, cast)
   adamw        torch.optim.AdamW(fused=True) and (foreach=True) over GPT-2 124M's 148
                parameter tensors, f32, 28 bytes/param read + written
   attention    F.scaled_dot_product_attention causal bf16, B=8 H=12 T=1024 D=64, fwd, fwd+bwd
@@ -124,6 +125,21 @@ def bench_elementwise(a, ceiling):
         gbps = tensors * n * esize / (ms * 1e6)
         row("elementwise", name, f"{n} elems", label, ms=ms, gbps=gbps,
             note=f"{100 * gbps / ceiling:.0f}% of copy")
+    del x, y, xb, yb
+    # Tessera's copy rows (gpu_bench.cc strided_copies): the same shapes, bytes read + written.
+    B, T, H, D = 8, 1024, 12, 64
+    C = H * D
+    xh = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    xq = torch.randn(B, T, 3 * C, device="cuda", dtype=torch.bfloat16)
+    xt = torch.randn(B * T, C, device="cuda")
+    copies = [("heads [B,T,H,D] -> [B,H,T,D]", "8x1024x12x64", "bf16", xh.permute(0, 2, 1, 3), torch.bfloat16),
+              ("qkv columns [B,T,3C] -> [B,T,C]", "8x1024x2304", "bf16", xq[:, :, C:2 * C], torch.bfloat16),
+              ("transpose [BT,C] -> [C,BT]", "8192x768", "f32", xt.t(), torch.float32),
+              ("cast f32 -> bf16", "8192x768", "f32", xt, torch.bfloat16)]
+    for name, shape, label, src, out_dtype in copies:
+        ms = median_ms(lambda i: src.to(out_dtype).contiguous(), a.reps, a.warmup)
+        gbps = src.numel() * (src.element_size() + torch.empty(0, dtype=out_dtype).element_size()) / (ms * 1e6)
+        row("copy", name, shape, label, ms=ms, gbps=gbps, note=f"{100 * gbps / ceiling:.0f}% of copy")
 
 
 def gpt2_shapes():
