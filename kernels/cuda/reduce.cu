@@ -166,21 +166,12 @@ template <typename R, typename S> __device__ S block_reduce(const R& r, S s) {
 
 // ---- index helpers -----------------------------------------------------------------------
 
-struct Offsets {
-  int ndim = 0;
-  int64_t sizes[kMaxDims] = {};
-  int64_t strides[kMaxDims] = {};
-  __device__ __forceinline__ int64_t at(int64_t i) const {
-    if (ndim == 1) return i * strides[0];
-    int64_t off = 0;
-    for (int d = ndim - 1; d >= 0; --d) {
-      const int64_t q = i / sizes[d];
-      off += (i - q * sizes[d]) * strides[d];
-      i = q;
-    }
-    return off;
-  }
-};
+// Offset of linear index i (below the product of the sizes) in a coalesced layout.
+__device__ __forceinline__ int64_t at(const Strided<1>& s, int64_t i) {
+  int64_t o[1];
+  s.offsets(i, o);
+  return o[0];
+}
 
 // Steps s over p[t], p[t + nt], ... below n (element index idx0 + j), with 16-byte loads
 // after peeling the elements before the first aligned address.
@@ -207,13 +198,13 @@ __device__ __forceinline__ void reduce_run(const R& r, typename R::State& s, con
 
 template <typename T, typename R>
 __global__ void __launch_bounds__(256) rows_warp_kernel(typename R::Out* out, const T* in,
-                                                        Offsets kept, int64_t nk, int64_t nr, R r) {
+                                                        Strided<1> kept, int64_t nk, int64_t nr, R r) {
   const int lane = threadIdx.x & 31;
   const int64_t first = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
   const int64_t step = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   for (int64_t row = first; row < nk; row += step) {
     typename R::State s = r.init();
-    reduce_run<T>(r, s, in + kept.at(row), nr, 0, lane, 32);
+    reduce_run<T>(r, s, in + at(kept, row), nr, 0, lane, 32);
     s = warp_reduce(r, s);
     if (lane == 0) out[row] = r.finalize(s, nr);
   }
@@ -222,12 +213,12 @@ __global__ void __launch_bounds__(256) rows_warp_kernel(typename R::Out* out, co
 // Block per (row, chunk): grid.y chunks of `chunk` elements. kPartial: states to ws.
 template <typename T, typename R, bool kPartial>
 __global__ void __launch_bounds__(kRowBlockThreads) rows_block_kernel(
-    typename R::Out* out, typename R::State* ws, const T* in, Offsets kept, int64_t nk, int64_t nr,
+    typename R::Out* out, typename R::State* ws, const T* in, Strided<1> kept, int64_t nk, int64_t nr,
     int64_t chunk, R r) {
   const int64_t begin = blockIdx.y * chunk, end = std::min(nr, begin + chunk);
   for (int64_t row = blockIdx.x; row < nk; row += gridDim.x) {
     typename R::State s = r.init();
-    if (begin < end) reduce_run<T>(r, s, in + kept.at(row) + begin, end - begin, begin, threadIdx.x, blockDim.x);
+    if (begin < end) reduce_run<T>(r, s, in + at(kept, row) + begin, end - begin, begin, threadIdx.x, blockDim.x);
     s = block_reduce(r, s);
     if (threadIdx.x == 0) {
       if constexpr (kPartial) ws[row * gridDim.y + blockIdx.y] = s;
@@ -239,8 +230,8 @@ __global__ void __launch_bounds__(kRowBlockThreads) rows_block_kernel(
 // Outputs [kouter..., kinner] (kinner contiguous in the input); block (32, kColThreadsY).
 template <typename T, typename R, bool kPartial>
 __global__ void __launch_bounds__(32 * kColThreadsY) cols_kernel(
-    typename R::Out* out, typename R::State* ws, const T* in, Offsets kouter, int64_t nouter,
-    int64_t kinner, Offsets red, int64_t nr, int64_t chunk, R r) {
+    typename R::Out* out, typename R::State* ws, const T* in, Strided<1> kouter, int64_t nouter,
+    int64_t kinner, Strided<1> red, int64_t nr, int64_t chunk, R r) {
   using State = typename R::State;
   __shared__ alignas(16) unsigned char raw[kColThreadsY * 32 * kMaxStateBytes];
   State* smem = reinterpret_cast<State*>(raw);
@@ -251,8 +242,8 @@ __global__ void __launch_bounds__(32 * kColThreadsY) cols_kernel(
     const int64_t outer = b / tiles, j = (b - outer * tiles) * 32 + tx;
     State s = r.init();
     if (j < kinner) {
-      const T* base = in + kouter.at(outer) + j;
-      for (int64_t ri = begin + ty; ri < end; ri += kColThreadsY) r.step(s, base[red.at(ri)], ri);
+      const T* base = in + at(kouter, outer) + j;
+      for (int64_t ri = begin + ty; ri < end; ri += kColThreadsY) r.step(s, base[at(red, ri)], ri);
     }
     smem[ty * 32 + tx] = s;
     __syncthreads();
@@ -270,20 +261,20 @@ __global__ void __launch_bounds__(32 * kColThreadsY) cols_kernel(
 // alone, so a thread per output steps slice 0 and merges slices 1..15 in order itself.
 template <typename T, typename R>
 __global__ void __launch_bounds__(256) cols_thin_kernel(typename R::Out* out, const T* in,
-                                                        Offsets kouter, int64_t nouter, int64_t kinner,
-                                                        Offsets red, int64_t nr, R r) {
+                                                        Strided<1> kouter, int64_t nouter, int64_t kinner,
+                                                        Strided<1> red, int64_t nr, R r) {
   using State = typename R::State;
   const int64_t n = nouter * kinner;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t outer = nouter == 1 ? 0 : k / kinner, j = k - outer * kinner;
-    const T* base = in + kouter.at(outer) + j;
+    const T* base = in + at(kouter, outer) + j;
     State s = r.init();
-    if (nr > 0) r.step(s, base[red.at(0)], 0);
+    if (nr > 0) r.step(s, base[at(red, 0)], 0);
 #pragma unroll
     for (int y = 1; y < kColThreadsY; ++y) {
       State t = r.init();
-      if (y < nr) r.step(t, base[red.at(y)], y);
+      if (y < nr) r.step(t, base[at(red, y)], y);
       r.merge(s, t);
     }
     out[k] = r.finalize(s, nr);
@@ -349,14 +340,9 @@ Plan make_plan(const ReduceLayout& l) {
   return p;
 }
 
-Offsets offsets_of(int n, const int64_t* sizes, const int64_t* strides) {
-  Offsets o;
-  o.ndim = n;
-  for (int d = 0; d < n; ++d) {
-    o.sizes[d] = sizes[d];
-    o.strides[d] = strides[d];
-  }
-  return o;
+Strided<1> offsets_of(int n, const int64_t* sizes, const int64_t* strides) {
+  const int64_t* st[1] = {strides};
+  return coalesce_dims<1>(n, sizes, st);
 }
 
 template <typename T, typename R>
@@ -371,7 +357,7 @@ void run_reduce(const DevTensor& out, const DevTensor& in, const ReduceLayout& l
   const T* x = typed<T>(in);
   State* ws = static_cast<State*>(workspace);
   const int64_t nr = l.nr;
-  const Offsets kept = offsets_of(l.nkept, l.ksizes, l.kstrides);
+  const Strided<1> kept = offsets_of(l.nkept, l.ksizes, l.kstrides);
   switch (p.kind) {
     case Kind::rows_warp: {
       const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(l.nk, 8), 65535 * 16));
@@ -391,8 +377,8 @@ void run_reduce(const DevTensor& out, const DevTensor& in, const ReduceLayout& l
     case Kind::cols: {
       const int64_t kinner = l.ksizes[l.nkept - 1];
       const int64_t nouter = l.nk / kinner;
-      const Offsets kouter = offsets_of(l.nkept - 1, l.ksizes, l.kstrides);
-      const Offsets red = offsets_of(l.nred, l.rsizes, l.rstrides);
+      const Strided<1> kouter = offsets_of(l.nkept - 1, l.ksizes, l.kstrides);
+      const Strided<1> red = offsets_of(l.nred, l.rsizes, l.rstrides);
       if (p.kind == Kind::cols_thin) {
         const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(l.nk, 256), 132 * 32));
         cols_thin_kernel<T, R><<<blocks, 256, 0, stream>>>(o, x, kouter, nouter, kinner, red, nr, r);

@@ -21,9 +21,9 @@ namespace tessera::cuda_kernels {
 
 // An iteration space for N operands: `sizes` row-major (the last dim varies fastest), each
 // operand with its own element strides (0 on broadcast dims). offsets(i) unravels the linear
-// index i into every operand's element offset, in 32-bit arithmetic when `small` (every
-// linear index fits 32 bits: a GPU's 32-bit division is several times cheaper than its
-// 64-bit one).
+// index i (below the product of the sizes) into every operand's element offset: no division
+// for one dim, in 32-bit arithmetic when `small` (every linear index fits 32 bits: a GPU's
+// 32-bit division is several times cheaper than its 64-bit one).
 template <int N> struct Strided {
   int ndim = 0;
   bool small = true;
@@ -31,6 +31,10 @@ template <int N> struct Strided {
   int64_t strides[N][kMaxDims] = {};
 
   TS_HOST_DEVICE void offsets(int64_t i, int64_t (&o)[N]) const {
+    if (ndim == 1) {
+      for (int k = 0; k < N; ++k) o[k] = i * strides[k][0];
+      return;
+    }
     for (int k = 0; k < N; ++k) o[k] = 0;
     if (small) {
       uint32_t li = static_cast<uint32_t>(i);

@@ -1,6 +1,6 @@
 // kernels/cuda/strided_index.h on the CPU: the coalesced iteration space of the strided CUDA
 // kernels gives every linear index the offsets a plain unravelling of the original shape
-// gives (both the 32-bit and the 64-bit arithmetic), and plan_copy picks each copy path only
+// gives (one dim, the 32-bit and the 64-bit arithmetic), and plan_copy picks each copy path only
 // where that path's kernel reads and writes the right elements.
 #include <doctest/doctest.h>
 
@@ -99,6 +99,8 @@ TEST_CASE("coalesce_dims: the same offsets as the original shape, for 3,000 rand
     for (int64_t& s : sizes) s = 1 + static_cast<int64_t>(gen() % 5);
     const std::vector<int64_t> a = random_strides(sizes, gen), b = random_strides(sizes, gen);
     const Strided<2> s = coalesce2(sizes, a, b);
+    const int64_t* one[1] = {b.data()};  // one operand, as the reductions use it
+    const Strided<1> s1 = coalesce_dims<1>(nd, sizes.data(), one);
     int64_t numel = 1, non_unit = 0;
     for (int64_t v : sizes) {
       numel *= v;
@@ -112,6 +114,9 @@ TEST_CASE("coalesce_dims: the same offsets as the original shape, for 3,000 rand
       s.offsets(i, o);
       REQUIRE(o[0] == naive_offset(i, sizes, a));
       REQUIRE(o[1] == naive_offset(i, sizes, b));
+      int64_t o1[1];
+      s1.offsets(i, o1);
+      REQUIRE(o1[0] == o[1]);
       ++indices;
     }
     ++layouts;
