@@ -105,8 +105,8 @@ TEST_CASE("every path of the device copy (plan_copy) against the CPU's copy, bit
   }
   CHECK(counts[static_cast<int>(CopyPath::memcpy)] == 1);
   CHECK(counts[static_cast<int>(CopyPath::flat)] == 1);
-  CHECK(counts[static_cast<int>(CopyPath::vector)] == 6);
-  CHECK(counts[static_cast<int>(CopyPath::strided)] == 4);
+  CHECK(counts[static_cast<int>(CopyPath::vector)] == 7);
+  CHECK(counts[static_cast<int>(CopyPath::strided)] == 3);
 }
 #endif  // TESSERA_CUDA
 
