@@ -47,7 +47,6 @@ template <typename T> struct Arg {
   int mode;
 };
 
-
 // Scalars (host values and one-element device tensors) are read once per thread.
 template <typename T> __device__ __forceinline__ int resolve(Arg<T>& a) {
   if (a.mode == kEwDeviceScalar) {
