@@ -83,8 +83,9 @@ Strided<N> coalesce_dims(int ndim, const int64_t* sizes, const int64_t* const (&
 // How launch_copy moves dst <- src (src already broadcast to dst's shape), chosen from the
 // layouts, dtypes and pointers only:
 //   memcpy:  same dtype, both contiguous: one cudaMemcpyAsync;
-//   flat:    both contiguous, dtypes differ, a pointer off the vector alignment: one
-//            element per thread, no index arithmetic;
+//   flat:    both contiguous, dtypes differ, and the vector path ruled out (a pointer off
+//            its alignment, or a length not a multiple of `vec`): one element per thread, no
+//            index arithmetic;
 //   vector:  the innermost coalesced dim contiguous on both sides, a multiple of `vec`
 //            elements, every vector aligned on both sides: one index computation and one
 //            16-byte access (on the wider dtype's side) per `vec` elements;
@@ -97,6 +98,7 @@ struct CopyPlan {
   Strided<2> space;   // operand 0 is dst, 1 is src (coalesced)
 };
 
+// dst is never broadcast (copy_ rejects an expanded destination before any kernel runs).
 inline CopyPlan plan_copy(const DevTensor& dst, const DevTensor& src) {
   CopyPlan p;
   const int dsize = dev_dtype_size(dst.dtype), ssize = dev_dtype_size(src.dtype);

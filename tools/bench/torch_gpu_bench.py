@@ -126,20 +126,27 @@ def bench_elementwise(a, ceiling):
         row("elementwise", name, f"{n} elems", label, ms=ms, gbps=gbps,
             note=f"{100 * gbps / ceiling:.0f}% of copy")
     del x, y, xb, yb
-    # Tessera's copy rows (gpu_bench.cc strided_copies): the same shapes, bytes read + written.
+    # Tessera's copy rows (gpu_bench.cc strided_copies): the same shapes, bytes read + written,
+    # sources rotated over copies enough to pass 2x the L2.
     B, T, H, D = 8, 1024, 12, 64
     C = H * D
-    xh = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-    xq = torch.randn(B, T, 3 * C, device="cuda", dtype=torch.bfloat16)
-    xt = torch.randn(B * T, C, device="cuda")
-    copies = [("heads [B,T,H,D] -> [B,H,T,D]", "8x1024x12x64", "bf16", xh.permute(0, 2, 1, 3), torch.bfloat16),
-              ("qkv columns [B,T,3C] -> [B,T,C]", "8x1024x2304", "bf16", xq[:, :, C:2 * C], torch.bfloat16),
-              ("transpose [BT,C] -> [C,BT]", "8192x768", "f32", xt.t(), torch.float32),
-              ("cast f32 -> bf16", "8192x768", "f32", xt, torch.bfloat16)]
-    for name, shape, label, src, out_dtype in copies:
-        ms = median_ms(lambda i: src.to(out_dtype).contiguous(), a.reps, a.warmup)
-        gbps = src.numel() * (src.element_size() + torch.empty(0, dtype=out_dtype).element_size()) / (ms * 1e6)
+    copies = [("heads [B,T,H,D] -> [B,H,T,D]", "8x1024x12x64", (B, T, H, D), torch.bfloat16,
+               lambda x: x.permute(0, 2, 1, 3), torch.bfloat16),
+              ("qkv columns [B,T,3C] -> [B,T,C]", "8x1024x2304", (B, T, 3 * C), torch.bfloat16,
+               lambda x: x[:, :, C:2 * C], torch.bfloat16),
+              ("transpose [BT,C] -> [C,BT]", "8192x768", (B * T, C), torch.float32, lambda x: x.t(), torch.float32),
+              ("cast f32 -> bf16", "8192x768", (B * T, C), torch.float32, lambda x: x, torch.bfloat16)]
+    for name, shape, base, dtype, view, out_dtype in copies:
+        esize = torch.empty(0, dtype=dtype).element_size()
+        out_esize = torch.empty(0, dtype=out_dtype).element_size()
+        numel = math.prod(base)
+        srcs = [view(torch.randn(base, device="cuda").to(dtype))
+                for _ in range(rotation(numel * (esize + out_esize)))]
+        ms = median_ms(lambda i: srcs[i % len(srcs)].to(out_dtype).contiguous(), a.reps, a.warmup)
+        gbps = srcs[0].numel() * (esize + out_esize) / (ms * 1e6)
+        label = "bf16" if dtype == torch.bfloat16 else "f32"
         row("copy", name, shape, label, ms=ms, gbps=gbps, note=f"{100 * gbps / ceiling:.0f}% of copy")
+        del srcs
 
 
 def gpt2_shapes():
