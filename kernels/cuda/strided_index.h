@@ -92,6 +92,16 @@ Strided<N> coalesce_dims(int ndim, const int64_t* sizes, const int64_t* const (&
 //   strided: anything else, one index computation per element.
 enum class CopyPath { memcpy, flat, vector, strided };
 
+inline const char* copy_path_name(CopyPath p) {
+  switch (p) {
+    case CopyPath::memcpy: return "memcpy";
+    case CopyPath::flat: return "flat";
+    case CopyPath::vector: return "vector";
+    case CopyPath::strided: return "strided";
+  }
+  return "?";
+}
+
 struct CopyPlan {
   CopyPath path = CopyPath::strided;
   int vec = 1;        // elements per access on the vector path

@@ -268,13 +268,12 @@ class Bench {
         Tensor probe = Tensor::empty(src[0].shape(), out_dt, o_.device);
         const cuda_kernels::CopyPlan plan = cuda_kernels::plan_copy(
             cuda_kernels::dev_tensor(probe), cuda_kernels::dev_tensor_broadcast(src[0], probe.shape()));
-        static const char* const kPath[] = {"memcpy", "flat", "vector", "strided"};
         r.ms = median_ms(o_, [&](int i) {
           const Tensor& x = src[i % src.size()];
           (void)(out_dt == dt ? x.contiguous() : cast(x, out_dt));
         });
         r.gbps = static_cast<double>(elems) * (dtype_size(dt) + dtype_size(out_dt)) / (r.ms * 1e6);
-        const char* path = kPath[static_cast<int>(plan.path)];
+        const char* path = cuda_kernels::copy_path_name(plan.path);
         r.note = ceiling_gbps_ > 0 ? fmt::format("{:.0f}% of copy, {} path", 100 * r.gbps / ceiling_gbps_, path)
                                    : fmt::format("{} path", path);
       });
