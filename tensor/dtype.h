@@ -15,6 +15,15 @@
 
 #include "tensor/error.h"
 
+// With F16C (every AVX2 machine; -march=native and --config=portable both enable it) the
+// f16 conversions below use the hardware's instructions outside constant evaluation: the
+// same round-to-nearest-even, overflow to inf and subnormals, so the same bits; NaNs (and
+// infinities) keep the software path, whose NaN bits the CUDA kernels reproduce.
+#if defined(__F16C__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#define TS_F16C 1
+#endif
+
 namespace tessera {
 
 enum class DType : uint8_t { f32, f64, f16, bf16, i32, i64, b8, u8 };
@@ -25,7 +34,8 @@ inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType
 namespace detail {
 
 // Round-to-nearest-even f32 -> IEEE binary16, with overflow to inf and subnormals kept.
-constexpr uint16_t float_to_half_bits(float f) {
+// (The software path; float_to_half_bits below takes F16C's instruction where it can.)
+constexpr uint16_t float_to_half_bits_soft(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   uint32_t a = x & 0x7fffffffu;
@@ -40,6 +50,15 @@ constexpr uint16_t float_to_half_bits(float f) {
   const uint32_t odd = (a >> 13) & 1u;
   a += 0xc8000fffu + odd;  // rebias exponent 127 -> 15, round half to even
   return static_cast<uint16_t>(sign | (a >> 13));
+}
+
+constexpr uint16_t float_to_half_bits(float f) {
+#ifdef TS_F16C
+  if (!std::is_constant_evaluated() && (std::bit_cast<uint32_t>(f) & 0x7fffffffu) <= 0x7f800000u) {
+    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  return float_to_half_bits_soft(f);
 }
 
 // d rounded to f32 "to odd": truncated toward zero, with the last mantissa bit set when
@@ -57,7 +76,7 @@ constexpr float double_to_float_round_odd(double d) {
   return std::bit_cast<float>(mag | 1u);
 }
 
-constexpr float half_bits_to_float(uint16_t h) {
+constexpr float half_bits_to_float_soft(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
@@ -67,6 +86,13 @@ constexpr float half_bits_to_float(uint16_t h) {
   }
   if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
   return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+constexpr float half_bits_to_float(uint16_t h) {
+#ifdef TS_F16C
+  if (!std::is_constant_evaluated() && (h & 0x7c00u) != 0x7c00u) return _cvtsh_ss(h);
+#endif
+  return half_bits_to_float_soft(h);
 }
 
 constexpr uint16_t float_to_bf16_bits(float f) {

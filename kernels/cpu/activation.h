@@ -16,9 +16,6 @@ namespace tessera::cpu {
 // y[i] = act(x[i]), i < n (Activation::none copies). x and y may be the same array.
 void activation_run(Activation act, const float* x, float* y, int64_t n);
 void activation_run(Activation act, const double* x, double* y, int64_t n);
-// y[i] = act(x[i]) through the scalar functor, as the activation's op computes each widened
-// element of an f16/bf16 tensor (whose bits linear's 16-bit path then matches).
-void activation_run_scalar(Activation act, const float* x, float* y, int64_t n);
 // out[i] = g[i] * act'(x[i]) (relu: x > 0 ? g : 0, as relu's derivative).
 void activation_backward_run(Activation act, const float* g, const float* x, float* out, int64_t n);
 void activation_backward_run(Activation act, const double* g, const double* x, double* out, int64_t n);

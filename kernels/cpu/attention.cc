@@ -88,6 +88,7 @@ void gemm_dots(const float* a, int64_t as, const float* b, int64_t bs, int64_t r
 // Stores n compute-type values into `dst` (dtype T) with one rounding each.
 template <typename T, typename C>
 void store(T* dst, const C* src, int64_t n) {
+  if constexpr (is_low_precision_v<T> && std::is_same_v<C, float>) return narrow_run(src, dst, n);
   for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
 }
 

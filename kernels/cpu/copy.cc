@@ -1,13 +1,61 @@
 // CPU copies and fills: copy_ (any dtype pair, broadcasting, any strides), cast, clone,
 // to_device (cpu -> cpu), cat, full, arange.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "kernels/cpu/loops.h"
 #include "kernels/cpu/util.h"
 #include "tensor/op.h"
 
 namespace tessera::cpu {
+
+void widen_run(const Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  // A lane is NaN when its magnitude bits exceed infinity's (0x7c00): a signed 16-bit compare
+  // of the masked values, which are below 0x8000.
+  const __m128i magnitude = _mm_set1_epi16(0x7fff), inf = _mm_set1_epi16(0x7c00);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    if (_mm_movemask_epi8(_mm_cmpgt_epi16(_mm_and_si128(h, magnitude), inf)) != 0) {
+      for (int64_t j = i; j < i + 8; ++j) dst[j] = static_cast<float>(src[j]);
+      continue;
+    }
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+void widen_run(const BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+void narrow_run(const float* src, Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0) {
+      for (int64_t j = i; j < i + 8; ++j) dst[j] = Half(src[j]);
+      continue;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = Half(src[i]);
+}
+
+void narrow_run(const float* src, BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16(src[i]);
+}
 
 namespace {
 
@@ -50,6 +98,9 @@ void copy_cpu(const Tensor& dst, const Tensor& src) {
         }
         const int64_t so = r.stride[0] / int64_t(sizeof(D)), sa = r.stride[1] / int64_t(sizeof(S));
         if (so == 1 && sa == 1) {
+          // 16-bit <-> f32: the run helpers above (convert's bits, F16C for f16).
+          if constexpr (std::is_same_v<D, float> && is_low_precision_v<S>) return widen_run(a, o, r.n);
+          if constexpr (is_low_precision_v<D> && std::is_same_v<S, float>) return narrow_run(a, o, r.n);
           for (int64_t i = 0; i < r.n; ++i) o[i] = convert<D>(a[i]);
         } else {
           for (int64_t i = 0; i < r.n; ++i) o[i * so] = convert<D>(a[i * sa]);
@@ -73,6 +124,29 @@ Tensor to_compute_cpu(const Tensor& t) {
     return out;
   }
   return contiguous_cpu(t);
+}
+
+Tensor to_compute_any_layout_cpu(const Tensor& t) {
+  if (t.dtype() != DType::f16 && t.dtype() != DType::bf16) return t;
+  if (t.is_contiguous()) return to_compute_cpu(t);
+  // The dims by decreasing stride: when that order is contiguous, t fills its span densely.
+  std::vector<int64_t> order(static_cast<size_t>(t.dim()));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return t.strides()[a] > t.strides()[b]; });
+  Shape shape;
+  Strides strides;
+  for (const int64_t d : order) {
+    shape.push_back(t.shape()[d]);
+    strides.push_back(t.strides()[d]);
+  }
+  const Tensor dense = Tensor::from_storage(t.storage(), shape, strides, t.offset(), t.dtype());
+  if (!dense.is_contiguous()) return to_compute_cpu(t);
+  const Tensor wide = Tensor::empty(shape, DType::f32, t.device());
+  copy_cpu(wide, dense);
+  Strides back(static_cast<size_t>(t.dim()));
+  for (size_t k = 0; k < order.size(); ++k) back[static_cast<size_t>(order[k])] = wide.strides()[k];
+  return Tensor::from_storage(wide.storage(), t.shape(), back, 0, DType::f32);
 }
 
 namespace {

@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/loops.h"
+#include "kernels/cpu/util.h"
 #include "kernels/scalar_ops.h"
 #include "tensor/op.h"
 
@@ -196,6 +197,39 @@ void contiguous_binary(const T* a, const T* b, T* out, int64_t n, F f) {
   }
 }
 
+// f16/bf16 contiguous runs: a block at a time widened (kernels/cpu/copy.cc's run helpers, F16C
+// for f16), evaluated as an f32 run (Eigen's vectorised form where the functor has one, else
+// a plain loop the compiler vectorises) and rounded once, so an element's bits are the f32
+// op's result rounded, wherever its thread's run starts. Element by element (a conversion,
+// the scalar functor, a rounding), gelu on bf16 cost ~14 ns an element and GPT-mini's bf16 MLP
+// spent ~34% of its step there (BENCHMARKS.md, eleventh CPU section).
+template <typename F>
+concept FloatToFloat = std::is_same_v<std::invoke_result_t<F, float>, float>;
+template <typename F>
+concept FloatsToFloat = std::is_same_v<std::invoke_result_t<F, float, float>, float>;
+
+template <typename T, typename F>
+void widened_unary(const T* x, T* y, int64_t n, F f) {
+  alignas(64) float buf[kEigenBlock];
+  for (int64_t i = 0; i < n; i += kEigenBlock) {
+    const int64_t m = std::min(kEigenBlock, n - i);
+    widen_run(x + i, buf, m);
+    contiguous_unary(buf, buf, m, f);
+    narrow_run(buf, y + i, m);
+  }
+}
+template <typename T, typename F>
+void widened_binary(const T* a, const T* b, T* out, int64_t n, F f) {
+  alignas(64) float wa[kEigenBlock], wb[kEigenBlock], wo[kEigenBlock];
+  for (int64_t i = 0; i < n; i += kEigenBlock) {
+    const int64_t m = std::min(kEigenBlock, n - i);
+    widen_run(a + i, wa, m);
+    widen_run(b + i, wb, m);
+    contiguous_binary(wa, wb, wo, m, f);  // (gelu's backward reads its inputs after writing)
+    narrow_run(wo, out + i, m);
+  }
+}
+
 template <typename T, typename F>
 void unary_loop(const Tensor& in, const Tensor& out, F f) {
   using C = compute_t<T>;
@@ -206,6 +240,9 @@ void unary_loop(const Tensor& in, const Tensor& out, F f) {
     if (r.stride[0] == s && r.stride[1] == s) {
       if constexpr (std::is_floating_point_v<T>) {
         contiguous_unary(a, o, r.n, f);
+        return;
+      } else if constexpr (is_low_precision_v<T> && FloatToFloat<F>) {
+        widened_unary(a, o, r.n, f);
         return;
       }
       for (int64_t i = 0; i < r.n; ++i) o[i] = T(f(C(a[i])));
@@ -254,6 +291,9 @@ void binary_loop(const Tensor& a, const Tensor& b, const Tensor& out, F f) {
     if (r.stride[0] == sizeof(Out) && r.stride[1] == s && r.stride[2] == s) {
       if constexpr (std::is_floating_point_v<T> && std::is_same_v<Out, T>) {
         contiguous_binary(x, y, o, r.n, f);
+        return;
+      } else if constexpr (is_low_precision_v<T> && std::is_same_v<Out, T> && FloatsToFloat<F>) {
+        widened_binary(x, y, o, r.n, f);
         return;
       }
       for (int64_t i = 0; i < r.n; ++i) o[i] = Out(f(C(x[i]), C(y[i])));
@@ -369,12 +409,6 @@ void activation_run(Activation act, const float* x, float* y, int64_t n) {
 }
 void activation_run(Activation act, const double* x, double* y, int64_t n) {
   activation_run_typed(act, x, y, n);
-}
-void activation_run_scalar(Activation act, const float* x, float* y, int64_t n) {
-  if (act == Activation::none && x != y) std::copy(x, x + n, y);
-  with_activation(act, [&](auto f) {
-    for (int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
-  });
 }
 void activation_backward_run(Activation act, const float* g, const float* x, float* out, int64_t n) {
   activation_backward_typed(act, g, x, out, n);

@@ -111,9 +111,9 @@ void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
   if (dt == DType::f32) return linear_typed<float>(in[0], in[1], in[2], out[0], pre, act);
   if (dt == DType::f64) return linear_typed<double>(in[0], in[1], in[2], out[0], pre, act);
   // f16/bf16: widened, x W^T + b computed in f32 and rounded once; the activation then runs
-  // on the rounded pre-activation (the value its backward reads) and rounds again, through
-  // the scalar functor as the activation's own op runs 16-bit tensors: the bits of linear
-  // without an activation followed by that op.
+  // on the rounded pre-activation (the value its backward reads), widened, on the f32 path,
+  // and rounds again, as the activation's own op runs 16-bit tensors (elementwise.cc): the
+  // bits of linear without an activation followed by that op.
   const Tensor wide = Tensor::empty(out[0].shape(), DType::f32, kCPU);
   linear_typed<float>(to_compute_cpu(in[0]), to_compute_cpu(in[1]),
                       in[2].defined() ? to_compute_cpu(in[2]) : Tensor(), wide, Tensor(), Activation::none);
@@ -124,7 +124,7 @@ void linear_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
   const int64_t n = wide.numel(), grain = 1 << 14;
   parallel_for(0, (n + grain - 1) / grain, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      activation_run_scalar(act, w + b * grain, w + b * grain, std::min(grain, n - b * grain));
+      activation_run(act, w + b * grain, w + b * grain, std::min(grain, n - b * grain));
     }
   });
   copy_cpu(out[0], wide);

@@ -40,7 +40,7 @@ const float* as_f32(const T* x, int64_t m, std::vector<float>& buf) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
-    for (int64_t i = 0; i < m; ++i) buf[i] = float(x[i]);
+    widen_run(x, buf.data(), m);
     return buf.data();
   }
 }

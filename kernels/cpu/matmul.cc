@@ -163,9 +163,9 @@ void matmul_kernel(std::span<const Tensor> in, std::span<Tensor> out, const Attr
   const DType dt = in[0].dtype();
   if (dt == DType::f32) return matmul_f32(in[0], in[1], out[0]);
   if (dt == DType::f64) return matmul_f64(in[0], in[1], out[0]);
-  // f16/bf16: widen, multiply in f32, round once.
+  // f16/bf16: widen (a transposed operand stays transposed), multiply in f32, round once.
   Tensor wide = Tensor::empty(out[0].shape(), DType::f32, out[0].device());
-  matmul_f32(to_compute_cpu(in[0]), to_compute_cpu(in[1]), wide);
+  matmul_f32(to_compute_any_layout_cpu(in[0]), to_compute_any_layout_cpu(in[1]), wide);
   copy_cpu(out[0], wide);
 }
 

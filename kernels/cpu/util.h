@@ -56,7 +56,21 @@ inline Tensor attention_heads(const Tensor& packed, int64_t i, int64_t head_dim)
   return attention_heads(packed.select(0, i), head_dim);
 }
 
+// n contiguous 16-bit floats widened to f32, and f32 values rounded to f16/bf16, with the bits
+// of Half's and BFloat16's own conversions (tensor/dtype.h); f16 moves 8 values per F16C
+// instruction (a group holding a NaN takes the scalar conversion, which keeps NaN bits).
+void widen_run(const Half* src, float* dst, int64_t n);
+void widen_run(const BFloat16* src, float* dst, int64_t n);
+void narrow_run(const float* src, Half* dst, int64_t n);
+void narrow_run(const float* src, BFloat16* dst, int64_t n);
+
 // A contiguous f32 copy of a 16-bit float tensor (f32/f64 tensors are returned contiguous).
 Tensor to_compute_cpu(const Tensor& t);
+// The same for a kernel that reads any strides (matmul): a 16-bit tensor that fills its span
+// densely in some order of its dims (a transposed or permuted contiguous one, as a weight
+// gradient's x^T is) is widened in that memory order and keeps its layout, so the widening
+// reads and writes memory in order instead of gathering across rows; other 16-bit layouts
+// come out contiguous. f32/f64 tensors are returned as they are.
+Tensor to_compute_any_layout_cpu(const Tensor& t);
 
 }  // namespace tessera::cpu

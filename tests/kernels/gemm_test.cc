@@ -2,7 +2,8 @@
 // tall and skinny, K = 1, sizes either side of the register tile and cache blocks), all four
 // transpose combinations, strided operands, accumulate on and off; bitwise determinism across
 // thread counts; a row-major A read in place against packed, bit for bit; and matmul through
-// the op API (batched, broadcast, transposed views).
+// the op API (batched, broadcast, transposed views; f16/bf16 operands in any layout against
+// the rounded f32 product).
 //
 // Tolerance. Each element is a K-term f32 dot product. A product passes through at most
 // kc roundings inside its K block (one per fused multiply-add), then one per K block added
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/parallel.h"
@@ -438,4 +440,64 @@ TEST_CASE("matmul (f32) through the op API: batched, broadcast and transposed vi
   cpu::set_num_threads(2);
   const std::vector<float> two = matmul(a, b).to_vector<float>();
   CHECK(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)) == 0);
+}
+
+// f16/bf16 matmul widens its operands, multiplies in f32 and rounds once
+// (kernels/cpu/matmul.cc). A transposed or permuted operand is widened in its own memory order
+// and keeps its layout; a sliced one is widened into a contiguous copy. Either way the result
+// is bitwise the f32 product of the widened values, rounded, and that f32 product is within
+// the triple loop's bound.
+TEST_CASE("matmul (f16/bf16): transposed, permuted and sliced operands give the f32 product's bits, rounded once") {
+  ThreadCountGuard guard;
+  const auto same = [](const Tensor& a, const Tensor& b) {
+    const std::vector<float> av = a.to_vector<float>(), bv = b.to_vector<float>();
+    return av.size() == bv.size() && std::memcmp(av.data(), bv.data(), av.size() * sizeof(float)) == 0;
+  };
+  int checked = 0;
+  for (int threads : {1, 2}) {
+    cpu::set_num_threads(threads);
+    for (DType dt : {DType::bf16, DType::f16}) {
+      const std::string dtype(dtype_name(dt));
+      CAPTURE(threads);
+      CAPTURE(dtype);
+      const Tensor x = Tensor::from_vector<float>(random_matrix(129, 65, 11), {129, 65}).cast(dt);
+      const Tensor w = Tensor::from_vector<float>(random_matrix(70, 129, 12), {70, 129}).cast(dt);
+      const Tensor p = Tensor::from_vector<float>(random_matrix(5 * 37, 53, 13), {5, 37, 53}).cast(dt);
+      const Tensor q = Tensor::from_vector<float>(random_matrix(53, 11, 14), {53, 11}).cast(dt);
+      const Tensor big = Tensor::from_vector<float>(random_matrix(80, 90, 15), {80, 90}).cast(dt);
+      struct Pair {
+        const char* what;
+        Tensor a, b;
+      };
+      const Pair pairs[] = {
+          {"x^T w^T (a weight gradient's layout on both sides)", x.t(), w.t()},
+          {"a batch of transposed matrices", p.transpose(1, 2), p.select(0, 1)},
+          {"batch and row dims swapped ([37, 5, 53], dense in memory)", p.permute({1, 0, 2}), q},
+          {"sliced operands (not dense: widened contiguous)", big.slice(0, 3, 80, 2).slice(1, 1, 90, 3),
+           big.slice(0, 10, 40).slice(1, 0, 90, 4)},
+      };
+      for (const Pair& pr : pairs) {
+        const std::string what = pr.what;
+        CAPTURE(what);
+        const Tensor got = matmul(pr.a, pr.b);
+        REQUIRE(got.dtype() == dt);
+        const Tensor wide = matmul(pr.a.cast(DType::f32), pr.b.cast(DType::f32));
+        CHECK(same(got, wide.cast(dt)));
+        CHECK(same(got, matmul(pr.a.contiguous(), pr.b.contiguous())));
+        // The f32 product against the triple loop, batch by batch.
+        const Tensor a3 = pr.a.dim() == 2 ? pr.a.unsqueeze(0) : pr.a;
+        const Tensor w3 = wide.dim() == 2 ? wide.unsqueeze(0) : wide;
+        for (int64_t i = 0; i < a3.size(0); ++i) {
+          const Tensor ai = a3.select(0, i).cast(DType::f32);
+          const Tensor bi = (pr.b.dim() == 3 ? pr.b.select(0, i) : pr.b).cast(DType::f32);
+          const int64_t m = ai.size(0), k = ai.size(1), n = bi.size(1);
+          const std::vector<float> ov = w3.select(0, i).to_vector<float>();
+          CHECK(count_bad(ov.data(), n, naive(ai.contiguous().to_vector<float>(), bi.contiguous().to_vector<float>(), m, n, k),
+                          nullptr, m, n, k) == 0);
+        }
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 16);
 }

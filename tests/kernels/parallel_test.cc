@@ -3,7 +3,9 @@
 // caller and the pool stays usable; calls from inside a part run inline on one thread;
 // parallel_for's chunks are the documented ones; several caller threads, each with its own
 // pool, run jobs at once; a lower thread count after a higher one runs that many threads; a
-// forked child runs jobs without its parent's workers.
+// forked child runs jobs without its parent's workers. Also the vectorised elementwise paths
+// whose bits must not depend on where a thread's chunk starts (gelu's backward, 16-bit
+// transcendental ops).
 // Built twice (tests/kernels/BUILD): TESSERA_SPIN_US=50 and 0 (workers sleep after every job,
 // so each job must wake them: a lost wake-up shows as a hang, which the test's timeout ends).
 #include <doctest/doctest.h>
@@ -222,6 +224,44 @@ TEST_CASE("vectorised gelu backward: the same bits at any offset and on 1 or 2 t
       CHECK(std::memcmp(shifted.data(), ref.data() + off, n * sizeof(float)) == 0);
     }
   }
+}
+
+// f16/bf16 transcendental ops on contiguous runs are widened a block at a time, evaluated on
+// the f32 vectorised path and rounded once (kernels/cpu/elementwise.cc): each element is the
+// f32 op's result on the widened input, rounded, wherever its thread's run starts and on 1 or
+// 2 threads. n is odd and spans many of the 256-element blocks; offsets shift every block.
+TEST_CASE("16-bit transcendental ops: the f32 op's bits rounded once, at any offset and on 1 or 2 threads") {
+  const int64_t n = 20011;
+  const std::vector<std::pair<const char*, std::function<Tensor(const Tensor&, const Tensor&)>>> ops = {
+      {"gelu", [](const Tensor& x, const Tensor&) { return gelu(x); }},
+      {"gelu tanh", [](const Tensor& x, const Tensor&) { return gelu(x, true); }},
+      {"tanh", [](const Tensor& x, const Tensor&) { return tanh(x); }},
+      {"exp", [](const Tensor& x, const Tensor&) { return exp(x); }},
+      {"sigmoid", [](const Tensor& x, const Tensor&) { return sigmoid(x); }},
+      {"gelu_backward", [](const Tensor& x, const Tensor& g) { return gelu_backward(g, x); }},
+      {"gelu_backward tanh", [](const Tensor& x, const Tensor& g) { return gelu_backward(g, x, true); }},
+  };
+  int checked = 0;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    // Wide enough that gelu_backward's tanh form meets u < -2 (its scalar lanes).
+    const Tensor x = (randn({n + 7}) * 2.5).cast(dt), g = randn({n + 7}).cast(dt);
+    for (const auto& [name, op] : ops) {
+      const std::string label = std::string(name) + " " + std::string(dtype_name(dt));
+      CAPTURE(label);
+      const std::vector<float> want = op(x.cast(DType::f32), g.cast(DType::f32)).cast(dt).to_vector<float>();
+      for (int threads : {1, 2}) {
+        ThreadCount tc(threads);
+        const std::vector<float> got = op(x, g).to_vector<float>();
+        CHECK(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
+        for (int64_t off : {1, 3, 7}) {
+          const std::vector<float> shifted = op(x.narrow(0, off, n), g.narrow(0, off, n)).to_vector<float>();
+          CHECK(std::memcmp(shifted.data(), want.data() + off, n * sizeof(float)) == 0);
+        }
+      }
+      ++checked;
+    }
+  }
+  CHECK(checked == 14);
 }
 
 // Where u = sqrt(2/pi) (x + 0.044715 x^3) < -2, 1 + tanh(u) cancels, so the vectorised

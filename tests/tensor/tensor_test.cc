@@ -2,6 +2,8 @@
 // reshape/contiguous copying only when needed, broadcasting, host transfers.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -49,6 +51,131 @@ TEST_CASE("bf16 conversion rounds to nearest even") {
   CHECK(std::isinf(static_cast<float>(BFloat16(std::numeric_limits<float>::infinity()))));
   // Near the top of the range the spacing is 2^120: 3e38 / 2^120 = 225.7 rounds to 226.
   CHECK(static_cast<float>(BFloat16(3.0e38f)) == std::ldexp(226.0f, 120));
+}
+
+// The conversions against an exact reference built in double arithmetic, over every 16-bit
+// pattern and over f32 values chosen where rounding is decided (each half's value, the
+// midpoints between neighbours and one f32 ulp either side, the overflow threshold, f32
+// subnormals, NaNs with payloads) plus a million random bit patterns: each scalar conversion
+// (F16C instructions where the build has them), the software path (tensor/dtype.h) and
+// each cast of a whole run (kernels/cpu/copy.cc's run helpers, 8 lanes at a time), the run
+// started at an odd offset so that the 8-lane groups and the scalar tail both see values.
+namespace {
+uint32_t f32_bits(float f) { return std::bit_cast<uint32_t>(f); }
+
+// Exact value of f16 bits h (NaN: the payload moved to f32's top mantissa bits).
+uint32_t ref_widen_f16(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  if (exp == 31) return sign | 0x7f800000u | (mant << 13);
+  const double mag = exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, static_cast<int>(exp) - 25);
+  return sign | f32_bits(static_cast<float>(mag));
+}
+
+// f rounded to nearest even on a grid with `bits` mantissa bits below the leading one, whose
+// normal binades start at 2^min_exp (below: the subnormal spacing 2^(min_exp - bits)):
+// returns the rounded magnitude, or inf past max_finite's half-spacing.
+double ref_round(double a, int bits, int min_exp, double overflow_at) {
+  if (a >= overflow_at) return INFINITY;
+  const int e = std::max(static_cast<int>(std::floor(std::log2(a))), min_exp);
+  const double spacing = std::ldexp(1.0, e - bits);
+  return std::nearbyint(a / spacing) * spacing;  // ties to even in the default rounding mode
+}
+
+uint16_t ref_narrow_f16(float f) {
+  const uint32_t x = f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  if (std::isnan(f)) return sign | 0x7e00u;
+  const double a = std::fabs(static_cast<double>(f));
+  if (a == 0) return sign;
+  const double r = ref_round(a, 10, -14, 65520.0);
+  if (std::isinf(r)) return sign | 0x7c00u;
+  if (r == 0) return sign;
+  const int e = static_cast<int>(std::floor(std::log2(r)));
+  if (e < -14) return sign | static_cast<uint16_t>(std::ldexp(r, 24));  // subnormal
+  return sign | static_cast<uint16_t>(((e + 15) << 10) | static_cast<uint32_t>(std::ldexp(r, 10 - e) - 1024));
+}
+
+uint16_t ref_narrow_bf16(float f) {
+  const uint32_t x = f32_bits(f);
+  if (std::isnan(f)) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const double a = std::fabs(static_cast<double>(f));
+  if (a == 0) return sign;
+  const double r = ref_round(a, 7, -126, std::ldexp(1.0, 128) - std::ldexp(1.0, 119));
+  if (std::isinf(r)) return sign | 0x7f80u;
+  return sign | static_cast<uint16_t>(f32_bits(static_cast<float>(r)) >> 16);
+}
+
+// Casts values (as a run starting at offset 3) to dt and returns the result's bits.
+template <typename Bits>
+std::vector<Bits> cast_run(const Tensor& t, DType dt) {
+  const Tensor out = t.narrow(0, 3, t.numel() - 3).cast(dt);
+  std::vector<Bits> bits(static_cast<size_t>(out.numel()));
+  std::memcpy(bits.data(), out.raw_data(), bits.size() * sizeof(Bits));
+  return bits;
+}
+}  // namespace
+
+TEST_CASE("f16/bf16 conversions, scalar and in runs, against an exact reference") {
+  // Widening: every 16-bit pattern.
+  std::vector<uint16_t> patterns(65536 + 3);
+  for (uint32_t h = 0; h < 65536; ++h) patterns[h + 3] = static_cast<uint16_t>(h);
+  int64_t widen_bad = 0;
+  for (DType dt : {DType::f16, DType::bf16}) {
+    const Tensor t = Tensor::empty({static_cast<int64_t>(patterns.size())}, dt);
+    std::memcpy(t.raw_data(), patterns.data(), patterns.size() * sizeof(uint16_t));
+    const std::vector<uint32_t> run = cast_run<uint32_t>(t, DType::f32);
+    REQUIRE(run.size() == 65536);
+    for (uint32_t h = 0; h < 65536; ++h) {
+      const uint16_t b = static_cast<uint16_t>(h);
+      const uint32_t want = dt == DType::f16 ? ref_widen_f16(b) : h << 16;
+      const float scalar = dt == DType::f16 ? static_cast<float>(Half::from_bits(b))
+                                            : static_cast<float>(BFloat16::from_bits(b));
+      const float soft = dt == DType::f16 ? detail::half_bits_to_float_soft(b) : scalar;
+      widen_bad += (f32_bits(scalar) != want) + (f32_bits(soft) != want) + (run[h] != want);
+    }
+  }
+  CHECK(widen_bad == 0);
+
+  // Narrowing: values where the rounding is decided, then random bit patterns.
+  std::vector<float> values(3, 0.0f);
+  for (uint32_t h = 0; h < 0x7c00; ++h) {
+    const float v = std::bit_cast<float>(ref_widen_f16(static_cast<uint16_t>(h)));
+    const float next = std::bit_cast<float>(ref_widen_f16(static_cast<uint16_t>(h + 1)));
+    const float mid = static_cast<float>((static_cast<double>(v) + next) / 2);  // exact in f32
+    for (float x : {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, INFINITY)}) {
+      values.push_back(x);
+      values.push_back(-x);
+    }
+  }
+  for (float x : {65504.0f, 65519.996f, 65520.0f, 1e30f, INFINITY, std::ldexp(1.0f, -149),
+                  std::ldexp(1.0f, -126), std::ldexp(3.0f, -140), 3.3895314e38f, 3.4028235e38f}) {
+    values.push_back(x);
+    values.push_back(-x);
+  }
+  for (uint32_t payload : {0x7fc00000u, 0x7f800001u, 0x7fbfffffu, 0xffc12345u, 0x7fe00000u}) {
+    values.push_back(std::bit_cast<float>(payload));
+  }
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  for (int i = 0; i < 1000000; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    values.push_back(std::bit_cast<float>(static_cast<uint32_t>(state >> 32)));
+  }
+  const Tensor t = Tensor::from_vector<float>(values, {static_cast<int64_t>(values.size())});
+  const std::vector<uint16_t> f16 = cast_run<uint16_t>(t, DType::f16);
+  const std::vector<uint16_t> bf16 = cast_run<uint16_t>(t, DType::bf16);
+  REQUIRE(f16.size() == values.size() - 3);
+  int64_t narrow_bad = 0, first_bad = -1;
+  for (size_t i = 3; i < values.size(); ++i) {
+    const float v = values[i];
+    const uint16_t want16 = ref_narrow_f16(v), wantb = ref_narrow_bf16(v);
+    const int64_t bad = (Half(v).bits != want16) + (detail::float_to_half_bits_soft(v) != want16) +
+                        (f16[i - 3] != want16) + (BFloat16(v).bits != wantb) + (bf16[i - 3] != wantb);
+    if (bad != 0 && first_bad < 0) first_bad = static_cast<int64_t>(i);
+    narrow_bad += bad;
+  }
+  CAPTURE(first_bad);
+  CHECK(narrow_bad == 0);
 }
 
 TEST_CASE("every dtype round-trips through a tensor and casts") {

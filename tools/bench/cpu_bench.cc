@@ -41,7 +41,7 @@ struct Options {
   int warmup = 3;
   double min_ms = 20.0;
   std::string json_path;  // empty: no JSON
-  std::string only;       // "gemm", "memory", "attention", "linear" or empty for all
+  std::string only;       // "gemm", "memory", "attention", "linear" or empty for all; others below
 };
 
 struct Result {
@@ -240,6 +240,33 @@ void bench_memory(const Options& opts, std::vector<Result>& out) {
   });
 }
 
+// f16/bf16 on the CPU (kernels compute in f32): the conversions of a run each way, and GPT-mini's
+// 16-bit MLP ops under autocast: gelu, the GELU linear, a weight gradient's product with a
+// transposed operand (x^T g) and the bias gradient's column sum.
+void bench_low_precision(const Options& opts, std::vector<Result>& out) {
+  tessera::NoGradGuard no_grad;
+  constexpr int64_t kN = int64_t{1} << 24, M = 2048, C = 128, H = 512;
+  const Tensor big = tessera::randn({kN});
+  for (tessera::DType dt : {tessera::DType::bf16, tessera::DType::f16}) {
+    const std::string d(tessera::dtype_name(dt));
+    const auto add = [&](const std::string& name, const char* unit, double amount,
+                         const std::function<Tensor()>& op) {
+      const double ms = median_ms(opts, [&] { consume(op()); });
+      out.push_back({name + "_" + d, unit, amount > 0 ? amount / (ms * 1e6) : ms, ms, opts.reps});
+    };
+    const Tensor narrow = big.cast(dt);
+    add("cast_f32_to", "GB/s", kN * 6.0, [&] { return big.cast(dt); });
+    add("cast_to_f32_from", "GB/s", kN * 6.0, [&] { return narrow.cast(tessera::DType::f32); });
+    const Tensor x = tessera::randn({M, C}).cast(dt), w = tessera::randn({H, C}).cast(dt);
+    const Tensor b = tessera::randn({H}).cast(dt), h = tessera::randn({M, H}).cast(dt);
+    add("gelu_tanh_2048x512", "ms", 0, [&] { return tessera::gelu(h, /*approximate_tanh=*/true); });
+    add("linear_gelu_2048x128x512", "GFLOP/s", 2.0 * M * C * H,
+        [&] { return tessera::linear(x, w, b, tessera::Activation::gelu_tanh); });
+    add("matmul_xT_g_128x2048x512", "GFLOP/s", 2.0 * M * C * H, [&] { return tessera::matmul(x.t(), h); });
+    add("sum_rows_2048x512", "ms", 0, [&] { return tessera::sum(h, {0}); });
+  }
+}
+
 // Causal attention at GPT-mini's shape (B16 H4 T128 D32, f32): forward, and forward +
 // backward. FLOPs count the causal half of six (forward: two) T x T x D products, as
 // torch_peer.py does: useful FLOPs (Tessera's backward runs a seventh, recomputing the scores).
@@ -366,7 +393,8 @@ Options parse(int argc, char** argv) {
   f.bind("json", o.json_path, "also write the results here as JSON");
   f.bind("only", o.only,
          "gemm, memory, attention or linear (empty: all); gemm_gpt2: GPT-2 124M's products; "
-         "gemm_in_place(_gpt2): GPT-mini's (GPT-2's) products, A in place against packed");
+         "gemm_in_place(_gpt2): GPT-mini's (GPT-2's) products, A in place against packed; "
+         "low_precision: bf16/f16 casts and GPT-mini's 16-bit MLP ops");
   f.parse(argc, argv);
   TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
            "cpu_bench: --threads and --reps must be >= 1, --warmup >= 0");
@@ -402,6 +430,7 @@ int main(int argc, char** argv) {
   if (opts.only.empty() || opts.only == "memory") bench_memory(opts, results);
   if (opts.only.empty() || opts.only == "attention") bench_attention(opts, results);
   if (opts.only.empty() || opts.only == "linear") bench_linear(opts, results);
+  if (opts.only == "low_precision") bench_low_precision(opts, results);
   std::printf(
       "Tessera CPU benchmarks: %d thread(s), median of %d reps (after %d warm-up), "
       "GEMM kernel %s\n",

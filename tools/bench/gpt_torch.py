@@ -184,6 +184,8 @@ def main():
     p.add_argument("--experts", type=int, default=0, help="Mixture of Experts (0: dense MLPs)")
     p.add_argument("--moe_top_k", type=int, default=2)
     p.add_argument("--moe_every", type=int, default=2)
+    p.add_argument("--precision", choices=("f32", "bf16"), default="f32",
+                   help="bf16: the forward and the loss under torch.autocast (as gpt --precision=bf16)")
     p.add_argument("--moe_hidden", type=int, default=0, help="0: 4 x width")
     p.add_argument("--aux_loss", type=float, default=0.01)
     a = p.parse_args()
@@ -224,8 +226,9 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        logits = model(idx)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
+            logits = model(idx)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         (loss + model.aux_loss()).backward()
         if a.clip > 0:
             torch.nn.utils.clip_grad_norm_(params, a.clip)

@@ -8,6 +8,7 @@
 #
 #   tools/bench/run_gpt_bench.sh                         # 4 layers, 4 heads, width 128, ctx 128, batch 16
 #   STEPS=200 ROUNDS=3 THREADS=2 tools/bench/run_gpt_bench.sh
+#   PRECISION=bf16 tools/bench/run_gpt_bench.sh          # gpt --precision=bf16 beside torch.autocast
 #
 # Waits for a quiet machine before each process (tools/bench/quiet.sh; QUIET_IDLE=0 skips).
 # CONTEND=1: measures under contention instead - after one wait for a quiet machine, a
@@ -28,6 +29,7 @@ HEADS=${HEADS:-4}
 WIDTH=${WIDTH:-128}
 CONTEXT=${CONTEXT:-128}
 BATCH=${BATCH:-16}
+PRECISION=${PRECISION:-f32}
 PYTHON=${PYTHON:-/usr/bin/python3}  # Debian's python3-torch; the PATH python3 may lack torch
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-$(mktemp -d)}
@@ -52,7 +54,8 @@ if [ "$CONTEND" = 1 ]; then
 fi
 
 model=(--layers="$LAYERS" --heads="$HEADS" --width="$WIDTH" --context="$CONTEXT"
-       --batch="$BATCH" --steps="$STEPS" --log_every="$LOG_EVERY" --threads="$THREADS")
+       --batch="$BATCH" --steps="$STEPS" --log_every="$LOG_EVERY" --threads="$THREADS"
+       --precision="$PRECISION")
 for round in $(seq 1 "$ROUNDS"); do
   echo "== round $round of $ROUNDS" >&2
   for policy in passive default; do
@@ -72,14 +75,15 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 "$PYTHON" - "$OUT" "$SKIP" "$THREADS" "$ROUNDS" "$STEPS" "$LOG_EVERY" \
-  "$LAYERS" "$HEADS" "$WIDTH" "$CONTEXT" "$BATCH" "$CONTEND" <<'PY' | tee "$OUT/table.md"
+  "$LAYERS" "$HEADS" "$WIDTH" "$CONTEXT" "$BATCH" "$CONTEND" "$PRECISION" <<'PY' | tee "$OUT/table.md"
 import glob
 import json
 import statistics
 import sys
 
 out = sys.argv[1]
-skip, threads, rounds, steps, log_every, layers, heads, width, context, batch, contend = map(int, sys.argv[2:])
+skip, threads, rounds, steps, log_every, layers, heads, width, context, batch, contend = map(int, sys.argv[2:13])
+precision = sys.argv[13]
 import torch
 
 
@@ -94,7 +98,9 @@ def windows(pattern):
 
 
 print(f"GPT {layers} layers, {heads} heads, width {width}, context {context}, batch {batch} "
-      f"({batch * context} tokens/step), f32, AdamW + clip; {threads} threads (both); {rounds} "
+      f"({batch * context} tokens/step), "
+      + ("f32" if precision == "f32" else "bf16 autocast (f32 weights and optimizer)")
+      + f", AdamW + clip; {threads} threads (both); {rounds} "
       f"rounds x {steps} steps per setting, first {skip} steps dropped; tokens/s per "
       f"{log_every}-step window, median over every kept window (min..max). PyTorch "
       f"{torch.__version__}."
