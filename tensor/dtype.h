@@ -17,8 +17,10 @@
 
 // With F16C (every AVX2 machine; -march=native and --config=portable both enable it) the
 // f16 conversions below use the hardware's instructions outside constant evaluation: the
-// same round-to-nearest-even, overflow to inf and subnormals, so the same bits; NaNs (and
-// infinities) keep the software path, whose NaN bits the CUDA kernels reproduce.
+// same round-to-nearest-even, overflow to inf and subnormals, so the same bits in the default
+// rounding mode (which Tessera never changes); NaNs keep the software path (f16 infinities
+// too, when widening), whose NaN bits the CUDA kernels reproduce. nvcc's translation units
+// see only the software path, which gives the same bits.
 #if defined(__F16C__) && !defined(__CUDACC__)
 #include <immintrin.h>
 #define TS_F16C 1

@@ -229,9 +229,10 @@ TEST_CASE("vectorised gelu backward: the same bits at any offset and on 1 or 2 t
 // f16/bf16 transcendental ops on contiguous runs are widened a block at a time, evaluated on
 // the f32 vectorised path and rounded once (kernels/cpu/elementwise.cc): each element is the
 // f32 op's result on the widened input, rounded, wherever its thread's run starts and on 1 or
-// 2 threads. n is odd and spans many of the 256-element blocks; offsets shift every block.
+// 2 threads. n is odd, past the elementwise grain (2^15: two threads split the run) and spans
+// many of the 256-element blocks; offsets shift every block.
 TEST_CASE("16-bit transcendental ops: the f32 op's bits rounded once, at any offset and on 1 or 2 threads") {
-  const int64_t n = 20011;
+  const int64_t n = 100003;
   const std::vector<std::pair<const char*, std::function<Tensor(const Tensor&, const Tensor&)>>> ops = {
       {"gelu", [](const Tensor& x, const Tensor&) { return gelu(x); }},
       {"gelu tanh", [](const Tensor& x, const Tensor&) { return gelu(x, true); }},

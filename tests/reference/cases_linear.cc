@@ -112,16 +112,18 @@ OpSweep linear_sweep() {
     if (!sweep_device().is_cpu()) return;
     // The CPU kernel's bias and activation epilogue rounds every element as matmul, add and
     // the activation's op do: the same bits, at a GPT MLP's shape (many strips; split over
-    // the threads when there are several) and at an odd one, for every activation; in bf16
+    // the threads when there are several) and at an odd one, for every activation; in 16 bits
     // the activation of the rounded pre-activation, rounded again, as its own op gives.
     struct Shape3 {
       int64_t rows, k, n;
     };
+    // The 16-bit activation runs in parallel chunks of 16,384 elements: 128 x 256 spans two.
     for (const auto& [sh, dt] : {std::pair{Shape3{128, 64, 256}, DType::f32}, std::pair{Shape3{37, 29, 45}, DType::f32},
-                                 std::pair{Shape3{37, 29, 45}, DType::bf16}}) {
+                                 std::pair{Shape3{37, 29, 45}, DType::bf16}, std::pair{Shape3{128, 64, 256}, DType::bf16},
+                                 std::pair{Shape3{37, 29, 45}, DType::f16}}) {
       const Tensor x = randn({sh.rows, sh.k}).cast(dt), w = randn({sh.n, sh.k}).cast(dt);
       const Tensor b = randn({sh.n}).cast(dt);
-      // f32: the unfused matmul + add; bf16: the bias-only linear (x W^T + b rounded once,
+      // f32: the unfused matmul + add; 16-bit: the bias-only linear (x W^T + b rounded once,
       // which matmul + add would round twice), then the activation's own op.
       const Tensor h = dt == DType::f32 ? matmul(x, w.t()) + b : linear(x, w, b);
       for (Activation act : {Activation::none, Activation::relu, Activation::gelu, Activation::gelu_tanh}) {

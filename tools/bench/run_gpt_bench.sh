@@ -30,6 +30,10 @@ WIDTH=${WIDTH:-128}
 CONTEXT=${CONTEXT:-128}
 BATCH=${BATCH:-16}
 PRECISION=${PRECISION:-f32}
+case "$PRECISION" in
+  f32|bf16) ;;
+  *) echo "run_gpt_bench.sh: PRECISION=$PRECISION: f32 or bf16 (gpt_torch.py has no f16 loss scaling)" >&2; exit 2 ;;
+esac
 PYTHON=${PYTHON:-/usr/bin/python3}  # Debian's python3-torch; the PATH python3 may lack torch
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-$(mktemp -d)}
