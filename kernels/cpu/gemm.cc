@@ -21,8 +21,8 @@
 // Determinism: every element of C is accumulated as  c = 0; for k in block: c = fma(a, b, c)
 // per K block (a separate multiply and add in the scalar fallback), and the blocks are added
 // to C in increasing order. That holds in full tiles, edge tiles and on any thread, so the
-// thread count (which only chooses who computes which rectangle of C) never changes a bit
-// of the result.
+// thread count (which only chooses who computes which rectangle of C, or which K blocks
+// when threads split K) never changes a bit of the result.
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/simd.h"
 
@@ -315,6 +315,23 @@ inline int64_t pack_b_sliver_cols(const float*, int64_t, int64_t, int64_t, float
 // are zero.
 void pack_a(const StridedMatrix& a, int64_t i0, int64_t mb, int64_t p0, int64_t kc, float* dst) {
   const int64_t rs = a.row_stride, cs = a.col_stride;
+  if (rs == 1 && cs != 1) {
+    // Column-major A (a transposed view, as a weight gradient's x^T): walk each source
+    // column once, front to back, dealing kMR values to each sliver. Sliver by sliver would
+    // read kc values a column stride apart per sliver, and a power-of-two stride (2 KiB for
+    // 512 rows) puts them in a few cache sets, so every sliver refetched them from L3.
+    const int64_t full = mb / kMR, rem = mb - full * kMR;
+    if (rem > 0) std::fill(dst + full * kc * kMR, dst + (full + 1) * kc * kMR, 0.0f);
+    for (int64_t p = 0; p < kc; ++p) {
+      const float* src = a.data + i0 + (p0 + p) * cs;
+      float* d = dst + p * kMR;
+      for (int64_t s = 0; s < full; ++s) {
+        std::memcpy(d + s * kc * kMR, src + s * kMR, sizeof(float) * kMR);
+      }
+      if (rem > 0) std::memcpy(d + full * kc * kMR, src + full * kMR, sizeof(float) * rem);
+    }
+    return;
+  }
   for (int64_t s = 0; s * kMR < mb; ++s) {
     const int64_t rows = std::min<int64_t>(kMR, mb - s * kMR);
     const float* src = a.data + (i0 + s * kMR) * rs + p0 * cs;
@@ -323,10 +340,6 @@ void pack_a(const StridedMatrix& a, int64_t i0, int64_t mb, int64_t p0, int64_t 
     if (rows < kMR) std::fill(d, d + kc * kMR, 0.0f);
     int64_t p = 0;
     if (cs == 1) p = pack_a_sliver_rows(src, rs, rows, kc, d);
-    if (rs == 1 && rows == kMR) {
-      // Column-major A (a transposed view): each column is kMR contiguous values.
-      for (; p < kc; ++p) std::memcpy(d + p * kMR, src + p * cs, sizeof(float) * kMR);
-    }
     for (; p < kc; ++p) {
       for (int64_t r = 0; r < rows; ++r) d[p * kMR + r] = src[r * rs + p * cs];
     }
@@ -435,8 +448,12 @@ int64_t balanced_block(int64_t extent, int64_t max_block, int64_t unit) {
   return std::min(max_block, ceil_div(ceil_div(extent, blocks), unit) * unit);
 }
 
-// C[i0 : i1, j0 : j1] on the calling thread.
-void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+// The part of the product from depths [p0, p1) (whole K blocks: p0 a multiple of pr.kc) for
+// rows [i0, i1) and columns [j0, j1), into c (leading dimension ldc, indexed as C is): the
+// first block is added to c's values when `accumulate`, else written over them, and every
+// later block is added, in increasing order. On the calling thread.
+void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1, int64_t p0,
+               int64_t p1, float* c, int64_t ldc, bool accumulate_first) {
   if (i0 >= i1 || j0 >= j1) return;
   const int64_t mb_max = balanced_block(i1 - i0, kMB, kMR);
   const int64_t nb_max = balanced_block(j1 - j0, kNB, kNR);
@@ -446,16 +463,16 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
   float* bpack = b_buffer().get(nb_max * pr.kc);
   for (int64_t ib = i0; ib < i1; ib += mb_max) {
     const int64_t mb = std::min(mb_max, i1 - ib);
-    for (int64_t pb = 0; pb < pr.k; pb += pr.kc) {
-      const int64_t kc = std::min(pr.kc, pr.k - pb);
-      const bool accumulate = pr.accumulate || pb > 0;
+    for (int64_t pb = p0; pb < p1; pb += pr.kc) {
+      const int64_t kc = std::min(pr.kc, p1 - pb);
+      const bool accumulate = accumulate_first || pb > p0;
       const bool last = pb + kc >= pr.k;
       if (!a_in_place) pack_a(pr.a, ib, mb, pb, kc, apack);
       for (int64_t jb = j0; jb < j1; jb += nb_max) {
         const int64_t nb = std::min(nb_max, j1 - jb);
         pack_b(pr.b, pb, kc, jb, nb, bpack);
         for (int64_t ir = 0; ir < mb; ir += kMR) {
-          float* crow = pr.c + (ib + ir) * pr.ldc + jb;
+          float* crow = c + (ib + ir) * ldc + jb;
           const int64_t rows = std::min<int64_t>(kMR, mb - ir);
           // Under a band only depths [lo, hi) of this block reach the sliver; an empty range
           // still writes its zeros when it is the first block.
@@ -474,7 +491,7 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
           for (int64_t jr = 0; jr < nb; jr += kNR) {
             if (band_skips_tile(pr.band, ib + ir, rows, jb + jr)) break;
             compute_tile(d.hi - d.lo, a_sliver, a_in_place ? a_rows : nullptr,
-                         bpack + jr * kc + d.lo * kNR, crow + jr, pr.ldc, rows,
+                         bpack + jr * kc + d.lo * kNR, crow + jr, ldc, rows,
                          std::min<int64_t>(kNR, nb - jr), accumulate);
           }
           if (last && pr.epilogue != nullptr) pr.epilogue->fn(pr.epilogue->ctx, ib + ir, rows, jb, nb);
@@ -490,8 +507,17 @@ void gemm_rect(const Problem& pr, int64_t i0, int64_t i1, int64_t j0, int64_t j1
 // rows and packs the B columns of its own rectangle, so splitting N repeats A's in every
 // column of the grid and splitting M repacks B; the grid is chosen by a cost model of the
 // busiest thread.
+//
+// Or, when K has several blocks and C is small (a weight gradient: K = the batch's 2048
+// tokens, C = 128 x 128), threads split K instead, by whole K blocks: part 0 adds its blocks
+// straight into C, and each block of a later part is computed into a buffer of its own, then
+// the buffers are added to C in block order. Every block's sums start from zero in both
+// nests and meet C through the same additions in the same order, so the bits are the serial
+// nest's. A grid repeats the packs of A (or B) in every column (row) of the grid, which is
+// as much as the product itself once C is that small; a K split packs each element once.
 struct Grid {
   int tm = 1, tn = 1;
+  int k_parts = 1;  // > 1: the K split (tm = tn = 1)
 };
 
 // Cost of packing one element, in multiply-adds (one 16-lane FMA per cycle, so 16 of them
@@ -505,12 +531,25 @@ double pack_cost(const StridedMatrix& x, bool is_a) {
   return copy ? 4.0 : transpose ? 8.0 : 24.0;
 }
 
+// Adding one buffered element into C, in the same units (a load, an add, a store).
+constexpr double kReduceCost = 4.0;
+// The K split's buffers at most (floats, 8 MiB): past that C is large enough for a grid.
+constexpr double kMaxSplitBuffer = double{1 << 21};
+
+std::atomic<int> g_k_split{0};  // internal::set_sgemm_k_split: 0 chosen, 1 never, 2 always
+
 Grid choose_grid(const Problem& pr, int max_threads) {
   const int64_t tiles_m = ceil_div(pr.m, kMR), tiles_n = ceil_div(pr.n, kNR);
   const int64_t by_work = std::max<int64_t>(1, pr.m * pr.n * pr.k / kMinWorkPerThread);
   const int threads = static_cast<int>(std::min<int64_t>(max_threads, by_work));
   const double cost_a = pack_cost(pr.a, true), cost_b = pack_cost(pr.b, false);
-  const double k = static_cast<double>(pr.k);
+  // The busiest thread's cost for `rows` x `cols` of C over `depth`: its tiles, its A rows
+  // packed once, its B columns packed once per A panel.
+  const auto rect_cost = [&](int64_t rows, int64_t cols, int64_t depth) {
+    const double panels = static_cast<double>(ceil_div(rows, kMB));
+    return static_cast<double>(depth) *
+           (static_cast<double>(rows) * cols + cost_a * rows + cost_b * cols * panels);
+  };
   Grid best;
   double best_cost = std::numeric_limits<double>::infinity();
   for (int t = 1; t <= threads; ++t) {
@@ -518,19 +557,62 @@ Grid choose_grid(const Problem& pr, int max_threads) {
       if (t % tm != 0) continue;
       const int tn = t / tm;
       if (tm > tiles_m || tn > tiles_n) continue;
-      // The busiest thread: its tiles, its A rows packed once, its B columns packed once per
-      // A panel.
-      const int64_t rows = ceil_div(tiles_m, tm) * kMR, cols = ceil_div(tiles_n, tn) * kNR;
-      const double panels = static_cast<double>(ceil_div(rows, kMB));
-      const double cost =
-          static_cast<double>(rows) * cols * k + k * (cost_a * rows + cost_b * cols * panels);
+      const double cost = rect_cost(ceil_div(tiles_m, tm) * kMR, ceil_div(tiles_n, tn) * kNR, pr.k);
       if (cost < best_cost * 0.98) {  // more threads must win clearly, not by rounding
         best_cost = cost;
-        best = Grid{tm, tn};
+        best = Grid{tm, tn, 1};
       }
     }
   }
+  // The K split: whole K blocks per part (an epilogue needs C's final sums, and a band's
+  // blocks are uneven, so neither splits). Its busiest part is one with the most blocks;
+  // the buffered blocks' additions into C are shared by all threads.
+  const int mode = g_k_split.load(std::memory_order_relaxed);
+  const int64_t blocks = ceil_div(pr.k, pr.kc);
+  if (mode == 1 || pr.epilogue != nullptr || pr.band != nullptr || blocks < 2 || threads < 2) return best;
+  const int parts = static_cast<int>(std::min<int64_t>(threads, blocks));
+  const double buffered = static_cast<double>(blocks - blocks / parts) * pr.m * pr.n;
+  if (buffered > kMaxSplitBuffer) return best;
+  const double cost = rect_cost(tiles_m * kMR, tiles_n * kNR, ceil_div(blocks, parts) * pr.kc) +
+                      kReduceCost * buffered / parts;
+  if (mode == 2 || cost < best_cost * 0.98) best = Grid{1, 1, parts};
   return best;
+}
+
+PackBuffer& split_buffer() {
+  thread_local PackBuffer buffer;
+  return buffer;
+}
+
+// The K split's nest (see Grid): part p of `parts` takes K blocks [blocks * p / parts,
+// blocks * (p + 1) / parts).
+void gemm_k_split(const Problem& pr, int parts) {
+  const int64_t blocks = ceil_div(pr.k, pr.kc);
+  const int64_t direct = blocks / parts;  // part 0's blocks, added into C as they finish
+  const int64_t block_elems = pr.m * pr.n;
+  float* buffers = split_buffer().get((blocks - direct) * block_elems);
+  parallel_parts(parts, [&](int part) {
+    const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
+    if (part == 0) {
+      gemm_rect(pr, 0, pr.m, 0, pr.n, 0, std::min(pr.k, b1 * pr.kc), pr.c, pr.ldc, pr.accumulate);
+      return;
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      gemm_rect(pr, 0, pr.m, 0, pr.n, b * pr.kc, std::min(pr.k, (b + 1) * pr.kc),
+                buffers + (b - direct) * block_elems, pr.n, /*accumulate_first=*/false);
+    }
+  });
+  // C += each buffered block, in block order; rows split over the threads.
+  parallel_for(0, pr.m, std::max<int64_t>(1, 16384 / std::max<int64_t>(pr.n, 1)),
+               [&](int64_t i0, int64_t i1) {
+                 for (int64_t i = i0; i < i1; ++i) {
+                   float* ci = pr.c + i * pr.ldc;
+                   for (int64_t b = 0; b < blocks - direct; ++b) {
+                     const float* bi = buffers + b * block_elems + i * pr.n;
+                     for (int64_t j = 0; j < pr.n; ++j) ci[j] += bi[j];
+                   }
+                 }
+               });
 }
 
 // First row (or column) of part `i` of `parts`, splitting whole tiles evenly.
@@ -560,9 +642,10 @@ void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, fl
   }
   const Problem pr{m, n, k, a, b, c, ldc, accumulate, balanced_block(k, kKC, 1), epilogue, band};
   const Grid grid = choose_grid(pr, num_threads());
+  if (grid.k_parts > 1) return gemm_k_split(pr, grid.k_parts);
   const int parts = grid.tm * grid.tn;
   if (parts == 1) {
-    gemm_rect(pr, 0, m, 0, n);
+    gemm_rect(pr, 0, m, 0, n, 0, k, c, ldc, accumulate);
     return;
   }
   // Rectangles are claimed by whichever pool thread is free (kernels/cpu/parallel.h): who
@@ -570,7 +653,8 @@ void sgemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, StridedMatrix b, fl
   parallel_parts(parts, [&](int part) {
     const int pi = part / grid.tn, pj = part % grid.tn;
     gemm_rect(pr, split_point(m, kMR, grid.tm, pi), split_point(m, kMR, grid.tm, pi + 1),
-              split_point(n, kNR, grid.tn, pj), split_point(n, kNR, grid.tn, pj + 1));
+              split_point(n, kNR, grid.tn, pj), split_point(n, kNR, grid.tn, pj + 1), 0, k, c, ldc,
+              accumulate);
   });
 }
 
@@ -578,6 +662,10 @@ const char* sgemm_kernel_name() { return kKernelName; }
 
 namespace internal {
 bool set_sgemm_a_in_place(bool enabled) { return g_a_in_place.exchange(enabled); }
+int set_sgemm_k_split(int mode) {
+  TS_CHECK(mode >= 0 && mode <= 2, "set_sgemm_k_split: mode {} is not 0 (chosen), 1 (never) or 2 (always)", mode);
+  return g_k_split.exchange(mode);
+}
 }  // namespace internal
 
 }  // namespace tessera::cpu

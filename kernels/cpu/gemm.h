@@ -6,8 +6,10 @@
 //   // C += A^T * B (A stored [k, m]), e.g. accumulating a weight gradient.
 //   sgemm(m, n, k, {a, 1, m}, {b, n, 1}, c, n, /*accumulate=*/true);
 //
-// Results are bitwise reproducible across thread counts: threads split C's rows or columns,
-// never K, and K is blocked by a function of K alone.
+// Results are bitwise reproducible across thread counts: K is blocked by a function of K
+// alone, each block's sums start from zero, and the blocks are added to C in increasing
+// order whichever thread computes them (threads split C's rows or columns, or, for a small
+// C with a long K, the K blocks: see gemm.cc).
 #pragma once
 
 #include <cstdint>
@@ -67,6 +69,11 @@ namespace internal {
 // setting, rectangle by rectangle: the same bits); returns the previous setting. Builds
 // whose kernel always packs ignore it.
 bool set_sgemm_a_in_place(bool enabled);
+// Whether sgemm may split K across threads (see gemm.cc; the bits are the same either way):
+// 0 when its cost model says so (the default), 1 never, 2 always when K has two or more
+// blocks and there is no epilogue or band. Process-wide, for the tests and the benchmark
+// that compare them; returns the previous mode. Throws tessera::Error for other values.
+int set_sgemm_k_split(int mode);
 }  // namespace internal
 
 }  // namespace tessera::cpu

@@ -334,6 +334,64 @@ TEST_CASE("sgemm under a causal band: the wanted elements' bits, the left-out ti
                   Error);
 }
 
+TEST_CASE("sgemm split along K across threads gives the serial nest's bits") {
+  // internal::set_sgemm_k_split(2) makes every product with two or more K blocks split K
+  // across the threads (part 0 into C, each later block into a buffer of its own, added in
+  // block order). Against one thread and against the grid (mode 1): the same bits, for K
+  // blocks that divide unevenly among 2, 3 and 4 threads, a column-major A (a weight
+  // gradient's x^T) and a row-major one, a transposed B, accumulate, and a C whose leading
+  // dimension has a gap that must stay untouched. The values must also be within the
+  // triple loop's bound.
+  ThreadCountGuard guard;
+  struct Restore {
+    int saved = cpu::internal::set_sgemm_k_split(0);
+    ~Restore() { cpu::internal::set_sgemm_k_split(saved); }
+  } restore;
+  CHECK_THROWS_AS(cpu::internal::set_sgemm_k_split(3), Error);
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {128, 128, 2048}, {7, 33, 769}, {131, 17, 1025}, {40, 70, 5000}, {1, 1, 800}};
+  int64_t cases = 0;
+  uint64_t seed = 1300;
+  for (const std::array<int64_t, 3>& shape : shapes) {
+    const int64_t m = shape[0], n = shape[1], k = shape[2], ldc = n + 3;
+    const std::vector<float> a = random_matrix(m, k, ++seed), b = random_matrix(k, n, ++seed);
+    const std::vector<float> c0 = random_matrix(m, n, ++seed);
+    const Reference ref = naive(a, b, m, n, k);
+    for (int layout = 0; layout < 2; ++layout) {
+      // 0: A column-major, B row-major (x^T g); 1: A row-major, B transposed (x W^T).
+      const Operand ao = lay_out(a, m, k, layout == 0, false), bo = lay_out(b, k, n, layout == 1, false);
+      for (bool accumulate : {false, true}) {
+        std::vector<float> c0_wide(m * ldc, -7.0f);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) c0_wide[i * ldc + j] = accumulate ? c0[i * n + j] : NAN;
+        }
+        const auto run = [&](int threads, int mode) {
+          cpu::set_num_threads(threads);
+          cpu::internal::set_sgemm_k_split(mode);
+          std::vector<float> c = c0_wide;
+          sgemm(m, n, k, ao.view, bo.view, c.data(), ldc, accumulate);
+          return c;
+        };
+        const std::vector<float> serial = run(1, 1);
+        CAPTURE(m);
+        CAPTURE(n);
+        CAPTURE(k);
+        CAPTURE(layout);
+        CAPTURE(accumulate);
+        CHECK(count_bad(serial.data(), ldc, ref, accumulate ? &c0 : nullptr, m, n, k) == 0);
+        for (int threads : {2, 3, 4}) {
+          CAPTURE(threads);
+          const std::vector<float> split = run(threads, 2), grid = run(threads, 1);
+          CHECK(std::memcmp(split.data(), serial.data(), sizeof(float) * serial.size()) == 0);
+          CHECK(std::memcmp(grid.data(), serial.data(), sizeof(float) * serial.size()) == 0);
+          ++cases;
+        }
+      }
+    }
+  }
+  CHECK(cases == 5 * 2 * 2 * 3);
+}
+
 TEST_CASE("sgemm reads a row-major A in place with the packed path's bits") {
   // An AVX2 build's kernel reads a row-major A where it lies (kInPlaceA in gemm.cc); the
   // same product with the A pack forced (internal::set_sgemm_a_in_place(false)) must give

@@ -138,20 +138,16 @@ void bench_gemm(const Options& opts, std::vector<Result>& out) {
   }
 }
 
-// A read in place against A packed (kernels/cpu/gemm.h, internal::set_sgemm_a_in_place) on
-// one model's Linear products (rows = B*T, W stored [out, in]), each named by its forward's
-// rows x in x out: the forward x W^T and the input gradient dy W (a row-major A, read in
-// place on AVX2) and the weight gradient dy^T x (a column-major A, always packed: the
-// control). Each repetition times both settings back to back, the first one alternating,
-// so both see the same machine. Rows: the rate in place, packed, and the median over the
-// repetitions of packed time / in-place time (> 1: in place is faster).
-void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t rows,
-                         const std::vector<std::array<int64_t, 2>>& linears) {
-  struct Product {
-    std::string name;
-    Tensor a, b;
-    double flops;
-  };
+struct Product {
+  std::string name;
+  Tensor a, b;
+  double flops;
+};
+
+// One model's Linear products (rows = B*T, W stored [out, in]), each named by its forward's
+// rows x in x out: the forward x W^T, the input gradient dy W and the weight gradient dy^T x.
+std::vector<Product> linear_products(int64_t rows, const std::vector<std::array<int64_t, 2>>& linears,
+                                     bool weight_gradients_only) {
   std::vector<Product> products;
   for (const auto& [k, n] : linears) {
     const Tensor x = tessera::randn({rows, k}), w = tessera::randn({n, k});
@@ -159,24 +155,36 @@ void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t 
     const std::string shape =
         std::to_string(rows) + "x" + std::to_string(k) + "x" + std::to_string(n);
     const double flops = 2.0 * rows * k * n;
-    products.push_back({"fwd_" + shape, x, tessera::transpose(w, 0, 1), flops});  // x W^T
-    products.push_back({"dx_" + shape, dy, w, flops});                            // dy W
+    if (!weight_gradients_only) {
+      products.push_back({"fwd_" + shape, x, tessera::transpose(w, 0, 1), flops});  // x W^T
+      products.push_back({"dx_" + shape, dy, w, flops});                            // dy W
+    }
     products.push_back({"dw_" + shape, tessera::transpose(dy, 0, 1), x, flops});  // dy^T x
   }
-  const bool saved = tessera::cpu::internal::set_sgemm_a_in_place(true);
+  return products;
+}
+
+// Each product under two settings of the GEMM (set(0) and set(1), named label[0] and
+// label[1]; the bits are the same under both). Each repetition times both back to back, the
+// first one alternating, so both see the same machine. Rows: the rate under each, and the
+// median over the repetitions of time under set(1) / time under set(0) (> 1: set(0) is
+// faster).
+template <typename Set>
+void bench_paired(const Options& opts, std::vector<Result>& out, const std::vector<Product>& products,
+                  Set&& set, const std::array<const char*, 2>& label) {
   for (const Product& p : products) {
     const auto call = [&] { consume(tessera::matmul(p.a, p.b)); };
     for (int mode = 0; mode < 2; ++mode) {  // warm both: the pack buffers, the caches
-      tessera::cpu::internal::set_sgemm_a_in_place(mode == 0);
+      set(mode);
       for (int i = 0; i < opts.warmup; ++i) call();
     }
     const int inner = tessera::bench::calls_per_repetition(
         tessera::bench::Timing{opts.reps, opts.warmup, opts.min_ms, false}, call);
-    std::vector<double> times[2], ratios;  // times[0]: in place, [1]: packed
+    std::vector<double> times[2], ratios;
     for (int r = 0; r < opts.reps; ++r) {
       for (int which = 0; which < 2; ++which) {
         const int mode = (which + r) % 2;
-        tessera::cpu::internal::set_sgemm_a_in_place(mode == 0);
+        set(mode);
         const double start = tessera::bench::now_ms();
         for (int i = 0; i < inner; ++i) call();
         times[mode].push_back((tessera::bench::now_ms() - start) / inner);
@@ -184,13 +192,34 @@ void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t 
       ratios.push_back(times[1].back() / times[0].back());
     }
     using tessera::bench::median;
-    const double in_place = median(times[0]), packed = median(times[1]);
-    out.push_back(
-        {p.name + "_in_place", "GFLOP/s", p.flops / (in_place * 1e6), in_place, opts.reps});
-    out.push_back({p.name + "_packed", "GFLOP/s", p.flops / (packed * 1e6), packed, opts.reps});
+    for (int mode = 0; mode < 2; ++mode) {
+      const double ms = median(times[mode]);
+      out.push_back({p.name + "_" + label[mode], "GFLOP/s", p.flops / (ms * 1e6), ms, opts.reps});
+    }
     out.push_back({p.name + "_ratio", "x", median(ratios), 0.0, opts.reps});
   }
+}
+
+// A read in place against A packed (kernels/cpu/gemm.h, internal::set_sgemm_a_in_place) on
+// one model's Linear products: the forward and the input gradient have a row-major A (read
+// in place on AVX2), the weight gradient a column-major one (always packed: the control).
+void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t rows,
+                         const std::vector<std::array<int64_t, 2>>& linears) {
+  const bool saved = tessera::cpu::internal::set_sgemm_a_in_place(true);
+  bench_paired(opts, out, linear_products(rows, linears, false),
+               [](int mode) { tessera::cpu::internal::set_sgemm_a_in_place(mode == 0); },
+               {"in_place", "packed"});
   tessera::cpu::internal::set_sgemm_a_in_place(saved);
+}
+
+// The K split where sgemm's cost model chooses it against the thread grid always
+// (internal::set_sgemm_k_split 0 and 1) on one model's weight gradients (K = rows).
+void bench_gemm_k_split(const Options& opts, std::vector<Result>& out, int64_t rows,
+                        const std::vector<std::array<int64_t, 2>>& linears) {
+  const int saved = tessera::cpu::internal::set_sgemm_k_split(0);
+  bench_paired(opts, out, linear_products(rows, linears, true),
+               [](int mode) { tessera::cpu::internal::set_sgemm_k_split(mode); }, {"chosen", "grid"});
+  tessera::cpu::internal::set_sgemm_k_split(saved);
 }
 
 // GPT-2 124M's products at batch 4 x 64 (256 rows, width 768, MLP 3,072, vocabulary 50,257;
@@ -394,6 +423,7 @@ Options parse(int argc, char** argv) {
   f.bind("only", o.only,
          "gemm, memory, attention or linear (empty: all); gemm_gpt2: GPT-2 124M's products; "
          "gemm_in_place(_gpt2): GPT-mini's (GPT-2's) products, A in place against packed; "
+         "gemm_k_split: GPT-mini's weight gradients, K split where chosen against the grid; "
          "low_precision: bf16/f16 casts and GPT-mini's 16-bit MLP ops");
   f.parse(argc, argv);
   TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
@@ -422,6 +452,9 @@ int main(int argc, char** argv) {
   if (opts.only == "gemm_in_place") {
     bench_gemm_in_place(opts, results, 2048,
                         {{128, 128}, {128, 384}, {128, 512}, {512, 128}, {128, 256}});
+  }
+  if (opts.only == "gemm_k_split") {
+    bench_gemm_k_split(opts, results, 2048, {{128, 128}, {128, 384}, {128, 512}, {512, 128}, {128, 256}});
   }
   if (opts.only == "gemm_in_place_gpt2") {
     bench_gemm_in_place(opts, results, 256,
