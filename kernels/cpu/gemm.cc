@@ -535,6 +535,12 @@ double pack_cost(const StridedMatrix& x, bool is_a) {
 constexpr double kReduceCost = 4.0;
 // The K split's buffers at most (floats, 8 MiB): past that C is large enough for a grid.
 constexpr double kMaxSplitBuffer = double{1 << 21};
+// A packed element read from memory against one from the caches (pack_cost's prices are
+// for cached operands). With 4, every GPT-mini weight gradient splits; on 2 threads (Zen 3,
+// `cpu_bench --only gemm_k_split`, BENCHMARKS.md's twelfth CPU section) the split ran them
+// 1.06-1.13x the grid's speed with cold operands and 1.01-1.12x with cached ones, where the
+// cached-price model had kept the grid for the two with a 512-wide side.
+constexpr double kColdPack = 4.0;
 
 std::atomic<int> g_k_split{0};  // internal::set_sgemm_k_split: 0 chosen, 1 never, 2 always
 
@@ -566,17 +572,27 @@ Grid choose_grid(const Problem& pr, int max_threads) {
   }
   // The K split: whole K blocks per part (an epilogue needs C's final sums, and a band's
   // blocks are uneven, so neither splits). Its busiest part is one with the most blocks;
-  // the buffered blocks' additions into C are shared by all threads.
+  // the buffered blocks' additions into C are shared by all threads. Against the grid, each
+  // packed element is priced as read from memory (kColdPack): a grid reads the operand it
+  // splits across once per thread, and in a training step the operands are cold (a weight
+  // gradient's x was written in the forward pass).
   const int mode = g_k_split.load(std::memory_order_relaxed);
   const int64_t blocks = ceil_div(pr.k, pr.kc);
   if (mode == 1 || pr.epilogue != nullptr || pr.band != nullptr || blocks < 2 || threads < 2) return best;
   const int parts = static_cast<int>(std::min<int64_t>(threads, blocks));
   const double buffered = static_cast<double>(blocks - blocks / parts) * pr.m * pr.n;
   if (buffered > kMaxSplitBuffer) return best;
-  const double cost = rect_cost(tiles_m * kMR, tiles_n * kNR, ceil_div(blocks, parts) * pr.kc) +
-                      kReduceCost * buffered / parts;
-  if (mode == 2 || cost < best_cost * 0.98) best = Grid{1, 1, parts};
-  return best;
+  if (mode == 2) return Grid{1, 1, parts};
+  const auto cold_cost = [&](int64_t rows, int64_t cols, int64_t depth) {
+    const double panels = static_cast<double>(ceil_div(rows, kMB));
+    return static_cast<double>(depth) *
+           (static_cast<double>(rows) * cols + kColdPack * (cost_a * rows + cost_b * cols * panels));
+  };
+  const int64_t rows = ceil_div(tiles_m, best.tm) * kMR, cols = ceil_div(tiles_n, best.tn) * kNR;
+  const double grid_cost = cold_cost(rows, cols, pr.k);
+  const double split_cost = cold_cost(tiles_m * kMR, tiles_n * kNR, ceil_div(blocks, parts) * pr.kc) +
+                            kReduceCost * buffered / parts;
+  return split_cost < grid_cost ? Grid{1, 1, parts} : best;
 }
 
 PackBuffer& split_buffer() {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -142,7 +143,25 @@ struct Product {
   std::string name;
   Tensor a, b;
   double flops;
+  // Further copies of (a, b) that calls cycle through, so that each call finds its operands
+  // out of the caches (as a training step's backward does): empty for cached operands.
+  std::vector<std::pair<Tensor, Tensor>> copies = {};
 };
+
+// p with enough copies of its operands (fresh values, the same layouts) that cycling through
+// them reads at least 64 MiB, twice a 32 MiB L3.
+Product cold(Product p) {
+  const auto bytes = [](const Tensor& t) { return static_cast<double>(t.numel()) * 4.0; };
+  const int64_t n = static_cast<int64_t>(std::ceil(64.0 * (1 << 20) / (bytes(p.a) + bytes(p.b))));
+  const auto fresh = [](const Tensor& t) {
+    // The same strides: a transposed view stays one.
+    if (t.is_contiguous()) return tessera::randn(t.shape());
+    return tessera::transpose(tessera::randn({t.shape()[1], t.shape()[0]}), 0, 1);
+  };
+  for (int64_t i = 0; i < n; ++i) p.copies.emplace_back(fresh(p.a), fresh(p.b));
+  p.name = "cold_" + p.name;
+  return p;
+}
 
 // One model's Linear products (rows = B*T, W stored [out, in]), each named by its forward's
 // rows x in x out: the forward x W^T, the input gradient dy W and the weight gradient dy^T x.
@@ -173,7 +192,12 @@ template <typename Set>
 void bench_paired(const Options& opts, std::vector<Result>& out, const std::vector<Product>& products,
                   Set&& set, const std::array<const char*, 2>& label) {
   for (const Product& p : products) {
-    const auto call = [&] { consume(tessera::matmul(p.a, p.b)); };
+    size_t next = 0;
+    const auto call = [&] {
+      if (p.copies.empty()) return consume(tessera::matmul(p.a, p.b));
+      const auto& [a, b] = p.copies[next++ % p.copies.size()];
+      consume(tessera::matmul(a, b));
+    };
     for (int mode = 0; mode < 2; ++mode) {  // warm both: the pack buffers, the caches
       set(mode);
       for (int i = 0; i < opts.warmup; ++i) call();
@@ -213,12 +237,19 @@ void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t 
 }
 
 // The K split where sgemm's cost model chooses it against the thread grid always
-// (internal::set_sgemm_k_split 0 and 1) on one model's weight gradients (K = rows).
-void bench_gemm_k_split(const Options& opts, std::vector<Result>& out, int64_t rows,
-                        const std::vector<std::array<int64_t, 2>>& linears) {
+// (internal::set_sgemm_k_split 0 and 1), with cached operands and with cold ones: GPT-mini's
+// weight gradients (K = its 2048 tokens) and GPT-2 124M's input gradient through the MLP's
+// down-projection (dy [256, 3072] W [3072, 768]; the split's other GPT-2 products are
+// Linear forwards, whose epilogue keeps the grid).
+void bench_gemm_k_split(const Options& opts, std::vector<Result>& out) {
+  std::vector<Product> products =
+      linear_products(2048, {{128, 128}, {128, 384}, {128, 512}, {512, 128}, {128, 256}}, true);
+  products.push_back({"gpt2_dx_256x3072x768", tessera::randn({256, 3072}), tessera::randn({3072, 768}),
+                      2.0 * 256 * 3072 * 768});
+  for (size_t i = 0, n = products.size(); i < n; ++i) products.push_back(cold(products[i]));
   const int saved = tessera::cpu::internal::set_sgemm_k_split(0);
-  bench_paired(opts, out, linear_products(rows, linears, true),
-               [](int mode) { tessera::cpu::internal::set_sgemm_k_split(mode); }, {"chosen", "grid"});
+  bench_paired(opts, out, products, [](int mode) { tessera::cpu::internal::set_sgemm_k_split(mode); },
+               {"chosen", "grid"});
   tessera::cpu::internal::set_sgemm_k_split(saved);
 }
 
@@ -423,7 +454,7 @@ Options parse(int argc, char** argv) {
   f.bind("only", o.only,
          "gemm, memory, attention or linear (empty: all); gemm_gpt2: GPT-2 124M's products; "
          "gemm_in_place(_gpt2): GPT-mini's (GPT-2's) products, A in place against packed; "
-         "gemm_k_split: GPT-mini's weight gradients, K split where chosen against the grid; "
+         "gemm_k_split: weight gradients, K split where chosen against the grid, cached and cold; "
          "low_precision: bf16/f16 casts and GPT-mini's 16-bit MLP ops");
   f.parse(argc, argv);
   TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
@@ -454,7 +485,7 @@ int main(int argc, char** argv) {
                         {{128, 128}, {128, 384}, {128, 512}, {512, 128}, {128, 256}});
   }
   if (opts.only == "gemm_k_split") {
-    bench_gemm_k_split(opts, results, 2048, {{128, 128}, {128, 384}, {128, 512}, {512, 128}, {128, 256}});
+    bench_gemm_k_split(opts, results);
   }
   if (opts.only == "gemm_in_place_gpt2") {
     bench_gemm_in_place(opts, results, 256,
@@ -468,9 +499,9 @@ int main(int argc, char** argv) {
       "Tessera CPU benchmarks: %d thread(s), median of %d reps (after %d warm-up), "
       "GEMM kernel %s\n",
       opts.threads, opts.reps, opts.warmup, tessera::cpu::sgemm_kernel_name());
-  std::printf("%-28s %12s %12s\n", "operation", "rate", "median ms");
+  std::printf("%-34s %12s %12s\n", "operation", "rate", "median ms");
   for (const Result& r : results) {
-    const char* format = r.unit == "x" ? "%-28s %8.3f %-7s %9.3f\n" : "%-28s %8.1f %-7s %9.3f\n";
+    const char* format = r.unit == "x" ? "%-34s %8.3f %-7s %9.3f\n" : "%-34s %8.1f %-7s %9.3f\n";
     std::printf(format, r.name.c_str(), r.value, r.unit.c_str(), r.median_ms);
   }
   if (!opts.json_path.empty()) write_json(opts, results);
