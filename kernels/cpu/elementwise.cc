@@ -98,13 +98,13 @@ template <> struct EigenForm2<ops::gelu_tanh_backward> {
     out = g * (0.5f * (1.0f + t) +
                0.5f * x * (float(ops::kSqrt2OverPi) * (1.0f + float(3 * ops::kGeluCoeff) * x2) * (1.0f - t.square())));
     // Such lanes are few (x < -2.09: 1.8% of a standard normal's, in a quarter of its
-    // 16-lane packets): each packet's are counted with vector compares first, and only
-    // packets holding one are walked element by element (a branch per element was half of
-    // this function's time).
+    // 16-lane packets): a vectorised minimum finds the packets holding one (and skips the
+    // block when none does), and only those are walked element by element. A branch per
+    // element was half of this function's time, and a scalar count per packet a third. A
+    // NaN lane is never below -2, whatever the minimum makes of it.
+    if (u.minCoeff() >= -2.0f) return;
     for (Eigen::Index i0 = 0; i0 < out.size(); i0 += kPacket) {
-      int below = 0;
-      for (Eigen::Index i = i0; i < i0 + kPacket; ++i) below += u[i] < -2.0f ? 1 : 0;
-      if (below == 0) continue;
+      if (u.template segment<kPacket>(i0).minCoeff() >= -2.0f) continue;
       for (Eigen::Index i = i0; i < i0 + kPacket; ++i) {
         if (u[i] < -2.0f) out[i] = ops::gelu_tanh_backward{}(g[i], x[i]);
       }
