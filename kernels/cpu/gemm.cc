@@ -576,10 +576,14 @@ Grid choose_grid(const Problem& pr, int max_threads) {
   // packed element is priced as read from memory (kColdPack): a grid reads the operand it
   // splits across once per thread, and in a training step the operands are cold (a weight
   // gradient's x was written in the forward pass).
+  // (Mode 2, for the tests, splits over every thread however small the product.)
   const int mode = g_k_split.load(std::memory_order_relaxed);
   const int64_t blocks = ceil_div(pr.k, pr.kc);
-  if (mode == 1 || pr.epilogue != nullptr || pr.band != nullptr || blocks < 2 || threads < 2) return best;
-  const int parts = static_cast<int>(std::min<int64_t>(threads, blocks));
+  const int split_threads = mode == 2 ? max_threads : threads;
+  if (mode == 1 || pr.epilogue != nullptr || pr.band != nullptr || blocks < 2 || split_threads < 2) {
+    return best;
+  }
+  const int parts = static_cast<int>(std::min<int64_t>(split_threads, blocks));
   const double buffered = static_cast<double>(blocks - blocks / parts) * pr.m * pr.n;
   if (buffered > kMaxSplitBuffer) return best;
   if (mode == 2) return Grid{1, 1, parts};
@@ -602,7 +606,10 @@ PackBuffer& split_buffer() {
 
 // The K split's nest (see Grid): part p of `parts` takes K blocks [blocks * p / parts,
 // blocks * (p + 1) / parts).
+std::atomic<int64_t> g_k_split_count{0};  // internal::sgemm_k_split_count
+
 void gemm_k_split(const Problem& pr, int parts) {
+  g_k_split_count.fetch_add(1, std::memory_order_relaxed);
   const int64_t blocks = ceil_div(pr.k, pr.kc);
   const int64_t direct = blocks / parts;  // part 0's blocks, added into C as they finish
   const int64_t block_elems = pr.m * pr.n;
@@ -678,6 +685,7 @@ const char* sgemm_kernel_name() { return kKernelName; }
 
 namespace internal {
 bool set_sgemm_a_in_place(bool enabled) { return g_a_in_place.exchange(enabled); }
+int64_t sgemm_k_split_count() { return g_k_split_count.load(std::memory_order_relaxed); }
 int set_sgemm_k_split(int mode) {
   TS_CHECK(mode >= 0 && mode <= 2, "set_sgemm_k_split: mode {} is not 0 (chosen), 1 (never) or 2 (always)", mode);
   return g_k_split.exchange(mode);

@@ -381,7 +381,11 @@ TEST_CASE("sgemm split along K across threads gives the serial nest's bits") {
         CHECK(count_bad(serial.data(), ldc, ref, accumulate ? &c0 : nullptr, m, n, k) == 0);
         for (int threads : {2, 3, 4}) {
           CAPTURE(threads);
-          const std::vector<float> split = run(threads, 2), grid = run(threads, 1);
+          const int64_t splits = cpu::internal::sgemm_k_split_count();
+          const std::vector<float> split = run(threads, 2);
+          CHECK(cpu::internal::sgemm_k_split_count() == splits + 1);  // it did split
+          const std::vector<float> grid = run(threads, 1);
+          CHECK(cpu::internal::sgemm_k_split_count() == splits + 1);  // and this did not
           CHECK(std::memcmp(split.data(), serial.data(), sizeof(float) * serial.size()) == 0);
           CHECK(std::memcmp(grid.data(), serial.data(), sizeof(float) * serial.size()) == 0);
           ++cases;
@@ -390,6 +394,22 @@ TEST_CASE("sgemm split along K across threads gives the serial nest's bits") {
     }
   }
   CHECK(cases == 5 * 2 * 2 * 3);
+  // The cost model's choices at 2 threads: a weight gradient over 2048 tokens splits, a
+  // product with one K block, an epilogue or too large a C does not.
+  cpu::set_num_threads(2);
+  cpu::internal::set_sgemm_k_split(0);
+  const auto splits_in = [](int64_t m, int64_t n, int64_t k, const cpu::GemmEpilogue* epilogue) {
+    std::vector<float> a(m * k, 0.5f), b(k * n, 0.25f), c(m * n);
+    const int64_t before = cpu::internal::sgemm_k_split_count();
+    sgemm(m, n, k, {a.data(), 1, m}, {b.data(), n, 1}, c.data(), n, false, epilogue);
+    return cpu::internal::sgemm_k_split_count() - before;
+  };
+  const cpu::GemmEpilogue noop{[](const void*, int64_t, int64_t, int64_t, int64_t) {}, nullptr};
+  CHECK(splits_in(128, 128, 2048, nullptr) == 1);
+  CHECK(splits_in(512, 128, 2048, nullptr) == 1);
+  CHECK(splits_in(128, 128, 2048, &noop) == 0);
+  CHECK(splits_in(512, 512, 300, nullptr) == 0);     // one K block
+  CHECK(splits_in(2048, 2048, 1024, nullptr) == 0);  // 8 MiB of buffers or more
 }
 
 TEST_CASE("sgemm reads a row-major A in place with the packed path's bits") {
