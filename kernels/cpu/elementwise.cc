@@ -100,11 +100,13 @@ template <> struct EigenForm2<ops::gelu_tanh_backward> {
     // Such lanes are few (x < -2.09: 1.8% of a standard normal's, in a quarter of its
     // 16-lane packets): a vectorised minimum finds the packets holding one (and skips the
     // block when none does), and only those are walked element by element. A branch per
-    // element was half of this function's time, and a scalar count per packet a third. A
-    // NaN lane is never below -2, whatever the minimum makes of it.
-    if (u.minCoeff() >= -2.0f) return;
+    // element was half of this function's time, and a scalar count per packet a third. The
+    // minimum propagates NaN: Eigen's default may let a NaN lane swallow a lower one, which
+    // would skip that lane; a NaN minimum walks the packet, where a NaN lane is not below.
+    if (u.minCoeff<Eigen::PropagateNaN>() >= -2.0f) return;
     for (Eigen::Index i0 = 0; i0 < out.size(); i0 += kPacket) {
-      if (u.template segment<kPacket>(i0).minCoeff() >= -2.0f) continue;
+      const float lowest = u.template segment<kPacket>(i0).template minCoeff<Eigen::PropagateNaN>();
+      if (lowest >= -2.0f) continue;
       for (Eigen::Index i = i0; i < i0 + kPacket; ++i) {
         if (u[i] < -2.0f) out[i] = ops::gelu_tanh_backward{}(g[i], x[i]);
       }

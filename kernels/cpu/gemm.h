@@ -71,9 +71,10 @@ namespace internal {
 bool set_sgemm_a_in_place(bool enabled);
 // Whether sgemm may split K across threads (see gemm.cc; the bits are the same either way):
 // 0 when its cost model says so (the default), 1 never, 2 always when K has two or more
-// blocks and there is no epilogue or band (over every thread, however small the product;
-// up to the buffers' cap). Process-wide, for the tests and the benchmark that compare them;
-// returns the previous mode. Throws tessera::Error for other values.
+// blocks and there is no epilogue or band (however small the product: a part per thread, at
+// most one per K block; up to the buffers' cap). Process-wide, for the tests and the
+// benchmark that compare them; returns the previous mode. Throws tessera::Error for other
+// values.
 int set_sgemm_k_split(int mode);
 // How many sgemm calls have split K in this process (so a test can tell that it did).
 int64_t sgemm_k_split_count();

@@ -349,7 +349,8 @@ TEST_CASE("sgemm split along K across threads gives the serial nest's bits") {
   } restore;
   CHECK_THROWS_AS(cpu::internal::set_sgemm_k_split(3), Error);
   const std::vector<std::array<int64_t, 3>> shapes = {
-      {128, 128, 2048}, {7, 33, 769}, {131, 17, 1025}, {40, 70, 5000}, {1, 1, 800}};
+      {128, 128, 2048}, {7, 33, 769}, {131, 17, 1025}, {40, 70, 5000}, {1, 1, 800},
+      {3100, 3, 769}};  // the last: two A panels (kMB = 3072 rows) in each block
   int64_t cases = 0;
   uint64_t seed = 1300;
   for (const std::array<int64_t, 3>& shape : shapes) {
@@ -359,7 +360,8 @@ TEST_CASE("sgemm split along K across threads gives the serial nest's bits") {
     const Reference ref = naive(a, b, m, n, k);
     for (int layout = 0; layout < 2; ++layout) {
       // 0: A column-major, B row-major (x^T g); 1: A row-major, B transposed (x W^T).
-      const Operand ao = lay_out(a, m, k, layout == 0, false), bo = lay_out(b, k, n, layout == 1, false);
+      const Operand ao = lay_out(a, m, k, layout == 0, false);
+      const Operand bo = lay_out(b, k, n, layout == 1, false);
       for (bool accumulate : {false, true}) {
         std::vector<float> c0_wide(m * ldc, -7.0f);
         for (int64_t i = 0; i < m; ++i) {
@@ -393,7 +395,7 @@ TEST_CASE("sgemm split along K across threads gives the serial nest's bits") {
       }
     }
   }
-  CHECK(cases == 5 * 2 * 2 * 3);
+  CHECK(cases == 6 * 2 * 2 * 3);
   // The cost model's choices at 2 threads: a weight gradient over 2048 tokens splits, a
   // product with one K block, an epilogue or too large a C does not.
   cpu::set_num_threads(2);
@@ -409,7 +411,7 @@ TEST_CASE("sgemm split along K across threads gives the serial nest's bits") {
   CHECK(splits_in(512, 128, 2048, nullptr) == 1);
   CHECK(splits_in(128, 128, 2048, &noop) == 0);
   CHECK(splits_in(512, 512, 300, nullptr) == 0);     // one K block
-  CHECK(splits_in(2048, 2048, 1024, nullptr) == 0);  // 8 MiB of buffers or more
+  CHECK(splits_in(1024, 1040, 769, nullptr) == 0);  // more than 8 MiB of buffers
 }
 
 TEST_CASE("sgemm reads a row-major A in place with the packed path's bits") {

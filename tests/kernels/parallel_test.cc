@@ -295,6 +295,34 @@ TEST_CASE("gelu backward (tanh form): past u = -2 the vectorised path gives the 
   CHECK(tail_equal == tail);
 }
 
+// A NaN in the same packet (or 256-element block) as a lane past u = -2 must not hide it:
+// a minimum that lets the NaN swallow the lower value would skip the lane's scalar path.
+TEST_CASE("gelu backward (tanh form): a NaN lane does not hide a lane past u = -2") {
+  constexpr int64_t kPackets = 64, n = 16 * kPackets;
+  std::vector<float> xs(n, 0.25f), gs(n, 1.0f);
+  for (int64_t p = 0; p < kPackets; ++p) {
+    const int64_t below = p % 16, nan = (p + 1 + p / 16) % 16;  // every distance, both orders
+    xs[p * 16 + below] = -2.5f - 0.02f * static_cast<float>(p);
+    xs[p * 16 + nan] = NAN;
+  }
+  const Tensor x = Tensor::from_vector<float>(xs, {n}), g = Tensor::from_vector<float>(gs, {n});
+  const Tensor x2 = stack({x, x}, 1).select(1, 0), g2 = stack({g, g}, 1).select(1, 0);
+  const std::vector<float> packed = gelu_backward(g, x, true).to_vector<float>();
+  const std::vector<float> scalar = gelu_backward(g2, x2, true).to_vector<float>();
+  int64_t below = 0, below_equal = 0, nans = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(xs[i])) {
+      nans += std::isnan(packed[i]) ? 1 : 0;
+    } else if (xs[i] < -2.4f) {
+      ++below;
+      below_equal += std::memcmp(&packed[i], &scalar[i], sizeof(float)) == 0;
+    }
+  }
+  CHECK(below == kPackets);
+  CHECK(below_equal == below);
+  CHECK(nans == kPackets);
+}
+
 // gelu's tanh-form backward at |x| where x^3 overflows f32 but x^2 does not: the derivative
 // is 1 (x > 0) or 0 (x < 0), on the vectorised path (a run of 40) and the scalar one (1).
 TEST_CASE("gelu backward (tanh form) is 1 or 0 for huge |x|, not NaN") {

@@ -165,7 +165,8 @@ Product cold(Product p) {
 
 // One model's Linear products (rows = B*T, W stored [out, in]), each named by its forward's
 // rows x in x out: the forward x W^T, the input gradient dy W and the weight gradient dy^T x.
-std::vector<Product> linear_products(int64_t rows, const std::vector<std::array<int64_t, 2>>& linears,
+std::vector<Product> linear_products(int64_t rows,
+                                     const std::vector<std::array<int64_t, 2>>& linears,
                                      bool weight_gradients_only) {
   std::vector<Product> products;
   for (const auto& [k, n] : linears) {
@@ -189,8 +190,9 @@ std::vector<Product> linear_products(int64_t rows, const std::vector<std::array<
 // median over the repetitions of time under set(1) / time under set(0) (> 1: set(0) is
 // faster).
 template <typename Set>
-void bench_paired(const Options& opts, std::vector<Result>& out, const std::vector<Product>& products,
-                  Set&& set, const std::array<const char*, 2>& label) {
+void bench_paired(const Options& opts, std::vector<Result>& out,
+                  const std::vector<Product>& products, Set&& set,
+                  const std::array<const char*, 2>& label) {
   for (const Product& p : products) {
     size_t next = 0;
     const auto call = [&] {
@@ -236,19 +238,23 @@ void bench_gemm_in_place(const Options& opts, std::vector<Result>& out, int64_t 
   tessera::cpu::internal::set_sgemm_a_in_place(saved);
 }
 
-// The K split where sgemm's cost model chooses it against the thread grid always
-// (internal::set_sgemm_k_split 0 and 1), with cached operands and with cold ones: GPT-mini's
-// weight gradients (K = its 2048 tokens) and GPT-2 124M's input gradient through the MLP's
-// down-projection (dy [256, 3072] W [3072, 768]; the split's other GPT-2 products are
-// Linear forwards, whose epilogue keeps the grid).
+// The cost model's choice (internal::set_sgemm_k_split mode 0) against the grid always
+// (mode 1), with cached operands and with cold ones: GPT-mini's weight gradients (K = its
+// 2048 tokens) and GPT-2 124M's input gradients dy W (K = a Linear's output width; its
+// weight gradients have one K block of 256 tokens and never split), each named by its
+// forward's rows x in x out.
 void bench_gemm_k_split(const Options& opts, std::vector<Result>& out) {
   std::vector<Product> products =
       linear_products(2048, {{128, 128}, {128, 384}, {128, 512}, {512, 128}, {128, 256}}, true);
-  products.push_back({"gpt2_dx_256x3072x768", tessera::randn({256, 3072}), tessera::randn({3072, 768}),
-                      2.0 * 256 * 3072 * 768});
+  for (const auto& [in, width] : {std::array<int64_t, 2>{768, 768}, {768, 3072}, {3072, 768}}) {
+    products.push_back({"gpt2_dx_256x" + std::to_string(in) + "x" + std::to_string(width),
+                        tessera::randn({256, width}), tessera::randn({width, in}),
+                        2.0 * 256 * in * width});
+  }
   for (size_t i = 0, n = products.size(); i < n; ++i) products.push_back(cold(products[i]));
   const int saved = tessera::cpu::internal::set_sgemm_k_split(0);
-  bench_paired(opts, out, products, [](int mode) { tessera::cpu::internal::set_sgemm_k_split(mode); },
+  bench_paired(opts, out, products,
+               [](int mode) { tessera::cpu::internal::set_sgemm_k_split(mode); },
                {"chosen", "grid"});
   tessera::cpu::internal::set_sgemm_k_split(saved);
 }
