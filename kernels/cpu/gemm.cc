@@ -538,8 +538,8 @@ constexpr double kMaxSplitBuffer = double{1 << 21};
 // A packed element read from memory against one from the caches (pack_cost's prices are
 // for cached operands). With 4, every GPT-mini weight gradient splits; on 2 threads (Zen 3,
 // `cpu_bench --only gemm_k_split`, BENCHMARKS.md's twelfth CPU section) the split ran them
-// 1.06-1.13x the grid's speed with cold operands and 1.01-1.12x with cached ones, where the
-// cached-price model had kept the grid for the two with a 512-wide side.
+// at 1.06-1.32x the grid's speed with cold operands and 1.01-1.28x with cached ones (five
+// runs), where the cached-price model had kept the grid for the two with a 512-wide side.
 constexpr double kColdPack = 4.0;
 
 std::atomic<int> g_k_split{0};  // internal::set_sgemm_k_split: 0 chosen, 1 never, 2 always
@@ -599,8 +599,8 @@ Grid choose_grid(const Problem& pr, int max_threads) {
   const double split_cost =
       cold_cost(tiles_m * kMR, tiles_n * kNR, ceil_div(blocks, parts) * pr.kc) +
       kReduceCost * buffered / parts;
-  // A near tie keeps the grid: GPT-2's 256 x 768 x 3072 input gradient (the two within 0.01%
-  // here) ran 1-2% slower split.
+  // A near tie keeps the grid: GPT-2's MLP-down input gradient, dy [256, 768] W [768, 3072]
+  // (the two within 0.01% here), ran 1-2% slower split.
   return split_cost < 0.99 * grid_cost ? Grid{1, 1, parts} : best;
 }
 
