@@ -105,8 +105,8 @@ template <> struct EigenForm2<ops::gelu_tanh_backward> {
     // would skip that lane; a NaN minimum walks the packet, where a NaN lane is not below.
     if (u.minCoeff<Eigen::PropagateNaN>() >= -2.0f) return;
     for (Eigen::Index i0 = 0; i0 < out.size(); i0 += kPacket) {
-      const float lowest = u.template segment<kPacket>(i0).template minCoeff<Eigen::PropagateNaN>();
-      if (lowest >= -2.0f) continue;
+      const auto packet = u.template segment<kPacket>(i0);
+      if (packet.template minCoeff<Eigen::PropagateNaN>() >= -2.0f) continue;
       for (Eigen::Index i = i0; i < i0 + kPacket; ++i) {
         if (u[i] < -2.0f) out[i] = ops::gelu_tanh_backward{}(g[i], x[i]);
       }

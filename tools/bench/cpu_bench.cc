@@ -467,7 +467,8 @@ Options parse(int argc, char** argv) {
   f.bind("only", o.only,
          "gemm, memory, attention or linear (empty: all); gemm_gpt2: GPT-2 124M's products; "
          "gemm_in_place(_gpt2): GPT-mini's (GPT-2's) products, A in place against packed; "
-         "gemm_k_split: weight gradients, K split where chosen against the grid, cached and cold; "
+         "gemm_k_split: GPT-mini's weight and GPT-2's input gradients, the K split where chosen "
+         "against the grid, cached and cold; "
          "low_precision: bf16/f16 casts and GPT-mini's 16-bit MLP ops");
   f.parse(argc, argv);
   TS_CHECK(o.threads >= 1 && o.reps >= 1 && o.warmup >= 0,
