@@ -550,11 +550,12 @@ Grid choose_grid(const Problem& pr, int max_threads) {
   const int threads = static_cast<int>(std::min<int64_t>(max_threads, by_work));
   const double cost_a = pack_cost(pr.a, true), cost_b = pack_cost(pr.b, false);
   // The busiest thread's cost for `rows` x `cols` of C over `depth`: its tiles, its A rows
-  // packed once, its B columns packed once per A panel.
-  const auto rect_cost = [&](int64_t rows, int64_t cols, int64_t depth) {
+  // packed once, its B columns packed once per A panel, each pack priced `pack_price` times
+  // pack_cost's cached price.
+  const auto rect_cost = [&](int64_t rows, int64_t cols, int64_t depth, double pack_price = 1.0) {
     const double panels = static_cast<double>(ceil_div(rows, kMB));
-    return static_cast<double>(depth) *
-           (static_cast<double>(rows) * cols + cost_a * rows + cost_b * cols * panels);
+    const double packs = cost_a * rows + cost_b * cols * panels;
+    return static_cast<double>(depth) * (static_cast<double>(rows) * cols + pack_price * packs);
   };
   Grid best;
   double best_cost = std::numeric_limits<double>::infinity();
@@ -589,15 +590,10 @@ Grid choose_grid(const Problem& pr, int max_threads) {
   const double buffered = static_cast<double>(blocks - blocks / parts) * pr.m * pr.n;
   if (buffered > kMaxSplitBuffer) return best;
   if (mode == 2) return Grid{1, 1, parts};
-  const auto cold_cost = [&](int64_t rows, int64_t cols, int64_t depth) {
-    const double panels = static_cast<double>(ceil_div(rows, kMB));
-    const double packs = cost_a * rows + cost_b * cols * panels;
-    return static_cast<double>(depth) * (static_cast<double>(rows) * cols + kColdPack * packs);
-  };
   const int64_t rows = ceil_div(tiles_m, best.tm) * kMR, cols = ceil_div(tiles_n, best.tn) * kNR;
-  const double grid_cost = cold_cost(rows, cols, pr.k);
+  const double grid_cost = rect_cost(rows, cols, pr.k, kColdPack);
   const double split_cost =
-      cold_cost(tiles_m * kMR, tiles_n * kNR, ceil_div(blocks, parts) * pr.kc) +
+      rect_cost(tiles_m * kMR, tiles_n * kNR, ceil_div(blocks, parts) * pr.kc, kColdPack) +
       kReduceCost * buffered / parts;
   // A near tie keeps the grid: GPT-2's MLP-down input gradient, dy [256, 768] W [768, 3072]
   // (the two within 0.01% here), ran 1-2% slower split.
