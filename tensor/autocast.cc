@@ -1,9 +1,13 @@
 #include "tensor/autocast.h"
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <memory>
 #include <tuple>
+#include <vector>
+
+#include "tensor/op_attrs.h"
 
 namespace tessera {
 namespace {
@@ -78,11 +82,45 @@ bool is_low(DType d) { return d == DType::f16 || d == DType::bf16; }
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || is_low(d); }
 int width(DType d) { return d == DType::f64 ? 3 : d == DType::f32 ? 2 : 1; }
 
+// t's dims by decreasing stride when t is a permutation of a contiguous tensor (GPT's tied
+// head wte^T, its q/k/v weight [3, C, C] transposed): each element once, no gaps. Size-1 dims
+// (any stride) keep their place. Empty for anything else, and for t already contiguous.
+std::vector<int64_t> storage_order(const Tensor& t) {
+  if (t.dim() < 2 || t.is_contiguous()) return {};
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.shape()[d] != 1) order.push_back(d);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return t.strides()[x] > t.strides()[y]; });
+  int64_t expected = 1;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    if (t.strides()[*it] != expected) return {};
+    expected *= t.shape()[*it];
+  }
+  // The size-1 dims back at their own positions, the others in storage order around them.
+  std::vector<int64_t> full(t.dim());
+  size_t next = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) full[d] = t.shape()[d] == 1 ? d : order[next++];
+  return full;
+}
+
+// A view that permutes a contiguous tensor is cast in its storage order, then viewed back
+// through the same permutation: a flat conversion instead of a transposing gather, and an
+// operand in the source's layout (the ops read views: matmul takes it as transposed). The
+// values and the logical shape are the same. In the backward the cast's gradient is also
+// in storage order, so the parameter's gradient arrives in its own layout (no transposed
+// copy). The cast cache sees the contiguous view of the source.
 Tensor cast_to(const Tensor& t, DType d) {
   Attrs a;
   a.dtype = d;
   const internal::AutocastCastScope autocast_cast;
-  return call1(OpId::cast, {t}, a);
+  const std::vector<int64_t> order = storage_order(t);
+  if (order.empty()) return call1(OpId::cast, {t}, a);
+  std::vector<int64_t> back(order.size());
+  for (size_t i = 0; i < order.size(); ++i) back[order[i]] = static_cast<int64_t>(i);
+  const Tensor in_order = call_view(OpId::permute, t, op_attrs::dims(order));
+  return call_view(OpId::permute, call1(OpId::cast, {in_order}, a), op_attrs::dims(back));
 }
 
 }  // namespace
