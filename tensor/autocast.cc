@@ -82,8 +82,8 @@ bool is_low(DType d) { return d == DType::f16 || d == DType::bf16; }
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || is_low(d); }
 int width(DType d) { return d == DType::f64 ? 3 : d == DType::f32 ? 2 : 1; }
 
-// t's dims by decreasing stride when t is a permutation of a contiguous tensor (GPT's tied
-// head wte^T, its q/k/v weight [3, C, C] transposed): each element once, no gaps. Size-1 dims
+// t's dims by decreasing stride when t is a permutation of a dense block (GPT's tied head
+// wte^T, its q/k/v weight [3, C, C] transposed): each element once, no gaps. Size-1 dims
 // (any stride) keep their place. Empty for anything else, and for t already contiguous.
 std::vector<int64_t> storage_order(const Tensor& t) {
   if (t.dim() < 2 || t.is_contiguous()) return {};
@@ -105,17 +105,22 @@ std::vector<int64_t> storage_order(const Tensor& t) {
   return full;
 }
 
-// A view that permutes a contiguous tensor is cast in its storage order, then viewed back
-// through the same permutation: a flat conversion instead of a transposing gather, and an
-// operand in the source's layout (the ops read views: matmul takes it as transposed). The
-// values and the logical shape are the same. In the backward the cast's gradient is also
-// in storage order, so the parameter's gradient arrives in its own layout (no transposed
-// copy). The cast cache sees the contiguous view of the source.
-Tensor cast_to(const Tensor& t, DType d) {
+// For an op that reads its operands where they lie (matmul and linear, any strides: GPT's
+// weights through transposed views), a view that permutes a dense block is cast in its
+// storage order, then viewed back through the same permutation: a flat conversion instead of
+// a transposing gather, and an operand in the source's layout (matmul takes it as
+// transposed). The values and the logical shape are the same. In the backward the cast's
+// gradient is also in storage order, so the parameter's gradient arrives in its own layout
+// (no transposed copy). The cast cache sees the contiguous view of the source. Other ops
+// (layer_norm, softmax, conv2d, ...) copy a strided input to contiguous anyway: for them the
+// cast itself does the transpose, one pass instead of two.
+bool reads_views(OpId op) { return op == OpId::matmul || op == OpId::linear; }
+
+Tensor cast_to(const Tensor& t, DType d, bool in_storage_order) {
   Attrs a;
   a.dtype = d;
   const internal::AutocastCastScope autocast_cast;
-  const std::vector<int64_t> order = storage_order(t);
+  const std::vector<int64_t> order = in_storage_order ? storage_order(t) : std::vector<int64_t>{};
   if (order.empty()) return call1(OpId::cast, {t}, a);
   std::vector<int64_t> back(order.size());
   for (size_t i = 0; i < order.size(); ++i) back[order[i]] = static_cast<int64_t>(i);
@@ -227,7 +232,9 @@ std::vector<DType> autocast_dtypes(OpId op, const std::vector<DType>& dtypes, DT
 }
 
 void autocast_inputs(OpId op, std::vector<Tensor>& inputs) {
-  autocast_inputs_with(op, inputs, cast_to);
+  const bool in_storage_order = reads_views(op);
+  autocast_inputs_with(op, inputs,
+                       [&](const Tensor& t, DType d) { return cast_to(t, d, in_storage_order); });
 }
 
 }  // namespace tessera

@@ -4,9 +4,9 @@
 // exp/log and the loss run in f32; binary elementwise ops with mixed float
 // operands run in the wider dtype. Casts are ordinary (differentiable) cast ops inserted by
 // call(), so the weights stay f32 (the master copy) and their gradients come back f32.
-// A permuted view of a whole tensor (GPT's tied head wte^T, its q/k/v weight transposed) is
-// cast in its storage order and viewed back: a flat conversion, and the low-precision
-// operand keeps the source's layout (same values; the ops read views).
+// A permuted view of a dense block (GPT's tied head wte^T, its q/k/v weight transposed) going
+// into matmul or linear is cast in its storage order and viewed back: a flat conversion, and
+// the low-precision operand keeps the source's layout (same values; those ops read views).
 //
 //   { AutocastGuard amp(DType::bf16); loss = cross_entropy(model.forward(x), y); }
 //   loss.backward();   // backward never autocasts: each derivative runs in its forward dtype

@@ -309,7 +309,8 @@ constexpr int64_t kMaxOuterCalls = 16;
 // Those figures are estimates, not yet measured with this kernel: an earlier try through
 // cudaMemcpy2DAsync was slower overall (its pitched copies, BENCHMARKS.md). GPT-2's head
 // has ~350 FLOPs per copied byte in each of its three GEMMs under autocast (the logits or
-// their gradient, and the bf16 cast of the tied weight's transpose, [768, 50257]).
+// their gradient, [8192, 50257]; since autocast casts the tied weight in its own layout,
+// [50257, 768] read as transposed, the weight's leading dimension is 768, aligned).
 // TESSERA_CUDA_STAGE_UNALIGNED=0 (or set_stage_unaligned_gemms(false)) turns staging off.
 constexpr double kStageMinFlops = 1e9;
 constexpr double kStageFlopsPerByte = 128;

@@ -14,6 +14,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <utility>
 #include <string>
@@ -203,8 +205,8 @@ std::vector<std::pair<std::string, double>> gradient_gaps(const Task& on_device,
 // gradients were) that needs no second rank: ranks train on slices of the batch (dp=2: 16
 // of the MLP's 32 rows; dp=4 x accum 2: 4 rows, one GPT-mini sequence), shapes no other
 // CUDA test trains on. (1) Each micro-batch shape's f64 gradients on cuda:0 against the
-// CPU's, per tensor, relative to its largest element (1e-10, as dp_harness's f64 bound;
-// summation order alone gives ~1e-15), naming the first tensor off; (2) the same shapes as
+// CPU's, per tensor: the largest difference over the tensor's largest element, at most
+// 1e-10 (summation order alone gives ~1e-15; a wrong kernel, percents), naming the first tensor off; (2) the same shapes as
 // accumulated micro-batches on one thread, without DDP, against the whole batch. If both
 // pass and the DDP cases fail, the fault is in the ranks' sharing after all.
 TEST_CASE("cuda triage: micro-batch shapes on one thread - their gradients against the CPU's, "

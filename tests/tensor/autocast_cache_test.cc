@@ -304,9 +304,10 @@ TEST_CASE("autocast casts a permuted view of a parameter in its storage order: a
     Shape x;                                    // the other operand (x @ view)
     bool dense;                                 // the view permutes the whole storage
     // Casts of a strided input in the backward: the gradient of the weight's cast, which
-    // arrives in the layout the product's derivative gives it: a broadcast weight's is
-    // summed into a contiguous tensor, and a view whose last two dims have no unit stride
-    // gets a contiguous one; either is then a permutation of the cast's storage order.
+    // arrives in the layout the product's derivative gives it. A weight broadcast against a
+    // batch gets its gradient summed into a contiguous tensor, and one multiplied by a 3-D x
+    // through the general branch (matmul(a^T, g)) a contiguous one; either is then a
+    // permutation of the cast's storage order.
     int strided_backward;
   };
   const std::vector<Case> cases = {
@@ -356,6 +357,18 @@ TEST_CASE("autocast casts a permuted view of a parameter in its storage order: a
     }
   }
   CHECK(checked == 10);
+  // Ops that copy a strided input to contiguous anyway get the transposing cast as before
+  // (one pass): softmax widens a transposed bf16 tensor to f32 in the view's order.
+  const Tensor h = randn({5, 7}).cast(DType::bf16);
+  const CastInputs seen;
+  Tensor p;
+  {
+    AutocastGuard amp(DType::bf16);
+    p = softmax(transpose(h, 0, 1), -1);
+  }
+  CHECK(CastInputs::total() == 1);
+  CHECK(CastInputs::strided() == 1);
+  CHECK(same_bits(p, softmax(transpose(h, 0, 1).contiguous().cast(DType::f32), -1)));
 }
 
 }  // namespace
