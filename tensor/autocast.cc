@@ -1,6 +1,5 @@
 #include "tensor/autocast.h"
 
-#include <algorithm>
 #include <array>
 #include <map>
 #include <memory>
@@ -82,29 +81,6 @@ bool is_low(DType d) { return d == DType::f16 || d == DType::bf16; }
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || is_low(d); }
 int width(DType d) { return d == DType::f64 ? 3 : d == DType::f32 ? 2 : 1; }
 
-// t's dims by decreasing stride when t is a permutation of a dense block (GPT's tied head
-// wte^T, its q/k/v weight [3, C, C] transposed): each element once, no gaps. Size-1 dims
-// (any stride) keep their place. Empty for anything else, and for t already contiguous.
-std::vector<int64_t> storage_order(const Tensor& t) {
-  if (t.dim() < 2 || t.is_contiguous()) return {};
-  std::vector<int64_t> order;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.shape()[d] != 1) order.push_back(d);
-  }
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return t.strides()[x] > t.strides()[y]; });
-  int64_t expected = 1;
-  for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    if (t.strides()[*it] != expected) return {};
-    expected *= t.shape()[*it];
-  }
-  // The size-1 dims back at their own positions, the others in storage order around them.
-  std::vector<int64_t> full(t.dim());
-  size_t next = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) full[d] = t.shape()[d] == 1 ? d : order[next++];
-  return full;
-}
-
 // For an op that reads its operands where they lie (matmul and linear, any strides: GPT's
 // weights through transposed views), a view that permutes a dense block is cast in its
 // storage order, then viewed back through the same permutation: a flat conversion instead of
@@ -120,7 +96,8 @@ Tensor cast_to(const Tensor& t, DType d, bool in_storage_order) {
   Attrs a;
   a.dtype = d;
   const internal::AutocastCastScope autocast_cast;
-  const std::vector<int64_t> order = in_storage_order ? storage_order(t) : std::vector<int64_t>{};
+  const std::vector<int64_t> order =
+      in_storage_order ? dense_order(t.shape(), t.strides()) : std::vector<int64_t>{};
   if (order.empty()) return call1(OpId::cast, {t}, a);
   std::vector<int64_t> back(order.size());
   for (size_t i = 0; i < order.size(); ++i) back[order[i]] = static_cast<int64_t>(i);

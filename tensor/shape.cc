@@ -112,6 +112,28 @@ std::vector<int64_t> normalize_dims(std::string_view op, const std::vector<int64
   return out;
 }
 
+std::vector<int64_t> dense_order(const Shape& shape, const Strides& strides) {
+  const int64_t n = static_cast<int64_t>(shape.size());
+  std::vector<int64_t> order;  // the dims of size > 1
+  for (int64_t d = 0; d < n; ++d) {
+    if (shape[d] != 1) order.push_back(d);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return strides[x] > strides[y]; });
+  int64_t expected = 1;
+  bool in_place = true;  // the order is the dims' own: contiguous already
+  for (size_t i = order.size(); i-- > 0;) {
+    if (strides[order[i]] != expected) return {};
+    expected *= shape[order[i]];
+    in_place = in_place && (i == 0 || order[i - 1] < order[i]);
+  }
+  if (n < 2 || in_place) return {};
+  std::vector<int64_t> full(static_cast<size_t>(n));
+  size_t next = 0;
+  for (int64_t d = 0; d < n; ++d) full[d] = shape[d] == 1 ? d : order[next++];
+  return full;
+}
+
 Strides broadcast_strides(const Shape& from_shape, const Strides& from_strides,
                           const Shape& shape) {
   Strides out(shape.size(), 0);

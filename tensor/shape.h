@@ -41,4 +41,10 @@ std::vector<int64_t> normalize_dims(std::string_view op, const std::vector<int64
 Strides broadcast_strides(const Shape& from_shape, const Strides& from_strides,
                           const Shape& shape);
 
+// When a view of `shape`/`strides` fills its span densely in some order of its dims but not
+// in its own (a transposed or permuted contiguous block): that order, the dims by decreasing
+// stride with size-1 dims (any stride) left in place, so that permuting the view by it gives
+// a contiguous one. Empty otherwise: already contiguous, fewer than 2 dims, gaps or overlaps.
+std::vector<int64_t> dense_order(const Shape& shape, const Strides& strides);
+
 }  // namespace tessera

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
 #if defined(__F16C__)
@@ -129,11 +128,9 @@ Tensor to_compute_cpu(const Tensor& t) {
 Tensor to_compute_any_layout_cpu(const Tensor& t) {
   if (t.dtype() != DType::f16 && t.dtype() != DType::bf16) return t;
   if (t.is_contiguous()) return to_compute_cpu(t);
-  // The dims by decreasing stride: when that order is contiguous, t fills its span densely.
-  std::vector<int64_t> order(static_cast<size_t>(t.dim()));
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return t.strides()[a] > t.strides()[b]; });
+  // t filling its span densely in another order of its dims: widened in that order.
+  const std::vector<int64_t> order = dense_order(t.shape(), t.strides());
+  if (order.empty()) return to_compute_cpu(t);
   Shape shape;
   Strides strides;
   for (const int64_t d : order) {
@@ -141,7 +138,6 @@ Tensor to_compute_any_layout_cpu(const Tensor& t) {
     strides.push_back(t.strides()[d]);
   }
   const Tensor dense = Tensor::from_storage(t.storage(), shape, strides, t.offset(), t.dtype());
-  if (!dense.is_contiguous()) return to_compute_cpu(t);
   const Tensor wide = Tensor::empty(shape, DType::f32, t.device());
   copy_cpu(wide, dense);
   Strides back(static_cast<size_t>(t.dim()));
